@@ -1,0 +1,52 @@
+"""Entry point: `torchrun [...] -m trainer --config configs/X.yaml [key=value ...]`.
+
+Plain `python -m trainer ...` is the same with one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from trainer.check import validate
+from trainer.checkpoint import CheckpointError
+from trainer.config import ConfigError, load
+from trainer.data import DataError
+from trainer.dist import read_env
+from trainer.metrics import setup_logging
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer", description="Train a model with FSDP2.")
+    parser.add_argument("--config", required=True, help="YAML config file (see configs/)")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=100")
+    args = parser.parse_args(argv)
+    env = read_env()
+    setup_logging(env.rank)
+
+    def fail(message: str) -> int:
+        if env.rank == 0:  # every rank finds the same problem; one says it
+            print(f"error: {message}", file=sys.stderr, flush=True)
+        return 2
+
+    try:  # all of this before any process group or file exists
+        cfg = load(args.config, args.overrides)
+        validate(cfg, env.world_size, where=args.config)
+    except ConfigError as e:
+        return fail(str(e))
+
+    from trainer.train import train  # torch.distributed set-up lives there
+
+    try:
+        train(cfg)
+    except (CheckpointError, DataError) as e:
+        return fail(str(e))
+    finally:
+        from trainer.dist import shutdown
+
+        shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""Checks a config against itself and this machine before anything starts or is written.
+
+    python -m trainer.check --config configs/default.yaml [--nproc N] [--nnodes K] [key=value ...]
+
+exits 0 with a one-line summary, or 2 with one line saying what is wrong, where and what to do.
+`make run` and `make submit` call it before they launch anything; the trainer calls `validate` too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+from trainer.config import Config, ConfigError, load
+from trainer.models import TRANSFORMER_SIZES
+
+LM_DATA = ("synthetic", "tokens")
+
+
+def validate(cfg: Config, world_size: int, where: str = "config") -> None:
+    """Raise ConfigError for the first problem found; `where` names the config file."""
+
+    def fail(key: str, message: str):
+        raise ConfigError(f"{where}: {key}: {message}")
+
+    positive = {
+        "train.steps": cfg.train.steps, "train.global_batch_size": cfg.train.global_batch_size,
+        "log.interval": cfg.log.interval, "eval.batches": cfg.eval.batches, "model.seq_len": cfg.model.seq_len,
+        "optim.step_size": cfg.optim.step_size, "parallel.wrap_min_params": cfg.parallel.wrap_min_params,
+        "checkpoint.timeout_s": cfg.checkpoint.timeout_s, "model.image_size": cfg.model.image_size,
+    }
+    if cfg.train.micro_batch_size is not None:
+        positive["train.micro_batch_size"] = cfg.train.micro_batch_size
+    if cfg.parallel.shard_size is not None:
+        positive["parallel.shard_size"] = cfg.parallel.shard_size
+    for key, value in positive.items():
+        if value < 1:
+            fail(key, f"is {value}; it must be at least 1")
+    for key, value in {"checkpoint.interval": cfg.checkpoint.interval, "checkpoint.keep": cfg.checkpoint.keep,
+                       "checkpoint.keep_every": cfg.checkpoint.keep_every, "eval.interval": cfg.eval.interval,
+                       "data.num_workers": cfg.data.num_workers, "optim.warmup_steps": cfg.optim.warmup_steps,
+                       "optim.weight_decay": cfg.optim.weight_decay}.items():
+        if value < 0:
+            fail(key, f"is {value}; it must be 0 or more")
+    if cfg.optim.lr <= 0:
+        fail("optim.lr", f"is {cfg.optim.lr}; it must be positive")
+    if cfg.train.grad_clip is not None and cfg.train.grad_clip <= 0:
+        fail("train.grad_clip", f"is {cfg.train.grad_clip}; give a positive norm, or null to disable clipping")
+    if not 0 <= cfg.model.dropout < 1:
+        fail("model.dropout", f"is {cfg.model.dropout}; it must be in [0, 1)")
+
+    # model and data
+    m, d = cfg.model, cfg.data
+    if m.name == "transformer":
+        if m.size not in TRANSFORMER_SIZES:
+            fail("model.size", f"is {m.size!r}; choose one of {', '.join(TRANSFORMER_SIZES)}")
+        if m.vocab_size is not None and m.vocab_size < 2:
+            fail("model.vocab_size", f"is {m.vocab_size}; it must be at least 2")
+        if d.name not in LM_DATA:
+            fail("data.name", f"is {d.name!r} but the transformer needs token data; use synthetic or tokens")
+    else:
+        if m.name != "mnist_cnn" and m.name not in _torchvision_names():
+            fail("model.name", f"is {m.name!r}; use mnist_cnn, transformer or a torchvision classification model (e.g. resnet18)")
+        if d.name in LM_DATA:
+            fail("data.name", f"is {d.name!r} but {m.name} classifies images; use mnist, imagefolder or synthetic_images")
+        if m.num_classes < 2:
+            fail("model.num_classes", f"is {m.num_classes}; it must be at least 2")
+        if (d.name == "mnist") != (m.name == "mnist_cnn") and d.name != "synthetic_images":
+            fail("data.name", f"{d.name!r} does not fit model {m.name!r}: MNIST goes with mnist_cnn, imagefolder with torchvision models")
+    if d.name in ("tokens", "imagefolder", "mnist"):
+        if not d.path:
+            fail("data.path", f"is not set; data.name={d.name} needs it")
+        for key, path in (("data.path", d.path), ("data.eval_path", d.eval_path)):
+            if not path:
+                continue
+            if d.name == "tokens" and not os.path.isfile(path):
+                fail(key, f"token file {path} does not exist; point it at a flat {d.token_dtype} token file")
+            if d.name == "imagefolder" and not os.path.isdir(path):
+                fail(key, f"folder {path} does not exist; point it at a folder of class subfolders")
+            if d.name == "mnist" and not d.download and not os.path.isdir(os.path.join(path, "MNIST", "raw")):
+                fail(key, f"{path}/MNIST/raw does not exist; set data.download=true or copy the MNIST files there")
+
+    # batch arithmetic
+    t = cfg.train
+    if t.global_batch_size % world_size:
+        fail("train.global_batch_size", f"{t.global_batch_size} is not divisible by {world_size} processes; use a multiple of {world_size}")
+    per_rank = t.global_batch_size // world_size
+    if t.micro_batch_size is not None and per_rank % t.micro_batch_size:
+        fail("train.micro_batch_size", f"{t.micro_batch_size} does not divide the {per_rank} samples per rank "
+             f"(global_batch_size {t.global_batch_size} / {world_size} processes); use a divisor of {per_rank}")
+
+    # parallelism
+    p = cfg.parallel
+    if p.strategy != "fsdp" and p.cpu_offload:
+        fail("parallel.cpu_offload", f"needs parallel.strategy=fsdp (it is {p.strategy})")
+    if p.strategy == "fsdp" and p.sharding == "hybrid":
+        shard = p.shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        if world_size % shard:
+            fail("parallel.shard_size", f"{shard} does not divide the {world_size} processes; choose a divisor")
+    if p.strategy == "none" and world_size > 1:
+        fail("parallel.strategy", f"is 'none' but {world_size} processes run; use fsdp or ddp")
+
+    # files
+    c = cfg.checkpoint
+    if c.resume_from is not None and not os.path.isdir(c.resume_from):
+        fail("checkpoint.resume_from", f"{c.resume_from} does not exist; give a checkpoint folder such as run_dir/checkpoints/step_00000100")
+    _check_writable(cfg.run_dir, where)
+
+
+def _check_writable(run_dir: str, where: str) -> None:
+    path = os.path.abspath(run_dir)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{where}: run_dir: {run_dir} is a file, not a folder; choose another run_dir")
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"{where}: run_dir: cannot create {run_dir}: {existing} is a file; choose another run_dir")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{where}: run_dir: cannot write to {existing}; choose a writable run_dir")
+
+
+def _torchvision_names() -> list[str]:
+    from trainer.models import torchvision_names
+
+    return torchvision_names()
+
+
+def check_devices(nproc: int) -> None:
+    """The number of processes per node must fit this machine's GPUs (or CPU cores without GPUs)."""
+    if torch.cuda.is_available():
+        have, what = torch.cuda.device_count(), "GPUs"
+    else:
+        have, what = os.cpu_count() or 1, "CPU cores (no GPU found)"
+    if nproc < 1:
+        raise ConfigError(f"NPROC is {nproc}; it must be at least 1")
+    if nproc > have:
+        raise ConfigError(f"NPROC={nproc} processes but this machine has {have} {what}; use NPROC={have} or fewer")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer.check", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True, help="YAML config file")
+    parser.add_argument("--nproc", type=int, help="processes per node; checked against this machine's devices")
+    parser.add_argument("--nnodes", type=int, default=1, help="nodes (for the batch arithmetic)")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load(args.config, args.overrides)
+        if args.nproc is not None:
+            check_devices(args.nproc)
+        if args.nnodes < 1:
+            raise ConfigError(f"the number of nodes is {args.nnodes}; it must be at least 1")
+        world = (args.nproc or 1) * args.nnodes
+        validate(cfg, world, where=args.config)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"config OK: {args.config}: {cfg.model.name} on {world} processes, run_dir {cfg.run_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,269 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP) on a shared filesystem.
+
+Layout of `<run_dir>/checkpoints/`:
+
+    step_00000100/        a complete checkpoint: it only ever appears by an atomic rename
+        .metadata, *.distcp   DCP: model and optimizer, each rank writing its own shards
+        meta.json         step, samples consumed, scheduler, world size, parameter shapes
+        rng/rank_00000.pt each rank's random number generator states
+    .tmp_step_00000200/   a save in progress (or killed): never read, removed on the next start
+
+A save writes into the temporary folder; once every rank's shards are on disk (DCP's coordinator
+has written `.metadata`), rank 0 writes meta.json, fsyncs and renames the folder to its final name.
+Only rank 0 creates, renames, lists and deletes folders, and it tells the other ranks which
+checkpoint to load, so no rank acts on a stale view of an NFS or Lustre directory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+log = logging.getLogger("trainer")
+
+STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+@dataclass
+class CheckpointArgs:
+    interval: int = 100  # optimizer steps between saves; 0: save only at the end and when stopped
+    keep: int = 3  # newest complete checkpoints kept, older ones are deleted; 0 keeps all
+    keep_every: int = 0  # also keep forever every checkpoint whose step is a multiple of this; 0: none
+    async_save: bool = False  # write shards in the background while training goes on
+    resume_from: str | None = None  # a checkpoint folder to start from; None: the newest in run_dir
+    timeout_s: int = 3600  # limit for the collectives of one save or load (slow filesystems)
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be used; the message names it and what to do."""
+
+
+def folder(run_dir: str) -> str:
+    return os.path.join(run_dir, "checkpoints")
+
+
+def step_path(run_dir: str, step: int) -> str:
+    return os.path.join(folder(run_dir), f"step_{step:08d}")
+
+
+def problem(path: str) -> str | None:
+    """Why `path` is not a usable checkpoint, or None if it looks complete."""
+    meta = os.path.join(path, "meta.json")
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        return "no DCP .metadata"
+    if not os.path.isfile(meta):
+        return "no meta.json"
+    try:
+        with open(meta) as f:
+            json.load(f)
+        storage = dcp.FileSystemReader(path).read_metadata().storage_data
+    except Exception as e:  # noqa: BLE001 - any unreadable file makes it unusable
+        return f"unreadable metadata ({type(e).__name__}: {e})"
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in needed.items():
+        file = os.path.join(path, name)
+        if not os.path.isfile(file) or os.path.getsize(file) < size:
+            return f"shard file {name} missing or truncated"
+    return None
+
+
+def complete(run_dir: str) -> list[tuple[int, str]]:
+    """Complete checkpoints in `run_dir`, oldest first; broken ones are skipped with a warning."""
+    root = folder(run_dir)
+    found = []
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        match = STEP_DIR.match(name)
+        if match:
+            path = os.path.join(root, name)
+            why = problem(path)
+            if why:
+                log.warning("skipping checkpoint %s: %s", path, why)
+            else:
+                found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def latest_step(run_dir: str) -> int | None:
+    """Step of the newest complete checkpoint in `run_dir`, or None."""
+    found = complete(run_dir)
+    return found[-1][0] if found else None
+
+
+def read_meta(path: str) -> dict:
+    with open(os.path.join(path, "meta.json")) as f:
+        return json.load(f)
+
+
+def shapes(model_state: dict) -> dict[str, list[int]]:
+    return {k: list(v.shape) for k, v in model_state.items() if isinstance(v, torch.Tensor)}
+
+
+def check_compatible(path: str, saved: dict[str, list[int]], current: dict[str, list[int]]) -> None:
+    """Name the first difference between the checkpoint's parameters and the model's."""
+    for key in sorted(set(saved) | set(current)):
+        if key not in current:
+            raise CheckpointError(f"checkpoint {path} has parameter '{key}' that the model lacks: it was saved for another model.* config; use the matching config or a new run_dir")
+        if key not in saved:
+            raise CheckpointError(f"checkpoint {path} lacks parameter '{key}' of this model: it was saved for another model.* config; use the matching config or a new run_dir")
+        if saved[key] != current[key]:
+            raise CheckpointError(f"checkpoint {path}: parameter '{key}' has shape {saved[key]} but the model has {current[key]}; use the matching model.* config or a new run_dir")
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+class Checkpointer:
+    def __init__(self, args: CheckpointArgs, run_dir: str, rank: int, world_size: int, group: dist.ProcessGroup):
+        self.args, self.run_dir, self.rank, self.world_size, self.group = args, run_dir, rank, world_size, group
+        self.pending: tuple[Future, int, str, dict] | None = None  # an async save not yet committed
+        self.last_saved: int | None = None
+        if rank == 0:
+            os.makedirs(folder(run_dir), exist_ok=True)
+            for name in os.listdir(folder(run_dir)):
+                if name.startswith((".tmp_", ".trash_")):  # leftovers of a killed save or delete
+                    log.info("removing unfinished %s", os.path.join(folder(run_dir), name))
+                    shutil.rmtree(os.path.join(folder(run_dir), name), ignore_errors=True)
+        dist.barrier(group=group)
+
+    # -- load ---------------------------------------------------------------------------------------
+
+    def choose(self) -> str | None:
+        """The checkpoint to resume from, decided by rank 0 and told to all."""
+        choice = [None]
+        if self.rank == 0:
+            if self.args.resume_from:
+                why = problem(self.args.resume_from)
+                choice = [("error", f"checkpoint.resume_from={self.args.resume_from} is not a usable checkpoint: {why}")] if why else [self.args.resume_from]
+            else:
+                found = complete(self.run_dir)
+                choice = [found[-1][1] if found else None]
+        dist.broadcast_object_list(choice, src=0, group=self.group)
+        if isinstance(choice[0], tuple):
+            raise CheckpointError(choice[0][1])
+        return choice[0]
+
+    def load(self, model, optimizer, scheduler) -> dict | None:
+        """Restore everything from the chosen checkpoint; returns its meta (step, samples), or None."""
+        path = self.choose()
+        if path is None:
+            return None
+        meta = read_meta(path)
+        model_state, optim_state = get_state_dict(model, optimizer)
+        check_compatible(path, meta["shapes"], shapes(model_state))
+        started = time.perf_counter()
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=path, process_group=self.group)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        scheduler.load_state_dict(meta["scheduler"])
+        rng_file = os.path.join(path, "rng", f"rank_{self.rank:05d}.pt")
+        if meta["world_size"] == self.world_size and os.path.isfile(rng_file):
+            rng = torch.load(rng_file, weights_only=True)
+            torch.set_rng_state(rng["torch"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng["cuda"])
+        meta["load_time_s"] = time.perf_counter() - started
+        meta["path"] = path
+        self.last_saved = meta["step"]
+        return meta
+
+    # -- save ---------------------------------------------------------------------------------------
+
+    def save(self, step: int, model, optimizer, scheduler, progress: dict, blocking: bool = False) -> None:
+        """Save the state after `step`. Async unless configured otherwise or `blocking`."""
+        if step == self.last_saved:
+            return  # already on disk (e.g. stopped right after resuming)
+        self.wait()  # at most one save in flight
+        tmp = os.path.join(folder(self.run_dir), f".tmp_step_{step:08d}")
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(os.path.join(tmp, "rng"))
+        dist.barrier(group=self.group)
+        torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{self.rank:05d}.pt"))
+        model_state, optim_state = get_state_dict(model, optimizer)
+        meta = {
+            **progress,
+            "step": step,
+            "world_size": self.world_size,
+            "scheduler": scheduler.state_dict(),
+            "shapes": shapes(model_state),
+            "torch": torch.__version__,
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        state = {"model": model_state, "optim": optim_state}
+        self.last_saved = step
+        if self.args.async_save and not blocking:
+            future = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group)
+            self.pending = (future, step, tmp, meta)
+        else:
+            dcp.save(state, checkpoint_id=tmp, process_group=self.group)
+            self._commit(step, tmp, meta)
+
+    def poll(self) -> None:
+        """Commit a finished async save (cheap; call once per step)."""
+        if self.pending and self.pending[0].done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the save in flight is written, then commit it."""
+        if self.pending:
+            future, step, tmp, meta = self.pending
+            self.pending = None
+            future.result()  # raises if any rank failed to write
+            self._commit(step, tmp, meta)
+
+    def _commit(self, step: int, tmp: str, meta: dict) -> None:
+        # DCP's save returns on a rank only after the coordinator wrote .metadata, which it does only
+        # after every rank reported its shards (and its rng file, written before) as done.
+        if self.rank != 0:
+            return
+        meta_file = os.path.join(tmp, "meta.json")
+        with open(meta_file, "w") as f:
+            json.dump(meta, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync(tmp)
+        final = step_path(self.run_dir, step)
+        if os.path.exists(final):  # a broken folder of the same name (skipped when listing)
+            os.rename(final, os.path.join(folder(self.run_dir), f".trash_step_{step:08d}"))
+        os.rename(tmp, final)
+        _fsync(folder(self.run_dir))
+        log.info("saved checkpoint %s", final)
+        self._retain()
+
+    def _retain(self) -> None:
+        """Delete old checkpoints: keep the `keep` newest and every `keep_every`-th; never the newest."""
+        if self.args.keep <= 0:
+            return
+        steps = [step for step, _ in complete(self.run_dir)]
+        newest = set(steps[-self.args.keep :])
+        for step in steps:
+            if step in newest or (self.args.keep_every and step % self.args.keep_every == 0):
+                continue
+            trash = os.path.join(folder(self.run_dir), f".trash_step_{step:08d}")
+            os.rename(step_path(self.run_dir, step), trash)  # gone from listings at once
+            shutil.rmtree(trash, ignore_errors=True)

@@ -1,0 +1,167 @@
+"""The run configuration: typed sections, loaded from YAML plus dotted command-line overrides.
+
+Precedence: dataclass defaults, then the YAML file, then `key.sub=value` overrides. Each section is
+defined beside the code it configures; this module only nests them and checks what a user wrote.
+Every mistake becomes a `ConfigError` whose message says what, where and what to do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from trainer.checkpoint import CheckpointArgs
+from trainer.data import DataArgs
+from trainer.metrics import LogArgs
+from trainer.models import ModelArgs
+from trainer.optim import OptimArgs
+from trainer.parallel import ParallelArgs
+
+
+class ConfigError(Exception):
+    """A mistake in the user's configuration; the message is shown as one line."""
+
+
+@dataclass
+class TrainArgs:
+    steps: int = 200  # total optimizer steps of the run
+    global_batch_size: int = 32  # samples per optimizer step, summed over all ranks
+    micro_batch_size: int | None = None  # samples per forward/backward on one rank; None: all at once
+    seed: int = 0  # seeds the weights and the order of the data
+    grad_clip: float | None = 1.0  # max global gradient norm; None disables clipping
+
+
+@dataclass
+class EvalArgs:
+    interval: int = 0  # optimizer steps between evaluations; 0 disables them
+    batches: int = 4  # micro-batches per rank in one evaluation
+
+
+@dataclass
+class Config:
+    run_dir: str = "runs/default"  # config, metrics and checkpoints of the run all go here
+    model: ModelArgs = field(default_factory=ModelArgs)
+    data: DataArgs = field(default_factory=DataArgs)
+    parallel: ParallelArgs = field(default_factory=ParallelArgs)
+    optim: OptimArgs = field(default_factory=OptimArgs)
+    train: TrainArgs = field(default_factory=TrainArgs)
+    eval: EvalArgs = field(default_factory=EvalArgs)
+    checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
+    log: LogArgs = field(default_factory=LogArgs)
+
+
+def load(path: str | None, overrides: list[str] = ()) -> Config:
+    """Read `path` (may be None for pure defaults) and apply `key=value` overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        if not os.path.isfile(path):
+            raise ConfigError(f"{path}: config file not found; pass an existing file with --config")
+        try:
+            with open(path) as f:
+                raw = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}" if mark else path
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ConfigError(f"{where}: invalid YAML ({problem}); fix the syntax") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    sources = {key: path or "defaults" for key in _flatten(raw)}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. train.steps=100")
+        node = raw
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {part} is not a section")
+            node = child
+        node[parts[-1]] = yaml.safe_load(text) if text else None
+        sources[key] = f"override {item!r}"
+    return _build(Config, raw, prefix="", sources=sources, default_source=path or "defaults")
+
+
+def _flatten(d: dict, prefix: str = "") -> list[str]:
+    keys = []
+    for k, v in d.items():
+        keys.append(prefix + str(k))
+        if isinstance(v, dict):
+            keys += _flatten(v, prefix + str(k) + ".")
+    return keys
+
+
+def _build(cls: type, raw: dict, prefix: str, sources: dict, default_source: str):
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        dotted = prefix + str(key)
+        where = sources.get(dotted, default_source)
+        if key not in names:
+            known = ", ".join(sorted(names))
+            raise ConfigError(f"{where}: unknown key '{dotted}'; known keys here: {known}")
+        kwargs[key] = _coerce(hints[key], value, dotted, where, sources, default_source)
+    return cls(**kwargs)
+
+
+def _coerce(tp, value, key: str, where: str, sources: dict, default_source: str):
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: '{key}' is a section; give it as a mapping of keys")
+        return _build(tp, value, key + ".", sources, default_source)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(args[0], value, key, where, sources, default_source)
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{where}: '{key}' is {value!r}; expected a list of {len(args)} values")
+        return tuple(_coerce(a, v, key, where, sources, default_source) for a, v in zip(args, value))
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{where}: '{key}' is {value!r}; choose one of {', '.join(map(str, choices))}")
+        return value
+    if value is None:
+        raise ConfigError(f"{where}: '{key}' must not be empty; give a {tp.__name__}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)  # YAML reads '1e-3' as a string
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    else:
+        raise TypeError(f"unsupported config type {tp} for {key}")
+    raise ConfigError(f"{where}: '{key}' is {value!r}; expected {tp.__name__}")
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def dump(cfg: Config, path: str | Path) -> None:
+    with open(path, "w") as f:
+        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)

@@ -1,0 +1,218 @@
+"""Datasets and the global sample stream.
+
+The order of samples is a pure function of (seed, global sample index): sample i of the run is item
+`order(i)` of the dataset, whatever the number of processes. Optimizer step s consumes the global
+indices [s·B, (s+1)·B); rank r takes the r-th contiguous slice of them. So a checkpoint only needs
+the number of samples consumed to resume the exact stream on any number of processes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Iterator, Literal
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+
+@dataclass
+class DataArgs:
+    name: Literal["synthetic", "tokens", "mnist", "imagefolder", "synthetic_images"] = "synthetic"
+    path: str | None = None  # token file, MNIST root or ImageFolder root (for the training split)
+    eval_path: str | None = None  # the same for evaluation; None: a held-out part of the stream
+    token_dtype: Literal["uint16", "uint32"] = "uint16"  # element type of a token file
+    download: bool = True  # MNIST: download into `path` when the files are not there
+    num_workers: int = 0  # DataLoader worker processes per rank
+    trace: bool = False  # append each rank's global sample indices to run_dir/trace/ (debugging)
+
+
+class DataError(Exception):
+    """A dataset that cannot be read; the message says which file and what to do."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Datasets. Each returns (input, target) for an index in [0, len).
+
+
+class SyntheticLM(Dataset):
+    """Token sequences from a fixed random Markov chain: every token has 4 possible successors.
+
+    Needs no download and is learnable: the loss falls from ln(vocab) towards ln(4) ≈ 1.39.
+    `len` is effectively infinite; item i is generated from (seed, i).
+    """
+
+    successors = 4
+
+    def __init__(self, vocab_size: int, seq_len: int, seed: int):
+        self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
+        table = np.random.default_rng([seed, 0x5EED]).integers(0, vocab_size, (vocab_size, self.successors))
+        self.table = table
+
+    def __len__(self) -> int:
+        return 2**62
+
+    def __getitem__(self, i: int):
+        rng = np.random.default_rng([self.seed, int(i)])
+        choices = rng.integers(0, self.successors, self.seq_len + 1)
+        tokens = np.empty(self.seq_len + 1, dtype=np.int64)
+        tokens[0] = rng.integers(0, self.vocab_size)
+        for t in range(1, self.seq_len + 1):
+            tokens[t] = self.table[tokens[t - 1], choices[t]]
+        tokens = torch.from_numpy(tokens)
+        return tokens[:-1], tokens[1:]
+
+
+class TokenFile(Dataset):
+    """A flat binary array of token ids (uint16 or uint32), memory-mapped, cut into windows."""
+
+    def __init__(self, path: str, dtype: str, seq_len: int):
+        if not os.path.isfile(path):
+            raise DataError(f"token file {path} not found; set data.path to a flat {dtype} token file")
+        self.tokens = np.memmap(path, dtype=np.dtype(dtype), mode="r")
+        self.seq_len = seq_len
+        self.windows = (len(self.tokens) - 1) // seq_len
+        if self.windows < 1:
+            raise DataError(f"token file {path} holds {len(self.tokens)} tokens; need more than seq_len={seq_len}")
+
+    def __len__(self) -> int:
+        return self.windows
+
+    def __getitem__(self, i: int):
+        start = int(i) * self.seq_len
+        chunk = torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
+        return chunk[:-1], chunk[1:]
+
+
+class SyntheticImages(Dataset):
+    """Class-dependent noisy images (a fixed random pattern per class), for image models offline."""
+
+    def __init__(self, num_classes: int, channels: int, size: int, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        self.patterns = torch.randn(num_classes, channels, size, size, generator=g)
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return 2**62
+
+    def __getitem__(self, i: int):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + int(i))
+        label = int(torch.randint(len(self.patterns), (1,), generator=g))
+        image = self.patterns[label] + torch.randn(self.patterns.shape[1:], generator=g)
+        return image, label
+
+
+def mnist(root: str, train: bool, download: bool) -> Dataset:
+    from torchvision import datasets, transforms
+
+    transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))])
+    try:
+        return datasets.MNIST(root, train=train, download=download, transform=transform)
+    except RuntimeError as e:  # "Dataset not found" when download=False
+        raise DataError(f"MNIST not found under {root}/MNIST/raw ({e}); set data.download=true or copy the files there") from None
+    except OSError as e:  # no network
+        raise DataError(f"could not download MNIST into {root} ({e}); copy the MNIST files to {root}/MNIST/raw") from None
+
+
+def image_folder(root: str, size: int) -> Dataset:
+    from torchvision import datasets, transforms
+
+    if not os.path.isdir(root):
+        raise DataError(f"image folder {root} not found; set data.path to a folder of class subfolders")
+    transform = transforms.Compose(
+        [
+            transforms.Resize(size),
+            transforms.CenterCrop(size),
+            transforms.ToTensor(),
+            transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+        ]
+    )
+    return datasets.ImageFolder(root, transform=transform)
+
+
+def build(args: DataArgs, model_args, seed: int, train: bool) -> Dataset:
+    """The training (or evaluation) dataset for this config."""
+    from trainer.models import transformer_shape
+
+    path = args.path if train else (args.eval_path or args.path)
+    if args.name == "synthetic":
+        vocab = transformer_shape(model_args).vocab_size
+        return SyntheticLM(vocab, model_args.seq_len, seed)
+    if args.name == "tokens":
+        return TokenFile(path, args.token_dtype, model_args.seq_len)
+    if args.name == "mnist":
+        return mnist(path, train=train, download=args.download)
+    if args.name == "imagefolder":
+        return image_folder(path, model_args.image_size)
+    channels, size = (1, 28) if model_args.name == "mnist_cnn" else (3, model_args.image_size)
+    return SyntheticImages(model_args.num_classes, channels, size, seed)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The global sample stream.
+
+
+class StreamOrder:
+    """Maps a global sample index to a dataset index: a fresh permutation of the dataset per epoch,
+    drawn from (seed, epoch). Infinite (generated) datasets are read in order."""
+
+    def __init__(self, length: int, seed: int):
+        self.length, self.seed = length, seed
+        self._epoch, self._perm = -1, None
+
+    def __call__(self, i: int) -> int:
+        if self.length >= 2**62:
+            return i
+        epoch, pos = divmod(i, self.length)
+        if epoch != self._epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._epoch, self._perm = epoch, torch.randperm(self.length, generator=g)
+        return int(self._perm[pos])
+
+
+class Indexed(Dataset):
+    """Wraps a dataset so that item `i` is global sample i of the stream: (input, target, i)."""
+
+    def __init__(self, dataset: Dataset, seed: int):
+        self.dataset, self.order = dataset, StreamOrder(len(dataset), seed)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int):
+        x, y = self.dataset[self.order(i)]
+        return x, y, i
+
+
+class RankSlice(Sampler[int]):
+    """This rank's global sample indices from `start` on: for each optimizer step, the rank's
+    contiguous slice of that step's global batch."""
+
+    def __init__(self, start: int, global_batch: int, rank: int, world_size: int):
+        self.start, self.global_batch = start, global_batch
+        self.per_rank = global_batch // world_size
+        self.offset = rank * self.per_rank
+
+    def __iter__(self) -> Iterator[int]:
+        step_start = self.start
+        while True:
+            base = step_start + self.offset
+            yield from range(base, base + self.per_rank)
+            step_start += self.global_batch
+
+
+def loader(dataset: Dataset, args: DataArgs, seed: int, start: int, global_batch: int, micro_batch: int,
+           rank: int, world_size: int) -> Iterator:
+    """An endless iterator of this rank's micro-batches (input, target, global indices)."""
+    sampler = RankSlice(start, global_batch, rank, world_size)
+    return iter(
+        DataLoader(
+            Indexed(dataset, seed),
+            batch_size=micro_batch,
+            sampler=sampler,
+            num_workers=args.num_workers,
+            pin_memory=torch.cuda.is_available(),
+            persistent_workers=args.num_workers > 0,
+        )
+    )

@@ -1,0 +1,258 @@
+"""The models: the tutorials' MNIST CNN, a decoder-only transformer LM, and torchvision classifiers.
+
+Each model exposes `blocks()`: the repeated units that per-block wrapping, activation checkpointing
+and compilation act on.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class ModelArgs:
+    name: str = "transformer"  # mnist_cnn, transformer, or a torchvision classification model name
+    size: str = "tiny"  # transformer size: one of TRANSFORMER_SIZES
+    vocab_size: int | None = None  # transformer vocabulary; None: the size's default
+    seq_len: int = 128  # transformer context length in tokens
+    num_classes: int = 10  # classes of the image classifiers
+    image_size: int = 224  # side in pixels that torchvision models see (MNIST is always 28)
+    dropout: float = 0.0  # dropout probability of the MNIST CNN (the tutorial uses 0.25/0.5)
+
+
+@dataclass(frozen=True)
+class TransformerShape:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int
+
+
+TRANSFORMER_SIZES = {
+    "tiny": TransformerShape(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=192, vocab_size=256),
+    "small": TransformerShape(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, vocab_size=4096),
+    "125m": TransformerShape(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_dim=2048, vocab_size=32000),
+    "1b": TransformerShape(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, vocab_size=32000),
+    # The Llama-3-8B shape.
+    "8b": TransformerShape(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256),
+}
+
+
+# ---------------------------------------------------------------------------------------------------
+# MNIST CNN (the FSDP tutorial's network)
+
+
+class MnistCNN(nn.Module):
+    def __init__(self, num_classes: int = 10, dropout: float = 0.0):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 32, 3, 1)
+        self.conv2 = nn.Conv2d(32, 64, 3, 1)
+        self.dropout1 = nn.Dropout(dropout)
+        self.dropout2 = nn.Dropout(2 * dropout)
+        self.fc1 = nn.Linear(9216, 128)
+        self.fc2 = nn.Linear(128, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.conv1(x))
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = torch.flatten(self.dropout1(x), 1)
+        x = self.dropout2(F.relu(self.fc1(x)))
+        return self.fc2(x)
+
+    def blocks(self) -> list[nn.Module]:
+        return [self.conv1, self.conv2, self.fc1, self.fc2]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Transformer LM: pre-norm blocks with RMSNorm, rotary embeddings, grouped-query attention, SwiGLU.
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), freqs)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (batch, heads, seq, head_dim); rotate pairs (x1, x2) of the two halves.
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[: x.shape[-2]], sin[: x.shape[-2]]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, s: TransformerShape):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = s.n_heads, s.n_kv_heads, s.dim // s.n_heads
+        self.wq = nn.Linear(s.dim, s.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(s.dim, s.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(s.dim, s.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(s.n_heads * self.head_dim, s.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.n_kv_heads != self.n_heads:
+            repeat = self.n_heads // self.n_kv_heads
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, s: TransformerShape):
+        super().__init__()
+        self.w1 = nn.Linear(s.dim, s.ffn_dim, bias=False)
+        self.w3 = nn.Linear(s.dim, s.ffn_dim, bias=False)
+        self.w2 = nn.Linear(s.ffn_dim, s.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, s: TransformerShape):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(s.dim, eps=1e-5)
+        self.attention = Attention(s)
+        self.ffn_norm = nn.RMSNorm(s.dim, eps=1e-5)
+        self.feed_forward = FeedForward(s)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, shape: TransformerShape, seq_len: int):
+        super().__init__()
+        self.shape, self.seq_len = shape, seq_len
+        self.tok_embeddings = nn.Embedding(shape.vocab_size, shape.dim)
+        self.layers = nn.ModuleList(Block(shape) for _ in range(shape.n_layers))
+        self.norm = nn.RMSNorm(shape.dim, eps=1e-5)
+        self.output = nn.Linear(shape.dim, shape.vocab_size, bias=False)
+        cos, sin = rope_tables(shape.dim // shape.n_heads, seq_len)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, self.rope_cos, self.rope_sin)
+        return self.output(self.norm(h))
+
+    def blocks(self) -> list[nn.Module]:
+        return list(self.layers)
+
+    def init_weights(self, seed: int) -> None:
+        """Deterministic initialisation that does not depend on how the parameters are sharded.
+
+        Every parameter is drawn in full on the CPU from a generator seeded by (seed, its name), and
+        each rank copies in its own shard. So 1 process and N processes start from the same weights,
+        and the model can be built on the meta device (no full copy per rank) and sharded first.
+        """
+        cos, sin = rope_tables(self.shape.dim // self.shape.n_heads, self.seq_len)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+        out_std = 0.02 / math.sqrt(2 * self.shape.n_layers)
+        for name, param in self.named_parameters():
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            full = torch.empty(param.shape, dtype=torch.float32)
+            if "norm" in name:
+                full.fill_(1.0)
+            else:
+                std = out_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
+                full.normal_(0.0, std, generator=generator)
+            _copy_full_into(param, full)
+
+    def num_params(self, exclude_embedding: bool = True) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.tok_embeddings.weight.numel() if exclude_embedding else n
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token: 6·N (forward+backward matmuls) plus the attention scores term."""
+        s = self.shape
+        return 6 * self.num_params() + 12 * s.n_layers * s.dim * self.seq_len
+
+
+@torch.no_grad()
+def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a full tensor into a parameter that may be a sharded DTensor."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(local.to_local())
+    else:
+        param.copy_(full)
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def build(args: ModelArgs) -> nn.Module:
+    """Build the model on the current default device (the caller may choose 'meta')."""
+    if args.name == "mnist_cnn":
+        return MnistCNN(args.num_classes, args.dropout)
+    if args.name == "transformer":
+        shape = transformer_shape(args)
+        return Transformer(shape, args.seq_len)
+    import torchvision  # imported here: only image models need it
+
+    return torchvision.models.get_model(args.name, num_classes=args.num_classes)
+
+
+def transformer_shape(args: ModelArgs) -> TransformerShape:
+    shape = TRANSFORMER_SIZES[args.size]
+    if args.vocab_size is not None:
+        shape = TransformerShape(**{**shape.__dict__, "vocab_size": args.vocab_size})
+    return shape
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated units of a model: transformer layers, ResNet bottlenecks, ViT encoder blocks, ...
+
+    Our models say it themselves. For torchvision models it is every instance of the module class
+    that repeats most often (not nested in another instance of it); ties go to the larger class.
+    """
+    if hasattr(model, "blocks"):
+        return model.blocks()
+    by_class: dict[type, list[nn.Module]] = {}
+    for module in model.modules():
+        if module is model or isinstance(module, (nn.Sequential, nn.ModuleList)):
+            continue
+        if next(module.children(), None) is None or not any(True for _ in module.parameters()):
+            continue  # leaves (conv, linear, norm) are not blocks
+        by_class.setdefault(type(module), []).append(module)
+    candidates = [mods for mods in by_class.values() if len(mods) >= 2]
+    if not candidates:
+        return []
+
+    def weight(mods):
+        return len(mods), sum(p.numel() for m in mods for p in m.parameters())
+
+    chosen = max(candidates, key=weight)
+    inner = {id(sub) for m in chosen for sub in m.modules() if sub is not m}
+    return [m for m in chosen if id(m) not in inner]
+
+
+def torchvision_names() -> list[str]:
+    import torchvision
+
+    return sorted(torchvision.models.list_models(module=torchvision.models))
+
+
+def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over samples (over tokens for the LM)."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), target.flatten())

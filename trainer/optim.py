@@ -1,0 +1,54 @@
+"""Optimizers and learning-rate schedules."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+
+@dataclass
+class OptimArgs:
+    name: Literal["adamw", "adam", "adadelta", "sgd"] = "adamw"
+    lr: float = 3e-3  # peak learning rate
+    weight_decay: float = 0.0  # decoupled for AdamW, L2 for the others
+    betas: tuple[float, float] = (0.9, 0.95)  # Adam(W) moment decay rates
+    momentum: float = 0.9  # SGD momentum
+    # warmup_cosine: linear warmup then cosine decay to min_lr_ratio·lr; step: multiply by gamma
+    # every step_size steps (the tutorials' StepLR); constant: lr throughout.
+    schedule: Literal["warmup_cosine", "step", "constant"] = "warmup_cosine"
+    warmup_steps: int = 20  # linear warmup length, in optimizer steps
+    min_lr_ratio: float = 0.1  # final lr of the cosine schedule, as a fraction of lr
+    step_size: int = 1  # StepLR period, in optimizer steps
+    gamma: float = 0.7  # StepLR decay factor
+    fused: bool | None = None  # fused Adam(W) kernels; None: where the device supports them
+
+
+def build(params, args: OptimArgs, device: torch.device) -> torch.optim.Optimizer:
+    params = list(params)
+    if args.name in ("adamw", "adam"):
+        cls = torch.optim.AdamW if args.name == "adamw" else torch.optim.Adam
+        fused = args.fused if args.fused is not None else device.type == "cuda"
+        return cls(params, lr=args.lr, betas=tuple(args.betas), weight_decay=args.weight_decay, fused=fused)
+    if args.name == "adadelta":
+        return torch.optim.Adadelta(params, lr=args.lr, weight_decay=args.weight_decay)
+    return torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+
+
+def lr_factor(args: OptimArgs, total_steps: int, step: int) -> float:
+    """Multiplier of the peak lr for optimizer step `step` (0-based)."""
+    if args.schedule == "constant":
+        return 1.0
+    if args.schedule == "step":
+        return args.gamma ** (step // args.step_size)
+    if step < args.warmup_steps:
+        return (step + 1) / args.warmup_steps
+    decay_steps = max(1, total_steps - args.warmup_steps)
+    progress = min(1.0, (step - args.warmup_steps) / decay_steps)
+    return args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def scheduler(optimizer: torch.optim.Optimizer, args: OptimArgs, total_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(args, total_steps, step))

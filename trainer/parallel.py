@@ -1,0 +1,125 @@
+"""How the model is spread over the ranks: FSDP2 (`fully_shard`), DDP as the baseline, or nothing.
+
+`apply` is the one function that does it: the config in, the wrapped model out. What the FSDP
+tutorials call auto-wrap policies, sharding strategies, mixed precision and CPU offload all map
+onto `fully_shard` arguments here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from trainer.dist import Env
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ParallelArgs:
+    strategy: Literal["fsdp", "ddp", "none"] = "fsdp"  # none: plain single-process training
+    # full: shard params, grads and optimizer state (FULL_SHARD, ZeRO-3); grad_op: keep params
+    # unsharded between forward and backward (SHARD_GRAD_OP, ZeRO-2); hybrid: full shard inside a
+    # group of `shard_size` ranks, replicate across groups (HYBRID_SHARD, a 2-D mesh).
+    sharding: Literal["full", "grad_op", "hybrid"] = "full"
+    shard_size: int | None = None  # hybrid: ranks per shard group; None: the ranks of one node
+    # block: one FSDP unit per model block (transformer layer, ResNet block); size: one unit per
+    # module holding at least `wrap_min_params` parameters not already wrapped below it.
+    wrap: Literal["block", "size"] = "block"
+    wrap_min_params: int = 100_000  # size policy threshold, in parameters
+    param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # compute dtype
+    reduce_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # gradient reduction dtype
+    cpu_offload: bool = False  # keep sharded params, grads and optimizer state in host memory
+    activation_checkpointing: bool = False  # recompute each block's activations in backward
+    compile: bool = False  # torch.compile each block (and the rest of the model)
+
+
+def mesh_for(args: ParallelArgs, env: Env) -> DeviceMesh:
+    device_type = env.device.type
+    if args.strategy == "fsdp" and args.sharding == "hybrid":
+        shard = args.shard_size or env.local_world_size
+        return init_device_mesh(device_type, (env.world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device_type, (env.world_size,), mesh_dim_names=("dp",))
+
+
+def wrap_units(model: nn.Module, args: ParallelArgs) -> list[nn.Module]:
+    """The submodules that become their own FSDP unit (the root is always one more)."""
+    from trainer.models import blocks
+
+    if args.wrap == "block":
+        return blocks(model)
+    # Size policy, like size_based_auto_wrap_policy: post-order, wrap a module once the
+    # parameters under it that are not yet wrapped reach the threshold.
+    units: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> int:
+        pending = sum(visit(child) for child in module.children())
+        pending += sum(p.numel() for p in module.parameters(recurse=False))
+        if module is not model and pending >= args.wrap_min_params:
+            units.append(module)
+            return 0
+        return pending
+
+    visit(model)
+    return units
+
+
+def apply(model: nn.Module, args: ParallelArgs, env: Env) -> nn.Module:
+    """Wrap `model` for the configured strategy; parameters end up on `env.device`."""
+    from trainer.models import blocks
+
+    units = wrap_units(model, args) if args.strategy == "fsdp" else blocks(model)
+    if args.activation_checkpointing:
+        _checkpoint(model, units)
+    if args.compile:
+        for unit in units:
+            unit.compile()
+    if args.strategy == "none":
+        return model.to_empty(device=env.device) if _on_meta(model) else model.to(env.device)
+    if args.strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = model.to_empty(device=env.device) if _on_meta(model) else model.to(env.device)
+        return DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda" else None)
+
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    mesh = mesh_for(args, env)
+    options = dict(
+        mesh=mesh,
+        mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES[args.param_dtype], reduce_dtype=DTYPES[args.reduce_dtype]),
+        offload_policy=CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy(),
+        reshard_after_forward=args.sharding != "grad_op",
+    )
+    for unit in units:
+        fully_shard(unit, **options)
+    # The root's parameters (embeddings, head) are needed right after the last block's backward:
+    # keeping them unsharded after forward saves one all-gather, as torchtitan does.
+    fully_shard(model, **{**options, "reshard_after_forward": False})
+    if _on_meta(model):  # fully_shard moved real tensors already; meta ones get storage now
+        model.to_empty(device="cpu" if args.cpu_offload else env.device)
+    return model
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+def _checkpoint(model: nn.Module, units: list[nn.Module]) -> None:
+    """Replace each unit by a checkpoint-wrapped one, in place in its parent."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    targets = {id(u) for u in units}
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if id(child) in targets:
+                parent.register_module(name, checkpoint_wrapper(child))
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's model under a DDP wrapper (FSDP2 wraps in place)."""
+    return getattr(model, "module", model) if type(model).__name__ == "DistributedDataParallel" else model

@@ -1,0 +1,210 @@
+"""The training loop: build everything, resume, then accumulate, clip, step, log, evaluate, save."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from trainer import checkpoint, data, dist as distributed, models, optim, parallel
+from trainer.config import Config, dump
+from trainer.metrics import Reporter, peak_flops, peak_memory_gb
+from trainer.signals import StopFlag
+
+log = logging.getLogger("trainer")
+
+
+def batch_plan(cfg: Config, world_size: int) -> tuple[int, int]:
+    """(micro-batch size, accumulation steps) per rank; the config check guarantees they divide."""
+    per_rank = cfg.train.global_batch_size // world_size
+    micro = cfg.train.micro_batch_size or per_rank
+    return micro, per_rank // micro
+
+
+def build_model(cfg: Config, env: distributed.Env) -> torch.nn.Module:
+    """The model, wrapped for the configured strategy, with the same initial weights on any number
+    of processes. The transformer is built on the meta device and initialised shard by shard."""
+    torch.manual_seed(cfg.train.seed)
+    if cfg.model.name == "transformer":
+        with torch.device("meta"):
+            model = models.build(cfg.model)
+        model = parallel.apply(model, cfg.parallel, env)
+        parallel.unwrap(model).init_weights(cfg.train.seed)
+        return model
+    return parallel.apply(models.build(cfg.model), cfg.parallel, env)
+
+
+def _autocast(cfg: Config, env: distributed.Env):
+    """FSDP casts parameters itself; DDP and plain training use autocast for lower precision."""
+    dtype = parallel.DTYPES[cfg.parallel.param_dtype]
+    if cfg.parallel.strategy == "fsdp" or dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(env.device.type, dtype=dtype)
+
+
+def _no_sync(model, cfg: Config, last_micro: bool):
+    """Skip the gradient reduction on all but the last micro-batch of an accumulation."""
+    if last_micro or cfg.parallel.strategy == "none":
+        return contextlib.nullcontext()
+    if cfg.parallel.strategy == "ddp":
+        return model.no_sync()
+    model.set_requires_gradient_sync(False)
+    return contextlib.nullcontext()
+
+
+@torch.no_grad()
+def evaluate(model, cfg: Config, env: distributed.Env, dataset) -> dict:
+    """Mean loss (and accuracy for classifiers) over fixed evaluation batches, over all ranks."""
+    model.eval()
+    micro, _ = batch_plan(cfg, env.world_size)
+    start = 2**61 if len(dataset) >= 2**62 else 0  # generated data: a range training never reaches
+    batches = data.loader(dataset, cfg.data, cfg.train.seed, start, micro * env.world_size, micro, env.rank, env.world_size)
+    totals = torch.zeros(3, dtype=torch.float64, device=env.device)  # loss sum, correct, count
+    for _ in range(cfg.eval.batches):
+        x, y, _ = next(batches)
+        x, y = x.to(env.device), y.to(env.device)
+        with _autocast(cfg, env):
+            logits = model(x)
+        totals[0] += models.loss_fn(logits, y).double() * y.numel()
+        totals[1] += (logits.argmax(-1) == y).sum()
+        totals[2] += y.numel()
+    dist.all_reduce(totals)
+    model.train()
+    result = {"eval_loss": (totals[0] / totals[2]).item()}
+    if cfg.model.name != "transformer":
+        result["eval_accuracy"] = (totals[1] / totals[2]).item()
+    return result
+
+
+def train(cfg: Config) -> None:
+    env = distributed.init(timeout_s=600)
+    control = distributed.cpu_group(timeout_s=cfg.checkpoint.timeout_s)  # stop flag, rank-0 decisions
+    io_group = distributed.cpu_group(timeout_s=cfg.checkpoint.timeout_s)  # DCP, also from its own thread
+    run_dir = cfg.run_dir
+    if env.is_main:
+        os.makedirs(run_dir, exist_ok=True)
+        dump(cfg, os.path.join(run_dir, "config.yaml"))
+    micro, accum = batch_plan(cfg, env.world_size)
+    B = cfg.train.global_batch_size
+
+    model = build_model(cfg, env)
+    optimizer = optim.build(model.parameters(), cfg.optim, env.device)
+    scheduler = optim.scheduler(optimizer, cfg.optim, cfg.train.steps)
+    scaler = _grad_scaler(cfg, env)
+    ckpt = checkpoint.Checkpointer(cfg.checkpoint, run_dir, env.rank, env.world_size, io_group)
+    reporter = Reporter(run_dir, cfg.log, cfg.train.steps, env.is_main)
+    stop = StopFlag(control)
+
+    step, samples = 0, 0
+    meta = ckpt.load(model, optimizer, scheduler)
+    if meta:
+        step, samples = meta["step"], meta["samples"]
+        reporter.message(f"resumed from {meta['path']} at step {step} (saved by {meta['world_size']} processes, loaded in {meta['load_time_s']:.2f}s)")
+    if step >= cfg.train.steps:
+        reporter.message(f"nothing to do: step {step} reached train.steps={cfg.train.steps}; raise train.steps to continue")
+        return
+
+    train_set = data.build(cfg.data, cfg.model, cfg.train.seed, train=True)
+    eval_set = data.build(cfg.data, cfg.model, cfg.train.seed, train=False) if cfg.eval.interval else None
+    batches = data.loader(train_set, cfg.data, cfg.train.seed, samples, B, micro, env.rank, env.world_size)
+    trace = _open_trace(run_dir, env.rank) if cfg.data.trace else None
+    flops_per_token = parallel.unwrap(model).flops_per_token() if cfg.model.name == "transformer" else None
+    peak = peak_flops(env.device)
+    n_params = sum(p.numel() for p in model.parameters())  # sharded: numel() is the global size
+    reporter.message(f"training {cfg.model.name} ({n_params / 1e6:.2f}M params) on {env.world_size} x {env.device.type}, "
+                     f"strategy {cfg.parallel.strategy}, {micro} samples x {accum} micro-batches per rank, steps {step}->{cfg.train.steps}")
+
+    model.train()
+    while step < cfg.train.steps:
+        started = time.perf_counter()
+
+        # accumulate: the mean loss over the global batch, micro-batch by micro-batch
+        loss_sum = torch.zeros((), device=env.device)
+        for i in range(accum):
+            x, y, index = next(batches)
+            if trace:
+                trace.write(f"{step} {' '.join(map(str, index.tolist()))}\n")
+            x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
+            with _no_sync(model, cfg, last_micro=i == accum - 1), _autocast(cfg, env):
+                loss = models.loss_fn(model(x), y) / accum
+            scaler.scale(loss).backward() if scaler else loss.backward()
+            loss_sum += loss.detach()
+
+        # clip
+        if scaler:
+            scaler.unscale_(optimizer)
+        grad_norm = None
+        if cfg.train.grad_clip is not None:
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+
+        # step
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        lr = scheduler.get_last_lr()[0]
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step, samples = step + 1, samples + B
+
+        # log
+        if step % cfg.log.interval == 0 or step == cfg.train.steps:
+            dist.all_reduce(loss_sum)  # gloo has no AVG
+            loss_sum /= env.world_size
+            elapsed = time.perf_counter() - started
+            row = {"step": step, "loss": loss_sum.item(), "lr": lr, "world_size": env.world_size,
+                   "samples_per_s": B / elapsed, "step_time_s": elapsed, "peak_mem_gb": peak_memory_gb(env.device)}
+            if grad_norm is not None:
+                row["grad_norm"] = _full(grad_norm).item()
+            if flops_per_token:
+                tokens_per_s = B * cfg.model.seq_len / elapsed
+                row["tokens_per_s"] = tokens_per_s
+                if peak:
+                    row["mfu"] = flops_per_token * tokens_per_s / (peak * env.world_size)
+            reporter.row(row)
+
+        # evaluate
+        if eval_set is not None and step % cfg.eval.interval == 0:
+            result = evaluate(model, cfg, env, eval_set)
+            reporter.message(f"eval at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
+            reporter.write({"step": step, **result})
+
+        # save
+        stopping = stop.requested()
+        ckpt.poll()
+        interval = cfg.checkpoint.interval
+        if stopping or step == cfg.train.steps or (interval and step % interval == 0):
+            ckpt.save(step, model, optimizer, scheduler, {"samples": samples}, blocking=stopping or step == cfg.train.steps)
+        if stopping:
+            reporter.message(f"stopped by signal after step {step}; the checkpoint is saved, a restart resumes here")
+            break
+
+    ckpt.wait()
+    if trace:
+        trace.close()
+    dist.barrier(group=control)
+
+
+def _open_trace(run_dir: str, rank: int):
+    os.makedirs(os.path.join(run_dir, "trace"), exist_ok=True)
+    return open(os.path.join(run_dir, "trace", f"rank_{rank:05d}.txt"), "a", buffering=1)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _grad_scaler(cfg: Config, env: distributed.Env):
+    """Loss scaling, needed for float16 compute only."""
+    if cfg.parallel.param_dtype != "float16":
+        return None
+    if cfg.parallel.strategy == "fsdp":
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(env.device.type)
+    return torch.amp.GradScaler(env.device.type)
