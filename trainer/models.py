@@ -167,6 +167,7 @@ class Transformer(nn.Module):
         self.rope_sin.copy_(sin)
         out_std = 0.02 / math.sqrt(2 * self.shape.n_layers)
         for name, param in self.named_parameters():
+            name = name.replace("_checkpoint_wrapped_module.", "")  # the same seed under wrappers
             generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             full = torch.empty(param.shape, dtype=torch.float32)
             if "norm" in name:

@@ -92,7 +92,7 @@ def apply(model: nn.Module, args: ParallelArgs, env: Env) -> nn.Module:
     options = dict(
         mesh=mesh,
         mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES[args.param_dtype], reduce_dtype=DTYPES[args.reduce_dtype]),
-        offload_policy=CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy(),
+        offload_policy=CPUOffloadPolicy(pin_memory=env.device.type == "cuda") if args.cpu_offload else OffloadPolicy(),
         reshard_after_forward=args.sharding != "grad_op",
     )
     for unit in units:

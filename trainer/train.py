@@ -48,11 +48,10 @@ def _autocast(cfg: Config, env: distributed.Env):
 
 def _no_sync(model, cfg: Config, last_micro: bool):
     """Skip the gradient reduction on all but the last micro-batch of an accumulation."""
-    if last_micro or cfg.parallel.strategy == "none":
-        return contextlib.nullcontext()
-    if cfg.parallel.strategy == "ddp":
+    if cfg.parallel.strategy == "fsdp":
+        model.set_requires_gradient_sync(last_micro)
+    elif cfg.parallel.strategy == "ddp" and not last_micro:
         return model.no_sync()
-    model.set_requires_gradient_sync(False)
     return contextlib.nullcontext()
 
 

@@ -1,0 +1,152 @@
+"""Config parsing, and every kind of bad input: one line saying what, where and what to do, exit
+code 2, no traceback, nothing written."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import ROOT, env
+from trainer.check import check_devices, validate
+from trainer.config import Config, ConfigError, load
+
+
+def write(tmp_path, text: str, name: str = "c.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_precedence_defaults_yaml_overrides(tmp_path):
+    path = write(tmp_path, "train:\n  steps: 50\n  global_batch_size: 8\noptim:\n  lr: 1.0e-3\n")
+    cfg = load(path, ["train.steps=70", "optim.lr=2e-4", "model.vocab_size=null", "optim.betas=[0.8, 0.9]"])
+    assert cfg.train.steps == 70  # override beats YAML
+    assert cfg.train.global_batch_size == 8  # YAML beats default
+    assert cfg.train.seed == 0  # default
+    assert cfg.optim.lr == 2e-4  # '2e-4' is a string to YAML; float fields accept it
+    assert cfg.optim.betas == (0.8, 0.9)
+    assert cfg.model.vocab_size is None
+
+
+def test_every_shipped_config_is_valid():
+    for name in sorted(os.listdir(ROOT / "configs")):
+        path = str(ROOT / "configs" / name)
+        cfg = load(path)
+        if cfg.data.name in ("synthetic", "synthetic_images"):
+            validate(cfg, world_size=2, where=path)
+
+
+@pytest.mark.parametrize(
+    "text, overrides, message",
+    [
+        ("train: [1, 2\n", [], "c.yaml:2: invalid YAML"),
+        ("trian:\n  steps: 3\n", [], "unknown key 'trian'"),
+        ("train:\n  stepz: 3\n", [], "unknown key 'train.stepz'"),
+        ("", ["train.steps=abc"], "override 'train.steps=abc': 'train.steps' is 'abc'; expected int"),
+        ("train:\n  steps: 1.5\n", [], "c.yaml: 'train.steps' is 1.5; expected int"),
+        ("train: 3\n", [], "'train' is a section"),
+        ("parallel:\n  strategy: zero3\n", [], "choose one of fsdp, ddp, none"),
+        ("", ["train.steps"], "expected key=value"),
+    ],
+)
+def test_parse_errors_name_the_place(tmp_path, text, overrides, message):
+    with pytest.raises(ConfigError, match=None) as e:
+        load(write(tmp_path, text), overrides)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, world, message",
+    [
+        (["train.steps=0"], 1, "train.steps: is 0; it must be at least 1"),
+        (["train.global_batch_size=10"], 3, "10 is not divisible by 3 processes; use a multiple of 3"),
+        (["train.global_batch_size=12", "train.micro_batch_size=4"], 2, "4 does not divide the 6 samples per rank"),
+        (["data.name=tokens"], 1, "data.path: is not set"),
+        (["data.name=tokens", "data.path=/nonexistent.bin"], 1, "token file /nonexistent.bin does not exist"),
+        (["model.name=mnist_cnn", "data.name=mnist", "data.path=/nope", "data.download=false"], 1, "/nope/MNIST/raw does not exist"),
+        (["model.name=resnet18", "data.name=imagefolder", "data.path=/nope"], 1, "folder /nope does not exist"),
+        (["model.name=gpt5"], 1, "model.name: is 'gpt5'"),
+        (["model.size=huge"], 1, "model.size: is 'huge'; choose one of tiny"),
+        (["checkpoint.resume_from=/nope/step_00000001"], 1, "checkpoint.resume_from: /nope/step_00000001 does not exist"),
+        (["parallel.strategy=none"], 2, "is 'none' but 2 processes run"),
+        (["parallel.sharding=hybrid", "parallel.shard_size=3"], 4, "3 does not divide the 4 processes"),
+        (["optim.lr=-1"], 1, "optim.lr: is -1.0; it must be positive"),
+    ],
+)
+def test_validation_errors(overrides, world, message):
+    cfg = load(None, overrides)
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, world, where="c.yaml")
+    assert message in str(e.value)
+    assert str(e.value).startswith("c.yaml: ")
+
+
+def test_unwritable_run_dir(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match="is a file; choose another run_dir"):
+        validate(load(None, [f"run_dir={blocker}/run"]), 1)
+    with pytest.raises(ConfigError, match="is a file, not a folder"):
+        validate(load(None, [f"run_dir={blocker}"]), 1)
+
+
+def test_unwritable_run_dir_permissions(tmp_path):
+    if os.geteuid() == 0:  # root passes permission bits; /proc/sys refuses new entries even to root
+        locked = "/proc/sys/net"
+        if os.access(locked, os.W_OK):
+            pytest.skip("running as root and no folder here refuses root's writes")
+    else:
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+    with pytest.raises(ConfigError, match="cannot write to"):
+        validate(load(None, [f"run_dir={locked}/run"]), 1)
+
+
+def test_too_many_processes_for_this_machine():
+    with pytest.raises(ConfigError, match=r"NPROC=999 processes but this machine has \d+ "):
+        check_devices(999)
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["-m", "trainer", "--config", "configs/missing.yaml"], "configs/missing.yaml: config file not found"),
+        (["-m", "trainer", "--config", "configs/default.yaml", "train.global_batch_size=7", "RUN"], "expected key=value"),
+        (["-m", "trainer.check", "--config", "configs/default.yaml", "--nproc", "1", "--nnodes", "3", "train.global_batch_size=32"],
+         "32 is not divisible by 3 processes"),
+        (["-m", "trainer.check", "--config", "configs/default.yaml", "--nproc", "999"], "NPROC=999 processes"),
+    ],
+)
+def test_cli_errors_are_one_line_exit_2(tmp_path, args, message):
+    run_dir = tmp_path / "run"
+    proc = run_cli(*args, f"run_dir={run_dir}")
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert not run_dir.exists()  # nothing written
+
+
+def test_make_run_validates_before_launch(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(["make", "--no-print-directory", "run", "NPROC=999", f"RUN_DIR={run_dir}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "error: NPROC=999 processes" in proc.stderr
+    assert "torchrun" not in proc.stdout  # never launched
+    assert not run_dir.exists()
+
+
+def test_resolved_config_is_written(tmp_path):
+    from conftest import TINY, train
+
+    train(tmp_path, 1, *TINY, "train.steps=1", "optim.lr=1e-3")
+    written = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert written["optim"]["lr"] == 1e-3 and written["run_dir"] == str(tmp_path)
+    assert load(str(tmp_path / "config.yaml")) == load(None, [*TINY, "train.steps=1", "optim.lr=1e-3", f"run_dir={tmp_path}"])

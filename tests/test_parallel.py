@@ -1,0 +1,70 @@
+"""Sharding is right: FSDP2 on 2, 3 and 4 ranks, in every configuration that does not change the
+arithmetic, gives the same losses and weights as plain single-process training on the same
+global batch; DDP does too. Lower precision and compilation stay close."""
+
+import pytest
+
+from conftest import TINY, assert_same_losses, assert_same_weights, losses, rows, train, weights
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    """Plain training, one process, no wrapper at all."""
+    run_dir = tmp_path_factory.mktemp("baseline")
+    train(run_dir, 1, *TINY, "parallel.strategy=none")
+    return losses(run_dir), weights(run_dir)
+
+
+@pytest.mark.parametrize(
+    "nproc, overrides",
+    [
+        (2, []),
+        (3, ["train.micro_batch_size=2"]),  # 4 samples per rank in 2 accumulated micro-batches
+        (2, ["parallel.strategy=ddp", "train.micro_batch_size=3"]),
+        (4, ["parallel.sharding=hybrid", "parallel.shard_size=2"]),
+        (2, ["parallel.sharding=grad_op", "parallel.wrap=size", "parallel.wrap_min_params=5000"]),
+        (2, ["parallel.cpu_offload=true"]),
+        (2, ["parallel.activation_checkpointing=true"]),
+    ],
+    ids=["fsdp2", "fsdp3-accum", "ddp2-accum", "hybrid4", "grad_op-size_wrap", "cpu_offload", "act_ckpt"],
+)
+def test_matches_single_process(tmp_path, baseline, nproc, overrides):
+    base_losses, base_weights = baseline
+    train(tmp_path, nproc, *TINY, *overrides)
+    assert_same_losses(losses(tmp_path), base_losses)
+    assert_same_weights(weights(tmp_path), base_weights)
+    assert {r["world_size"] for r in rows(tmp_path)} == {nproc}
+
+
+def test_bf16_mixed_precision_stays_close(tmp_path, baseline):
+    base_losses, _ = baseline
+    train(tmp_path, 2, *TINY, "parallel.param_dtype=bfloat16", "parallel.reduce_dtype=float32")
+    got = losses(tmp_path)
+    assert got.keys() == base_losses.keys()
+    for step, loss in got.items():
+        assert abs(loss - base_losses[step]) < 0.02 * base_losses[step], (step, loss, base_losses[step])
+    assert got != base_losses  # the compute really ran in bfloat16
+
+
+def test_fp16_with_loss_scaling_runs(tmp_path, baseline):
+    base_losses, _ = baseline
+    train(tmp_path, 2, *TINY, "parallel.param_dtype=float16")
+    got = losses(tmp_path)
+    assert all(abs(got[s] - base_losses[s]) < 0.02 * base_losses[s] for s in got)
+
+
+def test_compile_matches(tmp_path, baseline):
+    base_losses, base_weights = baseline
+    train(tmp_path, 1, *TINY, "parallel.compile=true", timeout=600)
+    assert_same_losses(losses(tmp_path), base_losses, rtol=1e-4)
+    assert_same_weights(weights(tmp_path), base_weights, atol=1e-3)
+
+
+def test_default_config_loss_falls(tmp_path):
+    train(tmp_path, 2, "train.steps=120", "log.progress=false")
+    got = rows(tmp_path)
+    first, last = got[0]["loss"], got[-1]["loss"]
+    assert last < 0.6 * first, f"loss went from {first} to {last}"
+    for key in ("step", "loss", "lr", "world_size", "samples_per_s", "tokens_per_s", "step_time_s", "peak_mem_gb"):
+        assert key in got[-1], key
+    assert got[-1]["peak_mem_gb"] > 0 and got[-1]["tokens_per_s"] == pytest.approx(got[-1]["samples_per_s"] * 64)
