@@ -120,3 +120,33 @@ def test_image_folder(tmp_path):
     ds = data.image_folder(str(tmp_path), size=32)
     x, y = ds[4]
     assert len(ds) == 6 and x.shape == (3, 32, 32) and y == 1
+
+
+def test_trainer_on_mnist_files(tmp_path):
+    """configs/mnist.yaml (the tutorial's setup) on MNIST files made here, 2 processes."""
+    from conftest import rows, train
+
+    write_mnist(tmp_path / "mnist", 64)
+    train(tmp_path / "run", 2, f"data.path={tmp_path / 'mnist'}", "data.download=false", "train.steps=4",
+          "train.global_batch_size=16", "optim.step_size=2", "eval.interval=4", "eval.batches=2", "log.interval=1",
+          "log.progress=false", config="configs/mnist.yaml")
+    logged = rows(tmp_path / "run")
+    assert [r["step"] for r in logged] == [1, 2, 3, 4]
+    assert logged[2]["lr"] == pytest.approx(0.7)  # StepLR: gamma after step_size steps
+    evals = [r for r in map(__import__("json").loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in r]
+    assert evals and 0 <= evals[0]["eval_accuracy"] <= 1
+
+
+def test_trainer_on_image_folder(tmp_path):
+    """A torchvision model on an ImageFolder, 2 processes, bf16."""
+    from conftest import rows, train
+    from PIL import Image
+
+    for cls in ("a", "b", "c"):
+        (tmp_path / "images" / cls).mkdir(parents=True)
+        for i in range(4):
+            Image.new("RGB", (36, 36), (80 * i, 60, 0)).save(tmp_path / "images" / cls / f"{i}.png")
+    train(tmp_path / "run", 2, "model.name=resnet18", "model.num_classes=3", "model.image_size=32", "data.name=imagefolder",
+          f"data.path={tmp_path / 'images'}", "train.steps=2", "train.global_batch_size=8", "log.interval=1",
+          "parallel.param_dtype=bfloat16", "log.progress=false")
+    assert [r["step"] for r in rows(tmp_path / "run")] == [1, 2]

@@ -38,6 +38,23 @@ class ParallelArgs:
     compile: bool = False  # torch.compile each block (and the rest of the model)
 
 
+def has_batchnorm(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def autocast_dtype(model: nn.Module, args: ParallelArgs) -> torch.dtype | None:
+    """The dtype to run the forward under torch.autocast, or None.
+
+    FSDP casts its parameters itself. DDP and plain training use autocast instead, and so does FSDP
+    for models with BatchNorm: its running statistics stay float32, which the CPU kernels refuse to
+    mix with bfloat16 parameters (FSDP1 kept BatchNorm in float32 for the same reason).
+    """
+    dtype = DTYPES[args.param_dtype]
+    if dtype == torch.float32 or (args.strategy == "fsdp" and not has_batchnorm(model)):
+        return None
+    return dtype
+
+
 def mesh_for(args: ParallelArgs, env: Env) -> DeviceMesh:
     device_type = env.device.type
     if args.strategy == "fsdp" and args.sharding == "hybrid":
@@ -89,9 +106,10 @@ def apply(model: nn.Module, args: ParallelArgs, env: Env) -> nn.Module:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mesh = mesh_for(args, env)
+    param_dtype = torch.float32 if has_batchnorm(model) else DTYPES[args.param_dtype]  # see autocast_dtype
     options = dict(
         mesh=mesh,
-        mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES[args.param_dtype], reduce_dtype=DTYPES[args.reduce_dtype]),
+        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=DTYPES[args.reduce_dtype]),
         offload_policy=CPUOffloadPolicy(pin_memory=env.device.type == "cuda") if args.cpu_offload else OffloadPolicy(),
         reshard_after_forward=args.sharding != "grad_op",
     )

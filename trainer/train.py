@@ -38,12 +38,9 @@ def build_model(cfg: Config, env: distributed.Env) -> torch.nn.Module:
     return parallel.apply(models.build(cfg.model), cfg.parallel, env)
 
 
-def _autocast(cfg: Config, env: distributed.Env):
-    """FSDP casts parameters itself; DDP and plain training use autocast for lower precision."""
-    dtype = parallel.DTYPES[cfg.parallel.param_dtype]
-    if cfg.parallel.strategy == "fsdp" or dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(env.device.type, dtype=dtype)
+def _autocast(env: distributed.Env, dtype: torch.dtype | None):
+    """Lower-precision compute where FSDP does not cast itself (see parallel.autocast_dtype)."""
+    return torch.autocast(env.device.type, dtype=dtype) if dtype else contextlib.nullcontext()
 
 
 def _no_sync(model, cfg: Config, last_micro: bool):
@@ -56,7 +53,7 @@ def _no_sync(model, cfg: Config, last_micro: bool):
 
 
 @torch.no_grad()
-def evaluate(model, cfg: Config, env: distributed.Env, dataset) -> dict:
+def evaluate(model, cfg: Config, env: distributed.Env, dataset, compute_dtype) -> dict:
     """Mean loss (and accuracy for classifiers) over fixed evaluation batches, over all ranks."""
     model.eval()
     micro, _ = batch_plan(cfg, env.world_size)
@@ -66,7 +63,7 @@ def evaluate(model, cfg: Config, env: distributed.Env, dataset) -> dict:
     for _ in range(cfg.eval.batches):
         x, y, _ = next(batches)
         x, y = x.to(env.device), y.to(env.device)
-        with _autocast(cfg, env):
+        with _autocast(env, compute_dtype):
             logits = model(x)
         totals[0] += models.loss_fn(logits, y).double() * y.numel()
         totals[1] += (logits.argmax(-1) == y).sum()
@@ -94,6 +91,7 @@ def train(cfg: Config) -> None:
     optimizer = optim.build(model.parameters(), cfg.optim, env.device)
     scheduler = optim.scheduler(optimizer, cfg.optim, cfg.train.steps)
     scaler = _grad_scaler(cfg, env)
+    compute_dtype = parallel.autocast_dtype(model, cfg.parallel)
     ckpt = checkpoint.Checkpointer(cfg.checkpoint, run_dir, env.rank, env.world_size, io_group)
     reporter = Reporter(run_dir, cfg.log, cfg.train.steps, env.is_main)
     stop = StopFlag(control)
@@ -128,7 +126,7 @@ def train(cfg: Config) -> None:
             if trace:
                 trace.write(f"{step} {' '.join(map(str, index.tolist()))}\n")
             x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
-            with _no_sync(model, cfg, last_micro=i == accum - 1), _autocast(cfg, env):
+            with _no_sync(model, cfg, last_micro=i == accum - 1), _autocast(env, compute_dtype):
                 loss = models.loss_fn(model(x), y) / accum
             scaler.scale(loss).backward() if scaler else loss.backward()
             loss_sum += loss.detach()
@@ -169,7 +167,7 @@ def train(cfg: Config) -> None:
 
         # evaluate
         if eval_set is not None and step % cfg.eval.interval == 0:
-            result = evaluate(model, cfg, env, eval_set)
+            result = evaluate(model, cfg, env, eval_set, compute_dtype)
             reporter.message(f"eval at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
             reporter.write({"step": step, **result})
 
