@@ -12,7 +12,9 @@ GPUS    := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 NPROC   ?= $(if $(filter-out 0,$(GPUS)),$(GPUS),2)
 OVERRIDES = $(if $(RUN_DIR),run_dir=$(RUN_DIR)) $(ARGS)
 
-.PHONY: help venv run check test bench clean
+CPU     ?=
+
+.PHONY: help venv run check test bench image up docker-engine clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^[^:]*:([a-z-]+):.*## /\1\t/; s/^([a-z-]+):.*## /\1\t/'
@@ -35,6 +37,22 @@ run: check ## train CONFIG with torchrun on NPROC local processes (RUN_DIR=, ARG
 
 test: venv ## run the whole test suite
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+bench: venv ## side-by-side performance report -> bench/results/<date>-<host>.md/.json (<= 10 min on CPU)
+	$(PY) bench/run.py $(BENCH_ARGS)
+
+image: ## build the container image: CUDA (default), or CPU=1 on a locally made Debian base
+ifeq ($(CPU),1)
+	docker/build-cpu-image.sh fsdp-trainer:cpu
+else
+	docker build -t fsdp-trainer:cuda .
+endif
+
+up: ## train with Docker Compose in the foreground on all GPUs (CPU=1: CPU image); RUN_DIR, CONFIG, ARGS
+	RUN_DIR="$(RUN_DIR)" CONFIG="$(CONFIG)" ARGS='$(ARGS)' docker/up.sh $(if $(filter 1,$(CPU)),cpu)
+
+docker-engine: ## start a local Docker engine (Debian, root; vfs storage, host networking)
+	docker/engine-up.sh
 
 clean: ## remove the venv and local runs
 	rm -rf $(VENV) runs

