@@ -137,11 +137,27 @@ def _rng_state() -> dict:
     return state
 
 
+def _stager() -> dict:
+    """Arguments for dcp.async_save: one stager kept for the whole run, copying the state in a
+    background thread into buffers it reuses from save to save (allocating them anew each time is
+    what makes an async save stall the loop). Older torch without DefaultStager: its default."""
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError:
+        return {}
+    cuda = torch.cuda.is_available()
+    options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True,
+                             use_non_blocking_copy=cuda)
+    return {"async_stager": DefaultStager(options)}
+
+
 class Checkpointer:
     def __init__(self, args: CheckpointArgs, run_dir: str, rank: int, world_size: int, group: dist.ProcessGroup):
         self.args, self.run_dir, self.rank, self.world_size, self.group = args, run_dir, rank, world_size, group
         self.pending: tuple[Future, int, str, dict] | None = None  # an async save not yet committed
+        self.staging: Future | None = None  # its copy of the state, until the copy is done
         self.last_saved: int | None = None
+        self.stager = _stager() if args.async_save else None
         if rank == 0:
             os.makedirs(folder(run_dir), exist_ok=True)
             for name in os.listdir(folder(run_dir)):
@@ -217,11 +233,19 @@ class Checkpointer:
         state = {"model": model_state, "optim": optim_state}
         self.last_saved = step
         if self.args.async_save and not blocking:
-            future = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group)
+            response = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group, **self.stager)
+            future = getattr(response, "upload_completion", response)
+            self.staging = getattr(response, "staging_completion", None)
             self.pending = (future, step, tmp, meta)
         else:
             dcp.save(state, checkpoint_id=tmp, process_group=self.group)
             self._commit(step, tmp, meta)
+
+    def wait_staged(self) -> None:
+        """Block until an async save has copied the state; call before the optimizer changes it."""
+        if self.staging is not None:
+            self.staging.result()
+            self.staging = None
 
     def poll(self) -> None:
         """Commit a finished async save (cheap; call once per step)."""
@@ -230,11 +254,18 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until the save in flight is written, then commit it."""
+        self.wait_staged()
         if self.pending:
             future, step, tmp, meta = self.pending
             self.pending = None
             future.result()  # raises if any rank failed to write
             self._commit(step, tmp, meta)
+
+    def close(self) -> None:
+        """Finish and commit the save in flight and release the stager's buffers."""
+        self.wait()
+        if self.stager:
+            self.stager["async_stager"].close()
 
     def _commit(self, step: int, tmp: str, meta: dict) -> None:
         # DCP's save returns on a rank only after the coordinator wrote .metadata, which it does only

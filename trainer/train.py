@@ -138,7 +138,8 @@ def train(cfg: Config) -> None:
         if cfg.train.grad_clip is not None:
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
 
-        # step
+        # step (an async save in flight must have copied the weights first)
+        ckpt.wait_staged()
         if scaler:
             scaler.step(optimizer)
             scaler.update()
@@ -181,7 +182,7 @@ def train(cfg: Config) -> None:
             reporter.message(f"stopped by signal after step {step}; the checkpoint is saved, a restart resumes here")
             break
 
-    ckpt.wait()
+    ckpt.close()
     if trace:
         trace.close()
     dist.barrier(group=control)
