@@ -13,8 +13,15 @@ NPROC   ?= $(if $(filter-out 0,$(GPUS)),$(GPUS),2)
 OVERRIDES = $(if $(RUN_DIR),run_dir=$(RUN_DIR)) $(ARGS)
 
 CPU     ?=
+# Slurm (make submit): empty values mean "not set"; an empty RUN_DIR makes runs/<config>-<date>.
+NODES         ?= 1
+GPUS_PER_NODE ?= 0
+TIME          ?=
+PARTITION     ?=
+CONTAINER     ?=
+LAUNCHER      ?= sbatch
 
-.PHONY: help venv run check test bench image up docker-engine clean
+.PHONY: help venv run check test bench image up docker-engine submit slurm-up slurm-down clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^[^:]*:([a-z-]+):.*## /\1\t/; s/^([a-z-]+):.*## /\1\t/'
@@ -53,6 +60,17 @@ up: ## train with Docker Compose in the foreground on all GPUs (CPU=1: CPU image
 
 docker-engine: ## start a local Docker engine (Debian, root; vfs storage, host networking)
 	docker/engine-up.sh
+
+submit: venv ## submit to Slurm: NODES=4 [GPUS_PER_NODE= CONFIG= RUN_DIR= TIME= PARTITION= CONTAINER=x.sqsh|x.sif LAUNCHER=submitit ARGS=]
+	$(PY) -m trainer.submit --nodes "$(NODES)" --gpus-per-node "$(GPUS_PER_NODE)" --config "$(CONFIG)" \
+	    --run-dir "$(RUN_DIR)" --time "$(TIME)" --partition "$(PARTITION)" --container "$(CONTAINER)" \
+	    --launcher "$(LAUNCHER)" -- $(ARGS)
+
+slurm-up: ## start the local 4-node Slurm cluster for trying jobs and for tests (root; Debian packages)
+	bash slurm/local/up.sh
+
+slurm-down: ## stop the local Slurm cluster
+	bash slurm/local/down.sh
 
 clean: ## remove the venv and local runs
 	rm -rf $(VENV) runs

@@ -47,9 +47,10 @@ def runs():
 # ---- helpers ------------------------------------------------------------------------------------
 
 
-def submit_job(*args: str) -> str:
+def submit_job(*args: str, env: dict[str, str] | None = None) -> str:
     """Run python -m trainer.submit; return the job id it prints."""
-    out = subprocess.run([sys.executable, "-m", "trainer.submit", *args], capture_output=True, text=True, cwd=REPO)
+    out = subprocess.run([sys.executable, "-m", "trainer.submit", *args], capture_output=True, text=True, cwd=REPO,
+                         env={**os.environ, **(env or {})})
     assert out.returncode == 0, out.stderr
     return re.search(r"submitted job (\d+)", out.stdout).group(1)
 
@@ -59,7 +60,7 @@ def job_info(job_id: str) -> dict[str, str]:
     return dict(re.findall(r"(\w+)=(\S*)", out.stdout))
 
 
-def wait_job(job_id: str, timeout: float = 120, release: bool = True) -> dict[str, str]:
+def wait_job(job_id: str, timeout: float = 240, release: bool = True) -> dict[str, str]:
     """Wait until job_id ends; a requeued job is released at once instead of after ~120 s."""
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -136,10 +137,12 @@ def test_four_nodes_then_continue_on_two(runs):
 
 @cluster
 def test_preempted_job_requeues_and_matches_uninterrupted_run(runs):
-    steps = ["train.steps=60", *COMMON]
+    steps = ["train.steps=30", *COMMON]
     reference, victim = runs / "reference", runs / "preempted"
-    ref_job = submit_job("--nodes", "2", "--run-dir", str(reference), *steps)
-    job = submit_job("--nodes", "2", "--run-dir", str(victim), *steps)
+    # Whole nodes (sbatch reads SBATCH_EXCLUSIVE), so that preempting one job leaves the other alone.
+    whole_nodes = {"SBATCH_EXCLUSIVE": "exclusive"}
+    ref_job = submit_job("--nodes", "2", "--run-dir", str(reference), *steps, env=whole_nodes)
+    job = submit_job("--nodes", "2", "--run-dir", str(victim), *steps, env=whole_nodes)
     wait_for(lambda: job_info(job).get("JobState") == "RUNNING", 60, "the job to start")
     nodes = job_info(job)["NodeList"]
     wait_for(lambda: submit.latest_step(victim), 90, "the first checkpoint")
@@ -149,7 +152,7 @@ def test_preempted_job_requeues_and_matches_uninterrupted_run(runs):
                             capture_output=True, text=True, check=True).stdout.strip()
     wait_for(lambda: int(job_info(job).get("Restarts", 0)) >= 1, 60, "the preempted job to be requeued")
     stopped_at = submit.latest_step(victim)
-    assert stopped_at is not None and stopped_at < 60
+    assert stopped_at is not None and stopped_at < 30
     assert wait_job(urgent)["JobState"] == "COMPLETED"
     info = wait_job(job)
     assert info["JobState"] == "COMPLETED", log_text(victim, job)
@@ -165,18 +168,19 @@ def test_preempted_job_requeues_and_matches_uninterrupted_run(runs):
 
 @cluster
 def test_time_limit_warning_saves_and_requeues(runs):
+    """The warning Slurm sends before the time limit (#SBATCH --signal=USR1@N) is SIGUSR1 to every
+    job step; scancel --signal=USR1 sends exactly that now instead of after a minute or more."""
     run_dir = runs / "time-limit"
-    # 2 minutes with the warning 90 s before the end: Slurm sends SIGUSR1 30-60 s after the start.
-    job = submit_job("--nodes", "2", "--run-dir", str(run_dir), "--time", "2", "--warn-seconds", "90",
-                     "train.steps=1000000", "checkpoint.interval=1000000", "log.interval=100")
+    job = submit_job("--nodes", "2", "--run-dir", str(run_dir), "--time", "30",
+                     "train.steps=1000000", "checkpoint.interval=1000000", "log.interval=5")
     try:
-        wait_for(lambda: "requeueing" in log_text(run_dir, job) if (run_dir / "slurm" / f"{job}.out").exists() else False,
-                 150, "the requeue after the time-limit warning")
+        wait_for(lambda: run_dir.joinpath("metrics.jsonl").is_file(), 90, "training to start")
+        subprocess.run(["scancel", "--signal=USR1", job], check=True)
+        wait_for(lambda: int(job_info(job).get("Restarts", 0)) >= 1, 60, "the job to be requeued")
         log = log_text(run_dir, job)
-        assert "received SIGUSR1" in log
+        assert "received SIGUSR1" in log and "requeueing" in log
         step = submit.latest_step(run_dir)
         assert step is not None and 0 < step < 1000000
-        wait_for(lambda: int(job_info(job).get("Restarts", 0)) >= 1, 30, "Restarts=1")
     finally:
         subprocess.run(["scancel", job])
 
@@ -185,7 +189,8 @@ def test_time_limit_warning_saves_and_requeues(runs):
 def test_job_without_progress_is_not_requeued_forever(runs):
     run_dir = runs / "no-progress"
     (run_dir / "metrics.jsonl").mkdir(parents=True)  # the trainer cannot write its metrics: fails at start
-    job = submit_job("--nodes", "1", "--run-dir", str(run_dir), "--max-attempts", "2", "train.steps=10")
+    job = submit_job("--nodes", "1", "--run-dir", str(run_dir), "--max-attempts", "2", "train.steps=10",
+                     "log.interval=1")
     info = wait_job(job)
     assert info["JobState"] == "FAILED"
     assert info["Restarts"] == "1"
@@ -193,15 +198,20 @@ def test_job_without_progress_is_not_requeued_forever(runs):
 
 
 @cluster
-def test_submitit_launcher(runs):
+def test_submitit_launcher_checkpoints_requeues_and_finishes(runs):
+    """submitit's own path: the warning signal (USR1 here) makes submitit call checkpoint(), which
+    waits for the ranks to save; submitit requeues, and the requeued job resumes and finishes."""
     run_dir = runs / "submitit"
     job = submit_job("--launcher", "submitit", "--nodes", "2", "--run-dir", str(run_dir), "--time", "10",
-                     "train.steps=10", *COMMON)
+                     "train.steps=100", "checkpoint.interval=100", "log.interval=5")
+    wait_for(lambda: run_dir.joinpath("metrics.jsonl").is_file(), 90, "training to start")
+    subprocess.run(["scancel", "--signal=USR1", job], check=True)
     info = wait_job(job)
-    logs = "\n".join(p.read_text() for p in sorted((run_dir / "slurm" / "submitit").glob(f"{job}_*_log.*")))
-    assert info["JobState"] == "COMPLETED", logs
+    logs = "\n".join(p.read_text() for p in sorted((run_dir / "slurm" / "submitit").glob(f"{job}_0_log.*")))
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", logs
+    assert "Calling checkpoint method" in logs and "resumed from" in logs
     assert {row["world_size"] for row in metrics(run_dir)} == {2}
-    assert submit.latest_step(run_dir) == 10
+    assert submit.latest_step(run_dir) == 100
 
 
 @cluster

@@ -8,12 +8,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from trainer.check import validate
-from trainer.checkpoint import CheckpointError
-from trainer.config import ConfigError, load
-from trainer.data import DataError
-from trainer.dist import read_env
-from trainer.metrics import setup_logging
+from trainer import signals
+
+signals.install()  # before the slow imports below: a stop signal during start-up is kept, not fatal
+
+from trainer.check import validate  # noqa: E402
+from trainer.checkpoint import CheckpointError  # noqa: E402
+from trainer.config import ConfigError, load  # noqa: E402
+from trainer.data import DataError  # noqa: E402
+from trainer.dist import read_env  # noqa: E402
+from trainer.metrics import setup_logging  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

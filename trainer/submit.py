@@ -408,7 +408,8 @@ def submit_submitit(job: Job) -> str:
     executor = submitit.AutoExecutor(folder=folder, cluster="slurm")
     params = dict(nodes=job.nodes, tasks_per_node=1, timeout_min=_submitit_minutes(job.time),
                   name=f"train-{job.run_dir.name}", slurm_signal_delay_s=job.warn_seconds,
-                  slurm_additional_parameters={"requeue": True})
+                  slurm_additional_parameters={"requeue": True},
+                  slurm_srun_args=["--open-mode=append"])  # a requeued job appends to its task logs
     if job.gpus_per_node:
         params["gpus_per_node"] = job.gpus_per_node
     if job.partition:

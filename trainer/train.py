@@ -116,9 +116,8 @@ def train(cfg: Config) -> None:
                      f"strategy {cfg.parallel.strategy}, {micro} samples x {accum} micro-batches per rank, steps {step}->{cfg.train.steps}")
 
     model.train()
+    window_start, window_steps = time.perf_counter(), 0  # throughput over the steps since the last row
     while step < cfg.train.steps:
-        started = time.perf_counter()
-
         # accumulate: the mean loss over the global batch, micro-batch by micro-batch
         loss_sum = torch.zeros((), device=env.device)
         for i in range(accum):
@@ -149,13 +148,14 @@ def train(cfg: Config) -> None:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step, samples = step + 1, samples + B
+        window_steps += 1
 
         # log
         if step % cfg.log.interval == 0 or step == cfg.train.steps:
             dist.all_reduce(loss_sum)  # gloo has no AVG
-            loss_sum /= env.world_size
-            elapsed = time.perf_counter() - started
-            row = {"step": step, "loss": loss_sum.item(), "lr": lr, "world_size": env.world_size,
+            loss = loss_sum.item() / env.world_size  # waits for the device: the timing below is real
+            elapsed = (time.perf_counter() - window_start) / window_steps
+            row = {"step": step, "loss": loss, "lr": lr, "world_size": env.world_size,
                    "samples_per_s": B / elapsed, "step_time_s": elapsed, "peak_mem_gb": peak_memory_gb(env.device)}
             if grad_norm is not None:
                 row["grad_norm"] = _full(grad_norm).item()
@@ -165,6 +165,7 @@ def train(cfg: Config) -> None:
                 if peak:
                     row["mfu"] = flops_per_token * tokens_per_s / (peak * env.world_size)
             reporter.row(row)
+            window_start, window_steps = time.perf_counter(), 0
 
         # evaluate
         if eval_set is not None and step % cfg.eval.interval == 0:

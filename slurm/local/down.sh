@@ -1,0 +1,31 @@
+#!/bin/bash
+# Stop the local Slurm cluster started by slurm/local/up.sh: the four slurmd, slurmctld and munged.
+# Jobs still running are cancelled first. Safe to run when nothing is running.
+set -euo pipefail
+nodes=(n1 n2 n3 n4)
+
+# Stop the daemon whose pid is in file $1 and wait until it is gone.
+stop() {
+    local pidfile="$1" pid
+    [ -s "$pidfile" ] || return 0
+    pid="$(cat "$pidfile")"
+    if kill -0 "$pid" 2>/dev/null; then
+        kill "$pid"
+        for _ in $(seq 30); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+        if kill -0 "$pid" 2>/dev/null; then kill -9 "$pid"; fi
+    fi
+    rm -f "$pidfile"
+}
+
+if [ -s /run/slurm-local/slurmctld.pid ] && command -v scancel >/dev/null; then
+    scancel --user=root 2>/dev/null || true
+    # Give job steps a moment to end before their slurmd goes away.
+    for _ in $(seq 20); do
+        [ -z "$(squeue -h -t running,completing 2>/dev/null)" ] && break
+        sleep 1
+    done
+fi
+for n in "${nodes[@]}"; do stop "/run/slurm-local/slurmd-$n.pid"; done
+stop /run/slurm-local/slurmctld.pid
+stop /run/munge/munged.pid
+echo "slurm-down: stopped"
