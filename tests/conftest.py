@@ -31,8 +31,8 @@ TINY = [
 
 def env() -> dict:
     e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    e.pop("RANK", None)
-    e.pop("WORLD_SIZE", None)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        e.pop(name, None)
     return e
 
 
