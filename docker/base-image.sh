@@ -18,6 +18,7 @@ if ! command -v debootstrap >/dev/null 2>&1; then
 fi
 
 DIR=$(mktemp -d /tmp/debootstrap.XXXXXX)
+chmod 755 "$DIR"  # it becomes the image's /: mktemp made it 700, which locks out non-root users
 trap 'rm -rf "$DIR"' EXIT
 debootstrap --variant=minbase bookworm "$DIR" "$MIRROR" >"$DIR.log" 2>&1 \
     || { echo "base-image: debootstrap failed; see $DIR.log" >&2; exit 1; }
