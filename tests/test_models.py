@@ -110,6 +110,14 @@ def test_mnist_missing_says_where(tmp_path):
         data.mnist(str(tmp_path), train=True, download=False)
 
 
+def test_mnist_download_failure_says_what_to_do(tmp_path, monkeypatch):
+    from torchvision import datasets
+
+    monkeypatch.setattr(datasets.MNIST, "mirrors", ["http://127.0.0.1:9/"])  # nothing listens there
+    with pytest.raises(data.DataError, match=f"could not download MNIST into {tmp_path} .*copy the MNIST files to {tmp_path}/MNIST/raw"):
+        data.mnist(str(tmp_path), train=True, download=True)
+
+
 def test_image_folder(tmp_path):
     from PIL import Image
 

@@ -109,10 +109,11 @@ def mnist(root: str, train: bool, download: bool) -> Dataset:
     transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))])
     try:
         return datasets.MNIST(root, train=train, download=download, transform=transform)
-    except RuntimeError as e:  # "Dataset not found" when download=False
-        raise DataError(f"MNIST not found under {root}/MNIST/raw ({e}); set data.download=true or copy the files there") from None
-    except OSError as e:  # no network
-        raise DataError(f"could not download MNIST into {root} ({e}); copy the MNIST files to {root}/MNIST/raw") from None
+    except (RuntimeError, OSError) as e:  # "Dataset not found", or every download mirror failed
+        why = " ".join(str(e).split())  # torchvision's message spans lines
+        if download:
+            raise DataError(f"could not download MNIST into {root} ({why}); without internet, copy the MNIST files to {root}/MNIST/raw") from None
+        raise DataError(f"MNIST not found under {root}/MNIST/raw ({why}); set data.download=true or copy the files there") from None
 
 
 def image_folder(root: str, size: int) -> Dataset:

@@ -105,8 +105,13 @@ def train(cfg: Config) -> None:
         reporter.message(f"nothing to do: step {step} reached train.steps={cfg.train.steps}; raise train.steps to continue")
         return
 
+    # Rank 0 first: it downloads what is missing (MNIST), the others then find it in place.
+    if not env.is_main:
+        dist.barrier(group=control)
     train_set = data.build(cfg.data, cfg.model, cfg.train.seed, train=True)
     eval_set = data.build(cfg.data, cfg.model, cfg.train.seed, train=False) if cfg.eval.interval else None
+    if env.is_main:
+        dist.barrier(group=control)
     batches = data.loader(train_set, cfg.data, cfg.train.seed, samples, B, micro, env.rank, env.world_size)
     trace = _open_trace(run_dir, env.rank) if cfg.data.trace else None
     flops_per_token = parallel.unwrap(model).flops_per_token() if cfg.model.name == "transformer" else None
