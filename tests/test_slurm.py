@@ -2,7 +2,8 @@
 
 The cluster tests are skipped with one line when the cluster is not up. Every job is tiny: one
 CPU process per emulated node, the default config's tiny transformer, a few dozen steps.
-Run directories live under runs/ (a path every node sees; /tmp would be refused for multi-node).
+Run directories live under runs/ (a path every node sees), or under ~/.cache when the repository
+itself sits on a node-local path such as /tmp, which multi-node submissions rightly refuse.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ cluster = pytest.mark.skipif(not _cluster_up(), reason="local Slurm cluster is n
 @pytest.fixture(scope="module")
 def runs():
     root = REPO / "runs" / f"test-slurm-{os.getpid()}"
+    try:
+        submit.check_shared(root, nodes=4)
+    except submit.SubmitError:  # e.g. a CI clone in /tmp
+        root = Path.home() / ".cache" / "fsdp-trainer-tests" / f"slurm-{os.getpid()}"
     root.mkdir(parents=True, exist_ok=True)
     yield root
     shutil.rmtree(root, ignore_errors=True)
