@@ -29,8 +29,11 @@ TINY = [
 ]
 
 
-def env() -> dict:
+def env(gpu: bool = False) -> dict:
+    """The trainer's environment; the CPU (gloo) unless `gpu`, also on a machine with GPUs."""
     e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    if not gpu:
+        e["CUDA_VISIBLE_DEVICES"] = ""
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         e.pop(name, None)
     return e
@@ -44,9 +47,9 @@ def command(run_dir, nproc: int, overrides, config: str = "configs/default.yaml"
 
 
 def train(run_dir, nproc: int = 1, *overrides, config: str = "configs/default.yaml", expect: int = 0,
-          timeout: float = 300) -> subprocess.CompletedProcess:
+          timeout: float = 300, gpu: bool = False) -> subprocess.CompletedProcess:
     """Run the trainer to the end; fail the test with its output if the exit code is not `expect`."""
-    proc = subprocess.run(command(run_dir, nproc, overrides, config), cwd=ROOT, env=env(), capture_output=True,
+    proc = subprocess.run(command(run_dir, nproc, overrides, config), cwd=ROOT, env=env(gpu), capture_output=True,
                           text=True, timeout=timeout)
     if proc.returncode != expect:
         pytest.fail(f"trainer exited {proc.returncode}, expected {expect}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")

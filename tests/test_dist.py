@@ -58,10 +58,22 @@ def test_gpus_give_nccl_and_the_local_rank_device(clean_env):
     assert chosen == {"device": torch.device("cuda", 3), "backend": "cuda:nccl,cpu:gloo", "device_id": torch.device("cuda", 3)}
 
 
+def test_more_processes_than_gpus_is_refused_with_what_to_do(monkeypatch):
+    from trainer.check import check_gpus
+    from trainer.config import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    check_gpus(1)
+    with pytest.raises(ConfigError, match=r"2 processes on this node but 1 GPU\(s\) visible.*--nproc-per-node=1.*CUDA_VISIBLE_DEVICES="):
+        check_gpus(2)
+
+
 def test_cpu_gives_gloo(clean_env):
     for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):  # init sets these for one process
         clean_env.setenv(name, "")
         clean_env.delenv(name)
+    clean_env.setattr(torch.cuda, "is_available", lambda: False)
     chosen = {}
     clean_env.setattr(torch.distributed, "init_process_group",
                       lambda backend, timeout, device_id: chosen.update(backend=backend, device_id=device_id))

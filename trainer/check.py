@@ -141,6 +141,17 @@ def check_devices(nproc: int) -> None:
         raise ConfigError(f"NPROC={nproc} processes but this machine has {have} {what}; use NPROC={have} or fewer")
 
 
+def check_gpus(local_world_size: int) -> None:
+    """Each process of a node needs a GPU of its own: NCCL refuses two ranks on one device."""
+    if not torch.cuda.is_available():
+        return
+    have = torch.cuda.device_count()
+    if local_world_size > have:
+        raise ConfigError(f"{local_world_size} processes on this node but {have} GPU(s) visible; each process needs its "
+                          f"own GPU: start at most {have} per node (torchrun --nproc-per-node={have}), or hide the "
+                          f"GPUs (CUDA_VISIBLE_DEVICES=) to train on the CPU")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.check", description=__doc__.split("\n")[0])
     parser.add_argument("--config", required=True, help="YAML config file")
