@@ -21,7 +21,7 @@ PARTITION     ?=
 CONTAINER     ?=
 LAUNCHER      ?= sbatch
 
-.PHONY: help venv run check test bench image up docker-engine submit slurm-up slurm-down clean
+.PHONY: help venv run check test test-gpu bench image up docker-engine submit slurm-up slurm-down clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^[^:]*:([a-z-]+):.*## /\1\t/; s/^([a-z-]+):.*## /\1\t/'
@@ -44,6 +44,9 @@ run: check ## train CONFIG with torchrun on NPROC local processes (RUN_DIR=, ARG
 
 test: venv ## run the whole test suite
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+test-gpu: venv ## the CUDA-path tests on this machine's GPU (skipped without one; CI has none)
+	$(PY) -m pytest tests/test_gpu.py $(PYTEST_ARGS)
 
 bench: venv ## side-by-side performance report -> bench/results/<date>-<host>.md/.json (<= 10 min on CPU)
 	$(PY) bench/run.py $(BENCH_ARGS)
