@@ -120,7 +120,15 @@ def apply(model: nn.Module, args: ParallelArgs, env: Env) -> nn.Module:
     fully_shard(model, **{**options, "reshard_after_forward": False})
     if _on_meta(model):  # fully_shard moved real tensors already; meta ones get storage now
         model.to_empty(device="cpu" if args.cpu_offload else env.device)
+        if args.cpu_offload:  # FSDP offloads the parameters only: buffers (RoPE tables) stay where compute is
+            _buffers_to(model, env.device)
     return model
+
+
+def _buffers_to(model: nn.Module, device: torch.device) -> None:
+    for module in model.modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            module._buffers[name] = buffer.to(device)
 
 
 def _on_meta(model: nn.Module) -> bool:
