@@ -42,8 +42,10 @@ GOALS = {
     "dcp_vs_rank0_save_time": ("DCP save time / full state dict gathered and torch.save'd on rank 0", "<=", 0.5),
     "dcp_vs_rank0_peak_mem": ("rank 0 memory added by the save: DCP / full state dict on rank 0", "<=", 0.5),
     "resume_start_overhead": ("start->first step resuming / (start->first step fresh + load time)", "<=", 1.1),
-    "gpu_mfu": ("model FLOPs utilisation of a GPU training run", None, None),
-    "gpu_tokens_per_s": ("tokens per second of a GPU training run", None, None),
+    "gpu_mfu": ("model FLOPs utilisation of a 1B bf16 torch.compile'd run on each GPU of this machine", ">=", 0.5),
+    "gpu_tokens_per_s": ("tokens per second of that run, all GPUs", None, None),
+    "gpu_peak_mem_gb": ("peak GPU memory allocated by that run, per GPU", None, None),
+    "gpu_mfu_eager": ("model FLOPs utilisation of the same run without torch.compile", None, None),
 }
 
 
@@ -92,6 +94,8 @@ def launch(nproc: int, args: list[str], log: Path, timeout: float, watch: Path |
     """Run `torchrun ... args` from the repository root; returns (seconds since launch at which each
     row of `watch` appeared with the row, the log text). Raises Failed on an error or a timeout."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_process(nproc)), "PYTHONUNBUFFERED": "1"}
+    if nproc > gpu_count():
+        env["CUDA_VISIBLE_DEVICES"] = ""  # more processes than GPUs: measure on the CPU (gloo) instead
     cmd = [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", *args]
     clock = RowClock(watch) if watch else None
     with open(log, "w") as out:
@@ -111,6 +115,12 @@ def launch(nproc: int, args: list[str], log: Path, timeout: float, watch: Path |
         raise Failed(f"exit status {rc}: {(errors or ['?'])[-1].strip()[:200]} (log: {log.relative_to(ROOT)})")
     rows = [(t - started if t else None, row) for t, row in clock.rows()] if clock else []
     return rows, text
+
+
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 class Budget:
@@ -322,27 +332,36 @@ def checkpoint_io(ctx) -> tuple[dict, dict, dict]:
 
 
 def gpu(ctx) -> tuple[dict, dict, dict]:
-    """MFU and tokens/s of a short bf16 run of the 1b transformer on all local GPUs (where there are)."""
+    """MFU, tokens/s and peak memory of short bf16 runs of the 1b transformer on all local GPUs, with
+    and without torch.compile; one micro-batch per step, as large as the GPU's memory comfortably takes."""
     import torch
 
+    keys = MEASURED_BY[gpu]
     if not torch.cuda.is_available():
-        reason = "no GPU here (torch.cuda.is_available() is False)"
-        return {"gpu_mfu": None, "gpu_tokens_per_s": None}, {"gpu_mfu": reason, "gpu_tokens_per_s": reason}, {}
-    n = torch.cuda.device_count()
+        return {k: None for k in keys}, {k: "no GPU here (torch.cuda.is_available() is False)" for k in keys}, {}
+    n, name = torch.cuda.device_count(), torch.cuda.get_device_name(0)
+    micro = 16 if torch.cuda.get_device_properties(0).total_memory > 100e9 else 8  # 16 peaks at ~72 GB
     run_dir = ctx.scratch / "gpu"
-    shutil.rmtree(run_dir, ignore_errors=True)
-    overrides = ["model.size=1b", "model.seq_len=2048", f"train.global_batch_size={4 * n}", "train.micro_batch_size=2",
-                 "train.steps=30", "log.interval=5", "checkpoint.interval=0", "log.progress=false",
-                 "parallel.param_dtype=bfloat16", "parallel.activation_checkpointing=true"]
-    launch(n, trainer_args(run_dir, overrides), ctx.scratch / "gpu.log", ctx.budget.need(120, "the GPU run"))
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "tokens_per_s" in r][1:]  # the first row holds compilation/warm-up
-    shutil.rmtree(run_dir, ignore_errors=True)
-    note = f"1b transformer, bf16, seq 2048, global batch {4 * n}, {n} x {torch.cuda.get_device_name(0)}, median of {len(rows)} rows"
-    mfu = [r["mfu"] for r in rows if "mfu" in r]
-    values = {"gpu_mfu": statistics.median(mfu) if mfu else None,
-              "gpu_tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows)}
-    return values, {"gpu_mfu": note if mfu else "the GPU's peak FLOP/s is unknown to trainer.metrics", "gpu_tokens_per_s": note}, {}
+    results = {}
+    for compiled in (True, False):
+        shutil.rmtree(run_dir, ignore_errors=True)
+        overrides = ["model.size=1b", "model.seq_len=2048", f"train.global_batch_size={micro * n}",
+                     f"train.micro_batch_size={micro}", f"train.steps={ctx.args.gpu_steps}", "log.interval=5",
+                     "log.progress=false", "checkpoint.interval=0", "parallel.param_dtype=bfloat16",
+                     f"parallel.compile={str(compiled).lower()}", "data.num_workers=2", "optim.lr=3e-4"]
+        label = "compiled" if compiled else "eager"
+        launch(n, trainer_args(run_dir, overrides), ctx.scratch / f"gpu-{label}.log", ctx.budget.need(150, f"the {label} GPU run"))
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        results[label] = [r for r in rows if "tokens_per_s" in r][1:]  # the first window holds compilation/warm-up
+        shutil.rmtree(run_dir, ignore_errors=True)  # the final checkpoint too: ~13 GB
+    med = lambda label, key: statistics.median(r[key] for r in results[label]) if results[label] and key in results[label][0] else None  # noqa: E731
+    values = {"gpu_mfu": med("compiled", "mfu"), "gpu_tokens_per_s": med("compiled", "tokens_per_s"),
+              "gpu_peak_mem_gb": max(r["peak_mem_gb"] for r in results["compiled"]), "gpu_mfu_eager": med("eager", "mfu")}
+    what = (f"1b transformer ({n} x {name}), bf16 params, float32 reduction, seq 2048, {micro} sequences per GPU per "
+            f"step, no activation checkpointing; median of {len(results['compiled'])} windows of 5 steps after the first")
+    no_peak = "the GPU's peak FLOP/s is unknown to trainer.metrics"
+    return values, {"gpu_mfu": what if values["gpu_mfu"] is not None else no_peak, "gpu_tokens_per_s": what,
+                    "gpu_peak_mem_gb": what, "gpu_mfu_eager": what if values["gpu_mfu_eager"] is not None else no_peak}, {}
 
 
 # In this order: the keys each measures and about the least time it needs to measure them (its
@@ -352,16 +371,14 @@ MEASUREMENTS = [
                      "dcp_vs_rank0_peak_mem", "shard_bytes_vs_ideal_n2"], 150),
     (shard_bytes, ["shard_bytes_vs_ideal_n4"], 45),
     (trainer_runs, ["trainer_vs_minimal_step_time", "resume_start_overhead"], 3 * 45),  # trainer, minimal, resume
-    (gpu, ["gpu_mfu", "gpu_tokens_per_s"], 120),  # 0 without a GPU
+    (gpu, ["gpu_mfu", "gpu_tokens_per_s", "gpu_peak_mem_gb", "gpu_mfu_eager"], 2 * 150),  # 0 without a GPU
 ]
 MEASURED_BY = {measure: keys for measure, keys, _ in MEASUREMENTS}
 
 
-def least_time(index: int) -> float:
-    """Seconds the measurements after MEASUREMENTS[index] need at least."""
-    import torch
-
-    return sum(need for measure, _, need in MEASUREMENTS[index + 1:] if measure is not gpu or torch.cuda.is_available())
+def least_time(chosen: list, index: int) -> float:
+    """Seconds the measurements after chosen[index] need at least."""
+    return sum(need for measure, _, need in chosen[index + 1:] if measure is not gpu or gpu_count())
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -431,6 +448,9 @@ def main() -> int:
     parser.add_argument("--shard-size", default="small", help="transformer size of the shard-bytes measurements")
     parser.add_argument("--ckpt-size", default="125m", help="transformer size of the checkpoint runs")
     parser.add_argument("--ckpt-rounds", type=int, default=1, help="interleaved rounds of each checkpoint comparison")
+    parser.add_argument("--gpu-steps", type=int, default=30, help="steps of each GPU run")
+    parser.add_argument("--only", nargs="+", choices=[m.__name__ for m, _, _ in MEASUREMENTS],
+                        help="run only these measurements (the others are reported as not measured)")
     args = parser.parse_args()
     started = time.perf_counter()
 
@@ -441,8 +461,9 @@ def main() -> int:
     ctx.scratch.mkdir(parents=True, exist_ok=True)
     info = machine()
     values, notes, details = {}, {}, {}
-    for index, (measure, keys, _) in enumerate(MEASUREMENTS):
-        ctx.budget.reserve = least_time(index)
+    chosen = [m for m in MEASUREMENTS if not args.only or m[0].__name__ in args.only]
+    for index, (measure, keys, _) in enumerate(chosen):
+        ctx.budget.reserve = least_time(chosen, index)
         print(f"bench: {measure.__name__} ({ctx.budget.left():.0f}s of the budget left, "
               f"{ctx.budget.reserve:.0f}s of it kept for the rest)", flush=True)
         began = time.perf_counter()
@@ -453,6 +474,9 @@ def main() -> int:
             print(f"bench: {measure.__name__}: {e}", flush=True)
             values.update({k: None for k in keys}), notes.update({k: str(e) for k in keys})
         details.setdefault("seconds", {})[measure.__name__] = time.perf_counter() - began
+    for measure, keys, _ in MEASUREMENTS:
+        if (measure, keys, _) not in chosen:
+            notes.update({k: f"not measured in this run (--only {' '.join(args.only)})" for k in keys})
 
     sizes = (f"{args.nproc} processes (shard bytes: 2 and 4); models: step time and resume {args.step_size}, shard bytes "
              f"{args.shard_size}, checkpoints {args.ckpt_size}; "
@@ -461,13 +485,15 @@ def main() -> int:
     results = ROOT / args.results
     results.mkdir(parents=True, exist_ok=True)
     stem = results / f"{info['date']}-{info['host']}"
+    if gpu in [m for m, _, _ in chosen] and info["gpus"]:  # GPU figures: named after the GPU, beside the CPU's
+        stem = Path(f"{stem}-{info['gpus'][0].split()[-1].lower()}")
     Path(f"{stem}.md").write_text(text)
     report = {**values, "machine": info, "sizes": sizes, "goals": {k: {"op": op, "value": g} for k, (_, op, g) in GOALS.items()},
               "met": {k: met(k, values.get(k)) for k in GOALS}, "notes": notes, "details": details,
               "seconds": time.perf_counter() - started}
     Path(f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
     print(text)
-    print(f"wrote {stem.relative_to(ROOT)}.md and .json")
+    print(f"wrote {stem}.md and .json")
     return 0
 
 
