@@ -35,7 +35,7 @@ class ParallelArgs:
     reduce_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # gradient reduction dtype
     cpu_offload: bool = False  # keep sharded params, grads and optimizer state in host memory
     activation_checkpointing: bool = False  # recompute each block's activations in backward
-    compile: bool = False  # torch.compile each block (and the rest of the model)
+    compile: bool = False  # torch.compile each block and the loss
 
 
 def has_batchnorm(model: nn.Module) -> bool:

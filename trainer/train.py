@@ -88,6 +88,7 @@ def train(cfg: Config) -> None:
     B = cfg.train.global_batch_size
 
     model = build_model(cfg, env)
+    loss_fn = _loss_fn(cfg)
     optimizer = optim.build(model.parameters(), cfg.optim, env.device)
     scheduler = optim.scheduler(optimizer, cfg.optim, cfg.train.steps)
     scaler = _grad_scaler(cfg, env)
@@ -131,7 +132,7 @@ def train(cfg: Config) -> None:
                 trace.write(f"{step} {' '.join(map(str, index.tolist()))}\n")
             x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
             with _no_sync(model, cfg, last_micro=i == accum - 1), _autocast(env, compute_dtype):
-                loss = models.loss_fn(model(x), y) / accum
+                loss = loss_fn(model(x), y) / accum
             scaler.scale(loss).backward() if scaler else loss.backward()
             loss_sum += loss.detach()
 
@@ -192,6 +193,12 @@ def train(cfg: Config) -> None:
     if trace:
         trace.close()
     dist.barrier(group=control)
+
+
+def _loss_fn(cfg: Config):
+    """The training loss, compiled with the model: then the float32 copy of the logits is never
+    stored (at 1B parameters, 32k tokens and a 32k vocabulary that is 4 GB less, and faster)."""
+    return torch.compile(models.loss_fn) if cfg.parallel.compile else models.loss_fn
 
 
 def _open_trace(run_dir: str, rank: int):
