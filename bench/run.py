@@ -479,8 +479,8 @@ def main() -> int:
             notes.update({k: f"not measured in this run (--only {' '.join(args.only)})" for k in keys})
 
     sizes = (f"{args.nproc} processes (shard bytes: 2 and 4); models: step time and resume {args.step_size}, shard bytes "
-             f"{args.shard_size}, checkpoints {args.ckpt_size}; "
-             f"{time.perf_counter() - started:.0f}s in all.")
+             f"{args.shard_size}, checkpoints {args.ckpt_size}; ") if any(m is not gpu for m, _, _ in chosen) else ""
+    sizes += f"{time.perf_counter() - started:.0f}s in all."
     text = markdown(info, values, notes, sizes)
     results = ROOT / args.results
     results.mkdir(parents=True, exist_ok=True)

@@ -82,7 +82,7 @@ def test_cpu_gives_gloo(clean_env):
 
 
 @pytest.mark.parametrize("name, flops", [("NVIDIA H200", 989e12), ("NVIDIA H100 80GB HBM3", 989e12),
-                                         ("NVIDIA H100 PCIe", 756e12), ("NVIDIA A100-SXM4-80GB", 312e12),
+                                         ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12), ("NVIDIA A100-SXM4-80GB", 312e12),
                                          ("Some Future GPU", None)])
 def test_peak_flops_for_mfu(monkeypatch, name, flops):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: name)

@@ -38,6 +38,8 @@ def peak_flops(device: torch.device) -> float | None:
     name = torch.cuda.get_device_name(device)
     if "H100" in name and "PCIe" in name:
         return 756e12
+    if "H100 NVL" in name:
+        return 835e12
     for key, flops in PEAK_BF16_FLOPS.items():
         if key in name:
             return flops
