@@ -190,6 +190,7 @@ def trainer_runs(ctx) -> tuple[dict, dict, dict]:
     intervals = {"trainer": [], "minimal": []}
     reported = {"trainer": [], "minimal": []}  # the runs' own step_time_s
     runs = {"trainer": 0, "minimal": 0}
+    per_run = {"trainer": [], "minimal": []}  # each run's median step: how far runs of one program spread
     fresh, resumed, loads = [], [], []
     stopped = None  # why the series ended early
     for pair in range(a.pairs):
@@ -226,6 +227,7 @@ def trainer_runs(ctx) -> tuple[dict, dict, dict]:
             rows = rows[skip:]  # warm-up steps left out
             intervals[who] += [b[0] - a_[0] for a_, b in zip(rows, rows[1:])]
             reported[who] += [r["step_time_s"] for _, r in rows]
+            per_run[who].append(median([r["step_time_s"] for _, r in rows]))
             runs[who] += 1
             if who == "minimal":
                 shutil.rmtree(run_dir, ignore_errors=True)
@@ -241,7 +243,9 @@ def trainer_runs(ctx) -> tuple[dict, dict, dict]:
         notes["trainer_vs_minimal_step_time"] = (
             f"{what}, {runs['trainer']} + {runs['minimal']} runs of {steps} steps each ({skip} warm-up left out); median step "
             f"{med['trainer']:.3f}s vs {med['minimal']:.3f}s between metrics rows; the runs' own step_time_s give "
-            f"{own['trainer'] / own['minimal']:.3f}")
+            f"{own['trainer'] / own['minimal']:.3f}; each run's median step (ms): trainer "
+            f"{', '.join(f'{t * 1e3:.0f}' for t in per_run['trainer'])}, minimal "
+            f"{', '.join(f'{t * 1e3:.0f}' for t in per_run['minimal'])}")
     else:
         notes["trainer_vs_minimal_step_time"] = f"not measured: {stopped}"
     if fresh and resumed:
@@ -440,7 +444,7 @@ def main() -> int:
     parser.add_argument("--scratch", default="runs/bench", help="scratch folder, on the filesystem checkpoints go to")
     parser.add_argument("--results", default="bench/results")
     parser.add_argument("--nproc", type=int, default=2, help="processes of the step-time, checkpoint and resume runs")
-    parser.add_argument("--pairs", type=int, default=2, help="rounds of trainer, minimal loop, resumed trainer launches")
+    parser.add_argument("--pairs", type=int, default=3, help="rounds of trainer, minimal loop, resumed trainer launches")
     parser.add_argument("--steps", type=int, default=10, help="steps of each step-time run")
     parser.add_argument("--step-size", default="small", help="transformer size of the step-time runs")
     parser.add_argument("--seq-len", type=int, default=64, help="sequence length of the step-time runs")
