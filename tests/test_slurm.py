@@ -66,14 +66,19 @@ def job_info(job_id: str) -> dict[str, str]:
 
 
 def wait_job(job_id: str, timeout: float = 240, release: bool = True) -> dict[str, str]:
-    """Wait until job_id ends; a requeued job is released at once instead of after ~120 s."""
-    deadline = time.time() + timeout
+    """Wait until job_id ends; a requeued job is released after 2 s instead of Slurm's ~120 s.
+
+    Not at once: slurmd refuses a launch whose credential is not newer, to the second, than the
+    requeue's revocation ("Job credential revoked"), and Slurm then fails the job for good."""
+    deadline, released = time.time() + timeout, None  # the restart count last released
     while time.time() < deadline:
         info = job_info(job_id)
         if info.get("JobState") in FINAL_STATES:
             return info
-        if release and info.get("JobState") == "PENDING" and info.get("Reason") == "BeginTime":
-            subprocess.run(["scontrol", "update", f"jobid={job_id}", "StartTime=now"], check=True)
+        if (release and info.get("JobState") == "PENDING" and info.get("Reason") == "BeginTime"
+                and info.get("Restarts") != released):
+            subprocess.run(["scontrol", "update", f"jobid={job_id}", "StartTime=now+2"], check=True)
+            released = info.get("Restarts")
         time.sleep(1)
     subprocess.run(["scancel", job_id])
     raise AssertionError(f"job {job_id} did not end within {timeout} s: {job_info(job_id)}")
