@@ -13,6 +13,7 @@ cannot crowd out the others. Prints a table and writes bench/results/<date>-<hos
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -117,6 +118,7 @@ def launch(nproc: int, args: list[str], log: Path, timeout: float, watch: Path |
     return rows, text
 
 
+@functools.cache
 def gpu_count() -> int:
     import torch
 
@@ -466,6 +468,7 @@ def main() -> int:
     info = machine()
     values, notes, details = {}, {}, {}
     chosen = [m for m in MEASUREMENTS if not args.only or m[0].__name__ in args.only]
+    ran = {measure for measure, _, _ in chosen}
     for index, (measure, keys, _) in enumerate(chosen):
         ctx.budget.reserve = least_time(chosen, index)
         print(f"bench: {measure.__name__} ({ctx.budget.left():.0f}s of the budget left, "
@@ -479,17 +482,17 @@ def main() -> int:
             values.update({k: None for k in keys}), notes.update({k: str(e) for k in keys})
         details.setdefault("seconds", {})[measure.__name__] = time.perf_counter() - began
     for measure, keys, _ in MEASUREMENTS:
-        if (measure, keys, _) not in chosen:
+        if measure not in ran:
             notes.update({k: f"not measured in this run (--only {' '.join(args.only)})" for k in keys})
 
     sizes = (f"{args.nproc} processes (shard bytes: 2 and 4); models: step time and resume {args.step_size}, shard bytes "
-             f"{args.shard_size}, checkpoints {args.ckpt_size}; ") if any(m is not gpu for m, _, _ in chosen) else ""
+             f"{args.shard_size}, checkpoints {args.ckpt_size}; ") if ran - {gpu} else ""
     sizes += f"{time.perf_counter() - started:.0f}s in all."
     text = markdown(info, values, notes, sizes)
     results = ROOT / args.results
     results.mkdir(parents=True, exist_ok=True)
     stem = results / f"{info['date']}-{info['host']}"
-    if gpu in [m for m, _, _ in chosen] and info["gpus"]:  # GPU figures: named after the GPU, beside the CPU's
+    if gpu in ran and info["gpus"]:  # GPU figures: named after the GPU, beside the CPU's
         stem = Path(f"{stem}-{info['gpus'][0].split()[-1].lower()}")
     Path(f"{stem}.md").write_text(text)
     report = {**values, "machine": info, "sizes": sizes, "goals": {k: {"op": op, "value": g} for k, (_, op, g) in GOALS.items()},

@@ -21,10 +21,13 @@ class LogArgs:
     progress: bool = True  # live progress line on a terminal (rank 0 only)
 
 
-# Dense bf16 peak FLOP/s by device name, from the vendors' data sheets.
+# Dense bf16 peak FLOP/s by device name, from the vendors' data sheets. The first key found in the
+# name counts: the specific names come before the general ones.
 PEAK_BF16_FLOPS = {
     "H200": 989e12,
-    "H100": 989e12,  # SXM; the PCIe card is lower (756e12)
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "H100": 989e12,  # SXM
     "A100": 312e12,
     "L40S": 362e12,
     "A10G": 70e12,
@@ -36,10 +39,6 @@ def peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    if "H100" in name and "PCIe" in name:
-        return 756e12
-    if "H100 NVL" in name:
-        return 835e12
     for key, flops in PEAK_BF16_FLOPS.items():
         if key in name:
             return flops

@@ -103,7 +103,8 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # Grouped-query attention without copying k and v per query head (10% faster on an H200).
+        # Grouped-query attention without copying k and v per query head (less memory; on an H200 the
+        # attention alone ran 10% faster).
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
