@@ -3,6 +3,7 @@ checkpoint picked up; retention, async saves, export; clear errors for unusable 
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -143,6 +144,31 @@ def test_corrupt_newest_checkpoint_is_skipped(tmp_path):
     out = train(tmp_path, 1, *TINY, "train.steps=6", "checkpoint.interval=3").stdout
     assert f"skipping checkpoint {newest}: shard file {shard.name} missing or truncated" in out
     assert "at step 3" in out
+
+
+def test_unreadable_shard_stops_every_rank_with_its_cause(tmp_path, reference):
+    """Rank 1's shards lost (zeroed, the file keeps its size): rank 1 fails to read them, and rank 0,
+    whose own reads succeed, stops too with rank 1's cause (only rank 0 prints the error line)."""
+    import torch.distributed.checkpoint as dcp
+
+    source = tmp_path / "step_00000004"
+    shutil.copytree(reference / "checkpoints" / "step_00000004", source)
+    shard = source / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    lost = 0
+    for index, info in dcp.FileSystemReader(str(source)).read_metadata().storage_data.items():
+        if info.relative_path == shard.name and index.offset and index.offset[0] > 0:  # rank 1's half of a tensor
+            data[info.offset:info.offset + info.length] = bytes(info.length)
+            lost += 1
+    assert lost
+    shard.write_bytes(data)
+    files = {p: p.read_bytes() for p in source.rglob("*") if p.is_file()}
+    proc = train(tmp_path / "run", 2, *RESUMABLE, f"checkpoint.resume_from={source}", expect=1)  # torchrun's code
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [(f"error: checkpoint {source}: rank 1 could not read its shards (UnpicklingError, traceback above); "
+                    "resume from an earlier checkpoint with checkpoint.resume_from=<its folder>")], proc.stderr
+    assert "[rank0] rank 0: reading checkpoint" not in proc.stdout + proc.stderr
+    assert {p: p.read_bytes() for p in source.rglob("*") if p.is_file()} == files
 
 
 def test_async_save_matches_sync_and_resumes(tmp_path, reference):

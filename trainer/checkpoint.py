@@ -22,12 +22,14 @@ import os
 import re
 import shutil
 import time
+import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 log = logging.getLogger("trainer")
@@ -193,7 +195,7 @@ class Checkpointer:
         check_compatible(path, meta["shapes"], shapes(model_state))
         started = time.perf_counter()
         state = {"model": model_state, "optim": optim_state}
-        dcp.load(state, checkpoint_id=path, process_group=self.group)
+        self._read_shards(path, state)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         scheduler.load_state_dict(meta["scheduler"])
         rng_file = os.path.join(path, "rng", f"rank_{self.rank:05d}.pt")
@@ -206,6 +208,30 @@ class Checkpointer:
         meta["path"] = path
         self.last_saved = meta["step"]
         return meta
+
+    def _read_shards(self, path: str, state: dict) -> None:
+        """Fill `state`'s tensors (this rank's shards) from the checkpoint at `path`.
+
+        Each rank plans its own reads (`no_dist`): DCP's default load plan needs no coordination (its
+        global step hands every rank its own plan back), and routing the plans through rank 0 took
+        0.3 s of a 1 s load (125m, 2 processes, cache warm; more with more ranks). What the collective
+        gave, every rank failing with the error of any, is done here with one small all-gather."""
+        error = None
+        try:
+            with warnings.catch_warnings():  # no_dist warns that it assumes one process; it is each rank alone
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(state, checkpoint_id=path, no_dist=True)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - any failure stops every rank, with its cause
+            cause = e.failures[min(e.failures)][0] if isinstance(e, CheckpointException) and e.failures else e
+            log.error("rank %d: reading checkpoint %s failed", self.rank, path, exc_info=cause)
+            error = type(cause).__name__
+        errors: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(errors, error, group=self.group)
+        failed = [(rank, e) for rank, e in enumerate(errors) if e]
+        if failed:
+            rank, e = failed[0]
+            raise CheckpointError(f"checkpoint {path}: rank {rank} could not read its shards ({e}, traceback above); "
+                                  "resume from an earlier checkpoint with checkpoint.resume_from=<its folder>")
 
     # -- save ---------------------------------------------------------------------------------------
 
