@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from conftest import (
     PYTHON, ROOT, TINY, assert_same_losses, assert_same_weights, env, kill_group, losses, rows, start, train,
@@ -149,8 +150,6 @@ def test_corrupt_newest_checkpoint_is_skipped(tmp_path):
 def test_unreadable_shard_stops_every_rank_with_its_cause(tmp_path, reference):
     """Rank 1's shards lost (zeroed, the file keeps its size): rank 1 fails to read them, and rank 0,
     whose own reads succeed, stops too with rank 1's cause (only rank 0 prints the error line)."""
-    import torch.distributed.checkpoint as dcp
-
     source = tmp_path / "step_00000004"
     shutil.copytree(reference / "checkpoints" / "step_00000004", source)
     shard = source / "__1_0.distcp"

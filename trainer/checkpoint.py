@@ -227,9 +227,9 @@ class Checkpointer:
             error = type(cause).__name__
         errors: list[str | None] = [None] * self.world_size
         dist.all_gather_object(errors, error, group=self.group)
-        failed = [(rank, e) for rank, e in enumerate(errors) if e]
+        failed = next(((rank, e) for rank, e in enumerate(errors) if e), None)
         if failed:
-            rank, e = failed[0]
+            rank, e = failed
             raise CheckpointError(f"checkpoint {path}: rank {rank} could not read its shards ({e}, traceback above); "
                                   "resume from an earlier checkpoint with checkpoint.resume_from=<its folder>")
 
