@@ -32,6 +32,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from trainer.shard_reader import ShardReader
+
 log = logging.getLogger("trainer")
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -220,7 +222,7 @@ class Checkpointer:
         try:
             with warnings.catch_warnings():  # no_dist warns that it assumes one process; it is each rank alone
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.load(state, checkpoint_id=path, no_dist=True)
+                dcp.load(state, storage_reader=ShardReader(path), no_dist=True)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - any failure stops every rank, with its cause
             cause = e.failures[min(e.failures)][0] if isinstance(e, CheckpointException) and e.failures else e
             log.error("rank %d: reading checkpoint %s failed", self.rank, path, exc_info=cause)
