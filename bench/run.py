@@ -309,8 +309,11 @@ def checkpoint_io(ctx) -> tuple[dict, dict, dict]:
     if "dcp_load_vs_disk" in values:
         notes["dcp_load_vs_disk"] = (f"{what_io}; DCP {gb / med('dcp_load_s'):.2f} GB/s vs one sequential reader {gb / med('raw_read_s'):.2f} GB/s; "
                                      "the files' pages evicted (fsync + posix_fadvise DONTNEED) before each"
-                                     + (f"; DCP with the files cached: {med('dcp_load_cached_s'):.2f}s (its own work: planning, "
-                                        "a torch.load per tensor, the copy into the shards)" if med("dcp_load_cached_s") else ""))
+                                     + (f"; the load with the files cached: {med('dcp_load_cached_s'):.2f}s (its own work: "
+                                        "planning, state dicts, the reads from the page cache)" if med("dcp_load_cached_s") else "")
+                                     + (f"; the same load with DCP's stock FileSystemReader in place of the trainer's "
+                                        f"ShardReader: {med('stock_load_s'):.2f}s, {ratio(med('raw_read_s'), med('stock_load_s')):.2f} "
+                                        "of the disk" if med("stock_load_s") else ""))
     if "dcp_vs_rank0_save_time" in values:
         notes["dcp_vs_rank0_save_time"] = f"{what_io}; {med('dcp_save_s'):.2f}s vs {med('rank0_save_s'):.2f}s, both fsync'd"
     if "dcp_vs_rank0_peak_mem" in values:
