@@ -217,7 +217,8 @@ class Checkpointer:
         Each rank plans its own reads (`no_dist`): DCP's default load plan needs no coordination (its
         global step hands every rank its own plan back), and routing the plans through rank 0 took
         0.3 s of a 1 s load (125m, 2 processes, cache warm; more with more ranks). What the collective
-        gave, every rank failing with the error of any, is done here with one small all-gather."""
+        gave, every rank failing with the error of any, is done here with one small all-gather.
+        The reading itself is `ShardReader`'s (shard_reader.py)."""
         error = None
         try:
             with warnings.catch_warnings():  # no_dist warns that it assumes one process; it is each rank alone
