@@ -2,7 +2,8 @@
 
 * the trainer's DCP save and load (`trainer.checkpoint.Checkpointer`) against a raw sequential
   write and read of the same byte count, fsync'd, on the same filesystem, caches dropped before each
-  (and the load once more with the files cached: the time DCP needs besides the disk's);
+  (and the load once more with the files cached: the time DCP needs besides the disk's; and once
+  with DCP's stock FileSystemReader in place of the trainer's ShardReader);
 * the same DCP save against the tutorials' way: gather the full state dict, `torch.save` on rank 0;
 * what an async save blocks the training loop for (the trainer's Checkpointer used as
   `trainer.train` uses it, real training steps between) against a synchronous save of the same state.
