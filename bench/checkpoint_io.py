@@ -21,12 +21,11 @@ import dataclasses
 import os
 import shutil
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from bench import common, shard_bytes
 from trainer import checkpoint, dist as distributed
@@ -47,15 +46,6 @@ def raw_read(path: str) -> None:
     with open(path, "rb", buffering=0) as f:
         while f.readinto(buffer):
             pass
-
-
-def stock_load(path: str, model, optimizer) -> None:
-    """The trainer's load of model and optimizer (`Checkpointer.load`), with DCP's own reader."""
-    model_state, optim_state = get_state_dict(model, optimizer)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=path, no_dist=True)
-    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
 
 
 def rank0_full_save(model, optimizer, path: str, rank: int) -> None:
@@ -101,6 +91,8 @@ def main() -> None:
     result["state_bytes"] = common.rank_sum(sum(common.local(t).numel() * t.element_size() for t in _state_tensors(model, optimizer)), control)
 
     ckpt = checkpoint.Checkpointer(cfg.checkpoint, args.dir, rank, world, io_group)
+    stock = checkpoint.Checkpointer(cfg.checkpoint, args.dir, rank, world, io_group)
+    stock.reader = FileSystemReader  # the same load with DCP's own reader in place of the trainer's
     raw_file = os.path.join(args.dir, "raw.bin")
     full_file = os.path.join(args.dir, "full_state.pt")
     buffer = os.urandom(CHUNK) if rank == 0 else b""  # random: nothing below can compress it
@@ -155,8 +147,8 @@ def main() -> None:
         # Again with the files still in the page cache: DCP's own work, the floor under the load time.
         r["dcp_load_cached_s"] = common.timed(lambda: ckpt.load(model, optimizer, scheduler), control)
 
-        drop()  # DCP's own reader (FileSystemReader) in place of the trainer's ShardReader, same load
-        r["stock_load_s"] = common.timed(lambda: stock_load(checkpoint.step_path(args.dir, step), model, optimizer), control)
+        drop()
+        r["stock_load_s"] = common.timed(lambda: stock.load(model, optimizer, scheduler), control)
 
         drop()
         r["raw_read_s"] = common.timed(lambda: raw_read(raw_file) if rank == 0 else None, control)

@@ -156,6 +156,8 @@ def _stager() -> dict:
 
 
 class Checkpointer:
+    reader = ShardReader  # the DCP StorageReader loads read with (the bench swaps in DCP's own to compare)
+
     def __init__(self, args: CheckpointArgs, run_dir: str, rank: int, world_size: int, group: dist.ProcessGroup):
         self.args, self.run_dir, self.rank, self.world_size, self.group = args, run_dir, rank, world_size, group
         self.pending: tuple[Future, int, str, dict] | None = None  # an async save not yet committed
@@ -218,12 +220,12 @@ class Checkpointer:
         global step hands every rank its own plan back), and routing the plans through rank 0 took
         0.3 s of a 1 s load (125m, 2 processes, cache warm; more with more ranks). What the collective
         gave, every rank failing with the error of any, is done here with one small all-gather.
-        The reading itself is `ShardReader`'s (shard_reader.py)."""
+        The reading itself is `self.reader`'s: `ShardReader` (shard_reader.py)."""
         error = None
         try:
             with warnings.catch_warnings():  # no_dist warns that it assumes one process; it is each rank alone
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.load(state, storage_reader=ShardReader(path), no_dist=True)
+                dcp.load(state, storage_reader=self.reader(path), no_dist=True)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - any failure stops every rank, with its cause
             cause = e.failures[min(e.failures)][0] if isinstance(e, CheckpointException) and e.failures else e
             log.error("rank %d: reading checkpoint %s failed", self.rank, path, exc_info=cause)
