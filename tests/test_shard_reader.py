@@ -98,7 +98,7 @@ def test_a_missing_file_is_an_error_not_a_hang(tmp_path, monkeypatch):
 def test_read_ahead_stays_within_its_budget_and_stops_when_told(tmp_path):
     data = tmp_path / "data"
     data.write_bytes(os.urandom(3 << 20))
-    ahead = shard_reader._ReadAhead([(str(data), 0, 3 << 20)], ahead=1 << 20)
+    ahead = shard_reader._ReadAhead({str(data): [(0, 3 << 20)]}, ahead=1 << 20)
     with ahead:
         with ahead.cond:
             assert ahead.cond.wait_for(lambda: ahead.waiting, timeout=10)  # blocked, the budget used up

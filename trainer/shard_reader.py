@@ -61,14 +61,15 @@ class ShardReader(FileSystemReader):
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        order = [(relative_path, sorted(items, key=lambda i: self.storage_data[i.storage_index].offset))
-                 for relative_path, items in per_file.items()]
-        ranges = [(os.path.join(self.path, path), self.storage_data[i.storage_index].offset,
-                   self.storage_data[i.storage_index].length) for path, items in order for i in items]
+        for items in per_file.values():
+            items.sort(key=lambda i: self.storage_data[i.storage_index].offset)
+        spans = {os.path.join(self.path, path): [(self.storage_data[i.storage_index].offset,
+                                                  self.storage_data[i.storage_index].length) for i in items]
+                 for path, items in per_file.items()}
         rest: list[ReadItem] = []
-        with _ReadAhead(ranges) as ahead:
-            for relative_path, items in order:
-                with open(os.path.join(self.path, relative_path), "rb", buffering=0) as f:
+        with _ReadAhead(spans) as ahead:
+            for path, items in per_file.items():
+                with open(os.path.join(self.path, path), "rb", buffering=0) as f:
                     for item in items:
                         if not self._read_direct(f, item, planner):
                             rest.append(item)
@@ -180,11 +181,11 @@ class _ReadAhead:
     the load reaches it, and the disk works while the load's CPU does. Only a cache warmer: the
     load reads everything itself, so an error here only costs speed."""
 
-    def __init__(self, ranges: list[tuple[str, int, int]], ahead: int = _AHEAD_BYTES):
-        self.ranges = ranges  # (file, offset, length) in the order the load reads them
+    def __init__(self, spans: dict[str, list[tuple[int, int]]], ahead: int = _AHEAD_BYTES):
+        self.spans = spans  # file -> its (offset, length)s, in the order the load reads them
         self.ahead = ahead
-        self.done = 0  # bytes of `ranges` the load has finished
-        self.read = 0  # bytes of `ranges` read ahead
+        self.done = 0  # bytes of `spans` the load has finished
+        self.read = 0  # bytes of `spans` read ahead
         self.waiting = False  # whether it waits for the load to catch up
         self.stop = False
         self.cond = threading.Condition()
@@ -208,26 +209,32 @@ class _ReadAhead:
     def _run(self) -> None:
         block = memoryview(bytearray(_BLOCK_BYTES))
         try:
-            for path, offset, length in self.ranges:
+            for path, spans in self.spans.items():
                 with open(path, "rb", buffering=0) as f:
-                    f.seek(offset)
-                    end = self.read + length
-                    while self.read < end:
-                        with self.cond:
-                            self.waiting = True
-                            self.cond.notify_all()
-                            self.cond.wait_for(lambda: self.stop or self.read - self.done < self.ahead)
-                            self.waiting = False
-                            if self.stop:
-                                return
-                            room = self.ahead - (self.read - self.done)
-                        n = f.readinto(block[:min(_BLOCK_BYTES, end - self.read, room)])
-                        if not n:
-                            break
-                        self.read += n
-                    self.read = end
+                    for offset, length in spans:
+                        if not self._read_span(f, offset, self.read + length, block):
+                            return
         except OSError:
             pass  # the load itself meets the same error and reports it
+
+    def _read_span(self, f, offset: int, end: int, block: memoryview) -> bool:
+        """Read from `offset` until `self.read` is `end`, within the budget; False once told to stop."""
+        f.seek(offset)
+        while self.read < end:
+            with self.cond:
+                self.waiting = True
+                self.cond.notify_all()
+                self.cond.wait_for(lambda: self.stop or self.read - self.done < self.ahead)
+                self.waiting = False
+                if self.stop:
+                    return False
+                room = self.ahead - (self.read - self.done)
+            n = f.readinto(block[:min(_BLOCK_BYTES, end - self.read, room)])
+            if not n:
+                break
+            self.read += n
+        self.read = end
+        return True
 
 
 class _NotPlain(Exception):
