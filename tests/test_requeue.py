@@ -1,0 +1,77 @@
+"""The requeue check runs in the batch shell on the host: the system python3, standard library only,
+Python 3.6 or later. Run here with this machine's system Python and no site-packages at all."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin")
+HOST_MODULES = ["trainer/requeue.py", "trainer/layout.py", "trainer/__init__.py"]
+
+
+@pytest.fixture
+def scontrol(tmp_path):
+    """A stand-in for scontrol that records its calls (the real cluster runs in test_slurm.py)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls"
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\necho JobState=RUNNING\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    return bin_dir, calls
+
+
+def requeue(run_dir: Path, exit_code: int, job: str, bin_dir: Path) -> subprocess.CompletedProcess:
+    # -S: no site-packages (so no PyYAML, nothing installed), -s: no user site, -E: no PYTHON* variables.
+    cmd = [SYSTEM_PYTHON, "-S", "-s", "-E", "-m", "trainer.requeue", "--run-dir", str(run_dir),
+           "--exit-code", str(exit_code), "--max-attempts-without-progress", "2", "--job-id", job]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
+
+
+@pytest.mark.skipif(SYSTEM_PYTHON is None, reason="no system python3 in /usr/bin")
+def test_requeue_check_with_the_standard_library_only(tmp_path, scontrol):
+    bin_dir, calls = scontrol
+    assert subprocess.run([SYSTEM_PYTHON, "-S", "-c", "import yaml"], capture_output=True).returncode != 0
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "status.json").write_text(json.dumps({"steps": 20, "state": "stopped"}))
+
+    def save(step: int) -> None:
+        ckpt = run_dir / "checkpoints" / f"step_{step:08d}"
+        ckpt.mkdir(parents=True)
+        (ckpt / ".metadata").write_text("")
+        (ckpt / "meta.json").write_text(json.dumps({"step": step, "samples": 0, "world_size": 1, "scheduler": {},
+                                                    "shapes": {}}))
+
+    assert requeue(run_dir, 1, "7", bin_dir).returncode == 0  # nothing saved yet: attempt 1 of 2
+    save(5)
+    assert requeue(run_dir, 0, "7", bin_dir).returncode == 0  # progress resets the count
+    assert requeue(run_dir, 1, "7", bin_dir).returncode == 0  # attempt 1 without progress
+    out = requeue(run_dir, 1, "7", bin_dir)  # attempt 2: gives up
+    assert out.returncode == 1 and "NOT requeued: 2 attempts in a row saved no new checkpoint" in out.stderr
+    assert calls.read_text().count("requeue 7") == 3
+    out = requeue(run_dir, 2, "9", bin_dir)  # bad input: requeueing cannot help
+    assert out.returncode == 2 and "stopped on bad input" in out.stderr
+    (run_dir / "checkpoints" / ".tmp_step_00000020").mkdir()  # a save in progress: not a checkpoint
+    (run_dir / "checkpoints" / "step_00000015").mkdir()  # a step folder without its files: not either
+    out = requeue(run_dir, 0, "8", bin_dir)
+    assert "stopped at newest checkpoint: step 5" in out.stdout
+    save(20)
+    out = requeue(run_dir, 0, "8", bin_dir)
+    assert out.returncode == 0 and "training finished at step 20" in out.stdout
+    assert calls.read_text().count("requeue") == 4
+
+
+def test_host_modules_run_on_python_3_6():
+    """vermin reads the code and names the oldest Python that runs it (syntax and standard library)."""
+    vermin = shutil.which("vermin", path=str(Path(os.sys.executable).parent))
+    assert vermin, "vermin is in the test extras (pyproject.toml)"
+    out = subprocess.run([vermin, "--target=3.6-", "--no-tips", "--violations", "--eval-annotations",
+                          *HOST_MODULES], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr

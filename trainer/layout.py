@@ -1,0 +1,100 @@
+"""What a run directory holds, readable with the standard library alone.
+
+    <run_dir>/config.yaml            the resolved config of the run
+    <run_dir>/status.json            what the trainer is doing: train.steps, state, newest save
+    <run_dir>/checkpoints/step_00000100/   a complete checkpoint (see trainer/checkpoint.py)
+    <run_dir>/checkpoints/.tmp_*, .trash_* a save in progress or a folder being deleted
+
+The trainer (trainer/checkpoint.py, trainer/train.py) and the Slurm requeue check
+(trainer/requeue.py) both read the layout from here. The requeue check runs in the batch shell
+on the host, often with the system's python3 and nothing else installed: this module runs on
+Python 3.6 and later (RHEL/Rocky 8 and SLES 15 ship 3.6) and imports nothing outside the standard
+library. tests/test_requeue.py checks both.
+"""
+
+import json
+import os
+import re
+import time
+
+STEP_DIR = re.compile(r"^step_(\d+)$")
+STATUS_FILE = "status.json"
+# Keys a committed checkpoint's meta.json always holds.
+META_KEYS = ("step", "samples", "world_size", "scheduler", "shapes")
+
+
+def checkpoints_dir(run_dir):
+    return os.path.join(str(run_dir), "checkpoints")
+
+
+def step_path(run_dir, step):
+    return os.path.join(checkpoints_dir(run_dir), "step_{:08d}".format(step))
+
+
+def step_folders(run_dir):
+    """(step, path) of every step_N folder, oldest first, complete or not."""
+    root = checkpoints_dir(run_dir)
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        match = STEP_DIR.match(name)
+        if match:
+            found.append((int(match.group(1)), os.path.join(root, name)))
+    return sorted(found)
+
+
+def read_meta(path):
+    with open(os.path.join(path, "meta.json")) as f:
+        return json.load(f)
+
+
+def files_problem(path):
+    """Why the folder at `path` is not a committed checkpoint by its files alone, or None.
+
+    A commit writes meta.json last, after DCP's .metadata and every shard: both present and a
+    meta.json with every key is what a commit leaves. trainer/checkpoint.py checks the shards too."""
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        return "no DCP .metadata"
+    if not os.path.isfile(os.path.join(path, "meta.json")):
+        return "no meta.json"
+    try:
+        meta = read_meta(path)
+    except (OSError, ValueError) as e:
+        return "unreadable meta.json ({})".format(e)
+    missing = [k for k in META_KEYS if not isinstance(meta, dict) or k not in meta]
+    if missing:
+        return "meta.json lacks {}".format(", ".join(missing))
+    return None
+
+
+def latest_committed_step(run_dir):
+    """Step of the newest folder that passes files_problem, or None."""
+    for step, path in reversed(step_folders(run_dir)):
+        if files_problem(path) is None:
+            return step
+    return None
+
+
+def read_status(run_dir):
+    """The trainer's status.json as a dict ({} when absent or unreadable)."""
+    try:
+        with open(os.path.join(str(run_dir), STATUS_FILE)) as f:
+            status = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return status if isinstance(status, dict) else {}
+
+
+def write_status(run_dir, **fields):
+    """Update status.json with `fields` and the time (`updated`), atomically: a reader never sees
+    half a file."""
+    status = read_status(run_dir)
+    status.update(fields, updated=time.time())
+    path = os.path.join(str(run_dir), STATUS_FILE)
+    tmp = "{}.tmp{}".format(path, os.getpid())
+    with open(tmp, "w") as f:
+        json.dump(status, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -1,0 +1,109 @@
+"""After a Slurm job's training step ends: requeue it, unless it finished or stopped making progress.
+
+    python3 -m trainer.requeue --run-dir D [--exit-code N] [--max-attempts-without-progress K]
+
+Runs in the batch shell on the host after `srun` returns (slurm/train.sbatch.in), and in task 0
+of a submitit job. In container jobs the host's python3 is often the system one with nothing
+installed, so this module, like trainer/layout.py which it reads the run directory with, needs
+only the standard library and Python 3.6 or later.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+
+from trainer import layout
+
+# Exit code of the training step that means bad input (trainer/launch.py): requeueing cannot help.
+BAD_INPUT = 2
+
+
+def cancelled(job_id):
+    """Whether the job is ending for good: cancelled (scancel) or at its time limit.
+
+    While such a job completes, Slurm (22.05) still shows JobState=COMPLETING, not CANCELLED; what
+    tells it apart is an EndTime already passed with no PreemptTime. A preempted job has a
+    PreemptTime, and a job warned before its time limit an EndTime still ahead: those are requeued."""
+    out = subprocess.run(["scontrol", "show", "job", "-o", str(job_id)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, universal_newlines=True)
+    fields = dict(re.findall(r"(\w+)=(\S*)", out.stdout))
+    state = fields.get("JobState", "")
+    if state.startswith(("CANCELLED", "TIMEOUT")):
+        return True
+    if state != "COMPLETING" or fields.get("PreemptTime", "None") != "None":
+        return False
+    try:
+        end = datetime.datetime.strptime(fields.get("EndTime", ""), "%Y-%m-%dT%H:%M:%S")
+    except ValueError:
+        return False
+    return end <= datetime.datetime.now()
+
+
+def requeue_check(run_dir, exit_code, max_attempts, job_id):
+    """Requeue job_id unless training finished or stopped making progress; return an exit code.
+
+    An attempt makes progress when it leaves a newer checkpoint than the previous attempt of the
+    same job. After max_attempts attempts in a row without progress the job is not requeued and
+    fails with a message, so that a broken run does not loop forever."""
+    run_dir = str(run_dir)
+    latest = layout.latest_committed_step(run_dir)
+    status = layout.read_status(run_dir)
+    total = status.get("steps")
+    prefix = "requeue-check: job {}:".format(job_id)
+    where = "newest checkpoint: step {}".format(latest) if latest is not None else "no checkpoint yet"
+    if status.get("state") == "finished" or (total is not None and latest == total):
+        print("{} training finished at step {}; {}".format(prefix, latest, run_dir), flush=True)
+        return 0
+    if exit_code == BAD_INPUT:
+        print("{} NOT requeued: the training step stopped on bad input (exit code 2, the line above says "
+              "what); fix it and submit again with the same RUN_DIR ({})".format(prefix, where),
+              file=sys.stderr, flush=True)
+        return BAD_INPUT
+
+    state_file = os.path.join(run_dir, "slurm", "requeue.json")
+    try:
+        with open(state_file) as f:
+            state = json.load(f)
+    except (OSError, ValueError):
+        state = {}
+    if state.get("job_id") != job_id:
+        state = {"job_id": job_id, "step": None, "attempts_without_progress": 0}
+    progressed = latest is not None and (state["step"] is None or latest > state["step"])
+    attempts = 0 if progressed else state["attempts_without_progress"] + 1
+    os.makedirs(os.path.dirname(state_file), exist_ok=True)
+    with open(state_file, "w") as f:
+        json.dump({"job_id": job_id, "step": latest, "attempts_without_progress": attempts}, f)
+
+    if attempts >= max_attempts:
+        print("{} NOT requeued: {} attempts in a row saved no new checkpoint ({}, last exit code {}). Read "
+              "the log above, fix the cause, then submit again with the same RUN_DIR to resume."
+              .format(prefix, attempts, where, exit_code), file=sys.stderr, flush=True)
+        return 1
+    if cancelled(job_id):
+        print("{} cancelled or at its time limit; not requeued ({})".format(prefix, where), flush=True)
+        return 0
+    print("{} stopped at {} (exit code {}); requeueing".format(prefix, where, exit_code), flush=True)
+    result = subprocess.run(["scontrol", "requeue", str(job_id)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            universal_newlines=True)
+    if result.returncode != 0:
+        print("{} scontrol requeue failed: {}".format(prefix, result.stderr.strip()), file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python3 -m trainer.requeue", description=__doc__.split("\n")[0])
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--exit-code", type=int, default=0, help="exit code of the training step")
+    p.add_argument("--max-attempts-without-progress", type=int, default=3)
+    p.add_argument("--job-id", default=os.environ.get("SLURM_JOB_ID", ""))
+    a = p.parse_args(argv)
+    return requeue_check(a.run_dir, a.exit_code, a.max_attempts_without_progress, a.job_id)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
