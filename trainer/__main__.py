@@ -16,7 +16,7 @@ from trainer.check import check_gpus, validate  # noqa: E402
 from trainer.checkpoint import CheckpointError  # noqa: E402
 from trainer.config import ConfigError, load  # noqa: E402
 from trainer.data import DataError  # noqa: E402
-from trainer.dist import read_env  # noqa: E402
+from trainer.dist import NodeError, read_env  # noqa: E402
 from trainer.metrics import setup_logging  # noqa: E402
 
 
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         train(cfg)
-    except (CheckpointError, DataError) as e:
+    except (CheckpointError, DataError, NodeError) as e:
         return fail(str(e))
     finally:
         from trainer.dist import shutdown

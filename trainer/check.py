@@ -18,6 +18,11 @@ from trainer.config import Config, ConfigError, load
 from trainer.models import TRANSFORMER_SIZES
 
 LM_DATA = ("synthetic", "tokens")
+# Bytes a checkpoint holds per parameter: the float32 weight and the optimizer's float32 state.
+CHECKPOINT_BYTES_PER_PARAM = {"adamw": 12, "adam": 12, "adadelta": 12, "sgd": 8}
+# Write speed of one node assumed until a save of the run was measured: cautious for NFS/Lustre
+# (bench/results has this machine's figures; a parallel filesystem often does several GB/s).
+ASSUMED_SAVE_GB_PER_S_PER_NODE = 1.0
 
 
 def validate(cfg: Config, world_size: int, where: str = "config") -> None:
@@ -108,6 +113,29 @@ def validate(cfg: Config, world_size: int, where: str = "config") -> None:
     if c.resume_from is not None and not os.path.isdir(c.resume_from):
         fail("checkpoint.resume_from", f"{c.resume_from} does not exist; give a checkpoint folder such as run_dir/checkpoints/step_00000100")
     _check_writable(cfg.run_dir, where)
+
+
+def param_count(cfg: Config) -> int:
+    """Parameters of the configured model, counted on the meta device (nothing is allocated)."""
+    from trainer.models import build
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in build(cfg.model).parameters())
+
+
+def save_seconds(cfg: Config, nodes: int, run_dir: str) -> tuple[float, str]:
+    """(seconds one blocking save takes, how that was found): measured by this run dir's last
+    blocking save if there was one, else estimated from the state's size."""
+    from trainer import layout
+
+    measured = layout.read_status(run_dir).get("save_s")
+    if measured is not None:
+        return float(measured), f"measured by the last save in {run_dir}"
+    params = param_count(cfg)
+    gb = params * CHECKPOINT_BYTES_PER_PARAM[cfg.optim.name] / 1e9
+    seconds = gb / (nodes * ASSUMED_SAVE_GB_PER_S_PER_NODE)
+    return seconds, (f"estimated: {params / 1e6:.1f}M parameters, {gb:.2f} GB of weights and optimizer state over "
+                     f"{nodes} node(s) at an assumed {ASSUMED_SAVE_GB_PER_S_PER_NODE:g} GB/s each")
 
 
 def _check_writable(run_dir: str, where: str) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -54,7 +56,7 @@ def init(timeout_s: float) -> Env:
     env = read_env()
     if env.world_size == 1 and "MASTER_ADDR" not in os.environ:
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(_free_port())
+        os.environ["MASTER_PORT"] = str(free_port("127.0.0.1"))
     os.environ.setdefault("RANK", str(env.rank))
     os.environ.setdefault("WORLD_SIZE", str(env.world_size))
     if env.device.type == "cuda":
@@ -75,9 +77,70 @@ def cpu_group(timeout_s: float) -> dist.ProcessGroup:
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
 
-def _free_port() -> int:
+def node_name() -> str:
+    """This node's name as the scheduler knows it (Slurm's, which differs from the hostname on some
+    sites and on the local emulated cluster), else the hostname."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+class NodeError(Exception):
+    """A node that cannot take part as it is (it does not see the run dir, other software); one line."""
+
+
+def check_nodes(run_dir: str, group: dist.ProcessGroup) -> None:
+    """Prove that every rank sees the run dir rank 0 sees, and runs the same software.
+
+    Rank 0 writes a file with a fresh name into run_dir; every rank must read it back. A run dir on
+    a node-local disk (or a filesystem some nodes lack) fails here, before training, with the nodes
+    named, instead of as lost checkpoints later. Collective on `group`; raises NodeError on all ranks."""
+    token = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(token, src=0, group=group)
+    probe = os.path.join(run_dir, f".node-check-{token[0]}")
+    if dist.get_rank() == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write(token[0])
+    dist.barrier(group=group)
+    try:
+        with open(probe) as f:
+            sees = f.read() == token[0]
+    except OSError:
+        sees = False
+    import trainer
+
+    me = {"host": node_name(), "sees": sees, "python": sys.version.split()[0], "torch": torch.__version__,
+          "trainer": os.path.dirname(os.path.realpath(trainer.__file__))}
+    everyone: list[dict] = [{}] * dist.get_world_size()
+    dist.all_gather_object(everyone, me, group=group)
+    dist.barrier(group=group)
+    if dist.get_rank() == 0:
+        os.remove(probe)
+    blind = _name_nodes(everyone, lambda e: not e["sees"])
+    if blind:
+        raise NodeError(f"run_dir {os.path.abspath(run_dir)} is not shared: {blind} cannot see the file rank 0 wrote "
+                        f"there on {everyone[0]['host']}; put run_dir on a filesystem every node mounts (home, project "
+                        f"or scratch space), not a node-local disk")
+    for key, what in (("python", "Python"), ("torch", "torch"), ("trainer", "the trainer from")):
+        odd = _name_nodes(everyone, lambda e: e[key] != everyone[0][key])
+        if odd:
+            theirs = next(e[key] for e in everyone if e[key] != everyone[0][key])
+            raise NodeError(f"{odd} run {what} {theirs} but rank 0 on {everyone[0]['host']} runs {everyone[0][key]}; "
+                            f"every node must run the same environment (a shared venv, or one container image)")
+
+
+def _name_nodes(everyone: list[dict], bad) -> str:
+    """'node n2 (ranks 2, 3), node n4 (rank 6)': the hosts of the ranks for which bad(report) holds."""
+    hosts: dict[str, list[int]] = {}
+    for rank, report in enumerate(everyone):
+        if bad(report):
+            hosts.setdefault(report["host"], []).append(rank)
+    return ", ".join(f"node {h} (rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))})" for h, r in hosts.items())
+
+
+def free_port(host: str = "") -> int:
+    """A TCP port nothing listens on now, on `host` ("": every interface)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 

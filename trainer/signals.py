@@ -12,6 +12,22 @@ import signal
 log = logging.getLogger("trainer")
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# What torchrun forwards to every rank (trainer/launch.py): the stop signals, plus the two that
+# torchrun forwards by default (a hang-up or quit also reaches the ranks, which then stop at once).
+TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+# Seconds of a grace time kept back for what runs after the ranks stopped: the launcher's own exit
+# and, under Slurm, the requeue check in the batch shell (it reads a few files, calls scontrol).
+EXIT_MARGIN_S = 20
+# Grace time when nobody says: `docker stop` / compose's stop_grace_period (compose.yaml uses this
+# value, tests/test_launch.py checks that it does), and Slurm's warning (make submit WARN=).
+DEFAULT_GRACE_S = 120
+
+
+def shutdown_budget(grace_s: int) -> int:
+    """Seconds the ranks get to reach a step boundary and save after a stop signal, when `grace_s`
+    pass between the signal and the hard kill (Slurm's --signal=USR1@S warning, compose's
+    stop_grace_period). torchrun kills ranks that take longer (its --shutdown-timeout)."""
+    return max(1, grace_s - EXIT_MARGIN_S)
 
 
 _received: int | None = None

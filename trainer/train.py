@@ -10,7 +10,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from trainer import checkpoint, data, dist as distributed, models, optim, parallel
+from trainer import checkpoint, data, dist as distributed, layout, models, optim, parallel
 from trainer.config import Config, dump
 from trainer.metrics import Reporter, peak_flops, peak_memory_gb
 from trainer.signals import StopFlag
@@ -81,6 +81,7 @@ def train(cfg: Config) -> None:
     control = distributed.cpu_group(timeout_s=cfg.checkpoint.timeout_s)  # stop flag, rank-0 decisions
     io_group = distributed.cpu_group(timeout_s=cfg.checkpoint.timeout_s)  # DCP, also from its own thread
     run_dir = cfg.run_dir
+    distributed.check_nodes(run_dir, control)
     if env.is_main:
         os.makedirs(run_dir, exist_ok=True)
         dump(cfg, os.path.join(run_dir, "config.yaml"))
@@ -102,8 +103,12 @@ def train(cfg: Config) -> None:
     if meta:
         step, samples = meta["step"], meta["samples"]
         reporter.message(f"resumed from {meta['path']} at step {step} (saved by {meta['world_size']} processes, loaded in {meta['load_time_s']:.2f}s)")
+    if env.is_main:  # read by the launcher and the Slurm requeue check (trainer/layout.py)
+        layout.write_status(run_dir, state="running", steps=cfg.train.steps, step=step)
     if step >= cfg.train.steps:
         reporter.message(f"nothing to do: step {step} reached train.steps={cfg.train.steps}; raise train.steps to continue")
+        if env.is_main:
+            layout.write_status(run_dir, state="finished")
         return
 
     # Rank 0 first: it downloads what is missing (MNIST), the others then find it in place.
@@ -184,7 +189,11 @@ def train(cfg: Config) -> None:
         ckpt.poll()
         interval = cfg.checkpoint.interval
         if stopping or step == cfg.train.steps or (interval and step % interval == 0):
-            ckpt.save(step, model, optimizer, scheduler, {"samples": samples}, blocking=stopping or step == cfg.train.steps)
+            blocking = stopping or step == cfg.train.steps or not cfg.checkpoint.async_save
+            started = time.perf_counter()
+            ckpt.save(step, model, optimizer, scheduler, {"samples": samples}, blocking=blocking)
+            if blocking and env.is_main:  # what a stop costs: make submit sizes the warning with it
+                layout.write_status(run_dir, save_s=round(time.perf_counter() - started, 3))
         if stopping:
             reporter.message(f"stopped by signal after step {step}; the checkpoint is saved, a restart resumes here")
             break
@@ -192,6 +201,8 @@ def train(cfg: Config) -> None:
     ckpt.close()
     if trace:
         trace.close()
+    if env.is_main:
+        layout.write_status(run_dir, state="stopped" if step < cfg.train.steps else "finished", step=step)
     dist.barrier(group=control)
 
 

@@ -1,0 +1,86 @@
+"""The launcher every path uses (python -m trainer.launch): validation first, torchrun in-process,
+stop signals sent to the launcher alone (as proctrack/cgroup delivers them), documented exit codes."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import ROOT, TINY, env, losses, rows, wait_for
+from trainer import layout, signals
+from trainer.launch import interface_address
+
+
+def launch(run_dir, *args: str, extra_env: dict | None = None, **kw) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "trainer.launch", "--nproc-per-node=2", "--config", str(ROOT / "configs/default.yaml"),
+           f"run_dir={run_dir}", *TINY, *args]
+    return subprocess.Popen(cmd, cwd=ROOT, env={**env(), **(extra_env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kw)
+
+
+def test_bad_input_is_one_line_and_exit_2_before_anything_is_written(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "optim.lr=-1")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "optim.lr: is -1.0; it must be positive" in lines[0], err
+    assert not run_dir.exists()
+
+
+def test_signal_to_the_launcher_alone_saves_exits_0_and_resumes(tmp_path):
+    """Under proctrack/cgroup Slurm signals the step's task, here the launcher, and nothing else:
+    it must forward the signal to every rank, which save; the exit code is 0 and a restart resumes."""
+    run_dir = tmp_path / "run"
+    # GPUs assigned by Slurm but no CUDA usable (the local cluster's nodes): said explicitly.
+    proc = launch(run_dir, "train.steps=100000", "log.interval=1", extra_env={"CUDA_VISIBLE_DEVICES": "0,1"})
+    wait_for(lambda: len(rows(run_dir)) >= 3, 120, "training to start")
+    proc.send_signal(signal.SIGUSR1)  # the launcher's pid only: its ranks are in sessions of their own
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    status = layout.read_status(run_dir)
+    assert status["state"] == "stopped" and status["steps"] == 100000
+    stopped = status["step"]
+    assert layout.latest_committed_step(run_dir) == stopped
+    assert f"launch: stopped by SIGUSR1 after step {stopped}; the checkpoint is saved" in err
+    assert re.search(r"2 rank\(s\) on the CPU with gloo: GPUs 0,1 are assigned \(CUDA_VISIBLE_DEVICES\) but torch .* "
+                     r"finds no usable CUDA device", err), err
+    # A restart resumes where it stopped and finishes; every step is logged once.
+    proc = launch(run_dir, f"train.steps={stopped + 3}", "log.interval=1")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    assert f"at step {stopped}" in out + err
+    steps = [r["step"] for r in rows(run_dir)]
+    assert steps == list(range(1, stopped + 4))
+    assert layout.read_status(run_dir)["state"] == "finished"
+
+
+def test_a_failing_rank_is_one_launcher_line_and_exit_1(tmp_path):
+    run_dir = tmp_path / "run"
+    (run_dir / "metrics.jsonl").mkdir(parents=True)  # rank 0 cannot write its metrics: a crash, not bad input
+    proc = launch(run_dir)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert re.search(r"^launch: rank \d failed with exit code 1 \(see its error above\)$", err, re.M), err[-2000:]
+
+
+def test_compose_grace_period_is_the_launchers():
+    """One source for the grace time: compose's stop_grace_period is signals.DEFAULT_GRACE_S."""
+    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    periods = {s.get("stop_grace_period") for s in compose["services"].values()}
+    assert periods == {f"{signals.DEFAULT_GRACE_S}s"}
+    assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in (ROOT / "compose.yaml").read_text()
+
+
+def test_interface_address():
+    assert interface_address("lo") == "127.0.0.1"
+    with pytest.raises(OSError, match="'nosuch0'"):
+        interface_address("nosuch0")

@@ -1,0 +1,217 @@
+"""The one way training starts: validate, then torchrun in this process, then one line and an exit code.
+
+    python -m trainer.launch [--nproc-per-node N] [--grace-seconds S]
+                             [--nnodes K --node-rank R --rdzv-endpoint HOST:PORT --rdzv-id ID
+                              [--local-addr ADDR]]
+                             --config configs/X.yaml [key=value ...]
+
+`make run`, compose, the sbatch script and the submitit task all start training through this. It
+
+* checks the config and this node's devices before anything starts, so bad input is one line;
+* says which device the ranks will use: NCCL + cuda where torch sees GPUs, else gloo + CPU, and
+  says so explicitly when Slurm assigned GPUs that torch cannot use;
+* runs torchrun's agent in this process (one rank per process it starts), with the stop signals
+  forwarded to every rank and a shutdown budget derived from the grace time (signals.shutdown_budget):
+  under Slurm this process is the job step's task, the process a proctrack/cgroup site signals;
+* maps the outcome to exit codes: 0 finished or stopped cleanly (the checkpoint is saved),
+  2 bad input (the rank's one line is above), anything else a failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+from trainer import signals
+
+# A signal before torchrun's agent takes over (imports, validation, rendezvous) ends the launch
+# cleanly instead of killing it: remembered here, acted on once the agent can forward it.
+_early: list[int] = []
+
+
+def _remember(signum, frame) -> None:
+    _early.append(signum)
+
+
+for _sig in signals.STOP_SIGNALS:
+    signal.signal(_sig, _remember)
+
+from trainer import layout  # noqa: E402
+from trainer.dist import node_name  # noqa: E402
+
+BAD_INPUT = 2
+# torchrun's own default when nothing is said (and the only value before torch 2.12).
+TORCHRUN_DEFAULT_SHUTDOWN_S = 30
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m trainer.launch", description=__doc__.split("\n")[0])
+    p.add_argument("--nproc-per-node", default="auto",
+                   help="ranks on this node: a number, or auto (one per visible GPU, else 1)")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes of the job (more than 1 needs the rdzv options)")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's index, 0..nnodes-1")
+    p.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of the rendezvous on the first node")
+    p.add_argument("--rdzv-id", default="", help="an id shared by the nodes of one job (the Slurm job id)")
+    p.add_argument("--local-addr", default="", help="this node's address for the rendezvous (multi-homed nodes)")
+    p.add_argument("--grace-seconds", type=int, default=signals.DEFAULT_GRACE_S,
+                   help="seconds between a stop signal and the hard kill; the ranks get this minus "
+                        f"{signals.EXIT_MARGIN_S} s to save")
+    p.add_argument("--config", required=True, help="YAML config file (see configs/)")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=100")
+    return p
+
+
+def _say(message: str) -> None:
+    print(f"launch: {message}", file=sys.stderr, flush=True)
+
+
+def _nproc(text: str) -> int:
+    import torch
+
+    if text == "auto":
+        return torch.cuda.device_count() if torch.cuda.is_available() else 1
+    if not text.isdigit() or int(text) < 1:
+        from trainer.config import ConfigError
+
+        raise ConfigError(f"--nproc-per-node={text}: give a whole number >= 1, or auto")
+    return int(text)
+
+
+def device_line(nproc: int) -> str:
+    """Which device the ranks of this node use, and why."""
+    import torch
+
+    host = node_name()
+    if torch.cuda.is_available():
+        names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
+        return f"{host}: {nproc} rank(s) on {torch.cuda.device_count()} GPU(s) ({', '.join(names)}), NCCL"
+    assigned = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    if assigned:
+        return (f"{host}: {nproc} rank(s) on the CPU with gloo: GPUs {assigned} are assigned "
+                f"(CUDA_VISIBLE_DEVICES) but torch {torch.__version__} finds no usable CUDA device "
+                f"(no driver, or a CPU build of torch)")
+    return f"{host}: {nproc} rank(s) on the CPU with gloo (no GPU visible)"
+
+
+def interface_address(name: str) -> str:
+    """The IPv4 address of network interface `name` (Linux), e.g. ib0 -> 10.1.2.3."""
+    import fcntl
+    import socket
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
+        except OSError as e:
+            raise OSError(f"network interface {name!r} (GLOO_SOCKET_IFNAME) has no IPv4 address on this node: {e.strerror}") from None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def _threads_per_rank(nproc: int) -> str:
+    """OMP_NUM_THREADS for each rank: this task's CPUs shared out (torchrun would say 1)."""
+    return str(max(1, len(os.sched_getaffinity(0)) // nproc))
+
+
+def torchrun_args(a: argparse.Namespace, nproc: int, shutdown_s: int) -> list[str]:
+    args = [f"--nproc-per-node={nproc}", "--max-restarts=0", f"--signals-to-handle={signals.TORCHRUN_SIGNALS}",
+            f"--shutdown-timeout={shutdown_s}"]
+    if a.nnodes == 1 and not a.rdzv_endpoint:
+        args.append("--standalone")
+    else:
+        args += [f"--nnodes={a.nnodes}", "--rdzv-backend=c10d",
+                 f"--rdzv-endpoint={a.rdzv_endpoint}", f"--rdzv-id={a.rdzv_id or 'fsdp-trainer'}"]
+    # On nodes with several networks, the rendezvous and gloo use the address of the interface the
+    # site chose (GLOO_SOCKET_IFNAME, set with NCCL's by make submit NET_IF=), not the hostname's.
+    interface = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    local_addr = a.local_addr or (interface_address(interface) if interface and "," not in interface else "")
+    if local_addr:
+        args.append(f"--local-addr={local_addr}")
+    return [*args, "-m", "trainer", "--config", a.config, *a.overrides]
+
+
+def _supported(args: list[str]) -> list[str]:
+    """Drop the torchrun options this torch does not know (signals: 2.10+, shutdown timeout: 2.12+)."""
+    from torch.distributed.run import get_args_parser
+
+    known = {s for action in get_args_parser()._actions for s in action.option_strings}
+    options, script = args[: args.index("-m")], args[args.index("-m"):]
+    kept = [arg for arg in options if arg.split("=", 1)[0] in known]
+    for arg in sorted(set(options) - set(kept)):
+        _say(f"this torch's torchrun has no {arg.split('=', 1)[0]}; it forwards SIGTERM/SIGINT/SIGHUP/SIGQUIT only "
+             f"and gives the ranks {TORCHRUN_DEFAULT_SHUTDOWN_S} s")
+    return kept + script
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
+    started = time.time()
+    # Config errors are the same on every node: the first node says it. A node's own problem
+    # (its devices) is said by that node, with its name.
+    first = a.node_rank == 0
+    from trainer.check import check_devices, check_gpus, validate
+    from trainer.config import ConfigError, load
+
+    try:
+        cfg = load(a.config, a.overrides)
+        nproc = _nproc(a.nproc_per_node)
+        validate(cfg, nproc * a.nnodes, where=a.config)
+    except ConfigError as e:
+        if first:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return BAD_INPUT
+    try:
+        check_devices(nproc)
+        check_gpus(nproc)
+    except ConfigError as e:
+        print(f"error: {node_name()}: {e}", file=sys.stderr, flush=True)
+        return BAD_INPUT
+    _say(device_line(nproc))
+
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    def forward(signum, frame):  # until the agent installs its own handler, which does the same
+        raise SignalException(f"received {signal.Signals(signum).name}", sigval=signal.Signals(signum))
+
+    for sig in signals.STOP_SIGNALS:
+        signal.signal(sig, forward)
+    if _early:
+        _say(f"received {signal.Signals(_early[0]).name} before training started; nothing to save")
+        return 0
+
+    shutdown_s = signals.shutdown_budget(a.grace_seconds)
+    os.environ.setdefault("OMP_NUM_THREADS", _threads_per_rank(nproc))
+    try:
+        args = torchrun.parse_args(_supported(torchrun_args(a, nproc, shutdown_s)))
+    except OSError as e:
+        print(f"error: {node_name()}: {e}", file=sys.stderr, flush=True)
+        return BAD_INPUT
+    try:
+        torchrun.run(args)
+    except ChildFailedError as e:
+        codes = {f.exitcode for f in e.failures.values()}
+        if BAD_INPUT in codes and all(c == BAD_INPUT or c < 0 for c in codes):  # others stopped by torchrun
+            return BAD_INPUT  # the rank said what is wrong, in one line
+        rank, failure = min(e.failures.items())
+        _say(f"rank {rank} failed with exit code {failure.exitcode} ({failure.signal_name() if failure.exitcode < 0 else 'see its error above'})")
+        return 1
+    except SignalException as e:
+        status = layout.read_status(cfg.run_dir)
+        name = signal.Signals(e.sigval).name
+        if status.get("state") == "stopped" and status.get("updated", 0) >= started:
+            _say(f"stopped by {name} after step {status.get('step')}; the checkpoint is saved, a restart resumes there")
+            return 0
+        _say(f"stopped by {name}; no checkpoint was saved by this start (ranks get {shutdown_s} s after the signal)")
+        return 128 + int(e.sigval)
+    except Exception as e:  # noqa: BLE001 - rendezvous and agent failures: one line, not a traceback
+        _say(f"torchrun failed: {type(e).__name__}: {e}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
