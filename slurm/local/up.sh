@@ -1,6 +1,9 @@
 #!/bin/bash
 # Start a local Slurm cluster for development and tests: munged, slurmctld and four emulated nodes
 # n1..n4 (one slurmd each) on this host. Idempotent: what already runs is left as it is.
+# Like a real GPU cluster: each node declares 2 GPUs through gres (dummy devices /dev/fakegpu0-1),
+# and each node has a node-local disk at /nodelocal (its own tmpfs, in a mount namespace of its
+# slurmd), so a run dir there is seen by one node only, as on a real node-local scratch disk.
 # Needs root and the Debian packages slurmctld, slurmd, slurm-client, munge (installed if missing).
 # Stop everything with slurm/local/down.sh.
 set -euo pipefail
@@ -34,14 +37,21 @@ fi
 # Config, state and log directories.
 mkdir -p /etc/slurm /run/slurm-local /var/log/slurm-local /var/spool/slurm-local/ctld
 for n in "${nodes[@]}"; do mkdir -p "/var/spool/slurm-local/$n"; done
-sed "s/@HOST@/$(hostname)/g" "$here/slurm.conf.in" > /etc/slurm/slurm.conf.new
-if ! cmp -s /etc/slurm/slurm.conf.new /etc/slurm/slurm.conf; then
-    mv /etc/slurm/slurm.conf.new /etc/slurm/slurm.conf
-    changed=1
-else
-    rm /etc/slurm/slurm.conf.new
-    changed=0
-fi
+changed=0
+for f in slurm.conf gres.conf; do
+    sed "s/@HOST@/$(hostname)/g" "$here/$f.in" > "/etc/slurm/$f.new"
+    if ! cmp -s "/etc/slurm/$f.new" "/etc/slurm/$f"; then
+        mv "/etc/slurm/$f.new" "/etc/slurm/$f"
+        changed=1
+    else
+        rm "/etc/slurm/$f.new"
+    fi
+done
+# The GPUs gres.conf names: character devices that are not GPUs (like /dev/null).
+for i in 0 1; do
+    [ -e "/dev/fakegpu$i" ] || mknod "/dev/fakegpu$i" c 1 3
+done
+mkdir -p /nodelocal
 
 # Node names resolve like on a real cluster (the rendezvous endpoint is the first node's name).
 if ! grep -qE '^127\.0\.0\.1[[:space:]]+n1 n2 n3 n4$' /etc/hosts; then
@@ -58,7 +68,9 @@ else
 fi
 for n in "${nodes[@]}"; do
     if ! alive "/run/slurm-local/slurmd-$n.pid"; then
-        slurmd -N "$n" </dev/null >/dev/null 2>&1
+        # Its own /nodelocal: a tmpfs only this node's jobs see.
+        unshare --mount --propagation private sh -c \
+            "mount -t tmpfs -o size=256m nodelocal-$n /nodelocal && exec slurmd -N $n" </dev/null >/dev/null 2>&1
     fi
 done
 
