@@ -13,13 +13,19 @@ NPROC   ?= $(if $(filter-out 0,$(GPUS)),$(GPUS),2)
 OVERRIDES = $(if $(RUN_DIR),run_dir=$(RUN_DIR)) $(ARGS)
 
 CPU     ?=
-# Slurm (make submit): empty values mean "not set"; an empty RUN_DIR makes runs/<config>-<date>.
+# Slurm (make submit): empty values mean "not set": GPUS_PER_NODE and CPUS_PER_NODE then come from
+# the partition's nodes (gres), an empty RUN_DIR makes runs/<config>-<date>. DRY_RUN=1 prints the
+# resources with the reason for each, and the batch script, and submits nothing.
 NODES         ?= 1
-GPUS_PER_NODE ?= 0
+GPUS_PER_NODE ?=
+CPUS_PER_NODE ?=
 TIME          ?=
 PARTITION     ?=
 CONTAINER     ?=
+NET_IF        ?=
+WARN          ?= 120
 LAUNCHER      ?= sbatch
+DRY_RUN       ?=
 
 .PHONY: help venv run check test test-gpu bench image up docker-engine submit slurm-up slurm-down clean
 
@@ -39,8 +45,8 @@ venv: $(VENV)/.installed ## create .venv with the trainer and its dependencies
 check: venv ## validate CONFIG (+ARGS) for NPROC processes on this machine
 	@$(PY) -m trainer.check --config $(CONFIG) --nproc $(NPROC) $(OVERRIDES)
 
-run: check ## train CONFIG with torchrun on NPROC local processes (RUN_DIR=, ARGS="k=v ...")
-	$(VENV)/bin/torchrun --standalone --nproc-per-node=$(NPROC) -m trainer --config $(CONFIG) $(OVERRIDES)
+run: venv ## train CONFIG on NPROC local processes (RUN_DIR=, ARGS="k=v ..."); checks the config first
+	$(PY) -m trainer.launch --nproc-per-node=$(NPROC) --config $(CONFIG) $(OVERRIDES)
 
 test: venv ## run the whole test suite
 	$(PY) -m pytest tests $(PYTEST_ARGS)
@@ -64,10 +70,11 @@ up: ## train with Docker Compose in the foreground on all GPUs (CPU=1: CPU image
 docker-engine: ## start a local Docker engine (Debian, root; vfs storage, host networking)
 	docker/engine-up.sh
 
-submit: venv ## submit to Slurm: NODES=4 [GPUS_PER_NODE= CONFIG= RUN_DIR= TIME= PARTITION= CONTAINER=x.sqsh|x.sif LAUNCHER=submitit ARGS=]
-	$(PY) -m trainer.submit --nodes "$(NODES)" --gpus-per-node "$(GPUS_PER_NODE)" --config "$(CONFIG)" \
-	    --run-dir "$(RUN_DIR)" --time "$(TIME)" --partition "$(PARTITION)" --container "$(CONTAINER)" \
-	    --launcher "$(LAUNCHER)" -- $(ARGS)
+submit: venv ## submit to Slurm: NODES=4 [GPUS_PER_NODE= CONFIG= RUN_DIR= TIME= PARTITION= CONTAINER= NET_IF= LAUNCHER=submitit DRY_RUN=1 ARGS=]
+	@$(PY) -m trainer.submit --nodes "$(NODES)" --gpus-per-node "$(GPUS_PER_NODE)" --cpus-per-node "$(CPUS_PER_NODE)" \
+	    --config "$(CONFIG)" --run-dir "$(RUN_DIR)" --time "$(TIME)" --partition "$(PARTITION)" \
+	    --container "$(CONTAINER)" --net-if "$(NET_IF)" --warn-seconds "$(WARN)" --launcher "$(LAUNCHER)" \
+	    $(if $(filter 1,$(DRY_RUN)),--dry-run) -- $(ARGS)
 
 slurm-up: ## start the local 4-node Slurm cluster for trying jobs and for tests (root; Debian packages)
 	bash slurm/local/up.sh

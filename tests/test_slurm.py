@@ -1,7 +1,10 @@
 """Slurm launchers against the real local cluster (make slurm-up), plus golden batch scripts.
 
-The cluster tests are skipped with one line when the cluster is not up. Every job is tiny: one
-CPU process per emulated node, the default config's tiny transformer, a few dozen steps.
+The cluster looks like a GPU cluster (slurm/local/up.sh): the submit host (this machine) has no
+GPU, each node declares 2 GPUs through gres, and has its own node-local disk at /nodelocal. Stop
+signals are delivered as proctrack/cgroup does: to the job step's task alone (`signal_tasks`).
+The cluster tests are skipped with one line when the cluster is not up. Every job is tiny: the
+default config's tiny transformer, a few dozen steps.
 Run directories live under runs/ (a path every node sees), or under ~/.cache when the repository
 itself sits on a node-local path such as /tmp, which multi-node submissions rightly refuse.
 """
@@ -20,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import submit
+from trainer import layout, submit
 
 REPO = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -58,6 +61,43 @@ def submit_job(*args: str, env: dict[str, str] | None = None) -> str:
                          env={**os.environ, **(env or {})})
     assert out.returncode == 0, out.stderr
     return re.search(r"submitted job (\d+)", out.stdout).group(1)
+
+
+def make_submit(*variables: str) -> str:
+    """`make submit VAR=...` as a user types it; return the job id it prints."""
+    out = subprocess.run(["make", "submit", *variables], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return re.search(r"submitted job (\d+)", out.stdout).group(1)
+
+
+def signal_tasks(job_id: str, sig: str = "USR1") -> list[int]:
+    """Signal the tasks of the job's step 0, and nothing else: what proctrack/cgroup does (Slurm
+    signals the step's direct children; processes they started are left to them). Returns the pids."""
+    stepds = [p.name for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline(p) == f"slurmstepd: [{job_id}.0]"]
+    tasks = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _ppid(p) in stepds]
+    assert tasks, f"no task of step {job_id}.0 found"
+    subprocess.run(["kill", f"-{sig}", *map(str, tasks)], check=True)
+    return tasks
+
+
+def _cmdline(proc: Path) -> str:
+    try:
+        return (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return ""
+
+
+def _ppid(proc: Path) -> str:
+    try:
+        return (proc / "stat").read_text().rsplit(")", 1)[1].split()[1]
+    except (OSError, IndexError):
+        return ""
+
+
+def on_node(node: str, *cmd: str) -> subprocess.CompletedProcess:
+    """Run cmd in an emulated node's mount namespace (it sees that node's /nodelocal)."""
+    pid = Path(f"/run/slurm-local/slurmd-{node}.pid").read_text().strip()
+    return subprocess.run(["nsenter", "-t", pid, "-m", "--", *cmd], capture_output=True, text=True)
 
 
 def job_info(job_id: str) -> dict[str, str]:
@@ -105,7 +145,7 @@ def final_state(run_dir: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the newest checkpoint (model, optimizer), read in this one process."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    step = submit.latest_step(run_dir)
+    step = layout.latest_committed_step(run_dir)
     out = run_dir / "final.pt"
     dcp_to_torch_save(run_dir / "checkpoints" / f"step_{step:08d}", out)
     flat: dict[str, torch.Tensor] = {}
@@ -128,21 +168,26 @@ COMMON = ["checkpoint.interval=5", "log.interval=5"]
 
 
 @cluster
-def test_four_nodes_then_continue_on_two(runs):
-    run_dir = runs / "nodes-4-then-2"
-    job = submit_job("--nodes", "4", "--run-dir", str(run_dir), "train.steps=10", *COMMON)
+def test_make_submit_uses_the_partitions_gpus_then_continues_on_fewer(runs):
+    """`make submit NODES=2` from a host without GPUs: GPUS_PER_NODE comes from the partition's gres
+    (2), so 4 ranks train; the nodes say they fall back to the CPU. Then 1 node resumes the run."""
+    run_dir = runs / "make-submit"
+    job = make_submit("NODES=2", f"RUN_DIR={run_dir}", "ARGS=train.steps=10 " + " ".join(COMMON))
     info = wait_job(job)
     assert info["JobState"] == "COMPLETED", log_text(run_dir, job)
     assert {row["world_size"] for row in metrics(run_dir)} == {4}
-    assert submit.latest_step(run_dir) == 10
-    # Same run directory, half the nodes, more steps: resumes at step 10 with 2 ranks.
-    job2 = submit_job("--nodes", "2", "--run-dir", str(run_dir), "train.steps=20", *COMMON)
+    assert layout.latest_committed_step(run_dir) == 10
+    log = log_text(run_dir, job)
+    for label in ("0", "1"):  # srun --label: each line says its node
+        assert re.search(rf"^{label}: launch: n\d: 2 rank\(s\) on the CPU with gloo: GPUs 0,1 are assigned", log, re.M), log
+    # Same run directory, one node, more steps: resumes at step 10 with 2 ranks.
+    job2 = submit_job("--nodes", "1", "--run-dir", str(run_dir), "train.steps=20", *COMMON)
     info = wait_job(job2)
     assert info["JobState"] == "COMPLETED", log_text(run_dir, job2)
     rows = metrics(run_dir)
     assert [r["world_size"] for r in rows if r["step"] > 10] and all(r["world_size"] == 2 for r in rows if r["step"] > 10)
     assert "resumed from" in log_text(run_dir, job2) and "at step 10" in log_text(run_dir, job2)
-    assert submit.latest_step(run_dir) == 20
+    assert layout.latest_committed_step(run_dir) == 20
 
 
 @cluster
@@ -150,19 +195,18 @@ def test_preempted_job_requeues_and_matches_uninterrupted_run(runs):
     # Long enough that the preemption lands mid-run also on a quiet machine (30 steps once ended first).
     steps = ["train.steps=60", *COMMON]
     reference, victim = runs / "reference", runs / "preempted"
-    # Whole nodes (sbatch reads SBATCH_EXCLUSIVE), so that preempting one job leaves the other alone.
-    whole_nodes = {"SBATCH_EXCLUSIVE": "exclusive"}
-    ref_job = submit_job("--nodes", "2", "--run-dir", str(reference), *steps, env=whole_nodes)
-    job = submit_job("--nodes", "2", "--run-dir", str(victim), *steps, env=whole_nodes)
+    # Whole nodes (the default), so that preempting one job leaves the other alone.
+    ref_job = submit_job("--nodes", "2", "--gpus-per-node", "1", "--run-dir", str(reference), *steps)
+    job = submit_job("--nodes", "2", "--gpus-per-node", "1", "--run-dir", str(victim), *steps)
     wait_for(lambda: job_info(job).get("JobState") == "RUNNING", 60, "the job to start")
     nodes = job_info(job)["NodeList"]
-    wait_for(lambda: submit.latest_step(victim), 90, "the first checkpoint")
+    wait_for(lambda: layout.latest_committed_step(victim), 90, "the first checkpoint")
     # An exclusive job in the urgent partition needs the victim's nodes: Slurm preempts it.
     urgent = subprocess.run(["sbatch", "--parsable", "-p", "urgent", "--exclusive", "-N2", f"--nodelist={nodes}",
                              "-o", str(runs / "urgent-%j.out"), "--wrap", "sleep 1"],
                             capture_output=True, text=True, check=True).stdout.strip()
     wait_for(lambda: int(job_info(job).get("Restarts", 0)) >= 1, 60, "the preempted job to be requeued")
-    stopped_at = submit.latest_step(victim)
+    stopped_at = layout.latest_committed_step(victim)
     assert stopped_at is not None and stopped_at < 60
     assert wait_job(urgent)["JobState"] == "COMPLETED"
     info = wait_job(job)
@@ -178,22 +222,37 @@ def test_preempted_job_requeues_and_matches_uninterrupted_run(runs):
 
 
 @cluster
-def test_time_limit_warning_saves_and_requeues(runs):
-    """The warning Slurm sends before the time limit (#SBATCH --signal=USR1@N) is SIGUSR1 to every
-    job step; scancel --signal=USR1 sends exactly that now instead of after a minute or more."""
+def test_sbatch_job_warned_the_cgroup_way_saves_requeues_and_resumes(runs):
+    """The time-limit warning (#SBATCH --signal=USR1@N) as proctrack/cgroup delivers it: SIGUSR1 to
+    the step's tasks only (the launchers), not to the ranks they started. The launchers forward it,
+    the ranks save, the batch script requeues, and the requeued job resumes and finishes."""
     run_dir = runs / "time-limit"
-    job = submit_job("--nodes", "2", "--run-dir", str(run_dir), "--time", "30",
-                     "train.steps=1000000", "checkpoint.interval=1000000", "log.interval=5")
-    try:
-        wait_for(lambda: run_dir.joinpath("metrics.jsonl").is_file(), 90, "training to start")
-        subprocess.run(["scancel", "--signal=USR1", job], check=True)
-        wait_for(lambda: int(job_info(job).get("Restarts", 0)) >= 1, 60, "the job to be requeued")
-        log = log_text(run_dir, job)
-        assert "received SIGUSR1" in log and "requeueing" in log
-        step = submit.latest_step(run_dir)
-        assert step is not None and 0 < step < 1000000
-    finally:
-        subprocess.run(["scancel", job])
+    job = submit_job("--nodes", "2", "--gpus-per-node", "1", "--run-dir", str(run_dir), "--time", "30",
+                     "train.steps=300", "checkpoint.interval=1000", "log.interval=1")
+    wait_for(lambda: run_dir.joinpath("metrics.jsonl").is_file(), 90, "training to start")
+    tasks = signal_tasks(job)
+    assert len(tasks) == 2  # one launcher per node
+    info = wait_job(job)
+    log = log_text(run_dir, job)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log
+    assert "received SIGUSR1" in log and "requeueing" in log and "launch: stopped by SIGUSR1 after step" in log
+    steps = [row["step"] for row in metrics(run_dir)]
+    assert steps == list(range(1, 301)), "every step logged once: resumed, not restarted"
+
+
+@cluster
+def test_a_cancelled_job_is_not_requeued(runs):
+    """scancel signals the batch shell too, and the requeue check then runs while the job is still
+    COMPLETING: it must see that the job was cancelled, not requeue it."""
+    run_dir = runs / "cancelled"
+    job = submit_job("--nodes", "1", "--gpus-per-node", "1", "--run-dir", str(run_dir), "train.steps=100000",
+                     "checkpoint.interval=1000000", "log.interval=5")
+    wait_for(lambda: run_dir.joinpath("metrics.jsonl").is_file(), 90, "training to start")
+    subprocess.run(["scancel", job], check=True)
+    info = wait_job(job, release=False, timeout=90)
+    log = log_text(run_dir, job)
+    assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", log
+    assert "cancelled or at its time limit; not requeued" in log
 
 
 @cluster
@@ -209,22 +268,63 @@ def test_job_without_progress_is_not_requeued_forever(runs):
 
 
 @cluster
-def test_submitit_launcher_checkpoints_requeues_and_finishes(runs):
-    """submitit's own path: the warning signal (USR1 here) makes submitit call checkpoint(), which
-    waits for the ranks to save; submitit requeues, and the requeued job resumes and finishes."""
+def test_submitit_job_warned_the_cgroup_way_saves_requeues_and_finishes(runs):
+    """submitit: Slurm signals its Python task on each node (the step's task), never torchrun's
+    ranks; the task runs the launcher in-process, which forwards to the ranks. Task 0 requeues."""
     run_dir = runs / "submitit"
-    job = submit_job("--launcher", "submitit", "--nodes", "2", "--run-dir", str(run_dir), "--time", "10",
-                     "train.steps=100", "checkpoint.interval=100", "log.interval=5")
+    job = submit_job("--launcher", "submitit", "--nodes", "2", "--gpus-per-node", "1", "--run-dir", str(run_dir),
+                     "--time", "10", "train.steps=100", "checkpoint.interval=100", "log.interval=5")
     wait_for(lambda: run_dir.joinpath("metrics.jsonl").is_file(), 90, "training to start")
-    subprocess.run(["scancel", "--signal=USR1", job], check=True)
+    assert len(signal_tasks(job)) == 2
     info = wait_job(job)
-    logs = "\n".join(p.read_text() for p in sorted((run_dir / "slurm" / "submitit").glob(f"{job}_0_log.*")))
+    logs = "\n".join(p.read_text() for p in sorted((run_dir / "slurm" / "submitit").glob(f"{job}_*_log.*")))
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", logs
+    assert "launch: stopped by SIGUSR1 after step" in logs
     # Resumed, not restarted: every step was logged once (submitit may rewrite its log on requeue).
     steps = [row["step"] for row in metrics(run_dir)]
     assert steps == sorted(set(steps)) and steps[-1] == 100, (steps, logs)
     assert {row["world_size"] for row in metrics(run_dir)} == {2}
-    assert submit.latest_step(run_dir) == 100
+    assert layout.latest_committed_step(run_dir) == 100
+
+
+@cluster
+def test_a_node_that_cannot_see_the_run_dir_is_named_before_training():
+    """/nodelocal is each node's own disk: rank 0 on n1 writes there, n2 sees nothing. The job stops
+    before training with one line naming n2, and is not requeued (bad input)."""
+    run_dir = Path("/nodelocal") / f"run-{os.getpid()}"
+    for node in ("n1", "n2"):  # the folder exists on both nodes, as a per-user scratch folder would
+        assert on_node(node, "mkdir", "-p", str(run_dir / "slurm")).returncode == 0
+    try:
+        job = submit_job("--nodes", "2", "--gpus-per-node", "1", "--run-dir", str(run_dir), "train.steps=10")
+        info = wait_job(job)
+        log = on_node("n1", "cat", str(run_dir / "slurm" / f"{job}.out")).stdout
+        assert info["JobState"] == "FAILED" and info["Restarts"] == "0", log
+        errors = [line for line in log.splitlines() if "error:" in line and not line.startswith("srun:")]
+        assert len(errors) == 1, log  # one line, from one rank; torchrun's rendezvous orders the nodes
+        assert re.search(rf"run_dir {run_dir} is not shared: node (n[12]) \(rank 1\) cannot see the file rank 0 wrote "
+                         rf"there on (?!\1)n[12]; put run_dir on a filesystem every node mounts", errors[0]), errors[0]
+        assert "NOT requeued: the training step stopped on bad input" in log
+        assert on_node("n1", "ls", str(run_dir / "checkpoints")).returncode != 0, "nothing trained"
+    finally:
+        for node in ("n1", "n2"):
+            on_node(node, "rm", "-rf", str(run_dir))
+
+
+@cluster
+def test_dry_run_prints_resources_with_reasons_and_the_script_and_submits_nothing(runs):
+    run_dir = runs / "dry-run"
+    before = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout
+    out = subprocess.run(["make", "submit", "NODES=2", f"RUN_DIR={run_dir}", "DRY_RUN=1"], capture_output=True,
+                         text=True, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"GPUs per node +2 +\[every GPU of a node of partition main \(gres gpu:2\)\]", out.stdout), out.stdout
+    assert re.search(r"ranks +4 \(2 x 2\)", out.stdout)
+    assert re.search(r"CPUs per node +2 +\[all CPUs of a node of partition main", out.stdout)
+    assert "#SBATCH --gpus-per-node=2" in out.stdout and "#SBATCH --exclusive" in out.stdout
+    assert "srun --label --kill-on-bad-exit=1 --cpus-per-task=2" in out.stdout
+    assert "preemption        GraceTime 15 s" in out.stdout or re.search(r"preemption +GraceTime 15 s", out.stdout)
+    assert not run_dir.exists(), "a dry run writes nothing"
+    assert subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout == before
 
 
 @cluster
@@ -236,6 +336,11 @@ def test_submitit_launcher_checkpoints_requeues_and_finishes(runs):
     (["--nodes", "2", "--run-dir", "/dev/shm/run"], "node-local"),
     (["--nodes", "2", "--run-dir", "/tmp/run"], "node-local"),
     (["train.steps=-3"], "train.steps"),
+    (["--gpus-per-node", "3"], "GPUS_PER_NODE=3 but the nodes of partition main have 2 GPU(s) each (gres)"),
+    (["--cpus-per-node", "4"], "CPUS_PER_NODE=4 but the nodes of partition main have 2 CPUs each"),
+    (["--container", "/no/such/image.sqsh"], "CONTAINER=/no/such/image.sqsh: no such file"),
+    (["--container", "nvcr.io#nvidia/pytorch:25.01-py3"], "this cluster's srun has no Pyxis plugin"),
+    (["--warn-seconds", "21", "model.size=1b"], "WARN=21 leaves the ranks 1 s to save, but one save takes about"),
 ])
 def test_bad_input_is_one_line_before_submitting(args, message):
     before = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout
@@ -243,22 +348,25 @@ def test_bad_input_is_one_line_before_submitting(args, message):
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("submit: error:") and message in lines[0], out.stderr
+    assert "error: error" not in lines[0]
     assert subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout == before
 
 
 # ---- rendered batch scripts for what cannot run here (GPUs, containers) -------------------------
 
 
-def _gpu_job(container: str | None) -> submit.Job:
-    return submit.Job(nodes=4, gpus_per_node=8, config=Path("/shared/fsdp-trainer/configs/llama.yaml"),
+def _gpu_job(container: str | None, runtime: str | None = None, net_if: str | None = None) -> submit.Job:
+    return submit.Job(nodes=4, gpus_per_node=8, cpus_per_node=96, config=Path("/shared/fsdp-trainer/configs/llama.yaml"),
                       run_dir=Path("/shared/runs/llama-8b"), overrides=["train.steps=10000"], time="1-00:00:00",
-                      partition="gpu", container=container, warn_seconds=300, max_attempts=3)
+                      partition="gpu", container=container, runtime=runtime, net_if=net_if, warn_seconds=300,
+                      max_attempts=3)
 
 
 @pytest.mark.parametrize("name, job", [
-    ("gpu-8x4.sbatch", _gpu_job(None)),
-    ("gpu-8x4-pyxis.sbatch", _gpu_job("/shared/images/trainer.sqsh")),
-    ("gpu-8x4-apptainer.sbatch", _gpu_job("/shared/images/trainer.sif")),
+    ("gpu-8x4.sbatch", _gpu_job(None, net_if="ib0")),
+    ("gpu-8x4-pyxis.sbatch", _gpu_job("/shared/images/trainer.sqsh", "pyxis")),
+    ("gpu-8x4-pyxis-registry.sbatch", _gpu_job("nvcr.io#nvidia/pytorch:25.01-py3", "pyxis")),
+    ("gpu-8x4-apptainer.sbatch", _gpu_job("/shared/images/trainer.sif", "apptainer")),
 ])
 def test_rendered_batch_script_matches_golden(name, job):
     text = submit.render_sbatch(job, repo_dir=Path("/shared/fsdp-trainer"),
@@ -266,35 +374,24 @@ def test_rendered_batch_script_matches_golden(name, job):
     if os.environ.get("UPDATE_GOLDEN"):
         (GOLDEN / name).write_text(text)
     assert text == (GOLDEN / name).read_text(), f"rendered script differs from tests/golden/{name}"
-    assert "{{" not in text and "--node-rank=\\$SLURM_NODEID" in text and "srun --kill-on-bad-exit=1" in text
+    assert "{{" not in text and "--node-rank=\\$SLURM_NODEID" in text and "srun --label --kill-on-bad-exit=1" in text
+    assert "--cpus-per-task=96" in text.split("srun", 1)[1], "srun passes the CPUs on (Slurm 22.05-23.02 do not)"
 
 
-def test_requeue_check_counts_attempts_without_progress(tmp_path, monkeypatch):
-    """The guard's bookkeeping, with scontrol replaced by a script that records its calls."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    calls = tmp_path / "calls"
-    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\necho JobState=RUNNING\n")
-    (bin_dir / "scontrol").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    run_dir = tmp_path / "run"
-    (run_dir).mkdir()
-    (run_dir / "config.yaml").write_text("train:\n  steps: 20\n")
+@pytest.mark.parametrize("given, runtime, image", [
+    ("nvcr.io#nvidia/pytorch:25.01-py3", "pyxis", "nvcr.io#nvidia/pytorch:25.01-py3"),
+    ("docker://nvcr.io/nvidia/pytorch:25.01-py3", "pyxis", "nvcr.io#nvidia/pytorch:25.01-py3"),
+    ("docker://ubuntu:24.04", "pyxis", "ubuntu:24.04"),
+    ("ubuntu:24.04", "pyxis", "ubuntu:24.04"),
+    ("nvcr.io#nvidia/pytorch:25.01-py3", "apptainer", "docker://nvcr.io/nvidia/pytorch:25.01-py3"),
+])
+def test_registry_images_in_each_runtimes_form(given, runtime, image):
+    forced = runtime if runtime == "apptainer" else None
+    assert submit.container_image(given, forced) == (image, runtime)
 
-    def save(step: int) -> None:
-        ckpt = run_dir / "checkpoints" / f"step_{step:08d}"
-        ckpt.mkdir(parents=True)
-        (ckpt / ".metadata").write_text("")
-        (ckpt / "meta.json").write_text("{}")
 
-    assert submit.requeue_check(run_dir, 1, 2, "7") == 0  # nothing saved yet: attempt 1 of 2
-    save(5)
-    assert submit.requeue_check(run_dir, 0, 2, "7") == 0  # progress resets the count
-    assert submit.requeue_check(run_dir, 1, 2, "7") == 0  # attempt 1 without progress
-    assert submit.requeue_check(run_dir, 1, 2, "7") == 1  # attempt 2: gives up
-    assert calls.read_text().count("requeue 7") == 3
-    (run_dir / "checkpoints" / ".step_00000020.tmp").mkdir()  # temporary: ignored
-    assert submit.latest_step(run_dir) == 5
-    save(20)
-    assert submit.requeue_check(run_dir, 0, 2, "8") == 0  # finished: no requeue
-    assert calls.read_text().count("requeue") == 3
+def test_gres_gpu_counts():
+    assert submit.gres_gpus("gpu:8") == 8
+    assert submit.gres_gpus("gpu:a100:4(S:0-1),gpu:h100:4") == 8
+    assert submit.gres_gpus("gpu:2,mps:100") == 2
+    assert submit.gres_gpus("(null)") == 0

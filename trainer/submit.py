@@ -1,20 +1,22 @@
-"""Submit training to Slurm, and decide whether a stopped job is requeued.
+"""Submit training to Slurm from a login node.
 
-Two launchers start the same thing, one torchrun per node over the whole allocation:
+    python -m trainer.submit --nodes 4 [--gpus-per-node N] [--cpus-per-node N] [--config F] [--run-dir D]
+                             [--time T] [--partition P] [--container IMG] [--net-if IFACE]
+                             [--launcher sbatch|submitit] [--dry-run] [k=v ...]
 
-* ``sbatch`` (default): renders ``slurm/train.sbatch.in`` into ``<run_dir>/slurm/train.sbatch``
-  and submits it. The batch script requeues itself through ``requeue-check`` below.
-* ``submitit``: submits :class:`TorchrunTask` with one task per node; submitit's own
-  checkpoint/requeue mechanism handles the time-limit warning.
+`make submit` calls it. Everything that can be known without the compute nodes is checked here,
+before anything is submitted: the config and its batch arithmetic for the job's shape, the
+partition and the GPUs and CPUs its nodes declare (gres), the time limit against the save budget,
+the paths. The login node's own devices are not looked at: it rarely has GPUs. What only the
+nodes can answer (their devices, that they all see the run dir) the launcher checks at start.
 
-Usage (``make submit`` calls the first form)::
+Two launchers start the same thing, `python -m trainer.launch` once per node:
 
-    python -m trainer.submit --nodes 4 [--gpus-per-node 8] [--config F] [--run-dir D] [--time T]
-                             [--partition P] [--container IMG] [--launcher sbatch|submitit] [k=v ...]
-    python -m trainer.submit requeue-check --run-dir D [--exit-code N] [--max-attempts-without-progress K]
+* ``sbatch`` (default): renders ``slurm/train.sbatch.in`` into ``<run_dir>/slurm/train.sbatch``;
+  the batch script requeues itself through ``python3 -m trainer.requeue``.
+* ``submitit``: one :class:`LaunchTask` per node; task 0 requeues through the same check.
 
-This module imports only the standard library at the top: ``requeue-check`` runs in the batch
-shell, outside any container. PyYAML and submitit are imported where they are needed.
+`--dry-run` prints the resources with the reason for each choice, and the exact batch script.
 """
 
 from __future__ import annotations
@@ -31,132 +33,104 @@ import sys
 import time
 from pathlib import Path
 
+from trainer import signals
+from trainer.requeue import requeue_check
+
 REPO_DIR = Path(__file__).resolve().parent.parent
 TEMPLATE = REPO_DIR / "slurm" / "train.sbatch.in"
-# Signals torchrun forwards to its ranks (torch >= 2.10 reads this; older versions ignore it).
-SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
-# Paths that are local to each node on nearly every cluster.
+# Paths that are local to each node on nearly every cluster. A node-local ext4/xfs disk elsewhere
+# cannot be told from a shared one from here: the launcher proves the run dir is shared at start.
 NODE_LOCAL_PREFIXES = ("/tmp", "/var/tmp", "/dev/shm", "/run")
 NODE_LOCAL_FSTYPES = {"tmpfs", "ramfs", "devtmpfs"}
-STEP_DIR = re.compile(r"^step_(\d{8})$")
+TIME_FORMAT = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
 
 
 class SubmitError(Exception):
     """Bad input, said in one line to the user before anything is submitted."""
 
 
-# ---- run-directory state ------------------------------------------------------------------------
+# ---- what the cluster says ----------------------------------------------------------------------
 
 
-def latest_step(run_dir: Path) -> int | None:
-    """Step of the newest complete checkpoint in run_dir, or None.
-
-    The cheap part of trainer.checkpoint.latest_step: complete checkpoints are
-    ``checkpoints/step_<8 digits>/`` holding DCP's ``.metadata`` and the trainer's ``meta.json``;
-    temporary ones start with a dot. Standard library only, because requeue-check runs in the
-    batch shell outside any container, where torch may be missing.
-    """
-    ckpt_dir = Path(run_dir) / "checkpoints"
-    if not ckpt_dir.is_dir():
-        return None
-    steps = [int(m.group(1)) for p in ckpt_dir.iterdir()
-             if (m := STEP_DIR.match(p.name)) and (p / ".metadata").is_file() and (p / "meta.json").is_file()]
-    return max(steps, default=None)
+@dataclasses.dataclass
+class Partition:
+    name: str
+    gpus_per_node: int  # the fewest GPUs (gres gpu) any node of the partition declares
+    cpus_per_node: int  # the fewest CPUs any node of the partition has
+    grace_time_s: int | None  # seconds a preempted job gets after its first SIGTERM; None: not preemptable
 
 
-def target_steps(run_dir: Path) -> int | None:
-    """train.steps from the resolved config the trainer wrote into run_dir, or None if absent."""
-    path = Path(run_dir) / "config.yaml"
-    if not path.is_file():
-        return None
-    import yaml
-
-    config = yaml.safe_load(path.read_text()) or {}
-    return int(config["train"]["steps"])
-
-
-# ---- requeue check (runs in the batch script after srun) ----------------------------------------
+def _run(cmd: list[str]) -> str:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True)
+    except FileNotFoundError:
+        raise SubmitError(f"{cmd[0]} not found: submit from a Slurm login node (locally: make slurm-up)") from None
+    if out.returncode != 0:
+        raise SubmitError(f"cannot ask Slurm ({' '.join(cmd[:2])}: {out.stderr.strip()}); is the cluster up?")
+    return out.stdout
 
 
-def _job_state(job_id: str) -> str:
-    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True)
-    m = re.search(r"\bJobState=(\S+)", out.stdout)
-    return m.group(1) if m else "UNKNOWN"
+def gres_gpus(gres: str) -> int:
+    """GPUs in a node's gres string: 'gpu:8', 'gpu:a100:4(S:0-1),gpu:h100:4', '(null)' -> 8, 8, 0."""
+    return sum(int(m.group(1)) for m in re.finditer(r"(?:^|,)gpu(?::[^:,(]+)?:(\d+)", gres))
 
 
-def requeue_check(run_dir: Path, exit_code: int, max_attempts: int, job_id: str) -> int:
-    """Requeue job_id unless training finished or stopped making progress; return an exit code.
-
-    An attempt makes progress when it leaves a newer checkpoint than the previous attempt of
-    the same job. After max_attempts attempts in a row without progress the job is not requeued
-    and fails with a message, so a broken run does not loop forever.
-    """
-    run_dir = Path(run_dir)
-    latest, total = latest_step(run_dir), target_steps(run_dir)
-    prefix = f"requeue-check: job {job_id}:"
-    if total is not None and latest == total:
-        print(f"{prefix} training finished at step {total}; {run_dir}", flush=True)
-        return 0
-
-    state_file = run_dir / "slurm" / "requeue.json"
-    state = json.loads(state_file.read_text()) if state_file.is_file() else {}
-    if state.get("job_id") != job_id:
-        state = {"job_id": job_id, "step": None, "attempts_without_progress": 0}
-    progressed = latest is not None and (state["step"] is None or latest > state["step"])
-    attempts = 0 if progressed else state["attempts_without_progress"] + 1
-    state_file.parent.mkdir(parents=True, exist_ok=True)
-    state_file.write_text(json.dumps({"job_id": job_id, "step": latest, "attempts_without_progress": attempts}))
-
-    where = f"newest checkpoint: step {latest}" if latest is not None else "no checkpoint yet"
-    if attempts >= max_attempts:
-        print(
-            f"{prefix} NOT requeued: {attempts} attempts in a row saved no new checkpoint ({where}, "
-            f"last exit code {exit_code}). Read the log above, fix the cause, then resubmit with "
-            f"the same RUN_DIR to resume.",
-            file=sys.stderr,
-            flush=True,
-        )
-        return 1
-    state_now = _job_state(job_id)
-    if state_now.startswith("CANCELLED"):
-        print(f"{prefix} cancelled; not requeued ({where})", flush=True)
-        return 0
-    print(f"{prefix} stopped at {where} (exit code {exit_code}); requeueing", flush=True)
-    result = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
-    if result.returncode != 0:
-        print(f"{prefix} scontrol requeue failed: {result.stderr.strip()}", file=sys.stderr, flush=True)
-        return 1
-    return 0
+def query_partition(name: str | None) -> Partition:
+    """The named partition (or the cluster's default) as its nodes declare it."""
+    listing = _run(["sinfo", "-h", "-o", "%P"]).split()
+    names = [p.rstrip("*") for p in listing]
+    if name is None:
+        name = next((p.rstrip("*") for p in listing if p.endswith("*")), None)
+        if name is None:
+            raise SubmitError("this cluster has no default partition; choose one with PARTITION=")
+    elif name not in names:
+        raise SubmitError(f"PARTITION={name}: unknown partition (this cluster has: {', '.join(sorted(set(names)))})")
+    nodes = [line.split() for line in _run(["sinfo", "-h", "-N", "-p", name, "-o", "%N %G %c"]).splitlines() if line.strip()]
+    if not nodes:
+        raise SubmitError(f"PARTITION={name} has no nodes")
+    info = _run(["scontrol", "show", "partition", name, "-o"])
+    grace = re.search(r"\bGraceTime=(\d+)", info)
+    preemptable = re.search(r"\bPreemptMode=(\S+)", info)
+    preempted = preemptable is not None and preemptable.group(1) not in ("OFF", "NONE")
+    return Partition(name, min(gres_gpus(g) for _, g, _ in nodes), min(int(c.rstrip("+")) for _, _, c in nodes),
+                     int(grace.group(1)) if grace and preempted else None)
 
 
-# ---- submission ---------------------------------------------------------------------------------
+def has_pyxis() -> bool:
+    """Whether this cluster's srun has the Pyxis plugin (srun --container-image)."""
+    out = subprocess.run(["srun", "--help"], capture_output=True, text=True)
+    return "--container-image" in out.stdout
+
+
+# ---- the job ------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass
 class Job:
-    """What the user asked for, checked."""
+    """What will be asked of Slurm, checked, with the reason for each value."""
 
     nodes: int
     gpus_per_node: int  # 0: one CPU process per node
+    cpus_per_node: int  # CPUs of each node for the launcher, the ranks and their data loaders
     config: Path
     run_dir: Path
     overrides: list[str]
     time: str | None  # Slurm time limit ("90", "01:30:00", "1-00:00:00"); None: partition default
     partition: str | None  # None: the cluster's default partition
     container: str | None  # .sqsh/.sif file or image reference; None: no container
+    runtime: str | None  # "pyxis" or "apptainer" (with a container)
+    net_if: str | None  # network interface NCCL and gloo use (multi-homed nodes); None: their choice
     warn_seconds: int  # time-limit warning sent this long before the limit
     max_attempts: int  # attempts in a row without a new checkpoint before giving up
+    reasons: dict[str, str] = dataclasses.field(default_factory=dict)  # resource -> why this value
 
     @property
     def nproc_per_node(self) -> int:
         return self.gpus_per_node or 1
 
     def train_args(self) -> list[str]:
-        """Arguments after ``-m trainer``."""
+        """The launcher's trainer arguments."""
         return ["--config", str(self.config), f"run_dir={self.run_dir}", *self.overrides]
-
-
-TIME_FORMAT = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
 
 
 def _time_minutes(time_limit: str) -> float:
@@ -182,35 +156,77 @@ def _filesystem(path: Path) -> tuple[str, str]:
     return best
 
 
-def check_shared(run_dir: Path, nodes: int) -> None:
-    """Refuse a run directory that other nodes cannot see, where that is detectable."""
+def check_shared(path: Path, nodes: int, what: str = "RUN_DIR") -> None:
+    """Refuse a path that other nodes surely cannot see (tmpfs, /tmp, ...)."""
     if nodes < 2:
         return
-    real = os.path.realpath(run_dir)
-    mount, fstype = _filesystem(run_dir)
+    real = os.path.realpath(path)
+    mount, fstype = _filesystem(path)
     if fstype in NODE_LOCAL_FSTYPES or any(real == p or real.startswith(p + "/") for p in NODE_LOCAL_PREFIXES):
         raise SubmitError(
-            f"RUN_DIR {run_dir} is node-local ({fstype} at {mount}); a {nodes}-node job needs a "
-            f"directory every node sees (a shared filesystem such as your home or project space)"
+            f"{what} {path} is node-local ({fstype} at {mount}); a {nodes}-node job needs it on a filesystem "
+            f"every node sees (a shared filesystem such as your home or project space)"
         )
 
 
-def _slurm_partitions() -> list[str]:
-    out = subprocess.run(["sinfo", "-h", "-o", "%R"], capture_output=True, text=True)
-    if out.returncode != 0:
-        raise SubmitError(f"cannot reach Slurm (sinfo: {out.stderr.strip()}); is the cluster up?")
-    return sorted(set(out.stdout.split()))
+def container_image(text: str, runtime: str | None) -> tuple[str, str]:
+    """(image as the runtime takes it, runtime) for a CONTAINER value.
+
+    Files: x.sqsh (Enroot/Pyxis), x.sif (Apptainer); they must exist. References: Pyxis's
+    'nvcr.io#nvidia/pytorch:25.01-py3' or 'ubuntu:22.04', or 'docker://nvcr.io/nvidia/pytorch:25.01-py3',
+    which Pyxis gets in its own form and Apptainer as it is."""
+    is_file = text.endswith((".sqsh", ".sif")) or text.startswith(("/", "./", "../", "~"))
+    if is_file:
+        path = Path(text).expanduser().resolve()
+        if not path.is_file():
+            raise SubmitError(f"CONTAINER={text}: no such file (give an image file, or a registry reference such as "
+                              f"nvcr.io#nvidia/pytorch:25.01-py3)")
+        runtime = runtime or ("apptainer" if text.endswith(".sif") else "pyxis")
+        return str(path), runtime
+    runtime = runtime or "pyxis"
+    if not re.fullmatch(r"(docker://)?[\w.\-/:#@]+", text):
+        raise SubmitError(f"CONTAINER={text}: not an image file or registry reference")
+    if runtime == "pyxis" and text.startswith("docker://"):
+        ref = text[len("docker://"):]
+        first, sep, rest = ref.partition("/")
+        if sep and ("." in first or ":" in first or first == "localhost"):  # a registry host
+            ref = f"{first}#{rest}"
+        return ref, runtime
+    if runtime == "apptainer" and "#" in text:
+        registry, _, rest = text.partition("#")
+        return f"docker://{registry}/{rest}", runtime
+    return text, runtime
 
 
-def parse_job(args: argparse.Namespace) -> Job:
-    """Check every input that can be checked without running anything; raise SubmitError."""
+def parse_job(args: argparse.Namespace, partition: Partition) -> Job:
+    """Check every input that can be checked on the login node; raise SubmitError."""
     def number(name: str, text: str, minimum: int) -> int:
         if not re.fullmatch(r"\d+", text or "") or int(text) < minimum:
             raise SubmitError(f"{name}={text!r}: expected a whole number >= {minimum}")
         return int(text)
 
+    reasons = {}
     nodes = number("NODES", args.nodes, 1)
-    gpus = number("GPUS_PER_NODE", args.gpus_per_node, 0)
+    if args.gpus_per_node:
+        gpus = number("GPUS_PER_NODE", args.gpus_per_node, 0)
+        if gpus > partition.gpus_per_node:
+            raise SubmitError(f"GPUS_PER_NODE={gpus} but the nodes of partition {partition.name} have "
+                              f"{partition.gpus_per_node} GPU(s) each (gres); use GPUS_PER_NODE={partition.gpus_per_node} or fewer")
+        reasons["gpus_per_node"] = "GPUS_PER_NODE"
+    else:
+        gpus = partition.gpus_per_node
+        reasons["gpus_per_node"] = (f"every GPU of a node of partition {partition.name} (gres gpu:{gpus})" if gpus else
+                                    f"partition {partition.name} declares no GPUs: one CPU process per node")
+    if args.cpus_per_node:
+        cpus = number("CPUS_PER_NODE", args.cpus_per_node, 1)
+        if cpus > partition.cpus_per_node:
+            raise SubmitError(f"CPUS_PER_NODE={cpus} but the nodes of partition {partition.name} have "
+                              f"{partition.cpus_per_node} CPUs each")
+        reasons["cpus_per_node"] = "CPUS_PER_NODE"
+    else:
+        cpus = partition.cpus_per_node
+        reasons["cpus_per_node"] = (f"all CPUs of a node of partition {partition.name}: the launcher, its "
+                                    f"{gpus or 1} rank(s) and their data loaders share them")
     warn = number("WARN", args.warn_seconds, 1)
     max_attempts = number("MAX_ATTEMPTS", args.max_attempts, 1)
     config = Path(args.config).resolve()
@@ -224,7 +240,7 @@ def parse_job(args: argparse.Namespace) -> Job:
         if re.search(r"[\"$`\\]", item):
             raise SubmitError(f"ARGS: {item!r} contains one of \" $ ` \\ which the batch script cannot pass on")
     if args.run_dir:
-        run_dir = Path(args.run_dir).resolve()
+        run_dir = Path(args.run_dir).expanduser().resolve()
     else:
         run_dir = (REPO_DIR / "runs" / f"{config.stem}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     check_shared(run_dir, nodes)
@@ -234,40 +250,42 @@ def parse_job(args: argparse.Namespace) -> Job:
             raise SubmitError(f"TIME={time_limit!r}: use minutes, H:MM:SS or D-HH:MM:SS")
         if _time_minutes(time_limit) * 60 <= warn:
             raise SubmitError(f"TIME={time_limit} is not longer than the {warn} s time-limit warning (WARN)")
-    container = args.container or None
-    if container and ("/" in container or container.endswith((".sqsh", ".sif"))) and not Path(container).exists():
-        raise SubmitError(f"CONTAINER={container}: no such file")
-    return Job(
-        nodes=nodes,
-        gpus_per_node=gpus,
-        config=config,
-        run_dir=run_dir,
-        overrides=list(args.overrides),
-        time=time_limit,
-        partition=args.partition or None,
-        container=container,
-        warn_seconds=warn,
-        max_attempts=max_attempts,
-    )
+    container = runtime = None
+    if args.container:
+        container, runtime = container_image(args.container, args.container_runtime or None)
+        if runtime == "apptainer" and args.launcher == "submitit":
+            raise SubmitError("CONTAINER is supported by the sbatch launcher only (LAUNCHER=sbatch)")
+    else:  # the nodes run this checkout and this interpreter: both must be where they can see them
+        check_shared(REPO_DIR, nodes, "the repository")
+        check_shared(Path(sys.executable).parent, nodes, "the Python environment")
+    if args.net_if and not re.fullmatch(r"[\w.\-:^,]+", args.net_if):
+        raise SubmitError(f"NET_IF={args.net_if!r}: not an interface name (e.g. ib0, or ^docker,lo to exclude)")
+    return Job(nodes=nodes, gpus_per_node=gpus, cpus_per_node=cpus, config=config, run_dir=run_dir,
+               overrides=list(args.overrides), time=time_limit, partition=args.partition or None,
+               container=container, runtime=runtime, net_if=args.net_if or None, warn_seconds=warn,
+               max_attempts=max_attempts, reasons=reasons)
 
 
-def check_cluster(job: Job) -> None:
-    """Check what needs Slurm itself: that it answers and that the partition exists."""
-    if shutil.which("sbatch") is None:
-        raise SubmitError("sbatch not found: submit from a Slurm login node (locally: make slurm-up)")
-    partitions = _slurm_partitions()
-    if job.partition and job.partition not in partitions:
-        raise SubmitError(f"PARTITION={job.partition}: unknown partition (this cluster has: {', '.join(partitions)})")
+def check_config(job: Job) -> float:
+    """Validate the config for the job's shape (not this machine's devices); return the estimated
+    seconds of one save, and refuse a warning too short for it."""
+    from trainer.check import save_seconds, validate
+    from trainer.config import ConfigError, load
 
-
-def check_config(job: Job, python: str = sys.executable) -> None:
-    """Validate the config for this shape with trainer.check before anything is submitted."""
-    cmd = [python, "-m", "trainer.check", "--config", str(job.config), "--nproc", str(job.nproc_per_node),
-           "--nnodes", str(job.nodes), f"run_dir={job.run_dir}", *job.overrides]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_DIR)
-    if out.returncode != 0:
-        lines = out.stderr.strip().splitlines() or [f"trainer.check exited with {out.returncode}"]
-        raise SubmitError(lines[-1])
+    world = job.nodes * job.nproc_per_node
+    try:
+        cfg = load(str(job.config), [f"run_dir={job.run_dir}", *job.overrides])
+        validate(cfg, world, where=str(job.config))
+    except ConfigError as e:
+        raise SubmitError(str(e)) from None
+    estimate, how = save_seconds(cfg, job.nodes, str(job.run_dir))
+    budget = signals.shutdown_budget(job.warn_seconds)
+    if budget < estimate:
+        need = int(estimate) + signals.EXIT_MARGIN_S + 1
+        raise SubmitError(f"WARN={job.warn_seconds} leaves the ranks {budget} s to save, but one save takes about "
+                          f"{estimate:.0f} s ({how}); use --warn-seconds {need} or more")
+    job.reasons["save"] = f"about {estimate:.1f} s per save ({how}); the ranks get {budget} s after the warning"
+    return estimate
 
 
 # ---- sbatch launcher ----------------------------------------------------------------------------
@@ -276,30 +294,32 @@ def check_config(job: Job, python: str = sys.executable) -> None:
 def render_sbatch(job: Job, repo_dir: Path = REPO_DIR, python: str = sys.executable,
                   host_python: str = "python3") -> str:
     """The batch script for job. Lines whose only placeholder is empty are left out."""
-    if job.container and job.container.endswith(".sif"):  # Apptainer / Singularity
-        binds = f"{repo_dir},{job.run_dir}"
+    if job.runtime == "apptainer":
         nv = "--nv " if job.gpus_per_node else ""
-        container_options, container_exec = "", f"apptainer exec {nv}--bind {binds} --pwd {repo_dir} {job.container}"
-    elif job.container:  # Pyxis + Enroot: a .sqsh file or an image reference
+        container_options, container_exec = "", f"apptainer exec {nv}--bind {repo_dir},{job.run_dir} --pwd {repo_dir} {job.container}"
+    elif job.runtime == "pyxis":
         container_options = (f"--container-image={job.container} "
                              f"--container-mounts={repo_dir}:{repo_dir},{job.run_dir}:{job.run_dir} "
                              f"--container-workdir={repo_dir}")
         container_exec = ""
     else:
         container_options = container_exec = ""
+    net = f"NCCL_SOCKET_IFNAME={job.net_if} GLOO_SOCKET_IFNAME={job.net_if}" if job.net_if else ""
     values = {
         "JOB_NAME": f"train-{job.run_dir.name}",
         "NODES": str(job.nodes),
         "GPUS_PER_NODE": str(job.gpus_per_node) if job.gpus_per_node else "",
+        "CPUS_PER_NODE": str(job.cpus_per_node),
         "PARTITION": job.partition or "",
         "TIME": job.time or "",
         "RUN_DIR": str(job.run_dir),
         "WARN_SECONDS": str(job.warn_seconds),
         "REPO_DIR": str(repo_dir),
+        "NET_EXPORT": f"export {net}" if net else "",
         "CONTAINER_OPTIONS": container_options,
         "CONTAINER_EXEC": container_exec,
-        # Inside a container the image's python runs training; the requeue check runs outside.
-        "TRAIN_PYTHON": "python" if job.container else python,
+        # Inside a container the image's python trains; the requeue check runs on the host.
+        "TRAIN_PYTHON": "python3" if job.container else python,
         "HOST_PYTHON": host_python if job.container else python,
         "NPROC_PER_NODE": str(job.nproc_per_node),
         "TRAIN_ARGS": " ".join(shlex.quote(a) for a in job.train_args()),
@@ -317,6 +337,29 @@ def render_sbatch(job: Job, repo_dir: Path = REPO_DIR, python: str = sys.executa
     return "\n".join(lines) + "\n"
 
 
+def describe(job: Job, partition: Partition) -> str:
+    """The resources the job asks for, each with why (printed by --dry-run and on submission)."""
+    rows = [
+        ("nodes", str(job.nodes), "NODES"),
+        ("GPUs per node", str(job.gpus_per_node), job.reasons.get("gpus_per_node", "")),
+        ("ranks", f"{job.nodes * job.nproc_per_node} ({job.nodes} x {job.nproc_per_node})", "one per GPU, or one per node without GPUs"),
+        ("CPUs per node", str(job.cpus_per_node), job.reasons.get("cpus_per_node", "")),
+        ("memory", "all of each node (--mem=0)", "whole nodes (--exclusive): one job per node; EDIT the script on sites that share nodes"),
+        ("partition", job.partition or f"{partition.name} (default)", "PARTITION" if job.partition else "the cluster's default"),
+        ("time limit", job.time or "the partition's default", "TIME" if job.time else "no TIME given"),
+        ("stop warning", f"SIGUSR1 {job.warn_seconds} s before the limit", f"WARN; the ranks get {signals.shutdown_budget(job.warn_seconds)} s "
+                                                                      f"to save, {signals.EXIT_MARGIN_S} s stay for the requeue check"),
+        ("preemption", f"GraceTime {partition.grace_time_s} s" if partition.grace_time_s is not None else "not preemptable",
+         f"partition {partition.name}"),
+        ("checkpoint save", job.reasons.get("save", "not estimated"), ""),
+        ("network", job.net_if or "NCCL's and gloo's own choice", "NET_IF" if job.net_if else "no NET_IF given"),
+        ("container", f"{job.container} ({job.runtime})" if job.container else "none: this checkout and venv", ""),
+        ("run dir", str(job.run_dir), "must be on a filesystem every node sees; checked on the nodes at start"),
+    ]
+    width = max(len(r[0]) for r in rows)
+    return "\n".join(f"  {name:<{width}}  {value}" + (f"   [{why}]" if why else "") for name, value, why in rows)
+
+
 def submit_sbatch(job: Job) -> str:
     """Render, save and submit the batch script; return the job id."""
     (job.run_dir / "slurm").mkdir(parents=True, exist_ok=True)
@@ -328,7 +371,7 @@ def submit_sbatch(job: Job) -> str:
     job_id = out.stdout.strip().split(";")[0]
     print(f"submitted job {job_id}: {job.nodes} node(s) x {job.nproc_per_node} process(es)")
     print(f"  log:     {job.run_dir}/slurm/{job_id}.out")
-    print(f"  run dir: {job.run_dir}  (must be on a filesystem every node sees)")
+    print(f"  run dir: {job.run_dir}")
     print(f"  script:  {script}")
     return job_id
 
@@ -336,60 +379,58 @@ def submit_sbatch(job: Job) -> str:
 # ---- submitit launcher --------------------------------------------------------------------------
 
 
-class TorchrunTask:
-    """One submitit task per node: runs torchrun for that node and waits for it.
+class LaunchTask:
+    """One submitit task per node: runs trainer.launch for that node, in this process.
 
-    On the time-limit warning (SIGUSR1, see submit_submitit) torchrun forwards the signal to the
-    ranks, which save and exit; submitit calls checkpoint() on task 0, which waits for that and
-    returns this task to submitit, which requeues the job. A preemption SIGTERM is ignored by
-    submitit itself; task 0 then requeues through requeue_check like the batch script does.
-    """
+    Slurm signals (under proctrack/cgroup: only) this process, the job step's task; the launcher's
+    torchrun agent forwards the signal to every rank, which save and stop. Task 0 then requeues the
+    job through trainer.requeue, exactly like the batch script; submitit's own checkpoint() is not
+    used, so that every node acts on the signal it gets itself."""
 
-    def __init__(self, job: Job, python: str = sys.executable, shutdown_timeout: int = 120) -> None:
+    def __init__(self, job: Job) -> None:
         self.job = job
-        self.python = python
-        self.shutdown_timeout = shutdown_timeout
-        self._proc: subprocess.Popen | None = None
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_proc": None}
 
     def __call__(self) -> dict:
         import submitit
 
         env = submitit.JobEnvironment()
-        port = 29500 + int(env.job_id.split("_")[0]) % 1000
-        cmd = [self.python, "-m", "torch.distributed.run", f"--nnodes={env.num_nodes}",
-               f"--node-rank={env.node}", f"--nproc-per-node={self.job.nproc_per_node}",
-               "--rdzv-backend=c10d", f"--rdzv-endpoint={env.hostnames[0]}:{port}",
-               f"--rdzv-id={env.job_id}", "--max-restarts=0", "-m", "trainer", *self.job.train_args()]
-        child_env = {**os.environ, "PET_SIGNALS_TO_HANDLE": SIGNALS_TO_HANDLE,
-                     "PET_SHUTDOWN_TIMEOUT": str(self.shutdown_timeout)}
-        print(f"submitit task {env.global_rank}: {shlex.join(cmd)}", flush=True)
-        self._proc = subprocess.Popen(cmd, env=child_env, cwd=REPO_DIR)
-        # Poll rather than wait(): checkpoint() may run in a signal handler meanwhile.
-        while self._proc.poll() is None:
-            time.sleep(0.5)
-        code = self._proc.returncode
-        latest, total = latest_step(self.job.run_dir), target_steps(self.job.run_dir)
-        if latest is not None and latest == total:
-            return {"run_dir": str(self.job.run_dir), "step": latest}
+        port = self._rendezvous_port(env)
+        from trainer import launch
+
+        code = launch.main([f"--nnodes={env.num_nodes}", f"--node-rank={env.node}",
+                            f"--nproc-per-node={self.job.nproc_per_node}",
+                            f"--rdzv-endpoint={env.hostnames[0]}:{port}", f"--rdzv-id={env.job_id}",
+                            f"--grace-seconds={self.job.warn_seconds}", *self.job.train_args()])
         if env.global_rank == 0:
-            if requeue_check(self.job.run_dir, code, self.job.max_attempts, env.job_id) != 0:
-                raise RuntimeError(f"training stopped at step {latest} and is not requeued (see log)")
-            sys.exit(-1)  # requeued, like submitit's own requeue
-        return {"run_dir": str(self.job.run_dir), "step": latest, "exit_code": code}
+            status = requeue_check(self.job.run_dir, code, self.job.max_attempts, env.job_id.split("_")[0])
+            from trainer import layout
 
-    def checkpoint(self, *args, **kwargs):
-        """Called by submitit on task 0 at the time-limit warning: let the ranks save first."""
-        import submitit
+            if layout.read_status(self.job.run_dir).get("state") != "finished":
+                if status != 0:
+                    raise RuntimeError(f"training stopped with exit code {code} and is not requeued (see the log)")
+                sys.exit(-1)  # requeued: this attempt does not count as a result
+        return {"run_dir": str(self.job.run_dir), "exit_code": code}
 
-        deadline = time.time() + self.shutdown_timeout + 30
-        while self._proc is not None and self._proc.poll() is None and time.time() < deadline:
+    def _rendezvous_port(self, env) -> int:
+        from trainer.dist import free_port
+
+        """A free port on the first node, chosen there by task 0 and read by the others from the run dir."""
+        restart = os.environ.get("SLURM_RESTART_COUNT", "0")
+        path = self.job.run_dir / "slurm" / f"rdzv-{env.job_id}-{restart}.json"
+        if env.global_rank == 0:
+            port = free_port()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"port": port}))
+            tmp.replace(path)
+            return port
+        deadline = time.time() + 120
+        while not path.is_file():
+            if time.time() > deadline:
+                raise RuntimeError(f"task {env.global_rank}: no rendezvous port from task 0 in {path} after 120 s; "
+                                   f"is the run dir on a filesystem every node sees?")
             time.sleep(0.5)
-        latest = latest_step(self.job.run_dir)
-        print(f"submitit checkpoint: ranks stopped, newest checkpoint step {latest}; requeueing", flush=True)
-        return submitit.helpers.DelayedSubmission(TorchrunTask(self.job, self.python, self.shutdown_timeout))
+        return json.loads(path.read_text())["port"]
 
 
 def _submitit_minutes(time_limit: str | None) -> int:
@@ -398,27 +439,30 @@ def _submitit_minutes(time_limit: str | None) -> int:
 
 def submit_submitit(job: Job) -> str:
     """Submit job through submitit; return the job id."""
-    if job.container:
+    if job.runtime is not None:
         raise SubmitError("CONTAINER is supported by the sbatch launcher only (LAUNCHER=sbatch)")
-    # submitit reads the warning signal from this variable at import, here and in the job.
+    # The warning signal submitit asks Slurm for (#SBATCH --signal=USR1@WARN).
     os.environ["SUBMITIT_PREEMPT_SIGNAL"] = "USR1"
     import submitit
 
     folder = job.run_dir / "slurm" / "submitit"
     executor = submitit.AutoExecutor(folder=folder, cluster="slurm")
-    params = dict(nodes=job.nodes, tasks_per_node=1, timeout_min=_submitit_minutes(job.time),
-                  name=f"train-{job.run_dir.name}", slurm_signal_delay_s=job.warn_seconds,
-                  slurm_additional_parameters={"requeue": True},
-                  slurm_srun_args=["--open-mode=append"])  # a requeued job appends to its task logs
+    srun_args = ["--open-mode=append", f"--cpus-per-task={job.cpus_per_node}"]  # appended logs after a requeue
+    params = dict(nodes=job.nodes, tasks_per_node=1, cpus_per_task=job.cpus_per_node,
+                  timeout_min=_submitit_minutes(job.time), name=f"train-{job.run_dir.name}",
+                  slurm_signal_delay_s=job.warn_seconds, slurm_srun_args=srun_args,
+                  slurm_additional_parameters={"requeue": True, "exclusive": True, "mem": "0"})
     if job.gpus_per_node:
         params["gpus_per_node"] = job.gpus_per_node
     if job.partition:
         params["slurm_partition"] = job.partition
+    if job.net_if:
+        params["slurm_setup"] = [f"export NCCL_SOCKET_IFNAME={job.net_if} GLOO_SOCKET_IFNAME={job.net_if}"]
     executor.update_parameters(**params)
-    submitted = executor.submit(TorchrunTask(job))
+    submitted = executor.submit(LaunchTask(job))
     print(f"submitted job {submitted.job_id} (submitit): {job.nodes} node(s) x {job.nproc_per_node} process(es)")
     print(f"  log:     {folder}/{submitted.job_id}_0_log.out (task 0; _1_, _2_... for the other nodes)")
-    print(f"  run dir: {job.run_dir}  (must be on a filesystem every node sees)")
+    print(f"  run dir: {job.run_dir}")
     return submitted.job_id
 
 
@@ -428,42 +472,38 @@ def submit_submitit(job: Job) -> str:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m trainer.submit", description="Submit training to Slurm.")
     p.add_argument("--nodes", default="1", help="number of nodes")
-    p.add_argument("--gpus-per-node", default="0", help="GPUs per node; 0: one CPU process per node")
+    p.add_argument("--gpus-per-node", default="", help="GPUs per node; empty: all GPUs of the partition's nodes (gres)")
+    p.add_argument("--cpus-per-node", default="", help="CPUs per node; empty: all CPUs of the partition's nodes")
     p.add_argument("--config", default="configs/default.yaml")
     p.add_argument("--run-dir", default="", help="run directory on a filesystem every node sees")
     p.add_argument("--time", default="", help="Slurm time limit; empty: the partition's default")
     p.add_argument("--partition", default="", help="empty: the cluster's default partition")
-    p.add_argument("--container", default="", help=".sqsh (Pyxis/Enroot) or .sif (Apptainer) image")
+    p.add_argument("--container", default="", help=".sqsh or .sif file, or a registry image reference")
+    p.add_argument("--container-runtime", default="", choices=["", "pyxis", "apptainer"],
+                   help="empty: apptainer for .sif files, pyxis otherwise")
+    p.add_argument("--net-if", default="", help="network interface for NCCL and gloo (e.g. ib0); empty: their choice")
     p.add_argument("--launcher", default="sbatch", choices=["sbatch", "submitit"])
     p.add_argument("--warn-seconds", default="120", help="time-limit warning, seconds before the limit")
     p.add_argument("--max-attempts", default="3", help="attempts without a new checkpoint before giving up")
-    p.add_argument("--dry-run", action="store_true", help="print the batch script instead of submitting")
+    p.add_argument("--dry-run", action="store_true", help="print the resources and the batch script; submit nothing")
     p.add_argument("overrides", nargs="*", help="dotted config overrides, key=value")
     return p
 
 
-def _requeue_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m trainer.submit requeue-check")
-    p.add_argument("--run-dir", required=True, type=Path)
-    p.add_argument("--exit-code", type=int, default=0, help="exit code of the training step")
-    p.add_argument("--max-attempts-without-progress", type=int, default=3)
-    p.add_argument("--job-id", default=os.environ.get("SLURM_JOB_ID", ""))
-    return p
-
-
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["requeue-check"]:
-        a = _requeue_parser().parse_args(argv[1:])
-        return requeue_check(a.run_dir, a.exit_code, a.max_attempts_without_progress, a.job_id)
-    args = _parser().parse_args(argv)
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        job = parse_job(args)
+        partition = query_partition(args.partition or None)
+        job = parse_job(args, partition)
+        check_config(job)
+        if job.runtime == "pyxis" and not args.dry_run and not has_pyxis():
+            raise SubmitError(f"CONTAINER={args.container}: this cluster's srun has no Pyxis plugin "
+                              f"(--container-image); use an Apptainer .sif, or no container")
         if args.dry_run:
+            print(f"# {args.launcher} job, not submitted (DRY_RUN):\n{describe(job, partition)}\n")
             print(render_sbatch(job), end="")
             return 0
-        check_cluster(job)
-        check_config(job)
+        print(describe(job, partition))
         if args.launcher == "submitit":
             submit_submitit(job)
         else:
