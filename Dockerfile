@@ -1,5 +1,5 @@
 # syntax=docker/dockerfile:1
-# The trainer in a container: torchrun + the `trainer` package, run as a non-root user.
+# The trainer in a container: the `trainer` package and its launcher, run as a non-root user.
 #
 #   make image          CUDA image on the pinned PyTorch base (torch, torchvision, CUDA, cuDNN, NCCL inside)
 #   make image CPU=1    CPU image on a locally made Debian base (docker/base-image.sh), torch from TORCH
@@ -13,7 +13,8 @@ ARG BASE_IMAGE=pytorch/pytorch:2.14.1-cuda12.6-cudnn9-runtime
 
 FROM ${BASE_IMAGE} AS base
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
-# tini forwards SIGTERM/SIGINT to torchrun (which forwards them to the workers) and reaps zombies.
+# tini forwards SIGTERM/SIGINT to the launcher (whose torchrun agent forwards them to the ranks) and
+# reaps zombies.
 # python3 + venv only where the base has no Python (the Debian base of the CPU image).
 # (Versions: those of the base's distribution release.)
 # hadolint ignore=DL3008
@@ -29,7 +30,7 @@ ENV PATH=/app/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1
 WORKDIR /app
 ENTRYPOINT ["/usr/bin/tini", "--"]
-CMD ["torchrun", "--standalone", "--nproc-per-node=gpu", "-m", "trainer", "--config", "configs/default.yaml"]
+CMD ["python3", "-m", "trainer.launch", "--nproc-per-node=auto", "--config", "configs/default.yaml"]
 USER trainer
 
 FROM base AS build

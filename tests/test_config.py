@@ -139,7 +139,7 @@ def test_make_run_validates_before_launch(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert "error: NPROC=999 processes" in proc.stderr
-    assert "torchrun" not in proc.stdout  # never launched
+    assert "rank(s) on" not in proc.stderr  # never launched
     assert not run_dir.exists()
 
 

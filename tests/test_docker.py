@@ -100,9 +100,10 @@ def _checkpoints(run_dir: Path) -> list[int]:
 def test_compose_file_is_valid():
     for profile in ([], ["--profile", "cpu"]):
         out = _sh(*_compose(), *profile, "config", env={**os.environ, "ARGS": "train.steps=3 log.interval=1"})
-        assert "torchrun --standalone --nproc-per-node=gpu" in out.stdout  # one worker per visible GPU
+        assert "python3 -m trainer.launch --nproc-per-node=" in out.stdout  # the one launcher
         assert "train.steps=3 log.interval=1" in out.stdout
     assert "driver: nvidia" in out.stdout and "count: all" in out.stdout
+    assert "--nproc-per-node=auto" in out.stdout  # one rank per visible GPU
 
 
 def test_dockerfile_passes_hadolint():
@@ -118,7 +119,7 @@ def test_dockerfile_passes_hadolint():
 
 def test_image_runs_as_non_root(image):
     # One container (each costs a full copy of the image under vfs): the user, and PID 1 is tini,
-    # so signals reach torchrun and zombies are reaped.
+    # so signals reach the launcher and zombies are reaped.
     out = _sh("docker", "run", "--rm", "--network", "host", image, "sh", "-c", "id -u; tr '\\0' ' ' </proc/1/cmdline")
     uid, pid1 = out.stdout.strip().splitlines()
     assert uid != "0"
@@ -149,6 +150,7 @@ def test_up_stop_resume(image, run_dir):
             os.killpg(proc.pid, signal.SIGKILL)
     assert "received SIGTERM" in log, log[-4000:]
     assert "stopped by signal after step" in log, log[-4000:]
+    assert re.search(r"launch: stopped by SIGTERM after step \d+; the checkpoint is saved", log), log[-4000:]
     saved = int(re.search(r"stopped by signal after step (\d+)", log).group(1))
     assert saved in _checkpoints(run_dir) and saved > before[-1], (saved, before)
     assert _steps(run_dir) == list(range(1, saved + 1))

@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     started = time.time()
     # Config errors are the same on every node: the first node says it. A node's own problem
-    # (its devices) is said by that node, with its name.
+    # (its devices, checked first) is said by that node, with its name.
     first = a.node_rank == 0
     from trainer.check import check_devices, check_gpus, validate
     from trainer.config import ConfigError, load
@@ -157,7 +157,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load(a.config, a.overrides)
         nproc = _nproc(a.nproc_per_node)
-        validate(cfg, nproc * a.nnodes, where=a.config)
     except ConfigError as e:
         if first:
             print(f"error: {e}", file=sys.stderr, flush=True)
@@ -166,7 +165,14 @@ def main(argv: list[str] | None = None) -> int:
         check_devices(nproc)
         check_gpus(nproc)
     except ConfigError as e:
-        print(f"error: {node_name()}: {e}", file=sys.stderr, flush=True)
+        where = f"{node_name()}: " if a.nnodes > 1 else ""
+        print(f"error: {where}{e}", file=sys.stderr, flush=True)
+        return BAD_INPUT
+    try:
+        validate(cfg, nproc * a.nnodes, where=a.config)
+    except ConfigError as e:
+        if first:
+            print(f"error: {e}", file=sys.stderr, flush=True)
         return BAD_INPUT
     _say(device_line(nproc))
 
