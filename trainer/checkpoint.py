@@ -16,12 +16,13 @@ checkpoint to load, so no rank acts on a stale view of an NFS or Lustre director
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
-import re
 import shutil
 import time
+import uuid
 import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -32,11 +33,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from trainer import layout
+from trainer.checksums import ChecksumWriter
+from trainer.layout import read_meta, step_path
 from trainer.shard_reader import ShardReader
 
 log = logging.getLogger("trainer")
-
-STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 @dataclass
@@ -45,7 +47,7 @@ class CheckpointArgs:
     keep: int = 3  # newest complete checkpoints kept, older ones are deleted; 0 keeps all
     keep_every: int = 0  # also keep forever every checkpoint whose step is a multiple of this; 0: none
     async_save: bool = False  # write shards in the background while training goes on
-    resume_from: str | None = None  # a checkpoint folder to start from; None: the newest in run_dir
+    resume_from: str | None = None  # a checkpoint folder a new run starts from; once run_dir has its own, they win
     timeout_s: int = 3600  # limit for the collectives of one save or load (slow filesystems)
 
 
@@ -53,24 +55,16 @@ class CheckpointError(Exception):
     """A checkpoint that cannot be used; the message names it and what to do."""
 
 
-def folder(run_dir: str) -> str:
-    return os.path.join(run_dir, "checkpoints")
-
-
-def step_path(run_dir: str, step: int) -> str:
-    return os.path.join(folder(run_dir), f"step_{step:08d}")
+folder = layout.checkpoints_dir
 
 
 def problem(path: str) -> str | None:
-    """Why `path` is not a usable checkpoint, or None if it looks complete."""
-    meta = os.path.join(path, "meta.json")
-    if not os.path.isfile(os.path.join(path, ".metadata")):
-        return "no DCP .metadata"
-    if not os.path.isfile(meta):
-        return "no meta.json"
+    """Why `path` is not a usable checkpoint, or None if it looks complete: the files a commit
+    leaves (trainer/layout.py), then every shard file as long as DCP's metadata says."""
+    why = layout.files_problem(path)
+    if why:
+        return why
     try:
-        with open(meta) as f:
-            json.load(f)
         storage = dcp.FileSystemReader(path).read_metadata().storage_data
     except Exception as e:  # noqa: BLE001 - any unreadable file makes it unusable
         return f"unreadable metadata ({type(e).__name__}: {e})"
@@ -86,29 +80,20 @@ def problem(path: str) -> str | None:
 
 def complete(run_dir: str) -> list[tuple[int, str]]:
     """Complete checkpoints in `run_dir`, oldest first; broken ones are skipped with a warning."""
-    root = folder(run_dir)
     found = []
-    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
-        match = STEP_DIR.match(name)
-        if match:
-            path = os.path.join(root, name)
-            why = problem(path)
-            if why:
-                log.warning("skipping checkpoint %s: %s", path, why)
-            else:
-                found.append((int(match.group(1)), path))
-    return sorted(found)
+    for step, path in layout.step_folders(run_dir):
+        why = problem(path)
+        if why:
+            log.warning("skipping checkpoint %s: %s", path, why)
+        else:
+            found.append((step, path))
+    return found
 
 
 def latest_step(run_dir: str) -> int | None:
     """Step of the newest complete checkpoint in `run_dir`, or None."""
     found = complete(run_dir)
     return found[-1][0] if found else None
-
-
-def read_meta(path: str) -> dict:
-    with open(os.path.join(path, "meta.json")) as f:
-        return json.load(f)
 
 
 def shapes(model_state: dict) -> dict[str, list[int]]:
@@ -124,6 +109,43 @@ def check_compatible(path: str, saved: dict[str, list[int]], current: dict[str, 
             raise CheckpointError(f"checkpoint {path} lacks parameter '{key}' of this model: it was saved for another model.* config; use the matching config or a new run_dir")
         if saved[key] != current[key]:
             raise CheckpointError(f"checkpoint {path}: parameter '{key}' has shape {saved[key]} but the model has {current[key]}; use the matching model.* config or a new run_dir")
+
+
+@contextlib.contextmanager
+def _write_errors(step: int, tmp: str):
+    """A failed write (full disk, quota, permissions) as one CheckpointError line naming the cause
+    and the path, instead of DCP's per-rank tracebacks. What was committed before stays intact."""
+    try:
+        yield
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps each rank's failure
+        causes = [c for c, _ in e.failures.values()] if isinstance(e, CheckpointException) else [e]
+        oserror = next((c for c in causes if isinstance(c, OSError)), None)
+        cause = oserror or causes[0]
+        what = f"{oserror.strerror} ({oserror.filename or tmp})" if oserror and oserror.strerror else f"{type(cause).__name__}: {cause}"
+        free = _free_bytes(tmp)
+        if oserror is None and free is not None and free < 1 << 20:  # torch.save hides ENOSPC ("unexpected pos")
+            what = f"No space left on device ({tmp}: {free} bytes free)"
+        raise CheckpointError(f"saving the checkpoint of step {step} failed: {what}; the checkpoints saved before are "
+                              f"intact; free space or fix the filesystem, then start again to resume") from None
+
+
+def _free_bytes(path: str) -> int | None:
+    """Bytes free for this user on the filesystem that holds `path` (or its nearest parent)."""
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    try:
+        st = os.statvfs(path or ".")
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def discard(path: str) -> None:
+    """Delete a checkpoint folder: first renamed out of the listings (to a name no other folder has,
+    whatever leftovers exist), then removed. A kill in between leaves a .trash_* for the next start."""
+    trash = os.path.join(os.path.dirname(path), f".trash_{os.path.basename(path)}_{uuid.uuid4().hex[:8]}")
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def _fsync(path: str) -> None:
@@ -174,32 +196,53 @@ class Checkpointer:
 
     # -- load ---------------------------------------------------------------------------------------
 
-    def choose(self) -> str | None:
-        """The checkpoint to resume from, decided by rank 0 and told to all."""
+    def choose(self, unreadable: tuple[str, ...] = ()) -> str | None:
+        """The checkpoint to resume from, decided by rank 0 and told to all: the run's newest complete
+        one not found `unreadable`, else checkpoint.resume_from for a run without its own."""
         choice = [None]
         if self.rank == 0:
-            if self.args.resume_from:
+            found = [(step, path) for step, path in complete(self.run_dir) if path not in unreadable]
+            if found:  # the run's own checkpoints win: resume_from is only where a new run starts
+                choice = [found[-1][1]]
+                if self.args.resume_from:
+                    log.info("checkpoint.resume_from=%s is not used: this run dir has checkpoints of its own, "
+                             "and a restart continues from its newest (step %d)", self.args.resume_from, found[-1][0])
+            elif unreadable:
+                choice = [("error", f"no readable checkpoint is left in {self.run_dir} (unreadable: {', '.join(unreadable)}); "
+                                    f"move them away to start from scratch")]
+            elif self.args.resume_from:
                 why = problem(self.args.resume_from)
                 choice = [("error", f"checkpoint.resume_from={self.args.resume_from} is not a usable checkpoint: {why}")] if why else [self.args.resume_from]
-            else:
-                found = complete(self.run_dir)
-                choice = [found[-1][1] if found else None]
         dist.broadcast_object_list(choice, src=0, group=self.group)
         if isinstance(choice[0], tuple):
             raise CheckpointError(choice[0][1])
         return choice[0]
 
     def load(self, model, optimizer, scheduler) -> dict | None:
-        """Restore everything from the chosen checkpoint; returns its meta (step, samples), or None."""
-        path = self.choose()
-        if path is None:
-            return None
-        meta = read_meta(path)
-        model_state, optim_state = get_state_dict(model, optimizer)
-        check_compatible(path, meta["shapes"], shapes(model_state))
-        started = time.perf_counter()
-        state = {"model": model_state, "optim": optim_state}
-        self._read_shards(path, state)
+        """Restore everything from the newest usable checkpoint; returns its meta (step, samples), or
+        None. A checkpoint that turns out unreadable is skipped with a warning for the next older one."""
+        unreadable: tuple[str, ...] = ()
+        while True:
+            path = self.choose(unreadable)
+            if path is None:
+                return None
+            meta = read_meta(path)
+            model_state, optim_state = get_state_dict(model, optimizer)
+            check_compatible(path, meta["shapes"], shapes(model_state))
+            saved_optimizer = meta.get("optimizer", type(optimizer).__name__)
+            if saved_optimizer != type(optimizer).__name__:
+                raise CheckpointError(f"checkpoint {path} holds the state of optimizer {saved_optimizer}, but this run uses "
+                                      f"{type(optimizer).__name__} (optim.name): resume with the same optim.name, or start a "
+                                      f"new run_dir")
+            started = time.perf_counter()
+            state = {"model": model_state, "optim": optim_state}
+            why = self._read_shards(path, state)
+            if why is None:
+                break
+            if path == self.args.resume_from:
+                raise CheckpointError(f"checkpoint.resume_from={path} is unreadable: {why}")
+            log.warning("skipping checkpoint %s: %s; trying the next older one", path, why)
+            unreadable += (path,)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         scheduler.load_state_dict(meta["scheduler"])
         rng_file = os.path.join(path, "rng", f"rank_{self.rank:05d}.pt")
@@ -213,8 +256,9 @@ class Checkpointer:
         self.last_saved = meta["step"]
         return meta
 
-    def _read_shards(self, path: str, state: dict) -> None:
-        """Fill `state`'s tensors (this rank's shards) from the checkpoint at `path`.
+    def _read_shards(self, path: str, state: dict) -> str | None:
+        """Fill `state`'s tensors (this rank's shards) from the checkpoint at `path`; None, or on every
+        rank why some rank could not (the tensors may then be partly overwritten: load them again).
 
         Each rank plans its own reads (`no_dist`): DCP's default load plan needs no coordination (its
         global step hands every rank its own plan back), and routing the plans through rank 0 took
@@ -228,15 +272,16 @@ class Checkpointer:
                 dcp.load(state, storage_reader=self.reader(path), no_dist=True)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - any failure stops every rank, with its cause
             cause = e.failures[min(e.failures)][0] if isinstance(e, CheckpointException) and e.failures else e
-            log.error("rank %d: reading checkpoint %s failed", self.rank, path, exc_info=cause)
-            error = type(cause).__name__
+            log.warning("rank %d: reading checkpoint %s failed: %s: %s", self.rank, path, type(cause).__name__, cause)
+            first_line = (str(cause).strip().splitlines() or [""])[0]
+            error = f"{type(cause).__name__}: {first_line[:160]}"
         errors: list[str | None] = [None] * self.world_size
         dist.all_gather_object(errors, error, group=self.group)
         failed = next(((rank, e) for rank, e in enumerate(errors) if e), None)
         if failed:
             rank, e = failed
-            raise CheckpointError(f"checkpoint {path}: rank {rank} could not read its shards ({e}, traceback above); "
-                                  "resume from an earlier checkpoint with checkpoint.resume_from=<its folder>")
+            return f"rank {rank} could not read its shards ({e})"
+        return None
 
     # -- save ---------------------------------------------------------------------------------------
 
@@ -257,6 +302,7 @@ class Checkpointer:
             "step": step,
             "world_size": self.world_size,
             "scheduler": scheduler.state_dict(),
+            "optimizer": type(optimizer).__name__,
             "shapes": shapes(model_state),
             "torch": torch.__version__,
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -264,12 +310,13 @@ class Checkpointer:
         state = {"model": model_state, "optim": optim_state}
         self.last_saved = step
         if self.args.async_save and not blocking:
-            response = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group, **self.stager)
+            response = dcp.async_save(state, storage_writer=ChecksumWriter(tmp), process_group=self.group, **self.stager)
             future = getattr(response, "upload_completion", response)
             self.staging = getattr(response, "staging_completion", None)
             self.pending = (future, step, tmp, meta)
         else:
-            dcp.save(state, checkpoint_id=tmp, process_group=self.group)
+            with _write_errors(step, tmp):
+                dcp.save(state, storage_writer=ChecksumWriter(tmp), process_group=self.group)
             self._commit(step, tmp, meta)
 
     def wait_staged(self) -> None:
@@ -289,7 +336,8 @@ class Checkpointer:
         if self.pending:
             future, step, tmp, meta = self.pending
             self.pending = None
-            future.result()  # raises if any rank failed to write
+            with _write_errors(step, tmp):
+                future.result()  # raises if any rank failed to write
             self._commit(step, tmp, meta)
 
     def close(self) -> None:
@@ -311,7 +359,7 @@ class Checkpointer:
         _fsync(tmp)
         final = step_path(self.run_dir, step)
         if os.path.exists(final):  # a broken folder of the same name (skipped when listing)
-            os.rename(final, os.path.join(folder(self.run_dir), f".trash_step_{step:08d}"))
+            discard(final)
         os.rename(tmp, final)
         _fsync(folder(self.run_dir))
         log.info("saved checkpoint %s", final)
@@ -326,6 +374,4 @@ class Checkpointer:
         for step in steps:
             if step in newest or (self.args.keep_every and step % self.args.keep_every == 0):
                 continue
-            trash = os.path.join(folder(self.run_dir), f".trash_step_{step:08d}")
-            os.rename(step_path(self.run_dir, step), trash)  # gone from listings at once
-            shutil.rmtree(trash, ignore_errors=True)
+            discard(step_path(self.run_dir, step))

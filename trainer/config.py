@@ -90,6 +90,11 @@ def load(path: str | None, overrides: list[str] = ()) -> Config:
     return _build(Config, raw, prefix="", sources=sources, default_source=path or "defaults")
 
 
+def from_dict(raw: dict, where: str) -> Config:
+    """A Config from a mapping such as to_dict's (a checkpoint's saved config); `where` names it."""
+    return _build(Config, raw, prefix="", sources={}, default_source=where)
+
+
 def _flatten(d: dict, prefix: str = "") -> list[str]:
     keys = []
     for k, v in d.items():

@@ -16,17 +16,15 @@ import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from trainer import checkpoint, models
-from trainer.config import ConfigError, load
+from trainer.config import ConfigError, from_dict, load
+from trainer.shard_reader import ShardReader
 
 
 def consolidate(run_dir: str, step: int | None = None) -> tuple[dict[str, torch.Tensor], str]:
     """The full model state dict of a run's checkpoint (the newest complete one by default)."""
-    config_file = os.path.join(run_dir, "config.yaml")
-    if not os.path.isfile(config_file):
-        raise ConfigError(f"{run_dir} has no config.yaml: is it a run_dir of this trainer?")
-    cfg = load(config_file)
     found = dict(checkpoint.complete(run_dir))
     if not found:
         raise ConfigError(f"{run_dir} has no complete checkpoint to export")
@@ -35,6 +33,7 @@ def consolidate(run_dir: str, step: int | None = None) -> tuple[dict[str, torch.
     if step not in found:
         raise ConfigError(f"{run_dir} has no complete checkpoint for step {step}; it has steps {sorted(found)}")
     path = found[step]
+    cfg = _config(run_dir, path)
     with torch.device("meta"):
         model = models.build(cfg.model)
     model.to_empty(device="cpu")  # storage only: every saved tensor is loaded below
@@ -42,8 +41,25 @@ def consolidate(run_dir: str, step: int | None = None) -> tuple[dict[str, torch.
     checkpoint.check_compatible(path, checkpoint.read_meta(path)["shapes"], checkpoint.shapes(state))
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load({"model": state}, checkpoint_id=path)
+        try:  # ShardReader checks the shard files' CRC-32 (trainer/checksums.py)
+            dcp.load({"model": state}, storage_reader=ShardReader(path))
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - any unreadable file: one line
+            cause = e.failures[min(e.failures)][0] if isinstance(e, CheckpointException) and e.failures else e
+            raise checkpoint.CheckpointError(f"checkpoint {path} is unreadable ({type(cause).__name__}: "
+                                             f"{str(cause).splitlines()[0] if str(cause) else ''}); export an older "
+                                             f"one with --step") from None
     return state, path
+
+
+def _config(run_dir: str, path: str):
+    """The config the checkpoint at `path` was saved with (older checkpoints: the run's config.yaml)."""
+    meta = checkpoint.read_meta(path)
+    if "config" in meta:
+        return from_dict(meta["config"], where=f"{path}/meta.json")
+    config_file = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(config_file):
+        raise ConfigError(f"{run_dir} has no config.yaml: is it a run_dir of this trainer?")
+    return load(config_file)
 
 
 def main(argv: list[str] | None = None) -> int:
