@@ -24,12 +24,15 @@ import struct
 import sys
 import threading
 import zipfile
+import zlib
 from collections import OrderedDict
 from concurrent.futures import Future
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+
+from trainer import checksums
 
 # The storage classes a pickled tensor names, by dtype (torch.serialization's own list).
 _STORAGE_DTYPES = {
@@ -87,7 +90,11 @@ class ShardReader(FileSystemReader):
         target = planner.resolve_tensor(item).detach()
         if target.dtype != stored.dtype or tuple(target.shape) != stored.shape:
             return False
-        direct = target.device.type == "cpu" and target.is_contiguous()
+        # Written in place only where its bytes are exactly the flat data: PyTorch calls a tensor
+        # contiguous whose flat view still has another stride (one element viewed with stride 2),
+        # and a negative or conjugate view holds its values with a flag the bytes do not carry.
+        direct = (target.device.type == "cpu" and target.is_contiguous() and target.reshape(-1).stride() == (1,)
+                  and not target.is_neg() and not target.is_conj())
         dest = target if direct else torch.empty(stored.shape, dtype=stored.dtype)
         _read_exactly(f, stored.start, dest)
         if not _is_descriptor(f.read(24), dest.nbytes):  # the zip agrees where the data ends
@@ -178,14 +185,24 @@ def _tensor(records: dict[str, bytes], name: str, start: int, end: int) -> _Stor
 class _ReadAhead:
     """Reads the byte ranges a load needs, in their order and in large blocks, in a thread that
     keeps at most `ahead` bytes in front of the load: each tensor is then in the page cache when
-    the load reaches it, and the disk works while the load's CPU does. Only a cache warmer: the
-    load reads everything itself, so an error here only costs speed."""
+    the load reaches it, and the disk works while the load's CPU does.
+
+    Files with a recorded checksum (trainer/checksums.py) are read whole, and their CRC-32 is
+    computed on the way (zlib releases the GIL: it runs beside the load); leaving the block
+    finishes them and raises ChecksumError for one that is not what was written. Other files are
+    only warmed: the load reads everything itself, so an error there only costs speed."""
 
     def __init__(self, spans: dict[str, list[tuple[int, int]]], ahead: int = _AHEAD_BYTES):
-        self.spans = spans  # file -> its (offset, length)s, in the order the load reads them
+        self.verified = {path: checksums.record(path) for path in spans}
+        self.verified = {path: want for path, want in self.verified.items() if want is not None}
+        # file -> its (offset, length)s, in the order the load reads them; whole for verified files
+        self.spans = {path: [(0, self.verified[path]["size"])] if path in self.verified else s
+                      for path, s in spans.items()}
         self.ahead = ahead
         self.done = 0  # bytes of `spans` the load has finished
         self.read = 0  # bytes of `spans` read ahead
+        self.sums: dict[str, tuple[int, int]] = {}  # verified file -> (size, CRC-32) as read
+        self.error: OSError | None = None
         self.waiting = False  # whether it waits for the load to catch up
         self.stop = False
         self.cond = threading.Condition()
@@ -195,11 +212,19 @@ class _ReadAhead:
         self.thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         with self.cond:
-            self.stop = True
+            if exc_type is None and self.verified:
+                self.done = math.inf  # the load is through: read the rest of the files to check them
+            else:
+                self.stop = True
             self.cond.notify_all()
         self.thread.join()
+        if exc_type is None:
+            for path in self.verified:
+                if path not in self.sums:
+                    raise self.error or checksums.ChecksumError(f"{os.path.basename(path)} could not be checked")
+                checksums.verify(path, *self.sums[path])
 
     def consumed(self, nbytes: int) -> None:
         with self.cond:
@@ -210,15 +235,20 @@ class _ReadAhead:
         block = memoryview(bytearray(_BLOCK_BYTES))
         try:
             for path, spans in self.spans.items():
+                crc = 0 if path in self.verified else None
                 with open(path, "rb", buffering=0) as f:
                     for offset, length in spans:
-                        if not self._read_span(f, offset, self.read + length, block):
+                        crc = self._read_span(f, offset, self.read + length, block, crc)
+                        if crc is False:
                             return
-        except OSError:
-            pass  # the load itself meets the same error and reports it
+                    if path in self.verified:
+                        self.sums[path] = (f.tell(), crc)
+        except OSError as e:
+            self.error = e  # the load itself meets the same error and reports it
 
-    def _read_span(self, f, offset: int, end: int, block: memoryview) -> bool:
-        """Read from `offset` until `self.read` is `end`, within the budget; False once told to stop."""
+    def _read_span(self, f, offset: int, end: int, block: memoryview, crc):
+        """Read from `offset` until `self.read` is `end`, within the budget, updating `crc` unless
+        None; the CRC (or None), or False once told to stop."""
         f.seek(offset)
         while self.read < end:
             with self.cond:
@@ -229,19 +259,27 @@ class _ReadAhead:
                 if self.stop:
                     return False
                 room = self.ahead - (self.read - self.done)
-            n = f.readinto(block[:min(_BLOCK_BYTES, end - self.read, room)])
+            n = f.readinto(block[:int(min(_BLOCK_BYTES, end - self.read, room))])
             if not n:
                 break
+            if crc is not None:
+                crc = zlib.crc32(block[:n], crc)
             self.read += n
+        if crc is not None:  # a file shorter than recorded: what is there, for the size to differ
+            crc = zlib.crc32(f.read(), crc)
         self.read = end
-        return True
+        return crc
 
 
 class _NotPlain(Exception):
     """The pickle holds something other than one plain tensor."""
 
 
-def _rebuild(storage, storage_offset, shape, stride, *rest):
+def _rebuild(storage, storage_offset, shape, stride, requires_grad=False, backward_hooks=None, metadata=None, *rest):
+    # Anything past the layout changes what the bytes mean (metadata {'neg': True} or {'conj': True}
+    # flips signs) or is unknown: the stock reader, which applies it, reads such a tensor.
+    if backward_hooks or metadata or rest:
+        raise _NotPlain(f"rebuild arguments {backward_hooks!r} {metadata!r} {rest!r}")
     return (*storage, storage_offset, tuple(shape), tuple(stride))
 
 
