@@ -11,12 +11,14 @@ import sys
 from trainer import signals
 
 signals.install()  # before the slow imports below: a stop signal during start-up is kept, not fatal
+signals.stop_with_launcher()  # a rank whose launcher died (kill -9) saves and stops, never trains on alone
 
 from trainer.check import check_gpus, validate  # noqa: E402
 from trainer.checkpoint import CheckpointError  # noqa: E402
 from trainer.config import ConfigError, load  # noqa: E402
 from trainer.data import DataError  # noqa: E402
 from trainer.dist import NodeError, read_env  # noqa: E402
+from trainer.lease import LeaseError  # noqa: E402
 from trainer.metrics import setup_logging  # noqa: E402
 
 
@@ -40,12 +42,18 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         return fail(str(e))
 
-    from trainer.train import train  # torch.distributed set-up lives there
+    from trainer.train import Diverged, StuckRank, train  # torch.distributed set-up lives there
 
     try:
         train(cfg)
-    except (CheckpointError, DataError, NodeError) as e:
+    except (CheckpointError, DataError, NodeError, LeaseError) as e:
         return fail(str(e))
+    except Diverged as e:
+        fail(str(e))
+        return 1  # not bad input: the run itself failed
+    except StuckRank as e:  # said by every rank that saw it: the stuck one may be rank 0
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
     finally:
         from trainer.dist import shutdown
 

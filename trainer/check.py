@@ -9,6 +9,8 @@ exits 0 with a one-line summary, or 2 with one line saying what is wrong, where 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 import os
 import sys
 
@@ -31,11 +33,16 @@ def validate(cfg: Config, world_size: int, where: str = "config") -> None:
     def fail(key: str, message: str):
         raise ConfigError(f"{where}: {key}: {message}")
 
+    for key, value in _floats(cfg):
+        if not math.isfinite(value):
+            fail(key, f"is {value}; give a finite number")
+
     positive = {
         "train.steps": cfg.train.steps, "train.global_batch_size": cfg.train.global_batch_size,
         "log.interval": cfg.log.interval, "eval.batches": cfg.eval.batches, "model.seq_len": cfg.model.seq_len,
         "optim.step_size": cfg.optim.step_size, "parallel.wrap_min_params": cfg.parallel.wrap_min_params,
         "checkpoint.timeout_s": cfg.checkpoint.timeout_s, "model.image_size": cfg.model.image_size,
+        "parallel.timeout_s": cfg.parallel.timeout_s,
     }
     if cfg.train.micro_batch_size is not None:
         positive["train.micro_batch_size"] = cfg.train.micro_batch_size
@@ -113,6 +120,19 @@ def validate(cfg: Config, world_size: int, where: str = "config") -> None:
     if c.resume_from is not None and not os.path.isdir(c.resume_from):
         fail("checkpoint.resume_from", f"{c.resume_from} does not exist; give a checkpoint folder such as run_dir/checkpoints/step_00000100")
     _check_writable(cfg.run_dir, where)
+
+
+def _floats(section, prefix: str = ""):
+    """(dotted key, value) of every float in the config, tuples included."""
+    for field in dataclasses.fields(section):
+        value = getattr(section, field.name)
+        key = prefix + field.name
+        if dataclasses.is_dataclass(value):
+            yield from _floats(value, key + ".")
+        elif isinstance(value, float):
+            yield key, value
+        elif isinstance(value, tuple):
+            yield from ((f"{key}[{i}]", v) for i, v in enumerate(value) if isinstance(v, float))
 
 
 def param_count(cfg: Config) -> int:

@@ -52,3 +52,13 @@ def lr_factor(args: OptimArgs, total_steps: int, step: int) -> float:
 
 def scheduler(optimizer: torch.optim.Optimizer, args: OptimArgs, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(args, total_steps, step))
+
+
+def set_peak_lr(scheduler, args: OptimArgs, total_steps: int) -> None:
+    """Make args.lr the peak of a resumed schedule: it keeps its place (step) and shape, and the
+    configured lr applies from the next step, as a user who changed optim.lr expects."""
+    scheduler.base_lrs = [args.lr] * len(scheduler.base_lrs)
+    lr = args.lr * lr_factor(args, total_steps, scheduler.last_epoch)
+    for group in scheduler.optimizer.param_groups:
+        group["initial_lr"], group["lr"] = args.lr, lr
+    scheduler._last_lr = [lr] * len(scheduler.base_lrs)

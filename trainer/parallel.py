@@ -36,6 +36,9 @@ class ParallelArgs:
     cpu_offload: bool = False  # keep sharded params, grads and optimizer state in host memory
     activation_checkpointing: bool = False  # recompute each block's activations in backward
     compile: bool = False  # torch.compile each block and the loss
+    # Seconds a collective of the training process group waits for a rank that does not answer;
+    # then the run stops with an error naming the step (exit code 1), so that Slurm can requeue it.
+    timeout_s: int = 600
 
 
 def has_batchnorm(model: nn.Module) -> bool:

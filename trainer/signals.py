@@ -7,7 +7,9 @@ all-reduces the flag so that every rank sees the same answer and they save and s
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import sys
 
 log = logging.getLogger("trainer")
 
@@ -47,6 +49,20 @@ def _handle(signum, frame) -> None:
     if _received is None:
         _received = signum
         log.warning("received %s: will save a checkpoint and stop at the next step", signal.Signals(signum).name)
+
+
+def stop_with_launcher() -> None:
+    """Under torchrun, ask Linux for SIGTERM when the launcher dies (PR_SET_PDEATHSIG): torchrun
+    starts each rank in a session of its own, so a `kill -9` of torchrun alone would leave the ranks
+    training and saving on their own, beside the next start. With it they save and stop."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it died before the request
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 class StopFlag:

@@ -6,12 +6,14 @@ import contextlib
 import logging
 import os
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from trainer import checkpoint, data, dist as distributed, layout, models, optim, parallel
-from trainer.config import Config, dump
+from trainer.config import Config, dump, to_dict
+from trainer.lease import Lease, LeaseError
 from trainer.metrics import Reporter, peak_flops, peak_memory_gb
 from trainer.signals import StopFlag
 
@@ -77,14 +79,73 @@ def evaluate(model, cfg: Config, env: distributed.Env, dataset, compute_dtype) -
 
 
 def train(cfg: Config) -> None:
-    env = distributed.init(timeout_s=600)
-    control = distributed.cpu_group(timeout_s=cfg.checkpoint.timeout_s)  # stop flag, rank-0 decisions
+    env = distributed.init(timeout_s=cfg.parallel.timeout_s)
+    control = distributed.cpu_group(timeout_s=cfg.parallel.timeout_s)  # stop flag, rank-0 decisions
     io_group = distributed.cpu_group(timeout_s=cfg.checkpoint.timeout_s)  # DCP, also from its own thread
     run_dir = cfg.run_dir
     distributed.check_nodes(run_dir, control)
-    if env.is_main:
-        os.makedirs(run_dir, exist_ok=True)
-        dump(cfg, os.path.join(run_dir, "config.yaml"))
+    lease = _take_lease(run_dir, env, control)  # before anything in the run dir changes
+    try:
+        _train(cfg, env, control, io_group)
+    except RuntimeError as e:  # torch.distributed.DistBackendError is one
+        if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+            raise
+        raise StuckRank(_stuck_ranks(env, cfg.parallel.timeout_s, e)) from None
+    finally:
+        if lease:
+            lease.release()
+
+
+class StuckRank(Exception):
+    """A collective timed out: some rank stopped answering. The message names the step and the rank."""
+
+
+def _reached(env: distributed.Env, step: int) -> None:
+    """Tell the rendezvous store (torchrun's TCP store) that this rank is at `step`: one small write
+    per step, read back when a collective times out (_stuck_ranks)."""
+    dist.distributed_c10d._get_default_store().set(f"trainer/step/{env.rank}", str(step))
+
+
+def _stuck_ranks(env: distributed.Env, timeout_s: int, error: Exception) -> str:
+    """The message for a timed-out collective: every rank that timed out says so in the store, and
+    waits a little for the others to; the ranks that never do are the ones that stopped answering."""
+    first_line = (str(error).strip().splitlines() or [""])[0][:200]
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(timedelta(seconds=5))
+        store.set(f"trainer/timed_out/{env.rank}", "1")
+        deadline = time.monotonic() + min(timeout_s, 10)
+        while True:
+            silent = [r for r in range(env.world_size) if not store.check([f"trainer/timed_out/{r}"])]
+            if not silent or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        step = store.get(f"trainer/step/{env.rank}").decode()
+        who = ", ".join(f"rank {r} (last seen at step {store.get(f'trainer/step/{r}').decode()})" for r in silent)
+        return (f"at step {step}, rank {env.rank} waited {timeout_s} s (parallel.timeout_s) for {who or 'another rank'}, "
+                f"which did not answer; the run stops so that it can be restarted (under Slurm it is requeued) "
+                f"[{first_line}]")
+    except Exception:  # noqa: BLE001 - the store may be gone with the launcher: say what is known
+        return (f"rank {env.rank} waited {timeout_s} s (parallel.timeout_s) for a rank that did not answer; the run stops "
+                f"so that it can be restarted [{first_line}]")
+
+
+def _take_lease(run_dir: str, env: distributed.Env, group) -> Lease | None:
+    """Rank 0 takes the run dir's lease; every rank raises LeaseError if it cannot."""
+    lease, refused = (Lease(run_dir), [None]) if env.is_main else (None, [None])
+    if lease:
+        try:
+            lease.acquire()
+        except LeaseError as e:
+            refused = [str(e)]
+    dist.broadcast_object_list(refused, src=0, group=group)
+    if refused[0]:
+        raise LeaseError(refused[0])
+    return lease
+
+
+def _train(cfg: Config, env: distributed.Env, control, io_group) -> None:
+    run_dir = cfg.run_dir
     micro, accum = batch_plan(cfg, env.world_size)
     B = cfg.train.global_batch_size
 
@@ -102,8 +163,14 @@ def train(cfg: Config) -> None:
     meta = ckpt.load(model, optimizer, scheduler)
     if meta:
         step, samples = meta["step"], meta["samples"]
+        saved_lr = meta.get("config", {}).get("optim", {}).get("lr", cfg.optim.lr)
+        if saved_lr != cfg.optim.lr:
+            reporter.message(f"optim.lr is {cfg.optim.lr:g}, the checkpoint's was {saved_lr:g}: the schedule goes on from "
+                             f"step {step} with the new peak")
+        optim.set_peak_lr(scheduler, cfg.optim, cfg.train.steps)
         reporter.message(f"resumed from {meta['path']} at step {step} (saved by {meta['world_size']} processes, loaded in {meta['load_time_s']:.2f}s)")
-    if env.is_main:  # read by the launcher and the Slurm requeue check (trainer/layout.py)
+    if env.is_main:  # the start is accepted: only now the run dir's config and status change
+        dump(cfg, os.path.join(run_dir, "config.yaml"))
         layout.write_status(run_dir, state="running", steps=cfg.train.steps, step=step)
     if step >= cfg.train.steps:
         reporter.message(f"nothing to do: step {step} reached train.steps={cfg.train.steps}; raise train.steps to continue")
@@ -128,7 +195,11 @@ def train(cfg: Config) -> None:
 
     model.train()
     window_start, window_steps = time.perf_counter(), 0  # throughput over the steps since the last row
+    # First step whose loss or gradient norm was not finite, or -1; on the device: read (a sync) only
+    # when logging and before saving, so nothing non-finite is ever written or committed.
+    first_bad = torch.full((), -1, device=env.device)
     while step < cfg.train.steps:
+        _reached(env, step + 1)
         # accumulate: the mean loss over the global batch, micro-batch by micro-batch
         loss_sum = torch.zeros((), device=env.device)
         for i in range(accum):
@@ -160,9 +231,14 @@ def train(cfg: Config) -> None:
         optimizer.zero_grad(set_to_none=True)
         step, samples = step + 1, samples + B
         window_steps += 1
+        bad = ~torch.isfinite(loss_sum)
+        if grad_norm is not None and not scaler:  # with fp16 loss scaling, inf gradients are routine: skipped
+            bad |= ~torch.isfinite(_local(grad_norm))
+        first_bad = torch.where(bad & (first_bad < 0), step, first_bad)
 
         # log
         if step % cfg.log.interval == 0 or step == cfg.train.steps:
+            _stop_if_diverged(first_bad, ckpt)
             dist.all_reduce(loss_sum)  # gloo has no AVG
             loss = loss_sum.item() / env.world_size  # waits for the device: the timing below is real
             elapsed = (time.perf_counter() - window_start) / window_steps
@@ -189,9 +265,10 @@ def train(cfg: Config) -> None:
         ckpt.poll()
         interval = cfg.checkpoint.interval
         if stopping or step == cfg.train.steps or (interval and step % interval == 0):
+            _stop_if_diverged(first_bad, ckpt, model)
             blocking = stopping or step == cfg.train.steps or not cfg.checkpoint.async_save
             started = time.perf_counter()
-            ckpt.save(step, model, optimizer, scheduler, {"samples": samples}, blocking=blocking)
+            ckpt.save(step, model, optimizer, scheduler, {"samples": samples, "config": to_dict(cfg)}, blocking=blocking)
             if blocking and env.is_main:  # what a stop costs: make submit sizes the warning with it
                 layout.write_status(run_dir, save_s=round(time.perf_counter() - started, 3))
         if stopping:
@@ -204,6 +281,33 @@ def train(cfg: Config) -> None:
     if env.is_main:
         layout.write_status(run_dir, state="stopped" if step < cfg.train.steps else "finished", step=step)
     dist.barrier(group=control)
+
+
+class Diverged(Exception):
+    """The loss or the gradient norm became NaN or infinite; the message says where and what to do."""
+
+
+def _stop_if_diverged(first_bad: torch.Tensor, ckpt: checkpoint.Checkpointer, model=None) -> None:
+    """Raise Diverged on every rank if any rank saw a non-finite loss or gradient norm (or, before a
+    save, holds a non-finite weight). The save in flight, started from finite weights, is committed."""
+    bad = first_bad.clone().float()
+    if model is not None:
+        finite = torch.stack([torch.isfinite(_local(p)).all() for p in model.parameters()]).all()
+        bad = torch.where(finite | (bad >= 0), bad, torch.full_like(bad, 1e30))
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    if bad.item() < 0:
+        return
+    ckpt.close()
+    where = f"at step {int(first_bad.item())}" if first_bad.item() >= 0 else "on another rank"
+    last = f"step {ckpt.last_saved}" if ckpt.last_saved is not None else "none"
+    raise Diverged(f"training diverged: the loss or gradient norm became NaN or infinite ({where}); nothing after "
+                   f"it was saved (newest checkpoint: {last}). Lower optim.lr or set train.grad_clip, then resume "
+                   f"with checkpoint.resume_from=<an earlier checkpoint> in a new run_dir")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (FSDP2's parameters and gradient norm), or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _loss_fn(cfg: Config):
