@@ -165,7 +165,7 @@ def test_unreadable_shard_stops_every_rank_with_its_cause(tmp_path, reference):
     proc = train(tmp_path / "run", 2, *RESUMABLE, f"checkpoint.resume_from={source}", expect=1)  # torchrun's code
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and errors[0].startswith(f"error: checkpoint.resume_from={source} is unreadable: rank "), proc.stderr
-    # The shard file's CRC-32 (trainer/checksums.py) catches the damage before its pickle does.
+    # The shard file's checksum (trainer/checksums.py) catches the damage before its pickle does.
     assert "could not read its shards (ChecksumError: __1_0.distcp is damaged" in errors[0], errors[0]
     assert {p: p.read_bytes() for p in source.rglob("*") if p.is_file()} == files
 

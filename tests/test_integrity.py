@@ -125,12 +125,12 @@ def test_a_changed_lr_applies_on_resume_and_is_said(tmp_path):
 
 def test_flipped_bytes_inside_a_tensor_are_caught_by_the_checksum(tmp_path):
     """16 bytes flipped inside a tensor's data of a .distcp: DCP's reader and ours would both load
-    wrong weights without a word. The CRC-32 recorded at save catches it: resume skips that
+    wrong weights without a word. The checksum recorded at save catches it: resume skips that
     checkpoint with a warning naming the file and goes on from the older one; export refuses it."""
     train(tmp_path, 2, *SAVING, "train.steps=10", "checkpoint.keep=0")
     step5, step10 = _step_dirs(tmp_path)
     shard = sorted(step10.glob("*.distcp"))[0]
-    assert (shard.parent / (shard.name + ".crc32")).is_file()
+    assert (shard.parent / (shard.name + ".xxh3")).is_file()
     data = bytearray(shard.read_bytes())
     middle = len(data) // 2
     data[middle:middle + 16] = bytes(b ^ 0xFF for b in data[middle:middle + 16])

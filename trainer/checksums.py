@@ -1,38 +1,48 @@
-"""A CRC-32 of every shard file, recorded when it is written and checked when it is read.
+"""A checksum of every shard file, recorded when it is written and checked when it is read.
 
 Flipped bytes inside a tensor of a `.distcp` file load without any error through DCP's reader and
 through ours alike (each checks less than the other in places): only a checksum makes a damaged
 file visible. Each rank, right after writing its shard files (from the page cache), records
-`<file>.crc32` beside each: {"size": bytes, "crc32": value}. The load (trainer/shard_reader.py)
+`<file>.xxh3` beside each: {"size": bytes, "xxh3_64": value}. The load (trainer/shard_reader.py)
 recomputes it while it reads, in its read-ahead thread, and a mismatch makes the whole checkpoint
 unreadable, so that resume takes the next older one (trainer/checkpoint.py). Export checks it too.
+
+XXH3-64 (the xxhash package) rather than zlib's CRC-32: 9 GB/s against 2.3 GB/s on the project's
+VM. Loading 1 GB in one process there (5 alternating rounds, medians) took 1.54x (cold) and 1.81x
+(cached) the time of a load without checks with CRC-32, and 1.01x and 1.01x with XXH3.
+It detects accidental damage (flipped bytes, torn writes); it is not a defence against tampering.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import zlib
+
+import xxhash
 
 from torch.distributed.checkpoint import FileSystemWriter
 
-SUFFIX = ".crc32"
+SUFFIX = ".xxh3"
 _CHUNK = 16 << 20
 
 
 class ChecksumError(OSError):
-    """A shard file is not what was written: its size or CRC-32 differs from the record."""
+    """A shard file is not what was written: its size or checksum differs from the record."""
 
 
-def crc32_file(path: str) -> tuple[int, int]:
-    """(size, CRC-32) of the file at `path`."""
-    crc, size = 0, 0
+def hasher():
+    return xxhash.xxh3_64()
+
+
+def checksum_file(path: str) -> tuple[int, int]:
+    """(size, checksum) of the file at `path`."""
+    h, size = hasher(), 0
     with open(path, "rb", buffering=0) as f:
         block = memoryview(bytearray(_CHUNK))
         while n := f.readinto(block):
-            crc = zlib.crc32(block[:n], crc)
+            h.update(block[:n])
             size += n
-    return size, crc
+    return size, h.intdigest()
 
 
 def record(path: str) -> dict | None:
@@ -45,24 +55,24 @@ def record(path: str) -> dict | None:
         return None
 
 
-def verify(path: str, size: int, crc: int) -> None:
-    """Raise ChecksumError if (size, crc), computed over the file at `path`, differ from its record."""
+def verify(path: str, size: int, digest: int) -> None:
+    """Raise ChecksumError if (size, digest), computed over the file at `path`, differ from its record."""
     want = record(path)
-    if want is not None and (want["size"], want["crc32"]) != (size, crc):
-        raise ChecksumError(f"{os.path.basename(path)} is damaged: {size} bytes with CRC-32 {crc:08x}, but "
-                            f"{want['size']} bytes with {want['crc32']:08x} were written")
+    if want is not None and (want["size"], want["xxh3_64"]) != (size, digest):
+        raise ChecksumError(f"{os.path.basename(path)} is damaged: {size} bytes with checksum {digest:016x}, but "
+                            f"{want['size']} bytes with {want['xxh3_64']:016x} were written")
 
 
 class ChecksumWriter(FileSystemWriter):
-    """DCP's `FileSystemWriter` that also records the CRC-32 of each shard file this rank wrote."""
+    """DCP's `FileSystemWriter` that also records the checksum of each shard file this rank wrote."""
 
     def write_data(self, plan, planner):
         future = super().write_data(plan, planner)  # a torch.futures.Future, already done
         for name in sorted({result.storage_data.relative_path for result in future.wait()}):
             path = os.path.join(self.path, name)
-            size, crc = crc32_file(path)
+            size, digest = checksum_file(path)
             with open(path + SUFFIX, "w") as f:
-                json.dump({"size": size, "crc32": crc}, f)
+                json.dump({"size": size, "xxh3_64": digest}, f)
                 if self.sync_files:
                     f.flush()
                     os.fsync(f.fileno())

@@ -41,7 +41,7 @@ def consolidate(run_dir: str, step: int | None = None) -> tuple[dict[str, torch.
     checkpoint.check_compatible(path, checkpoint.read_meta(path)["shapes"], checkpoint.shapes(state))
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
-        try:  # ShardReader checks the shard files' CRC-32 (trainer/checksums.py)
+        try:  # ShardReader checks the shard files' checksums (trainer/checksums.py)
             dcp.load({"model": state}, storage_reader=ShardReader(path))
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - any unreadable file: one line
             cause = e.failures[min(e.failures)][0] if isinstance(e, CheckpointException) and e.failures else e

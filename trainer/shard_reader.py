@@ -24,7 +24,6 @@ import struct
 import sys
 import threading
 import zipfile
-import zlib
 from collections import OrderedDict
 from concurrent.futures import Future
 
@@ -187,9 +186,9 @@ class _ReadAhead:
     keeps at most `ahead` bytes in front of the load: each tensor is then in the page cache when
     the load reaches it, and the disk works while the load's CPU does.
 
-    Files with a recorded checksum (trainer/checksums.py) are read whole, and their CRC-32 is
-    computed on the way (zlib releases the GIL: it runs beside the load); leaving the block
-    finishes them and raises ChecksumError for one that is not what was written. Other files are
+    Files with a recorded checksum (trainer/checksums.py) are read whole, and their checksum is
+    computed on the way, beside the load; leaving the block finishes them and raises
+    ChecksumError for one that is not what was written. Other files are
     only warmed: the load reads everything itself, so an error there only costs speed."""
 
     def __init__(self, spans: dict[str, list[tuple[int, int]]], ahead: int = _AHEAD_BYTES):
@@ -201,7 +200,7 @@ class _ReadAhead:
         self.ahead = ahead
         self.done = 0  # bytes of `spans` the load has finished
         self.read = 0  # bytes of `spans` read ahead
-        self.sums: dict[str, tuple[int, int]] = {}  # verified file -> (size, CRC-32) as read
+        self.sums: dict[str, tuple[int, int]] = {}  # verified file -> (size, checksum) as read
         self.error: OSError | None = None
         self.waiting = False  # whether it waits for the load to catch up
         self.stop = False
@@ -235,20 +234,20 @@ class _ReadAhead:
         block = memoryview(bytearray(_BLOCK_BYTES))
         try:
             for path, spans in self.spans.items():
-                crc = 0 if path in self.verified else None
+                h = checksums.hasher() if path in self.verified else None
                 with open(path, "rb", buffering=0) as f:
                     for offset, length in spans:
-                        crc = self._read_span(f, offset, self.read + length, block, crc)
-                        if crc is False:
+                        if not self._read_span(f, offset, self.read + length, block, h):
                             return
-                    if path in self.verified:
-                        self.sums[path] = (f.tell(), crc)
+                    if h is not None:
+                        h.update(f.read())  # what lies past the recorded size, for the size to differ
+                        self.sums[path] = (f.tell(), h.intdigest())
         except OSError as e:
             self.error = e  # the load itself meets the same error and reports it
 
-    def _read_span(self, f, offset: int, end: int, block: memoryview, crc):
-        """Read from `offset` until `self.read` is `end`, within the budget, updating `crc` unless
-        None; the CRC (or None), or False once told to stop."""
+    def _read_span(self, f, offset: int, end: int, block: memoryview, h) -> bool:
+        """Read from `offset` until `self.read` is `end`, within the budget, feeding the hasher `h`
+        unless None; False once told to stop."""
         f.seek(offset)
         while self.read < end:
             with self.cond:
@@ -262,13 +261,11 @@ class _ReadAhead:
             n = f.readinto(block[:int(min(_BLOCK_BYTES, end - self.read, room))])
             if not n:
                 break
-            if crc is not None:
-                crc = zlib.crc32(block[:n], crc)
+            if h is not None:
+                h.update(block[:n])
             self.read += n
-        if crc is not None:  # a file shorter than recorded: what is there, for the size to differ
-            crc = zlib.crc32(f.read(), crc)
         self.read = end
-        return crc
+        return True
 
 
 class _NotPlain(Exception):
