@@ -36,6 +36,7 @@ CONFIG = "configs/default.yaml"
 GOALS = {
     "dcp_save_vs_disk": ("DCP save throughput / raw sequential write, fsync'd", ">=", 0.8),
     "dcp_load_vs_disk": ("DCP load throughput / raw sequential read, cache dropped", ">=", 0.8),
+    "checksum_load_overhead": ("DCP load time checking the shard files' checksums / the same load without", "<=", 1.1),
     "async_stall_vs_sync": ("loop blocked by an async save / a synchronous save", "<=", 0.05),
     "shard_bytes_vs_ideal_n2": ("per-rank params+grads+optimizer bytes, FSDP full shard / (total/2)", "<=", 1.05),
     "shard_bytes_vs_ideal_n4": ("per-rank params+grads+optimizer bytes, FSDP full shard / (total/4)", "<=", 1.05),
@@ -298,6 +299,7 @@ def checkpoint_io(ctx) -> tuple[dict, dict, dict]:
         # throughput ratio = (bytes / DCP time) / (bytes / raw time)
         "dcp_save_vs_disk": ratio(med("raw_write_s"), med("dcp_save_s")),
         "dcp_load_vs_disk": ratio(med("raw_read_s"), med("dcp_load_s")),
+        "checksum_load_overhead": ratio(med("dcp_load_s"), med("unverified_load_s")),
         "dcp_vs_rank0_save_time": ratio(med("dcp_save_s"), med("rank0_save_s")),
         "dcp_vs_rank0_peak_mem": ratio(added("dcp_save"), added("rank0_save")),
         "async_stall_vs_sync": ratio(med("async_stall_s", arounds), med("sync_save_s", arounds)),
@@ -314,6 +316,9 @@ def checkpoint_io(ctx) -> tuple[dict, dict, dict]:
                                      + (f"; the same load with DCP's stock FileSystemReader in place of the trainer's "
                                         f"ShardReader: {med('stock_load_s'):.2f}s, {ratio(med('raw_read_s'), med('stock_load_s')):.2f} "
                                         "of the disk" if med("stock_load_s") else ""))
+    if "checksum_load_overhead" in values:
+        notes["checksum_load_overhead"] = (f"{what_io}; {med('dcp_load_s'):.2f}s checked vs {med('unverified_load_s'):.2f}s "
+                                           "unchecked, the files' pages evicted before each")
     if "dcp_vs_rank0_save_time" in values:
         notes["dcp_vs_rank0_save_time"] = f"{what_io}; {med('dcp_save_s'):.2f}s vs {med('rank0_save_s'):.2f}s, both fsync'd"
     if "dcp_vs_rank0_peak_mem" in values:
@@ -378,7 +383,7 @@ def gpu(ctx) -> tuple[dict, dict, dict]:
 # In this order: the keys each measures and about the least time it needs to measure them (its
 # first launch, or one round). That of the later ones is kept from each measurement's time.
 MEASUREMENTS = [
-    (checkpoint_io, ["dcp_save_vs_disk", "dcp_load_vs_disk", "async_stall_vs_sync", "dcp_vs_rank0_save_time",
+    (checkpoint_io, ["dcp_save_vs_disk", "dcp_load_vs_disk", "checksum_load_overhead", "async_stall_vs_sync", "dcp_vs_rank0_save_time",
                      "dcp_vs_rank0_peak_mem", "shard_bytes_vs_ideal_n2"], 150),
     (shard_bytes, ["shard_bytes_vs_ideal_n4"], 45),
     (trainer_runs, ["trainer_vs_minimal_step_time", "resume_start_overhead"], 3 * 45),  # trainer, minimal, resume

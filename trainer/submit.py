@@ -205,28 +205,26 @@ def parse_job(args: argparse.Namespace, partition: Partition) -> Job:
             raise SubmitError(f"{name}={text!r}: expected a whole number >= {minimum}")
         return int(text)
 
+    def per_node(name: str, text: str, minimum: int, have: int, unit: str, why_default: str) -> tuple[int, str]:
+        """(value, why): what was asked, at most what the partition's nodes have; else all of it."""
+        if not text:
+            return have, why_default
+        value = number(name, text, minimum)
+        if value > have:
+            raise SubmitError(f"{name}={value} but the nodes of partition {partition.name} have {have} {unit}; "
+                              f"use {name}={have} or fewer")
+        return value, name
+
     reasons = {}
     nodes = number("NODES", args.nodes, 1)
-    if args.gpus_per_node:
-        gpus = number("GPUS_PER_NODE", args.gpus_per_node, 0)
-        if gpus > partition.gpus_per_node:
-            raise SubmitError(f"GPUS_PER_NODE={gpus} but the nodes of partition {partition.name} have "
-                              f"{partition.gpus_per_node} GPU(s) each (gres); use GPUS_PER_NODE={partition.gpus_per_node} or fewer")
-        reasons["gpus_per_node"] = "GPUS_PER_NODE"
-    else:
-        gpus = partition.gpus_per_node
-        reasons["gpus_per_node"] = (f"every GPU of a node of partition {partition.name} (gres gpu:{gpus})" if gpus else
-                                    f"partition {partition.name} declares no GPUs: one CPU process per node")
-    if args.cpus_per_node:
-        cpus = number("CPUS_PER_NODE", args.cpus_per_node, 1)
-        if cpus > partition.cpus_per_node:
-            raise SubmitError(f"CPUS_PER_NODE={cpus} but the nodes of partition {partition.name} have "
-                              f"{partition.cpus_per_node} CPUs each")
-        reasons["cpus_per_node"] = "CPUS_PER_NODE"
-    else:
-        cpus = partition.cpus_per_node
-        reasons["cpus_per_node"] = (f"all CPUs of a node of partition {partition.name}: the launcher, its "
-                                    f"{gpus or 1} rank(s) and their data loaders share them")
+    gpus, reasons["gpus_per_node"] = per_node(
+        "GPUS_PER_NODE", args.gpus_per_node, 0, partition.gpus_per_node, "GPU(s) each (gres)",
+        f"every GPU of a node of partition {partition.name} (gres gpu:{partition.gpus_per_node})" if partition.gpus_per_node
+        else f"partition {partition.name} declares no GPUs: one CPU process per node")
+    cpus, reasons["cpus_per_node"] = per_node(
+        "CPUS_PER_NODE", args.cpus_per_node, 1, partition.cpus_per_node, "CPUs each",
+        f"all CPUs of a node of partition {partition.name}: the launcher, its {gpus or 1} rank(s) and their data "
+        f"loaders share them")
     warn = number("WARN", args.warn_seconds, 1)
     max_attempts = number("MAX_ATTEMPTS", args.max_attempts, 1)
     config = Path(args.config).resolve()
