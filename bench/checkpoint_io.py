@@ -142,27 +142,33 @@ def main() -> None:
             os.remove(full_file)  # its space and its pages
         publish()
 
-        drop()
-        meta = {}
-        r["dcp_load_s"] = common.timed(lambda: meta.update(ckpt.load(model, optimizer, scheduler)), control)
-        r["dcp_load_inner_s"] = meta["load_time_s"]
-        # Again with the files still in the page cache: DCP's own work, the floor under the load time.
-        r["dcp_load_cached_s"] = common.timed(lambda: ckpt.load(model, optimizer, scheduler), control)
+        records = [str(p) for p in Path(checkpoint.step_path(args.dir, step)).glob(f"*{checksums.SUFFIX}")]
+
+        def checked_load() -> None:
+            drop()
+            meta = {}
+            r["dcp_load_s"] = common.timed(lambda: meta.update(ckpt.load(model, optimizer, scheduler)), control)
+            r["dcp_load_inner_s"] = meta["load_time_s"]
+            # Again with the files still in the page cache: DCP's own work, the floor under the load time.
+            r["dcp_load_cached_s"] = common.timed(lambda: ckpt.load(model, optimizer, scheduler), control)
+
+        def unchecked_load() -> None:  # the same load without the shard files' checksums (records aside)
+            if rank == 0:
+                for path in records:
+                    os.rename(path, path + ".aside")
+            drop()
+            r["unverified_load_s"] = common.timed(lambda: ckpt.load(model, optimizer, scheduler), control)
+            if rank == 0:
+                for path in records:
+                    os.rename(path + ".aside", path)
+            dist.barrier(group=control)
+
+        # Checked and unchecked loads in alternating order from round to round: neither goes first always.
+        for load in (checked_load, unchecked_load) if len(result["rounds"]) % 2 else (unchecked_load, checked_load):
+            load()
 
         drop()
         r["stock_load_s"] = common.timed(lambda: stock.load(model, optimizer, scheduler), control)
-
-        # The same load without checking the shard files' checksums (their records moved aside).
-        records = [str(p) for p in Path(checkpoint.step_path(args.dir, step)).glob(f"*{checksums.SUFFIX}")]
-        if rank == 0:
-            for path in records:
-                os.rename(path, path + ".aside")
-        drop()
-        r["unverified_load_s"] = common.timed(lambda: ckpt.load(model, optimizer, scheduler), control)
-        if rank == 0:
-            for path in records:
-                os.rename(path + ".aside", path)
-        dist.barrier(group=control)
 
         drop()
         r["raw_read_s"] = common.timed(lambda: raw_read(raw_file) if rank == 0 else None, control)
