@@ -25,10 +25,11 @@ import signal
 import sys
 import time
 
-from trainer import signals
+from trainer import layout, signals
 
 # A signal before torchrun's agent takes over (imports, validation, rendezvous) ends the launch
-# cleanly instead of killing it: remembered here, acted on once the agent can forward it.
+# cleanly instead of killing it: remembered here (main() listens first thing), acted on once the
+# agent can forward it.
 _early: list[int] = []
 
 
@@ -36,11 +37,11 @@ def _remember(signum, frame) -> None:
     _early.append(signum)
 
 
-for _sig in signals.STOP_SIGNALS:
-    signal.signal(_sig, _remember)
+def node_name() -> str:
+    from trainer.dist import node_name  # imports torch: not before main() listens for signals
 
-from trainer import layout  # noqa: E402
-from trainer.dist import node_name  # noqa: E402
+    return node_name()
+
 
 BAD_INPUT = 2
 # torchrun's own default when nothing is said (and the only value before torch 2.12).
@@ -146,6 +147,8 @@ def _supported(args: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    for sig in signals.STOP_SIGNALS:
+        signal.signal(sig, _remember)
     a = _parser().parse_args(argv)
     started = time.time()
     # Config errors are the same on every node: the first node says it. A node's own problem
