@@ -299,7 +299,7 @@ def test_a_node_that_cannot_see_the_run_dir_is_named_before_training():
         info = wait_job(job)
         log = on_node("n1", "cat", str(run_dir / "slurm" / f"{job}.out")).stdout
         assert info["JobState"] == "FAILED" and info["Restarts"] == "0", log
-        errors = [line for line in log.splitlines() if "error:" in line and not line.startswith("srun:")]
+        errors = [line for line in log.splitlines() if re.match(r"\d+: error: ", line)]  # ours, not srun's or slurmstepd's
         assert len(errors) == 1, log  # one line, from one rank; torchrun's rendezvous orders the nodes
         assert re.search(rf"run_dir {run_dir} is not shared: node (n[12]) \(rank 1\) cannot see the file rank 0 wrote "
                          rf"there on (?!\1)n[12]; put run_dir on a filesystem every node mounts", errors[0]), errors[0]
