@@ -86,9 +86,8 @@ def device_line(nproc: int) -> str:
     import torch
 
     host = node_name()
-    if torch.cuda.is_available():
-        names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
-        return f"{host}: {nproc} rank(s) on {torch.cuda.device_count()} GPU(s) ({', '.join(names)}), NCCL"
+    if torch.cuda.is_available():  # counted without a CUDA context: the launcher must not hold GPU memory
+        return f"{host}: {nproc} rank(s) on {torch.cuda.device_count()} GPU(s), NCCL"
     assigned = os.environ.get("CUDA_VISIBLE_DEVICES", "")
     if assigned:
         return (f"{host}: {nproc} rank(s) on the CPU with gloo: GPUs {assigned} are assigned "
