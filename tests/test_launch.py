@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -70,6 +71,32 @@ def test_a_failing_rank_is_one_launcher_line_and_exit_1(tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 1
     assert re.search(r"^launch: rank \d failed with exit code 1 \(see its error above\)$", err, re.M), err[-2000:]
+
+
+def test_bad_input_found_by_the_ranks_stays_exit_2_when_the_launcher_is_then_signalled(tmp_path):
+    """Under Slurm, `srun --kill-on-bad-exit=1` terminates every node's task as soon as the first one
+    exits 2: a launcher whose own ranks just stopped on the same bad input gets SIGTERM while it
+    maps their outcome or exits. It still exits 2, so the requeue check does not requeue bad input."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    holder = subprocess.Popen(["sleep", "300"])  # a live run holds the run dir: the ranks refuse it (exit 2)
+    try:
+        lease = {"host": socket.gethostname(), "pid": holder.pid, "slurm_job": "", "token": "x", "renewed": time.time()}
+        (run_dir / "lease.json").write_text(json.dumps(lease))
+        proc = launch(run_dir)
+        err = []
+        for line in proc.stderr:  # signal the launcher the moment its rank says what is wrong
+            err.append(line)
+            if line.startswith("error: "):
+                proc.send_signal(signal.SIGTERM)
+                break
+        err += proc.stderr.readlines()
+        proc.wait(timeout=120)
+    finally:
+        holder.kill()
+    assert proc.returncode == 2, "".join(err)[-3000:]
+    errors = [line for line in err if line.startswith("error: ")]
+    assert len(errors) == 1 and f"run_dir {run_dir} is in use by process {holder.pid}" in errors[0], "".join(err)
 
 
 def test_compose_grace_period_is_the_launchers():

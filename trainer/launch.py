@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 
 from trainer import layout, signals
@@ -44,6 +46,19 @@ def node_name() -> str:
 
 
 BAD_INPUT = 2
+# A rank that stops on bad input marks it in this node-local file (named by the launcher) before it
+# exits 2. Under Slurm, `srun --kill-on-bad-exit=1` terminates every node's task as soon as the first
+# one exits: a launcher whose own ranks stopped on the same input may be signalled before it has
+# seen their exit codes, and must still exit 2 (not 143), or the requeue check requeues bad input.
+BAD_INPUT_MARK_ENV = "TRAINER_BAD_INPUT_MARK"
+
+
+def mark_bad_input() -> None:
+    """Called by a rank that is about to exit 2 (trainer/__main__.py)."""
+    path = os.environ.get(BAD_INPUT_MARK_ENV)
+    if path:
+        with open(path, "a"):
+            pass
 # torchrun's own default when nothing is said (and the only value before torch 2.12).
 TORCHRUN_DEFAULT_SHUTDOWN_S = 30
 
@@ -198,27 +213,41 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"error: {node_name()}: {e}", file=sys.stderr, flush=True)
         return BAD_INPUT
+    marks = tempfile.mkdtemp(prefix="trainer-launch-")
+    bad_input = os.path.join(marks, "bad-input")
+    os.environ[BAD_INPUT_MARK_ENV] = bad_input
     try:
-        torchrun.run(args)
-    except ChildFailedError as e:
-        codes = {f.exitcode for f in e.failures.values()}
-        if BAD_INPUT in codes and all(c == BAD_INPUT or c < 0 for c in codes):  # others stopped by torchrun
-            return BAD_INPUT  # the rank said what is wrong, in one line
-        rank, failure = min(e.failures.items())
-        _say(f"rank {rank} failed with exit code {failure.exitcode} ({failure.signal_name() if failure.exitcode < 0 else 'see its error above'})")
-        return 1
-    except SignalException as e:
-        status = layout.read_status(cfg.run_dir)
-        name = signal.Signals(e.sigval).name
-        if status.get("state") == "stopped" and status.get("updated", 0) >= started:
-            _say(f"stopped by {name} after step {status.get('step')}; the checkpoint is saved, a restart resumes there")
-            return 0
-        _say(f"stopped by {name}; no checkpoint was saved by this start (ranks get {shutdown_s} s after the signal)")
-        return 128 + int(e.sigval)
-    except Exception as e:  # noqa: BLE001 - rendezvous and agent failures: one line, not a traceback
-        _say(f"torchrun failed: {type(e).__name__}: {e}")
-        return 1
-    return 0
+        try:
+            torchrun.run(args)
+        except ChildFailedError as e:
+            codes = {f.exitcode for f in e.failures.values()}
+            if os.path.exists(bad_input) or (BAD_INPUT in codes and all(c == BAD_INPUT or c < 0 for c in codes)):
+                return BAD_INPUT  # the rank said what is wrong, in one line
+            rank, failure = min(e.failures.items())
+            _say(f"rank {rank} failed with exit code {failure.exitcode} ({failure.signal_name() if failure.exitcode < 0 else 'see its error above'})")
+            return 1
+        except SignalException as e:
+            if os.path.exists(bad_input):  # signalled as the ranks stopped on bad input (another node's srun kill)
+                return BAD_INPUT
+            status = layout.read_status(cfg.run_dir)
+            name = signal.Signals(e.sigval).name
+            if status.get("state") == "stopped" and status.get("updated", 0) >= started:
+                _say(f"stopped by {name} after step {status.get('step')}; the checkpoint is saved, a restart resumes there")
+                return 0
+            _say(f"stopped by {name}; no checkpoint was saved by this start (ranks get {shutdown_s} s after the signal)")
+            return 128 + int(e.sigval)
+        except Exception as e:  # noqa: BLE001 - rendezvous and agent failures: one line, not a traceback
+            _say(f"torchrun failed: {type(e).__name__}: {e}")
+            return 1
+        return 0
+    except SignalException:  # a further signal while the outcome above was being mapped
+        return BAD_INPUT if os.path.exists(bad_input) else 1
+    finally:
+        # The outcome is decided: a late signal must not turn it into a kill (Python restores the
+        # default handlers while it exits, and torch's agent handler would raise here).
+        for sig in signals.STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        shutil.rmtree(marks, ignore_errors=True)
 
 
 if __name__ == "__main__":
