@@ -13,6 +13,9 @@ NPROC   ?= $(if $(filter-out 0,$(GPUS)),$(GPUS),2)
 OVERRIDES = $(if $(RUN_DIR),run_dir=$(RUN_DIR)) $(ARGS)
 
 CPU     ?=
+# Docker (make image, make up): one image for GPUs and CPUs.
+IMAGE      ?= fsdp-trainer:latest
+IMAGE_ARGS ?=
 # Slurm (make submit): empty values mean "not set": GPUS_PER_NODE and CPUS_PER_NODE then come from
 # the partition's nodes (gres), an empty RUN_DIR makes runs/<config>-<date>. DRY_RUN=1 prints the
 # resources with the reason for each, and the batch script, and submits nothing.
@@ -57,15 +60,11 @@ test-gpu: venv ## the CUDA-path tests on this machine's GPU (skipped without one
 bench: venv ## side-by-side performance report -> bench/results/<date>-<host>.md/.json (<= 10 min on CPU)
 	$(PY) bench/run.py $(BENCH_ARGS)
 
-image: ## build the container image: CUDA (default), or CPU=1 on a locally made Debian base
-ifeq ($(CPU),1)
-	docker/build-cpu-image.sh fsdp-trainer:cpu
-else
-	docker build -t fsdp-trainer:cuda .
-endif
+image: ## build the image (CUDA torch from PyPI on Debian; runs on GPUs and CPUs): IMAGE=, IMAGE_ARGS="--build-arg ..."
+	docker/build-image.sh $(IMAGE) $(IMAGE_ARGS)
 
-up: ## train with Docker Compose in the foreground on all GPUs (CPU=1: CPU image); RUN_DIR, CONFIG, ARGS
-	RUN_DIR="$(RUN_DIR)" CONFIG="$(CONFIG)" ARGS='$(ARGS)' docker/up.sh $(if $(filter 1,$(CPU)),cpu)
+up: ## train with Docker Compose in the foreground on all GPUs (CPU=1: on the CPU, same image); RUN_DIR, CONFIG, ARGS
+	IMAGE="$(IMAGE)" RUN_DIR="$(RUN_DIR)" CONFIG="$(CONFIG)" ARGS='$(ARGS)' docker/up.sh $(if $(filter 1,$(CPU)),cpu)
 
 docker-engine: ## start a local Docker engine (Debian, root; vfs storage, host networking)
 	docker/engine-up.sh

@@ -1,9 +1,10 @@
-"""The container path against a real Docker engine: image, compose up, stop, resume, non-root.
+"""The container path against a real Docker engine: the image, compose up, stop, resume, non-root.
 
 Skipped with one line when no engine answers (.ci/run and `make docker-engine` start one; the
-tests never install or start anything). The CPU image is built once per module by
-docker/build-cpu-image.sh, exactly as `make image CPU=1`; it is removed at the end if this module
-made it. Every compose project, container and run dir made here is removed too.
+tests never install or start anything). The image is built once per module by
+docker/build-image.sh, exactly as `make image`: the CUDA build of torch from PyPI, which also runs on
+the CPU here. It is removed at the end if this module made it. Every compose project, container and
+run dir made here is removed too.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-IMAGE = "fsdp-trainer:cpu"
+IMAGE = "fsdp-trainer:latest"
 PROJECT = f"fsdptest{os.getpid()}"
 
 
@@ -55,8 +56,8 @@ def _compose() -> list[str]:
 def image():
     existed = subprocess.run(["docker", "image", "inspect", IMAGE], capture_output=True).returncode == 0
     started = time.monotonic()
-    _sh(str(REPO / "docker" / "build-cpu-image.sh"), IMAGE, timeout=900)
-    print(f"image {IMAGE} built in {time.monotonic() - started:.0f} s")
+    out = _sh(str(REPO / "docker" / "build-image.sh"), IMAGE, timeout=1500)
+    print(out.stdout.strip().splitlines()[-1], f"(fixture: {time.monotonic() - started:.0f} s)")
     yield IMAGE
     if not existed:
         subprocess.run(["docker", "rmi", IMAGE], capture_output=True)
@@ -115,13 +116,45 @@ def test_dockerfile_passes_hadolint():
 # ---- the image and a whole compose life cycle ---------------------------------------------------
 
 
-def test_image_runs_as_non_root(image):
-    # One container (each costs a full copy of the image under vfs): the user, and PID 1 is tini,
-    # so signals reach the launcher and zombies are reaped.
-    out = _sh("docker", "run", "--rm", "--network", "host", image, "sh", "-c", "id -u; tr '\\0' ' ' </proc/1/cmdline")
-    uid, pid1 = out.stdout.strip().splitlines()
+def _pinned(name: str) -> str:
+    """A version the Dockerfile pins (ARG NAME=...)."""
+    return re.search(rf"^ARG {name}=(\S+)$", (REPO / "Dockerfile").read_text(), re.M).group(1)
+
+
+def test_image_has_what_a_gpu_cluster_needs(image, tmp_path):
+    """One container (each costs a full copy of the image under vfs), as a cluster runs it: a
+    non-root user and a home bind-mounted from the host whose ~/.local shadows yaml and torch."""
+    user_site = tmp_path / "home" / ".local" / "lib" / "python3.11" / "site-packages"
+    user_site.mkdir(parents=True)
+    for module in ("yaml", "torch"):
+        (user_site / f"{module}.py").write_text("raise ImportError('the user site was used')\n")
+    tmp_path.chmod(0o755)
+    for p in tmp_path.rglob("*"):
+        p.chmod(0o755)
+    probe = """
+import json, subprocess, sys
+import torch, torchvision, yaml
+check = subprocess.run([sys.executable, "-m", "trainer.check", "--config", "configs/default.yaml", "run_dir=/tmp/run"],
+                       capture_output=True, text=True)
+libs = subprocess.run(["/sbin/ldconfig", "-p"], capture_output=True, text=True).stdout
+print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda, "nccl": list(torch.cuda.nccl.version()),
+                  "torchvision": torchvision.__version__, "yaml": yaml.__file__, "torch_file": torch.__file__,
+                  "ibverbs": "libibverbs.so.1" in libs, "rdmacm": "librdmacm.so.1" in libs,
+                  "check": [check.returncode, check.stdout + check.stderr]}))
+"""
+    out = _sh("docker", "run", "--rm", "--network", "host", "-v", f"{tmp_path / 'home'}:/home/trainer",
+              "-e", "HOME=/home/trainer", image, "sh", "-c",
+              "id -u; cat /proc/1/comm; python3 -c \"$0\"", probe)
+    uid, pid1, report = out.stdout.strip().splitlines()[-3:]
     assert uid != "0"
-    assert pid1.split()[0].endswith("tini")
+    assert pid1 == "tini"  # signals reach the launcher, zombies are reaped
+    got = json.loads(report)
+    assert got["torch"].split("+")[0] == _pinned("TORCH_VERSION") and got["cuda"], got
+    assert got["torchvision"].split("+")[0] == _pinned("TORCHVISION_VERSION")
+    assert len(got["nccl"]) == 3 and got["nccl"][0] >= 2, got  # NCCL answers (no GPU needed to ask)
+    assert got["ibverbs"] and got["rdmacm"], "NCCL needs the RDMA libraries for InfiniBand/RoCE"
+    assert got["yaml"].startswith("/app/venv/") and got["torch_file"].startswith("/app/venv/"), got
+    assert got["check"][0] == 0, got["check"][1]
 
 
 def test_up_stop_resume(image, run_dir):
