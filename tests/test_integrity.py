@@ -109,6 +109,19 @@ def test_checkpoints_that_fail_late_are_skipped_for_the_next_older(tmp_path):
     assert sorted(losses(tmp_path))[-2:] == [15, 20]
 
 
+def test_with_every_checkpoint_unreadable_the_run_refuses_to_start_over(tmp_path):
+    """A damaged sole checkpoint is not silently replaced by a run from scratch: one line, exit 2,
+    and the checkpoint stays where it is for the user to inspect or move away."""
+    train(tmp_path, 2, *SAVING, "train.steps=5")
+    (step5,) = _step_dirs(tmp_path)
+    _truncate_a_shard(step5)
+    proc = train(tmp_path, 2, *SAVING, "train.steps=10", expect=2)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: no readable checkpoint is left in {tmp_path} (unreadable: {step5}); "
+                      "move them away to start from scratch"], proc.stderr
+    assert _step_dirs(tmp_path) == [step5] and sorted(losses(tmp_path)) == [5]
+
+
 def test_resuming_with_another_optimizer_names_the_mismatch(tmp_path):
     train(tmp_path, 1, *TINY, "train.steps=2")
     proc = train(tmp_path, 1, *TINY, "train.steps=4", "optim.name=sgd", expect=2)
@@ -247,7 +260,10 @@ def _kill_job(job) -> None:
 def _plant(run_dir: Path, rng) -> str:
     """One leftover of the kinds a crash or a bad disk leaves; returns what was planted."""
     ckpts = run_dir / "checkpoints"
-    newest = sorted(ckpts.glob("step_*"))[-1:] if ckpts.is_dir() else []
+    committed = sorted(ckpts.glob("step_*")) if ckpts.is_dir() else []
+    # Damage only where an older checkpoint is left to resume from: with every checkpoint unreadable
+    # the trainer refuses to start over from scratch (exit 2, one line), by design.
+    newest = committed[-1:] if len(committed) >= 2 else []
     kind = rng.choice(["trash", "tmp", "truncate", "flip", "none"])
     if kind == "trash":
         (ckpts / ".trash_step_00000001").mkdir(parents=True, exist_ok=True)
