@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, help="processes per node; checked against this machine's devices")
     parser.add_argument("--nnodes", type=int, default=1, help="nodes (for the batch arithmetic)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may come before --config too
     try:
         cfg = load(args.config, args.overrides)
         if args.nproc is not None:

@@ -163,7 +163,7 @@ def _supported(args: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     for sig in signals.STOP_SIGNALS:
         signal.signal(sig, _remember)
-    a = _parser().parse_args(argv)
+    a = _parser().parse_intermixed_args(argv)  # overrides may come before --config too
     started = time.time()
     # Config errors are the same on every node: the first node says it. A node's own problem
     # (its devices, checked first) is said by that node, with its name.

@@ -1,0 +1,110 @@
+"""Bad input, all of it (issue 15): each case is refused with one line (`error: where: key: what;
+what to do`), exit code 2, and nothing written to the run dir. Most cases call the checks in this
+process (trainer.check's main, the same code the launcher and the ranks run); a few go through the
+real entry points in subprocesses."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, env
+from trainer import check
+
+DEFAULT = str(ROOT / "configs" / "default.yaml")
+
+
+def refused(capsys, run_dir: Path, *argv: str, config: str = DEFAULT) -> str:
+    """The one error line of `python -m trainer.check`; fails unless it exits 2 and wrote nothing."""
+    code = check.main(["--config", config, f"run_dir={run_dir}", *argv])
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert code == 2, out + err
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert not run_dir.exists(), "the check wrote into the run dir"
+    return lines[0]
+
+
+def accepted(capsys, run_dir: Path, *argv: str, config: str = DEFAULT) -> None:
+    code = check.main(["--config", config, f"run_dir={run_dir}", *argv])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert not run_dir.exists()
+
+
+def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+
+
+def one_line(proc: subprocess.CompletedProcess) -> str:
+    """The single error line of a process that must exit 2 without a traceback."""
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    return lines[0]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The config file itself
+
+
+def test_empty_config_file(capsys, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("# only a comment\n\n")
+    assert refused(capsys, tmp_path / "run", config=str(path)) == (
+        f"error: {path}: the file is empty (no settings, only blanks or comments); write settings into it "
+        f"(configs/default.yaml is an example)")
+
+
+def test_duplicate_key_names_the_key_and_both_lines(capsys, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  steps: 3\n  seed: 1\n  steps: 4\n")
+    assert refused(capsys, tmp_path / "run", config=str(path)) == (
+        f"error: {path}:4: steps: given twice (lines 2 and 4); keep one of them")
+
+
+def test_duplicate_section(capsys, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  steps: 3\noptim:\n  lr: 0.1\ntrain:\n  seed: 2\n")
+    assert refused(capsys, tmp_path / "run", config=str(path)) == (
+        f"error: {path}:5: train: given twice (lines 1 and 5); keep one of them")
+
+
+def test_yaml_merge_keys_still_work(capsys, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train: &t\n  steps: 3\neval:\n  interval: 0\n")
+    accepted(capsys, tmp_path / "run", config=str(path))
+
+
+LATIN1 = "train:\n  steps: 3  # caf\xe9\n".encode("latin-1")
+
+
+def test_config_not_utf8(capsys, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_bytes(LATIN1)
+    assert refused(capsys, tmp_path / "run", config=str(path)) == (
+        f"error: {path}:2: not UTF-8 text (byte 0xe9 at offset 24); save the file as UTF-8")
+
+
+def test_config_not_utf8_in_the_trainer(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_bytes(LATIN1)
+    run_dir = tmp_path / "run"
+    line = one_line(run("-m", "trainer", "--config", str(path), f"run_dir={run_dir}"))
+    assert line == f"error: {path}:2: not UTF-8 text (byte 0xe9 at offset 24); save the file as UTF-8"
+    assert not run_dir.exists()
+
+
+def test_config_is_a_folder(capsys, tmp_path):
+    assert refused(capsys, tmp_path / "run", config=str(tmp_path)) == (
+        f"error: {tmp_path}: is a folder; pass a YAML file with --config")
+
+
+def test_overrides_before_config_are_accepted(capsys, tmp_path):
+    run_dir = tmp_path / "run"
+    assert check.main(["train.steps=3", "--config", DEFAULT, f"run_dir={run_dir}", "--nproc", "1"]) == 0
+    assert "config OK" in capsys.readouterr().out
