@@ -108,3 +108,49 @@ def test_overrides_before_config_are_accepted(capsys, tmp_path):
     run_dir = tmp_path / "run"
     assert check.main(["train.steps=3", "--config", DEFAULT, f"run_dir={run_dir}", "--nproc", "1"]) == 0
     assert "config OK" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Numbers: every float has a documented range; a value from the command line is blamed on it
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optim.lr=nan", "optim.lr: is nan; give a finite number"),
+    ("optim.lr=inf", "optim.lr: is inf; give a finite number"),
+    ("optim.lr=0", "optim.lr: is 0.0; it must be positive"),
+    ("optim.weight_decay=nan", "optim.weight_decay: is nan; give a finite number"),
+    ("optim.weight_decay=-0.1", "optim.weight_decay: is -0.1; it must be 0 or more"),
+    ("train.grad_clip=nan", "train.grad_clip: is nan; give a finite number"),
+    ("train.grad_clip=0", "train.grad_clip: is 0.0; give a positive norm, or null to disable clipping"),
+    ("optim.min_lr_ratio=-5", "optim.min_lr_ratio: is -5.0; it must be in [0, 1]"),
+    ("optim.min_lr_ratio=1.5", "optim.min_lr_ratio: is 1.5; it must be in [0, 1]"),
+    ("optim.gamma=-1", "optim.gamma: is -1.0; it must be in (0, 1], e.g. 0.7"),
+    ("optim.gamma=0", "optim.gamma: is 0.0; it must be in (0, 1], e.g. 0.7"),
+    ("optim.betas=[1.0, 0.95]", "optim.betas[0]: is 1.0; it must be in [0, 1), e.g. 0.9"),
+    ("optim.betas=[0.9, -0.1]", "optim.betas[1]: is -0.1; it must be in [0, 1), e.g. 0.95"),
+    ("optim.momentum=-1", "optim.momentum: is -1.0; it must be in [0, 1), e.g. 0.9"),
+    ("model.dropout=0.5", "model.dropout: is 0.5; it must be in [0, 0.5): the MNIST CNN's second dropout is twice it"),
+])
+def test_numbers_out_of_range_are_blamed_on_the_override(capsys, tmp_path, override, message):
+    assert refused(capsys, tmp_path / "run", override) == f"error: override {override!r}: {message}"
+
+
+def test_numbers_from_the_file_are_blamed_on_the_file(capsys, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("optim:\n  name: sgd\n  momentum: 1.0\n")
+    assert refused(capsys, tmp_path / "run", config=str(path)) == (
+        f"error: {path}: optim.momentum: is 1.0; it must be in [0, 1), e.g. 0.9")
+
+
+def test_the_edges_of_the_ranges_are_accepted(capsys, tmp_path):
+    accepted(capsys, tmp_path / "run", "optim.min_lr_ratio=0", "optim.min_lr_ratio=1", "optim.gamma=1",
+             "optim.betas=[0, 0]", "optim.momentum=0", "optim.weight_decay=0", "model.dropout=0", "train.grad_clip=null")
+
+
+def test_run_dir_from_the_command_line_is_blamed_on_it(capsys, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    code = check.main(["--config", DEFAULT, f"run_dir={blocker}"])
+    assert code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: override 'run_dir={blocker}': run_dir: {blocker} is a file, not a folder; choose another run_dir")

@@ -27,15 +27,38 @@ CHECKPOINT_BYTES_PER_PARAM = {"adamw": 12, "adam": 12, "adadelta": 12, "sgd": 8}
 ASSUMED_SAVE_GB_PER_S_PER_NODE = 1.0
 
 
-def validate(cfg: Config, world_size: int, where: str = "config") -> None:
-    """Raise ConfigError for the first problem found; `where` names the config file."""
+def validate(cfg: Config, world_size: int, where: str = "config", overrides: list[str] = ()) -> None:
+    """Raise ConfigError for the first problem found; `where` names the config file, `overrides`
+    are the command line's key=value items: a value given there is blamed on the override."""
 
     def fail(key: str, message: str):
-        raise ConfigError(f"{where}: {key}: {message}")
+        raise ConfigError(f"{source(key)}: {key}: {message}")
+
+    def source(key: str) -> str:
+        field = key.split("[")[0]  # optim.betas[1] was given as optim.betas
+        given = [item for item in overrides if field == item.split("=")[0] or field.startswith(item.split("=")[0] + ".")]
+        return f"override {given[-1]!r}" if given else where
 
     for key, value in _floats(cfg):
         if not math.isfinite(value):
             fail(key, f"is {value}; give a finite number")
+    # The range of every float of the config, as documented where each is defined.
+    o = cfg.optim
+    for key, value, ok, allowed in (
+        ("optim.lr", o.lr, o.lr > 0, "it must be positive"),
+        ("optim.weight_decay", o.weight_decay, o.weight_decay >= 0, "it must be 0 or more"),
+        ("optim.betas[0]", o.betas[0], 0 <= o.betas[0] < 1, "it must be in [0, 1), e.g. 0.9"),
+        ("optim.betas[1]", o.betas[1], 0 <= o.betas[1] < 1, "it must be in [0, 1), e.g. 0.95"),
+        ("optim.momentum", o.momentum, 0 <= o.momentum < 1, "it must be in [0, 1), e.g. 0.9"),
+        ("optim.min_lr_ratio", o.min_lr_ratio, 0 <= o.min_lr_ratio <= 1, "it must be in [0, 1]"),
+        ("optim.gamma", o.gamma, 0 < o.gamma <= 1, "it must be in (0, 1], e.g. 0.7"),
+        ("model.dropout", cfg.model.dropout, 0 <= cfg.model.dropout < 0.5,
+         "it must be in [0, 0.5): the MNIST CNN's second dropout is twice it"),
+    ):
+        if not ok:
+            fail(key, f"is {value}; {allowed}")
+    if cfg.train.grad_clip is not None and cfg.train.grad_clip <= 0:
+        fail("train.grad_clip", f"is {cfg.train.grad_clip}; give a positive norm, or null to disable clipping")
 
     positive = {
         "train.steps": cfg.train.steps, "train.global_batch_size": cfg.train.global_batch_size,
@@ -53,16 +76,9 @@ def validate(cfg: Config, world_size: int, where: str = "config") -> None:
             fail(key, f"is {value}; it must be at least 1")
     for key, value in {"checkpoint.interval": cfg.checkpoint.interval, "checkpoint.keep": cfg.checkpoint.keep,
                        "checkpoint.keep_every": cfg.checkpoint.keep_every, "eval.interval": cfg.eval.interval,
-                       "data.num_workers": cfg.data.num_workers, "optim.warmup_steps": cfg.optim.warmup_steps,
-                       "optim.weight_decay": cfg.optim.weight_decay}.items():
+                       "data.num_workers": cfg.data.num_workers, "optim.warmup_steps": cfg.optim.warmup_steps}.items():
         if value < 0:
             fail(key, f"is {value}; it must be 0 or more")
-    if cfg.optim.lr <= 0:
-        fail("optim.lr", f"is {cfg.optim.lr}; it must be positive")
-    if cfg.train.grad_clip is not None and cfg.train.grad_clip <= 0:
-        fail("train.grad_clip", f"is {cfg.train.grad_clip}; give a positive norm, or null to disable clipping")
-    if not 0 <= cfg.model.dropout < 1:
-        fail("model.dropout", f"is {cfg.model.dropout}; it must be in [0, 1)")
 
     # model and data
     m, d = cfg.model, cfg.data
@@ -119,7 +135,7 @@ def validate(cfg: Config, world_size: int, where: str = "config") -> None:
     c = cfg.checkpoint
     if c.resume_from is not None and not os.path.isdir(c.resume_from):
         fail("checkpoint.resume_from", f"{c.resume_from} does not exist; give a checkpoint folder such as run_dir/checkpoints/step_00000100")
-    _check_writable(cfg.run_dir, where)
+    _check_writable(cfg.run_dir, source("run_dir"))
 
 
 def _floats(section, prefix: str = ""):
@@ -214,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.nnodes < 1:
             raise ConfigError(f"the number of nodes is {args.nnodes}; it must be at least 1")
         world = (args.nproc or 1) * args.nnodes
-        validate(cfg, world, where=args.config)
+        validate(cfg, world, where=args.config, overrides=args.overrides)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

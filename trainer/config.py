@@ -35,7 +35,7 @@ class TrainArgs:
     global_batch_size: int = 32  # samples per optimizer step, summed over all ranks
     micro_batch_size: int | None = None  # samples per forward/backward on one rank; None: all at once
     seed: int = 0  # seeds the weights and the order of the data
-    grad_clip: float | None = 1.0  # max global gradient norm; None disables clipping
+    grad_clip: float | None = 1.0  # max global gradient norm, > 0; None disables clipping
 
 
 @dataclass
