@@ -154,3 +154,45 @@ def test_run_dir_from_the_command_line_is_blamed_on_it(capsys, tmp_path):
     assert code == 2
     assert capsys.readouterr().err.strip() == (
         f"error: override 'run_dir={blocker}': run_dir: {blocker} is a file, not a folder; choose another run_dir")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Inside the run dir
+
+
+def test_checkpoints_is_a_file(capsys, tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "checkpoints").write_text("")
+    code = check.main(["--config", DEFAULT, f"run_dir={run_dir}"])
+    assert code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: override 'run_dir={run_dir}': run_dir: {run_dir}/checkpoints is a file where the run keeps its "
+        f"checkpoints folder; move it away or choose another run_dir")
+    assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints"]
+
+
+@pytest.mark.parametrize("name", ["config.yaml", "metrics.jsonl"])
+def test_a_run_file_is_a_folder(capsys, tmp_path, name):
+    run_dir = tmp_path / "run"
+    (run_dir / name).mkdir(parents=True)
+    code = check.main(["--config", DEFAULT, f"run_dir={run_dir}"])
+    assert code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: override 'run_dir={run_dir}': run_dir: {run_dir}/{name} is a folder where the run writes its "
+        f"{name} file; move it away or choose another run_dir")
+    assert [p.name for p in run_dir.iterdir()] == [name]
+
+
+def test_run_dir_that_cannot_be_created(capsys, tmp_path):
+    assert refused(capsys, Path("/proc/forbidden/run")) == (
+        "error: override 'run_dir=/proc/forbidden/run': run_dir: cannot write to /proc (No such file or directory); "
+        "choose a writable run_dir")
+
+
+def test_the_write_probe_leaves_nothing_behind(capsys, tmp_path):
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    assert check.main(["--config", DEFAULT, f"run_dir={tmp_path / 'run'}"]) == 0
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["checkpoints"]
+    assert list((tmp_path / "run" / "checkpoints").iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]

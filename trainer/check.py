@@ -13,6 +13,7 @@ import dataclasses
 import math
 import os
 import sys
+import tempfile
 
 import torch
 
@@ -174,7 +175,16 @@ def save_seconds(cfg: Config, nodes: int, run_dir: str) -> tuple[float, str]:
                      f"{nodes} node(s) at an assumed {ASSUMED_SAVE_GB_PER_S_PER_NODE:g} GB/s each")
 
 
+# What the run dir holds, by kind: a folder where a file belongs (or the reverse) fails only later.
+RUN_DIR_FOLDERS = ("checkpoints",)
+RUN_DIR_FILES = ("config.yaml", "metrics.jsonl", "status.json", "lease.json")
+
+
 def _check_writable(run_dir: str, where: str) -> None:
+    """The run dir can be created and written: tried, not judged from permission bits (root, ACLs,
+    read-only mounts and /proc answer os.access wrongly). A probe folder with a fresh name is made
+    in the run dir, or in the nearest folder that exists above it, and removed at once, so ranks
+    checking at the same time do not disturb each other and nothing is left behind."""
     path = os.path.abspath(run_dir)
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"{where}: run_dir: {run_dir} is a file, not a folder; choose another run_dir")
@@ -183,8 +193,23 @@ def _check_writable(run_dir: str, where: str) -> None:
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         raise ConfigError(f"{where}: run_dir: cannot create {run_dir}: {existing} is a file; choose another run_dir")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"{where}: run_dir: cannot write to {existing}; choose a writable run_dir")
+    for name in RUN_DIR_FOLDERS:
+        inside = os.path.join(path, name)
+        if os.path.exists(inside) and not os.path.isdir(inside):
+            raise ConfigError(f"{where}: run_dir: {inside} is a file where the run keeps its {name} folder; "
+                              f"move it away or choose another run_dir")
+    for name in RUN_DIR_FILES:
+        inside = os.path.join(path, name)
+        if os.path.isdir(inside):
+            raise ConfigError(f"{where}: run_dir: {inside} is a folder where the run writes its {name} file; "
+                              f"move it away or choose another run_dir")
+    probed = [existing] + [os.path.join(path, n) for n in RUN_DIR_FOLDERS if os.path.isdir(os.path.join(path, n))]
+    for folder in probed:
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".trainer-check-", dir=folder))
+        except OSError as e:
+            raise ConfigError(f"{where}: run_dir: cannot write to {folder} ({e.strerror}); choose a writable "
+                              f"run_dir") from None
 
 
 def _torchvision_names() -> list[str]:
