@@ -5,10 +5,12 @@ real entry points in subprocesses."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import ROOT, env
@@ -42,7 +44,8 @@ def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 def one_line(proc: subprocess.CompletedProcess) -> str:
     """The single error line of a process that must exit 2 without a traceback."""
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    device_line = re.compile(r"launch: \S+: \d+ rank\(s\) on ")  # the launcher says it before the ranks start
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and not device_line.match(line)]
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
     return lines[0]
@@ -196,3 +199,129 @@ def test_the_write_probe_leaves_nothing_behind(capsys, tmp_path):
     assert [p.name for p in (tmp_path / "run").iterdir()] == ["checkpoints"]
     assert list((tmp_path / "run" / "checkpoints").iterdir()) == []
     assert [p.name for p in tmp_path.iterdir()] == ["run"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Data files
+
+
+def tokens_file(tmp_path, data: bytes, name: str = "tokens.bin") -> Path:
+    path = tmp_path / name
+    path.write_bytes(data)
+    return path
+
+
+@pytest.mark.parametrize("key", ["data.path", "data.eval_path"])
+@pytest.mark.parametrize("data, message", [
+    (b"", "token file {p} is empty; point it at a file of at least model.seq_len+1 = 33 tokens"),
+    (b"\x01\x00" * 40 + b"\x01", "token file {p} has 81 bytes, not a whole number of 2-byte uint16 tokens; check "
+                                 "data.token_dtype, or whether the file was cut short"),
+    (b"\x01\x00" * 32, "token file {p} holds 32 tokens, fewer than model.seq_len+1 = 33; lower model.seq_len or "
+                       "give a longer file"),
+])
+def test_token_file_sizes(capsys, tmp_path, key, data, message):
+    good = tokens_file(tmp_path, b"\x01\x00" * 100, "good.bin")
+    bad = tokens_file(tmp_path, data)
+    paths = {"data.path": good, "data.eval_path": good, key: bad}
+    overrides = ["data.name=tokens", "model.seq_len=32", *(f"{k}={v}" for k, v in paths.items())]
+    assert refused(capsys, tmp_path / "run", *overrides) == (
+        f"error: override '{key}={bad}': {key}: " + message.format(p=bad))
+
+
+def test_a_folder_as_token_file(capsys, tmp_path):
+    assert refused(capsys, tmp_path / "run", "data.name=tokens", f"data.path={tmp_path}") == (
+        f"error: override 'data.path={tmp_path}': data.path: {tmp_path} is a folder; give a token file (a flat uint16 "
+        f"array of token ids)")
+
+
+def test_token_ids_out_of_vocabulary_name_file_and_offset(tmp_path):
+    from trainer.data import DataError, TokenFile
+
+    ids = np.arange(100, dtype=np.uint16) % 50
+    ids[77] = 300
+    path = tmp_path / "tokens.bin"
+    ids.tofile(path)
+    with pytest.raises(DataError) as e:
+        TokenFile(str(path), "uint16", seq_len=8, vocab_size=256)
+    assert str(e.value) == (f"token file {path}: token 77 (byte offset 154) is id 300, not below model.vocab_size=256; "
+                            f"raise model.vocab_size above the file's largest id, or check data.token_dtype")
+    assert len(TokenFile(str(path), "uint16", seq_len=8, vocab_size=301)) == 12
+
+
+def test_image_folder_without_class_folders(capsys, tmp_path):
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / "loose.jpg").write_bytes(b"")
+    assert refused(capsys, tmp_path / "run", "model.name=resnet18", "data.name=imagefolder", f"data.path={images}") == (
+        f"error: override 'data.path={images}': data.path: {images} has no class folders; put the images in one "
+        f"subfolder per class ({images}/<class>/<image>)")
+
+
+def test_image_folder_without_images(tmp_path):
+    from trainer.data import DataError, image_folder
+
+    (tmp_path / "cat").mkdir()
+    (tmp_path / "dog").mkdir()
+    (tmp_path / "dog" / "notes.txt").write_text("")
+    with pytest.raises(DataError) as e:
+        image_folder(str(tmp_path), 32, num_classes=2)
+    assert str(e.value).startswith(f"image folder {tmp_path}: Found no valid file for the classes cat, dog")
+    assert str(e.value).endswith(f"; put the images in one subfolder per class ({tmp_path}/<class>/<image>.jpg)")
+
+
+def test_image_folder_with_more_classes_than_the_model(tmp_path):
+    from PIL import Image
+
+    from trainer.data import DataError, image_folder
+
+    for cls in ("a", "b", "c"):
+        (tmp_path / cls).mkdir()
+        Image.new("RGB", (8, 8)).save(tmp_path / cls / "0.png")
+    with pytest.raises(DataError) as e:
+        image_folder(str(tmp_path), 8, num_classes=2)
+    assert str(e.value) == f"image folder {tmp_path} has 3 class folders but model.num_classes is 2; set model.num_classes=3"
+
+
+def test_resume_from_a_file(capsys, tmp_path):
+    meta = tmp_path / "meta.json"
+    meta.write_text("{}")
+    assert refused(capsys, tmp_path / "run", f"checkpoint.resume_from={meta}") == (
+        f"error: override 'checkpoint.resume_from={meta}': checkpoint.resume_from: {meta} is a file; give the "
+        f"checkpoint folder that holds it, such as run_dir/checkpoints/step_00000100")
+
+
+def launch(run_dir: Path, *overrides: str, config: str = DEFAULT, extra_env: dict | None = None,
+           timeout: float = 180) -> subprocess.CompletedProcess:
+    """`python -m trainer.launch` with 2 ranks (what make run does), to its end."""
+    from conftest import TINY
+
+    cmd = [sys.executable, "-m", "trainer.launch", "--nproc-per-node=2", "--config", config, f"run_dir={run_dir}",
+           *TINY, *overrides]
+    return subprocess.run(cmd, cwd=ROOT, env={**env(), **(extra_env or {})}, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_token_ids_out_of_vocabulary_through_the_launcher(tmp_path):
+    """Found by the ranks: one line (rank 0's), exit 2, the run dir never created."""
+    ids = np.ones(1000, dtype=np.uint16)
+    ids[500] = 256  # the tiny transformer's vocabulary is 256
+    path = tmp_path / "tokens.bin"
+    ids.tofile(path)
+    run_dir = tmp_path / "run"
+    line = one_line(launch(run_dir, "data.name=tokens", f"data.path={path}"))
+    assert line == (f"error: token file {path}: token 500 (byte offset 1000) is id 256, not below model.vocab_size=256; "
+                    f"raise model.vocab_size above the file's largest id, or check data.token_dtype")
+    assert not run_dir.exists()
+
+
+def test_mnist_offline_is_one_line_from_two_ranks(tmp_path):
+    """Rank 0 fails to download; rank 1 must not add a gloo traceback."""
+    run_dir, root = tmp_path / "run", tmp_path / "mnist"
+    root.mkdir()
+    offline = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9", "no_proxy": ""}
+    proc = launch(run_dir, f"data.path={root}", "data.download=true", "train.global_batch_size=4",
+                  config=str(ROOT / "configs" / "mnist.yaml"), extra_env=offline)
+    line = one_line(proc)
+    assert line.startswith(f"error: could not download MNIST into {root} (") and line.endswith(
+        f"; without internet, copy the MNIST files to {root}/MNIST/raw"), line
+    assert not run_dir.exists()

@@ -18,6 +18,7 @@ import tempfile
 import torch
 
 from trainer.config import Config, ConfigError, load
+from trainer.data import token_file_problem
 from trainer.models import TRANSFORMER_SIZES
 
 LM_DATA = ("synthetic", "tokens")
@@ -105,10 +106,14 @@ def validate(cfg: Config, world_size: int, where: str = "config", overrides: lis
         for key, path in (("data.path", d.path), ("data.eval_path", d.eval_path)):
             if not path:
                 continue
-            if d.name == "tokens" and not os.path.isfile(path):
-                fail(key, f"token file {path} does not exist; point it at a flat {d.token_dtype} token file")
+            if d.name == "tokens":
+                problem = token_file_problem(path, d.token_dtype, m.seq_len)
+                if problem:
+                    fail(key, problem)
             if d.name == "imagefolder" and not os.path.isdir(path):
                 fail(key, f"folder {path} does not exist; point it at a folder of class subfolders")
+            if d.name == "imagefolder" and not any(e.is_dir() for e in os.scandir(path)):
+                fail(key, f"{path} has no class folders; put the images in one subfolder per class ({path}/<class>/<image>)")
             if d.name == "mnist" and not d.download and not os.path.isdir(os.path.join(path, "MNIST", "raw")):
                 fail(key, f"{path}/MNIST/raw does not exist; set data.download=true or copy the MNIST files there")
 
@@ -134,6 +139,9 @@ def validate(cfg: Config, world_size: int, where: str = "config", overrides: lis
 
     # files
     c = cfg.checkpoint
+    if c.resume_from is not None and os.path.isfile(c.resume_from):
+        fail("checkpoint.resume_from", f"{c.resume_from} is a file; give the checkpoint folder that holds it, such as "
+             f"run_dir/checkpoints/step_00000100")
     if c.resume_from is not None and not os.path.isdir(c.resume_from):
         fail("checkpoint.resume_from", f"{c.resume_from} does not exist; give a checkpoint folder such as run_dir/checkpoints/step_00000100")
     _check_writable(cfg.run_dir, source("run_dir"))

@@ -160,6 +160,19 @@ def _supported(args: list[str]) -> list[str]:
     return kept + script
 
 
+def _quiet_once_marked(mark: str) -> None:
+    """Once a rank marked bad input (rank 0 says it in one line), the agent's reports of the ranks
+    stopping ("failed (exitcode: 2)", "closing signal SIGTERM") are noise under that line: dropped."""
+    import logging
+
+    def unmarked(record) -> bool:
+        return not os.path.exists(mark)
+
+    for name in list(logging.Logger.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).addFilter(unmarked)
+
+
 def main(argv: list[str] | None = None) -> int:
     for sig in signals.STOP_SIGNALS:
         signal.signal(sig, _remember)
@@ -216,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     marks = tempfile.mkdtemp(prefix="trainer-launch-")
     bad_input = os.path.join(marks, "bad-input")
     os.environ[BAD_INPUT_MARK_ENV] = bad_input
+    _quiet_once_marked(bad_input)
     try:
         try:
             torchrun.run(args)
