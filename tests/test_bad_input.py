@@ -325,3 +325,19 @@ def test_mnist_offline_is_one_line_from_two_ranks(tmp_path):
     assert line.startswith(f"error: could not download MNIST into {root} (") and line.endswith(
         f"; without internet, copy the MNIST files to {root}/MNIST/raw"), line
     assert not run_dir.exists()
+
+
+# ---------------------------------------------------------------------------------------------------
+# metrics.jsonl
+
+
+def test_metrics_rows_are_strict_json(tmp_path):
+    import json
+
+    from trainer.metrics import LogArgs, Reporter
+
+    reporter = Reporter(str(tmp_path), LogArgs(progress=False), total_steps=3, is_main=True)
+    reporter.write({"step": 1, "eval_loss": float("nan"), "grad_norm": float("inf"), "lr": 0.1})
+    text = (tmp_path / "metrics.jsonl").read_text()
+    row = json.loads(text, parse_constant=lambda c: pytest.fail(f"bare {c} in metrics.jsonl"))
+    assert row == {"step": 1, "eval_loss": None, "grad_norm": None, "lr": 0.1}
