@@ -341,3 +341,56 @@ def test_metrics_rows_are_strict_json(tmp_path):
     text = (tmp_path / "metrics.jsonl").read_text()
     row = json.loads(text, parse_constant=lambda c: pytest.fail(f"bare {c} in metrics.jsonl"))
     assert row == {"step": 1, "eval_loss": None, "grad_norm": None, "lr": 0.1}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Export: --out is checked before anything is read or written
+
+
+def exported(capsys, out: Path, run_dir: Path) -> str:
+    from trainer.export import main as export
+
+    code = export([str(run_dir), "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+def test_export_out_in_a_missing_folder(capsys, tmp_path):
+    out = tmp_path / "missing" / "model.pt"
+    assert exported(capsys, out, tmp_path) == (
+        f"error: --out {out}: the folder {tmp_path}/missing does not exist; create it first, or write elsewhere")
+    assert not out.parent.exists()
+
+
+def test_export_out_onto_a_folder(capsys, tmp_path):
+    assert exported(capsys, tmp_path, tmp_path) == (
+        f"error: --out {tmp_path}: is a folder; give a file name such as {tmp_path}/model.pt")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_export_out_with_an_unknown_suffix(capsys, tmp_path):
+    out = tmp_path / "model.onnx"
+    assert exported(capsys, out, tmp_path) == (
+        f"error: --out {out}: unknown suffix .onnx; name the file .pt or .pth (torch.save) or .safetensors")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_export_out_in_a_read_only_place(capsys, tmp_path):
+    import os
+
+    if os.geteuid() == 0:  # root passes permission bits; /proc/sys refuses new entries even to root
+        locked = Path("/proc/sys/net")
+    else:
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+    line = exported(capsys, locked / "model.pt", tmp_path)
+    assert line.startswith(f"error: --out {locked}/model.pt: cannot write to {locked} (") and line.endswith("); write elsewhere")
+    assert not (locked / "model.pt").exists()
+
+
+def test_export_checks_out_before_the_run_dir(capsys, tmp_path):
+    """A good --out goes on to the run dir's own check (and writes nothing when it fails)."""
+    out = tmp_path / "model.pt"
+    assert exported(capsys, out, tmp_path / "no-run") == f"error: {tmp_path}/no-run has no complete checkpoint to export"
+    assert not out.exists()
