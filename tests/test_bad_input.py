@@ -394,3 +394,68 @@ def test_export_checks_out_before_the_run_dir(capsys, tmp_path):
     out = tmp_path / "model.pt"
     assert exported(capsys, out, tmp_path / "no-run") == f"error: {tmp_path}/no-run has no complete checkpoint to export"
     assert not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------------
+# torchvision models with a fixed input side or non-tensor outputs
+
+
+def test_vit_with_an_image_size_it_cannot_cut(capsys, tmp_path):
+    assert refused(capsys, tmp_path / "run", "model.name=vit_b_16", "data.name=synthetic_images",
+                   "model.image_size=100") == (
+        "error: override 'model.image_size=100': model.image_size: vit_b_16 cuts images into 16x16 patches, but "
+        "model.image_size=100 is not a multiple of 16; use e.g. 96")
+
+
+def test_inception_v3_with_too_small_images(capsys, tmp_path):
+    assert refused(capsys, tmp_path / "run", "model.name=inception_v3", "data.name=synthetic_images",
+                   "model.image_size=64") == (
+        "error: override 'model.image_size=64': model.image_size: inception_v3 needs images of at least 75x75 pixels "
+        "(model.image_size=64); use 75 or more (299 is its usual size)")
+
+
+@pytest.mark.parametrize("name, side", [("vit_b_16", 64), ("googlenet", 64), ("inception_v3", 75)])
+def test_models_with_fixed_sizes_or_aux_outputs_are_supported(capsys, tmp_path, name, side):
+    """Built for model.image_size and returning one tensor: the check's memory estimate runs their
+    forward (on the meta device) and would fail otherwise."""
+    import torch
+
+    from trainer import models
+    from trainer.config import load
+
+    accepted(capsys, tmp_path / "run", f"model.name={name}", "data.name=synthetic_images", f"model.image_size={side}",
+             "--nproc", "1")
+    with torch.device("meta"):
+        out = models.build(load(None, [f"model.name={name}", f"model.image_size={side}"]).model)(
+            torch.zeros(2, 3, side, side))
+    assert isinstance(out, torch.Tensor) and out.shape == (2, 10)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Memory
+
+
+def test_a_batch_that_cannot_fit_is_refused(capsys, tmp_path):
+    line = refused(capsys, tmp_path / "run", "train.global_batch_size=1000000000", "--nproc", "2")
+    assert re.fullmatch(
+        r"error: override 'train.global_batch_size=1000000000': train.global_batch_size: one micro-batch of 500000000 "
+        r"samples needs about [\d.]+ GB of activations per rank, [\d.]+ GB in all for 2 rank\(s\), but this machine has "
+        r"[\d.]+ GB of memory; set train.micro_batch_size to \d+ or less \(the rest becomes gradient accumulation\)",
+        line), line
+    micro = int(re.search(r"micro_batch_size to (\d+)", line)[1])
+    accepted(capsys, tmp_path / "run", f"train.global_batch_size={micro * 2}", f"train.micro_batch_size={micro}",
+             "--nproc", "2")
+
+
+def test_memory_estimate_parts():
+    from trainer import memory
+    from trainer.config import load
+
+    cfg = load(None, ["model.seq_len=32"])
+    one, two = memory.estimate(cfg, 1, 4), memory.estimate(cfg, 2, 4)
+    n = sum(p.numel() for p in __import__("trainer.models", fromlist=["build"]).build(cfg.model).parameters())
+    assert (one.parameters, one.gradients, one.optimizer) == (4 * n, 4 * n, 8 * n)  # float32, AdamW: 2 states
+    assert (two.parameters, two.gradients, two.optimizer) == (2 * n, 2 * n, 4 * n)  # FSDP full: halved on 2 ranks
+    assert one.activations == 4 * one.activations_per_sample > 0
+    checkpointed = memory.estimate(load(None, ["model.seq_len=32", "parallel.activation_checkpointing=true"]), 1, 4)
+    assert checkpointed.activations < one.activations

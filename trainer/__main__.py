@@ -40,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:  # all of this before any process group or file exists
         cfg = load(args.config, args.overrides)
-        validate(cfg, env.world_size, where=args.config, overrides=args.overrides)
+        validate(cfg, env.world_size, where=args.config, overrides=args.overrides,
+                 ranks_per_node=env.local_world_size)
         check_gpus(env.local_world_size)
     except ConfigError as e:
         return fail(str(e))

@@ -29,9 +29,12 @@ CHECKPOINT_BYTES_PER_PARAM = {"adamw": 12, "adam": 12, "adadelta": 12, "sgd": 8}
 ASSUMED_SAVE_GB_PER_S_PER_NODE = 1.0
 
 
-def validate(cfg: Config, world_size: int, where: str = "config", overrides: list[str] = ()) -> None:
+def validate(cfg: Config, world_size: int, where: str = "config", overrides: list[str] = (),
+             ranks_per_node: int | None = None) -> None:
     """Raise ConfigError for the first problem found; `where` names the config file, `overrides`
-    are the command line's key=value items: a value given there is blamed on the override."""
+    are the command line's key=value items: a value given there is blamed on the override. With
+    `ranks_per_node`, what they need must fit this machine's memory (CPU training; a GPU's memory
+    is checked by the ranks, trainer.train: asking for it here would create a CUDA context)."""
 
     def fail(key: str, message: str):
         raise ConfigError(f"{source(key)}: {key}: {message}")
@@ -94,6 +97,12 @@ def validate(cfg: Config, world_size: int, where: str = "config", overrides: lis
     else:
         if m.name != "mnist_cnn" and m.name not in _torchvision_names():
             fail("model.name", f"is {m.name!r}; use mnist_cnn, transformer or a torchvision classification model (e.g. resnet18)")
+        if m.name != "mnist_cnn":
+            from trainer.models import torchvision_problem
+
+            problem = torchvision_problem(m)
+            if problem:
+                fail("model.image_size", problem)
         if d.name in LM_DATA:
             fail("data.name", f"is {d.name!r} but {m.name} classifies images; use mnist, imagefolder or synthetic_images")
         if m.num_classes < 2:
@@ -126,6 +135,9 @@ def validate(cfg: Config, world_size: int, where: str = "config", overrides: lis
         fail("train.micro_batch_size", f"{t.micro_batch_size} does not divide the {per_rank} samples per rank "
              f"(global_batch_size {t.global_batch_size} / {world_size} processes); use a divisor of {per_rank}")
 
+    if ranks_per_node and not torch.cuda.is_available():
+        _check_memory(cfg, world_size, ranks_per_node, fail)
+
     # parallelism
     p = cfg.parallel
     if p.strategy != "fsdp" and p.cpu_offload:
@@ -145,6 +157,25 @@ def validate(cfg: Config, world_size: int, where: str = "config", overrides: lis
     if c.resume_from is not None and not os.path.isdir(c.resume_from):
         fail("checkpoint.resume_from", f"{c.resume_from} does not exist; give a checkpoint folder such as run_dir/checkpoints/step_00000100")
     _check_writable(cfg.run_dir, source("run_dir"))
+
+
+def _check_memory(cfg: Config, world_size: int, ranks_per_node: int, fail) -> None:
+    """The ranks of this node must fit its memory (a lower bound: see trainer.memory)."""
+    from trainer import memory
+
+    have = memory.machine_bytes()
+    per_rank = cfg.train.global_batch_size // world_size
+    micro = cfg.train.micro_batch_size or per_rank
+    need = memory.estimate(cfg, world_size, micro)
+    if have is None or need.total * ranks_per_node <= have:
+        return
+    key = "train.micro_batch_size" if cfg.train.micro_batch_size else "train.global_batch_size"
+    fits = (have // ranks_per_node - (need.total - need.activations)) // need.activations_per_sample
+    todo = (f"set train.micro_batch_size to {fits} or less (the rest becomes gradient accumulation)" if fits >= 1
+            else "use a smaller model, fewer ranks per node or more nodes")
+    fail(key, f"one micro-batch of {micro} samples needs about {memory.gb(need.activations)} of activations per rank, "
+              f"{memory.gb(need.total * ranks_per_node)} in all for {ranks_per_node} rank(s), but this machine has "
+              f"{memory.gb(have)} of memory; {todo}")
 
 
 def _floats(section, prefix: str = ""):
@@ -263,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.nnodes < 1:
             raise ConfigError(f"the number of nodes is {args.nnodes}; it must be at least 1")
         world = (args.nproc or 1) * args.nnodes
-        validate(cfg, world, where=args.config, overrides=args.overrides)
+        validate(cfg, world, where=args.config, overrides=args.overrides, ranks_per_node=args.nproc or 1)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {where}{e}", file=sys.stderr, flush=True)
         return BAD_INPUT
     try:
-        validate(cfg, nproc * a.nnodes, where=a.config, overrides=a.overrides)
+        validate(cfg, nproc * a.nnodes, where=a.config, overrides=a.overrides, ranks_per_node=nproc)
     except ConfigError as e:
         if first:
             print(f"error: {e}", file=sys.stderr, flush=True)
