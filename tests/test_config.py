@@ -44,11 +44,11 @@ def test_every_shipped_config_is_valid():
         ("train: [1, 2\n", [], "c.yaml:2: invalid YAML"),
         ("trian:\n  steps: 3\n", [], "unknown key 'trian'"),
         ("train:\n  stepz: 3\n", [], "unknown key 'train.stepz'"),
-        ("", ["train.steps=abc"], "override 'train.steps=abc': 'train.steps' is 'abc'; expected int"),
+        ("{}\n", ["train.steps=abc"], "override 'train.steps=abc': 'train.steps' is 'abc'; expected int"),
         ("train:\n  steps: 1.5\n", [], "c.yaml: 'train.steps' is 1.5; expected int"),
         ("train: 3\n", [], "'train' is a section"),
         ("parallel:\n  strategy: zero3\n", [], "choose one of fsdp, ddp, none"),
-        ("", ["train.steps"], "expected key=value"),
+        ("{}\n", ["train.steps"], "expected key=value"),
     ],
 )
 def test_parse_errors_name_the_place(tmp_path, text, overrides, message):

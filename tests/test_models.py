@@ -68,7 +68,7 @@ def test_token_file(tmp_path):
     tokens = np.arange(1000, dtype=np.uint16)
     path = tmp_path / "tokens.bin"
     tokens.tofile(path)
-    ds = data.TokenFile(str(path), "uint16", seq_len=10)
+    ds = data.TokenFile(str(path), "uint16", seq_len=10, vocab_size=1000)
     assert len(ds) == 99
     x, y = ds[3]
     assert x.tolist() == list(range(30, 40)) and y.tolist() == list(range(31, 41))
@@ -125,7 +125,7 @@ def test_image_folder(tmp_path):
         (tmp_path / cls).mkdir()
         for i in range(3):
             Image.new("RGB", (40, 30), (i * 50, 0, 0)).save(tmp_path / cls / f"{i}.png")
-    ds = data.image_folder(str(tmp_path), size=32)
+    ds = data.image_folder(str(tmp_path), size=32, num_classes=2)
     x, y = ds[4]
     assert len(ds) == 6 and x.shape == (3, 32, 32) and y == 1
 

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer", description="Train a model with FSDP2.")
     parser.add_argument("--config", required=True, help="YAML config file (see configs/)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=100")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may come before --config too
     env = read_env()
     setup_logging(env.rank)
 
@@ -40,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:  # all of this before any process group or file exists
         cfg = load(args.config, args.overrides)
-        validate(cfg, env.world_size, where=args.config)
+        validate(cfg, env.world_size, where=args.config, overrides=args.overrides,
+                 ranks_per_node=env.local_world_size)
         check_gpus(env.local_world_size)
     except ConfigError as e:
         return fail(str(e))

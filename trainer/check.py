@@ -13,10 +13,12 @@ import dataclasses
 import math
 import os
 import sys
+import tempfile
 
 import torch
 
 from trainer.config import Config, ConfigError, load
+from trainer.data import token_file_problem
 from trainer.models import TRANSFORMER_SIZES
 
 LM_DATA = ("synthetic", "tokens")
@@ -27,15 +29,41 @@ CHECKPOINT_BYTES_PER_PARAM = {"adamw": 12, "adam": 12, "adadelta": 12, "sgd": 8}
 ASSUMED_SAVE_GB_PER_S_PER_NODE = 1.0
 
 
-def validate(cfg: Config, world_size: int, where: str = "config") -> None:
-    """Raise ConfigError for the first problem found; `where` names the config file."""
+def validate(cfg: Config, world_size: int, where: str = "config", overrides: list[str] = (),
+             ranks_per_node: int | None = None) -> None:
+    """Raise ConfigError for the first problem found; `where` names the config file, `overrides`
+    are the command line's key=value items: a value given there is blamed on the override. With
+    `ranks_per_node`, what they need must fit this machine's memory (CPU training; a GPU's memory
+    is checked by the ranks, trainer.train: asking for it here would create a CUDA context)."""
 
     def fail(key: str, message: str):
-        raise ConfigError(f"{where}: {key}: {message}")
+        raise ConfigError(f"{source(key)}: {key}: {message}")
+
+    def source(key: str) -> str:
+        field = key.split("[")[0]  # optim.betas[1] was given as optim.betas
+        given = [item for item in overrides if field == item.split("=")[0] or field.startswith(item.split("=")[0] + ".")]
+        return f"override {given[-1]!r}" if given else where
 
     for key, value in _floats(cfg):
         if not math.isfinite(value):
             fail(key, f"is {value}; give a finite number")
+    # The range of every float of the config, as documented where each is defined.
+    o = cfg.optim
+    for key, value, ok, allowed in (
+        ("optim.lr", o.lr, o.lr > 0, "it must be positive"),
+        ("optim.weight_decay", o.weight_decay, o.weight_decay >= 0, "it must be 0 or more"),
+        ("optim.betas[0]", o.betas[0], 0 <= o.betas[0] < 1, "it must be in [0, 1), e.g. 0.9"),
+        ("optim.betas[1]", o.betas[1], 0 <= o.betas[1] < 1, "it must be in [0, 1), e.g. 0.95"),
+        ("optim.momentum", o.momentum, 0 <= o.momentum < 1, "it must be in [0, 1), e.g. 0.9"),
+        ("optim.min_lr_ratio", o.min_lr_ratio, 0 <= o.min_lr_ratio <= 1, "it must be in [0, 1]"),
+        ("optim.gamma", o.gamma, 0 < o.gamma <= 1, "it must be in (0, 1], e.g. 0.7"),
+        ("model.dropout", cfg.model.dropout, 0 <= cfg.model.dropout < 0.5,
+         "it must be in [0, 0.5): the MNIST CNN's second dropout is twice it"),
+    ):
+        if not ok:
+            fail(key, f"is {value}; {allowed}")
+    if cfg.train.grad_clip is not None and cfg.train.grad_clip <= 0:
+        fail("train.grad_clip", f"is {cfg.train.grad_clip}; give a positive norm, or null to disable clipping")
 
     positive = {
         "train.steps": cfg.train.steps, "train.global_batch_size": cfg.train.global_batch_size,
@@ -53,16 +81,9 @@ def validate(cfg: Config, world_size: int, where: str = "config") -> None:
             fail(key, f"is {value}; it must be at least 1")
     for key, value in {"checkpoint.interval": cfg.checkpoint.interval, "checkpoint.keep": cfg.checkpoint.keep,
                        "checkpoint.keep_every": cfg.checkpoint.keep_every, "eval.interval": cfg.eval.interval,
-                       "data.num_workers": cfg.data.num_workers, "optim.warmup_steps": cfg.optim.warmup_steps,
-                       "optim.weight_decay": cfg.optim.weight_decay}.items():
+                       "data.num_workers": cfg.data.num_workers, "optim.warmup_steps": cfg.optim.warmup_steps}.items():
         if value < 0:
             fail(key, f"is {value}; it must be 0 or more")
-    if cfg.optim.lr <= 0:
-        fail("optim.lr", f"is {cfg.optim.lr}; it must be positive")
-    if cfg.train.grad_clip is not None and cfg.train.grad_clip <= 0:
-        fail("train.grad_clip", f"is {cfg.train.grad_clip}; give a positive norm, or null to disable clipping")
-    if not 0 <= cfg.model.dropout < 1:
-        fail("model.dropout", f"is {cfg.model.dropout}; it must be in [0, 1)")
 
     # model and data
     m, d = cfg.model, cfg.data
@@ -76,6 +97,12 @@ def validate(cfg: Config, world_size: int, where: str = "config") -> None:
     else:
         if m.name != "mnist_cnn" and m.name not in _torchvision_names():
             fail("model.name", f"is {m.name!r}; use mnist_cnn, transformer or a torchvision classification model (e.g. resnet18)")
+        if m.name != "mnist_cnn":
+            from trainer.models import torchvision_problem
+
+            problem = torchvision_problem(m)
+            if problem:
+                fail("model.image_size", problem)
         if d.name in LM_DATA:
             fail("data.name", f"is {d.name!r} but {m.name} classifies images; use mnist, imagefolder or synthetic_images")
         if m.num_classes < 2:
@@ -88,10 +115,14 @@ def validate(cfg: Config, world_size: int, where: str = "config") -> None:
         for key, path in (("data.path", d.path), ("data.eval_path", d.eval_path)):
             if not path:
                 continue
-            if d.name == "tokens" and not os.path.isfile(path):
-                fail(key, f"token file {path} does not exist; point it at a flat {d.token_dtype} token file")
+            if d.name == "tokens":
+                problem = token_file_problem(path, d.token_dtype, m.seq_len)
+                if problem:
+                    fail(key, problem)
             if d.name == "imagefolder" and not os.path.isdir(path):
                 fail(key, f"folder {path} does not exist; point it at a folder of class subfolders")
+            if d.name == "imagefolder" and not any(e.is_dir() for e in os.scandir(path)):
+                fail(key, f"{path} has no class folders; put the images in one subfolder per class ({path}/<class>/<image>)")
             if d.name == "mnist" and not d.download and not os.path.isdir(os.path.join(path, "MNIST", "raw")):
                 fail(key, f"{path}/MNIST/raw does not exist; set data.download=true or copy the MNIST files there")
 
@@ -103,6 +134,9 @@ def validate(cfg: Config, world_size: int, where: str = "config") -> None:
     if t.micro_batch_size is not None and per_rank % t.micro_batch_size:
         fail("train.micro_batch_size", f"{t.micro_batch_size} does not divide the {per_rank} samples per rank "
              f"(global_batch_size {t.global_batch_size} / {world_size} processes); use a divisor of {per_rank}")
+
+    if ranks_per_node and not torch.cuda.is_available():
+        _check_memory(cfg, world_size, ranks_per_node, fail)
 
     # parallelism
     p = cfg.parallel
@@ -117,9 +151,31 @@ def validate(cfg: Config, world_size: int, where: str = "config") -> None:
 
     # files
     c = cfg.checkpoint
+    if c.resume_from is not None and os.path.isfile(c.resume_from):
+        fail("checkpoint.resume_from", f"{c.resume_from} is a file; give the checkpoint folder that holds it, such as "
+             f"run_dir/checkpoints/step_00000100")
     if c.resume_from is not None and not os.path.isdir(c.resume_from):
         fail("checkpoint.resume_from", f"{c.resume_from} does not exist; give a checkpoint folder such as run_dir/checkpoints/step_00000100")
-    _check_writable(cfg.run_dir, where)
+    _check_writable(cfg.run_dir, source("run_dir"))
+
+
+def _check_memory(cfg: Config, world_size: int, ranks_per_node: int, fail) -> None:
+    """The ranks of this node must fit its memory (a lower bound: see trainer.memory)."""
+    from trainer import memory
+
+    have = memory.machine_bytes()
+    per_rank = cfg.train.global_batch_size // world_size
+    micro = cfg.train.micro_batch_size or per_rank
+    need = memory.estimate(cfg, world_size, micro)
+    if have is None or need.total * ranks_per_node <= have:
+        return
+    key = "train.micro_batch_size" if cfg.train.micro_batch_size else "train.global_batch_size"
+    fits = (have // ranks_per_node - (need.total - need.activations)) // need.activations_per_sample
+    todo = (f"set train.micro_batch_size to {fits} or less (the rest becomes gradient accumulation)" if fits >= 1
+            else "use a smaller model, fewer ranks per node or more nodes")
+    fail(key, f"one micro-batch of {micro} samples needs about {memory.gb(need.activations)} of activations per rank, "
+              f"{memory.gb(need.total * ranks_per_node)} in all for {ranks_per_node} rank(s), but this machine has "
+              f"{memory.gb(have)} of memory; {todo}")
 
 
 def _floats(section, prefix: str = ""):
@@ -158,7 +214,16 @@ def save_seconds(cfg: Config, nodes: int, run_dir: str) -> tuple[float, str]:
                      f"{nodes} node(s) at an assumed {ASSUMED_SAVE_GB_PER_S_PER_NODE:g} GB/s each")
 
 
+# What the run dir holds, by kind: a folder where a file belongs (or the reverse) fails only later.
+RUN_DIR_FOLDERS = ("checkpoints",)
+RUN_DIR_FILES = ("config.yaml", "metrics.jsonl", "status.json", "lease.json")
+
+
 def _check_writable(run_dir: str, where: str) -> None:
+    """The run dir can be created and written: tried, not judged from permission bits (root, ACLs,
+    read-only mounts and /proc answer os.access wrongly). A probe folder with a fresh name is made
+    in the run dir, or in the nearest folder that exists above it, and removed at once, so ranks
+    checking at the same time do not disturb each other and nothing is left behind."""
     path = os.path.abspath(run_dir)
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"{where}: run_dir: {run_dir} is a file, not a folder; choose another run_dir")
@@ -167,8 +232,23 @@ def _check_writable(run_dir: str, where: str) -> None:
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         raise ConfigError(f"{where}: run_dir: cannot create {run_dir}: {existing} is a file; choose another run_dir")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"{where}: run_dir: cannot write to {existing}; choose a writable run_dir")
+    for name in RUN_DIR_FOLDERS:
+        inside = os.path.join(path, name)
+        if os.path.exists(inside) and not os.path.isdir(inside):
+            raise ConfigError(f"{where}: run_dir: {inside} is a file where the run keeps its {name} folder; "
+                              f"move it away or choose another run_dir")
+    for name in RUN_DIR_FILES:
+        inside = os.path.join(path, name)
+        if os.path.isdir(inside):
+            raise ConfigError(f"{where}: run_dir: {inside} is a folder where the run writes its {name} file; "
+                              f"move it away or choose another run_dir")
+    probed = [existing] + [os.path.join(path, n) for n in RUN_DIR_FOLDERS if os.path.isdir(os.path.join(path, n))]
+    for folder in probed:
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".trainer-check-", dir=folder))
+        except OSError as e:
+            raise ConfigError(f"{where}: run_dir: cannot write to {folder} ({e.strerror}); choose a writable "
+                              f"run_dir") from None
 
 
 def _torchvision_names() -> list[str]:
@@ -206,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, help="processes per node; checked against this machine's devices")
     parser.add_argument("--nnodes", type=int, default=1, help="nodes (for the batch arithmetic)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may come before --config too
     try:
         cfg = load(args.config, args.overrides)
         if args.nproc is not None:
@@ -214,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.nnodes < 1:
             raise ConfigError(f"the number of nodes is {args.nnodes}; it must be at least 1")
         world = (args.nproc or 1) * args.nnodes
-        validate(cfg, world, where=args.config)
+        validate(cfg, world, where=args.config, overrides=args.overrides, ranks_per_node=args.nproc or 1)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -35,7 +35,7 @@ class TrainArgs:
     global_batch_size: int = 32  # samples per optimizer step, summed over all ranks
     micro_batch_size: int | None = None  # samples per forward/backward on one rank; None: all at once
     seed: int = 0  # seeds the weights and the order of the data
-    grad_clip: float | None = 1.0  # max global gradient norm; None disables clipping
+    grad_clip: float | None = 1.0  # max global gradient norm, > 0; None disables clipping
 
 
 @dataclass
@@ -61,18 +61,7 @@ def load(path: str | None, overrides: list[str] = ()) -> Config:
     """Read `path` (may be None for pure defaults) and apply `key=value` overrides."""
     raw: dict[str, Any] = {}
     if path is not None:
-        if not os.path.isfile(path):
-            raise ConfigError(f"{path}: config file not found; pass an existing file with --config")
-        try:
-            with open(path) as f:
-                raw = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f"{path}:{mark.line + 1}" if mark else path
-            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-            raise ConfigError(f"{where}: invalid YAML ({problem}); fix the syntax") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+        raw = _read_yaml(path)
     sources = {key: path or "defaults" for key in _flatten(raw)}
     for item in overrides:
         key, sep, text = item.partition("=")
@@ -88,6 +77,62 @@ def load(path: str | None, overrides: list[str] = ()) -> Config:
         node[parts[-1]] = yaml.safe_load(text) if text else None
         sources[key] = f"override {item!r}"
     return _build(Config, raw, prefix="", sources=sources, default_source=path or "defaults")
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key, first: int, second: int):
+        self.key, self.first, self.second = key, first, second
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's SafeLoader, except that a key given twice in one mapping is an error (SafeLoader
+    silently keeps the last value)."""
+
+    def construct_mapping(self, node, deep=False):
+        lines: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` is read by SafeLoader itself
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, typing.Hashable) and key in lines:
+                raise _DuplicateKey(key, lines[key], line)
+            lines[key] = line
+        return super().construct_mapping(node, deep)
+
+
+
+def _read_yaml(path: str) -> dict:
+    """The top-level mapping of the YAML file at `path`; every problem with the file is a ConfigError."""
+    if os.path.isdir(path):
+        raise ConfigError(f"{path}: is a folder; pass a YAML file with --config")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{path}: config file not found; pass an existing file with --config")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        line = e.object[: e.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                          f"save the file as UTF-8") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the config file ({e.strerror}); check its permissions") from None
+    try:
+        raw = yaml.load(text, Loader=_StrictLoader)
+    except _DuplicateKey as e:
+        raise ConfigError(f"{path}:{e.second}: {e.key}: given twice (lines {e.first} and {e.second}); "
+                          f"keep one of them") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else path
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{where}: invalid YAML ({problem}); fix the syntax") from None
+    if raw is None:
+        raise ConfigError(f"{path}: the file is empty (no settings, only blanks or comments); write settings "
+                          f"into it (configs/default.yaml is an example)")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    return raw
 
 
 def from_dict(raw: dict, where: str) -> Config:

@@ -66,17 +66,47 @@ class SyntheticLM(Dataset):
         return tokens[:-1], tokens[1:]
 
 
-class TokenFile(Dataset):
-    """A flat binary array of token ids (uint16 or uint32), memory-mapped, cut into windows."""
+def token_file_problem(path: str, dtype: str, seq_len: int) -> str | None:
+    """What is wrong with a token file that its size tells (the ids are checked as the ranks read it)."""
+    if os.path.isdir(path):
+        return f"{path} is a folder; give a token file (a flat {dtype} array of token ids)"
+    if not os.path.isfile(path):
+        return f"token file {path} does not exist; point it at a flat {dtype} token file"
+    size, itemsize = os.path.getsize(path), np.dtype(dtype).itemsize
+    if size == 0:
+        return f"token file {path} is empty; point it at a file of at least model.seq_len+1 = {seq_len + 1} tokens"
+    if size % itemsize:
+        return (f"token file {path} has {size} bytes, not a whole number of {itemsize}-byte {dtype} tokens; check "
+                f"data.token_dtype, or whether the file was cut short")
+    if size // itemsize < seq_len + 1:
+        return (f"token file {path} holds {size // itemsize} tokens, fewer than model.seq_len+1 = {seq_len + 1}; "
+                f"lower model.seq_len or give a longer file")
+    return None
 
-    def __init__(self, path: str, dtype: str, seq_len: int):
-        if not os.path.isfile(path):
-            raise DataError(f"token file {path} not found; set data.path to a flat {dtype} token file")
+
+class TokenFile(Dataset):
+    """A flat binary array of token ids (uint16 or uint32), memory-mapped, cut into windows.
+
+    Every id is checked against the vocabulary when the file is opened (a few seconds per GB; the
+    page cache serves the ranks of one node after the first): an id out of range would otherwise
+    stop training in the middle with an IndexError, or on the GPU with a device assert."""
+
+    CHUNK = 1 << 24  # tokens checked at a time
+
+    def __init__(self, path: str, dtype: str, seq_len: int, vocab_size: int):
+        problem = token_file_problem(path, dtype, seq_len)
+        if problem:
+            raise DataError(problem)
         self.tokens = np.memmap(path, dtype=np.dtype(dtype), mode="r")
         self.seq_len = seq_len
         self.windows = (len(self.tokens) - 1) // seq_len
-        if self.windows < 1:
-            raise DataError(f"token file {path} holds {len(self.tokens)} tokens; need more than seq_len={seq_len}")
+        for start in range(0, len(self.tokens), self.CHUNK):
+            chunk = self.tokens[start : start + self.CHUNK]
+            if chunk.max() >= vocab_size:
+                i = int(np.argmax(chunk >= vocab_size))
+                raise DataError(f"token file {path}: token {start + i} (byte offset {(start + i) * chunk.itemsize}) is "
+                                f"id {int(chunk[i])}, not below model.vocab_size={vocab_size}; raise model.vocab_size "
+                                f"above the file's largest id, or check data.token_dtype")
 
     def __len__(self) -> int:
         return self.windows
@@ -118,7 +148,7 @@ def mnist(root: str, train: bool, download: bool) -> Dataset:
         raise DataError(f"MNIST not found under {root}/MNIST/raw ({why}); set data.download=true or copy the files there") from None
 
 
-def image_folder(root: str, size: int) -> Dataset:
+def image_folder(root: str, size: int, num_classes: int) -> Dataset:
     from torchvision import datasets, transforms
 
     if not os.path.isdir(root):
@@ -131,7 +161,15 @@ def image_folder(root: str, size: int) -> Dataset:
             transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
         ]
     )
-    return datasets.ImageFolder(root, transform=transform)
+    try:
+        dataset = datasets.ImageFolder(root, transform=transform)
+    except FileNotFoundError as e:  # no class folders, or no image in any of them
+        raise DataError(f"image folder {root}: {str(e).splitlines()[0].rstrip('.')}; put the images in one subfolder "
+                        f"per class ({root}/<class>/<image>.jpg)") from None
+    if len(dataset.classes) > num_classes:
+        raise DataError(f"image folder {root} has {len(dataset.classes)} class folders but model.num_classes is "
+                        f"{num_classes}; set model.num_classes={len(dataset.classes)}")
+    return dataset
 
 
 def build(args: DataArgs, model_args, seed: int, train: bool) -> Dataset:
@@ -143,11 +181,11 @@ def build(args: DataArgs, model_args, seed: int, train: bool) -> Dataset:
         vocab = transformer_shape(model_args).vocab_size
         return SyntheticLM(vocab, model_args.seq_len, seed)
     if args.name == "tokens":
-        return TokenFile(path, args.token_dtype, model_args.seq_len)
+        return TokenFile(path, args.token_dtype, model_args.seq_len, transformer_shape(model_args).vocab_size)
     if args.name == "mnist":
         return mnist(path, train=train, download=args.download)
     if args.name == "imagefolder":
-        return image_folder(path, model_args.image_size)
+        return image_folder(path, model_args.image_size, model_args.num_classes)
     channels, size = (1, 28) if model_args.name == "mnist_cnn" else (3, model_args.image_size)
     return SyntheticImages(model_args.num_classes, channels, size, seed)
 

@@ -3,8 +3,9 @@
     python -m trainer.export RUN_DIR [--step N] --out model.pt
 
 Runs in one process whatever number of processes trained. The file loads straight into the plain
-model: `model.load_state_dict(torch.load("model.pt", weights_only=True))`. With an `.safetensors`
-name it is written in that format (needs the safetensors package).
+model: `model.load_state_dict(torch.load("model.pt", weights_only=True))`. A `.pt` or `.pth` name
+is written by torch.save, a `.safetensors` name in that format (needs the safetensors package);
+any other suffix is refused, like an --out that is a folder or in a folder that is missing.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import warnings
 
 import torch
@@ -62,6 +64,31 @@ def _config(run_dir: str, path: str):
     return load(config_file)
 
 
+SUFFIXES = (".pt", ".pth", ".safetensors")
+
+
+def check_out(out: str) -> None:
+    """Refuse an output path that cannot be written as asked, before anything is read or written."""
+    parent = os.path.dirname(os.path.abspath(out))
+    if os.path.isdir(out):
+        raise ConfigError(f"--out {out}: is a folder; give a file name such as {os.path.join(out, 'model.pt')}")
+    suffix = os.path.splitext(out)[1]
+    if suffix not in SUFFIXES:
+        raise ConfigError(f"--out {out}: unknown suffix {suffix or '(none)'}; name the file .pt or .pth (torch.save) "
+                          f"or .safetensors")
+    if not os.path.isdir(parent):
+        raise ConfigError(f"--out {out}: the folder {parent} does not exist; create it first, or write elsewhere")
+    try:  # tried, not judged from permission bits
+        os.rmdir(tempfile.mkdtemp(prefix=".export-check-", dir=parent))
+    except OSError as e:
+        raise ConfigError(f"--out {out}: cannot write to {parent} ({e.strerror}); write elsewhere") from None
+    if suffix == ".safetensors":
+        try:
+            import safetensors.torch  # noqa: F401
+        except ImportError:
+            raise ConfigError("writing .safetensors needs the safetensors package: pip install safetensors") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.export", description=__doc__.split("\n")[0])
     parser.add_argument("run_dir")
@@ -69,12 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output file: .pt (torch.save) or .safetensors")
     args = parser.parse_args(argv)
     try:
+        check_out(args.out)
         state, path = consolidate(args.run_dir, args.step)
         if args.out.endswith(".safetensors"):
-            try:
-                from safetensors.torch import save_file
-            except ImportError:
-                raise ConfigError("writing .safetensors needs the safetensors package: pip install safetensors") from None
+            from safetensors.torch import save_file
+
             save_file({k: v.contiguous() for k, v in state.items()}, args.out)
         else:
             torch.save(state, args.out)

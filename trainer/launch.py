@@ -160,10 +160,23 @@ def _supported(args: list[str]) -> list[str]:
     return kept + script
 
 
+def _quiet_once_marked(mark: str) -> None:
+    """Once a rank marked bad input (rank 0 says it in one line), the agent's reports of the ranks
+    stopping ("failed (exitcode: 2)", "closing signal SIGTERM") are noise under that line: dropped."""
+    import logging
+
+    def unmarked(record) -> bool:
+        return not os.path.exists(mark)
+
+    for name in list(logging.Logger.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).addFilter(unmarked)
+
+
 def main(argv: list[str] | None = None) -> int:
     for sig in signals.STOP_SIGNALS:
         signal.signal(sig, _remember)
-    a = _parser().parse_args(argv)
+    a = _parser().parse_intermixed_args(argv)  # overrides may come before --config too
     started = time.time()
     # Config errors are the same on every node: the first node says it. A node's own problem
     # (its devices, checked first) is said by that node, with its name.
@@ -186,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {where}{e}", file=sys.stderr, flush=True)
         return BAD_INPUT
     try:
-        validate(cfg, nproc * a.nnodes, where=a.config)
+        validate(cfg, nproc * a.nnodes, where=a.config, overrides=a.overrides, ranks_per_node=nproc)
     except ConfigError as e:
         if first:
             print(f"error: {e}", file=sys.stderr, flush=True)
@@ -216,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     marks = tempfile.mkdtemp(prefix="trainer-launch-")
     bad_input = os.path.join(marks, "bad-input")
     os.environ[BAD_INPUT_MARK_ENV] = bad_input
+    _quiet_once_marked(bad_input)
     try:
         try:
             torchrun.run(args)

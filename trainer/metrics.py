@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import resource
 import sys
@@ -75,7 +76,7 @@ class Reporter:
         """Append one row to metrics.jsonl."""
         if self.is_main:
             with open(self.path, "a") as f:
-                f.write(json.dumps(values) + "\n")
+                f.write(json.dumps(finite_or_null(values), allow_nan=False) + "\n")
 
     def row(self, values: dict) -> None:
         """Append a training row and refresh the progress line."""
@@ -108,6 +109,11 @@ class Reporter:
         if self.live:
             sys.stdout.write("\n")
         log.info(text)
+
+
+def finite_or_null(values: dict) -> dict:
+    """The row with NaN and infinities as null: strict JSON readers refuse bare NaN/Infinity."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in values.items()}
 
 
 def _duration(seconds: float) -> str:

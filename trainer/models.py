@@ -23,7 +23,7 @@ class ModelArgs:
     seq_len: int = 128  # transformer context length in tokens
     num_classes: int = 10  # classes of the image classifiers
     image_size: int = 224  # side in pixels that torchvision models see (MNIST is always 28)
-    dropout: float = 0.0  # dropout probability of the MNIST CNN (the tutorial uses 0.25/0.5)
+    dropout: float = 0.0  # MNIST CNN dropout after the convolutions, in [0, 0.5); after fc1 twice it (tutorial: 0.25)
 
 
 @dataclass(frozen=True)
@@ -210,7 +210,32 @@ def build(args: ModelArgs) -> nn.Module:
         return Transformer(shape, args.seq_len)
     import torchvision  # imported here: only image models need it
 
-    return torchvision.models.get_model(args.name, num_classes=args.num_classes)
+    return torchvision.models.get_model(args.name, num_classes=args.num_classes, **torchvision_options(args))
+
+
+def torchvision_options(args: ModelArgs) -> dict:
+    """What some torchvision models must be told to train here: a ViT is built for one input side
+    (its position embeddings), GoogLeNet and Inception v3 return auxiliary logits in a tuple unless
+    told not to (the trainer's loss takes one tensor)."""
+    if args.name.startswith("vit_"):
+        return {"image_size": args.image_size}
+    if args.name in ("googlenet", "inception_v3"):
+        return {"aux_logits": False, "init_weights": True}
+    return {}
+
+
+def torchvision_problem(args: ModelArgs) -> str | None:
+    """Why a torchvision model cannot train at model.image_size, or None."""
+    if args.name.startswith("vit_"):
+        patch = int(args.name.rsplit("_", 1)[1])
+        if args.image_size % patch:
+            return (f"{args.name} cuts images into {patch}x{patch} patches, but model.image_size={args.image_size} is "
+                    f"not a multiple of {patch}; use e.g. {max(patch, args.image_size // patch * patch)}")
+    if args.name == "inception_v3" and args.image_size < 75:
+        return f"inception_v3 needs images of at least 75x75 pixels (model.image_size={args.image_size}); use 75 or more (299 is its usual size)"
+    if args.name == "maxvit_t" and args.image_size % 32:
+        return f"maxvit_t needs model.image_size to be a multiple of 32 (it is {args.image_size}); use e.g. 224"
+    return None
 
 
 def transformer_shape(args: ModelArgs) -> TransformerShape:

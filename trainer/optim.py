@@ -12,17 +12,17 @@ import torch
 @dataclass
 class OptimArgs:
     name: Literal["adamw", "adam", "adadelta", "sgd"] = "adamw"
-    lr: float = 3e-3  # peak learning rate
-    weight_decay: float = 0.0  # decoupled for AdamW, L2 for the others
-    betas: tuple[float, float] = (0.9, 0.95)  # Adam(W) moment decay rates
-    momentum: float = 0.9  # SGD momentum
+    lr: float = 3e-3  # peak learning rate; > 0
+    weight_decay: float = 0.0  # decoupled for AdamW, L2 for the others; >= 0
+    betas: tuple[float, float] = (0.9, 0.95)  # Adam(W) moment decay rates; each in [0, 1)
+    momentum: float = 0.9  # SGD momentum; in [0, 1)
     # warmup_cosine: linear warmup then cosine decay to min_lr_ratio·lr; step: multiply by gamma
     # every step_size steps (the tutorials' StepLR); constant: lr throughout.
     schedule: Literal["warmup_cosine", "step", "constant"] = "warmup_cosine"
     warmup_steps: int = 20  # linear warmup length, in optimizer steps
-    min_lr_ratio: float = 0.1  # final lr of the cosine schedule, as a fraction of lr
+    min_lr_ratio: float = 0.1  # final lr of the cosine schedule, as a fraction of lr; in [0, 1]
     step_size: int = 1  # StepLR period, in optimizer steps
-    gamma: float = 0.7  # StepLR decay factor
+    gamma: float = 0.7  # StepLR decay factor; in (0, 1]
     fused: bool | None = None  # fused Adam(W) kernels; None: where the device supports them
 
 

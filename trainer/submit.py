@@ -275,8 +275,9 @@ def check_config(job: Job) -> float:
 
     world = job.nodes * job.nproc_per_node
     try:
-        cfg = load(str(job.config), [f"run_dir={job.run_dir}", *job.overrides])
-        validate(cfg, world, where=str(job.config))
+        overrides = [f"run_dir={job.run_dir}", *job.overrides]
+        cfg = load(str(job.config), overrides)
+        validate(cfg, world, where=str(job.config), overrides=overrides)
     except ConfigError as e:
         raise SubmitError(str(e)) from None
     estimate, how = save_seconds(cfg, job.nodes, str(job.run_dir))

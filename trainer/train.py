@@ -83,10 +83,11 @@ def train(cfg: Config) -> None:
     control = distributed.cpu_group(timeout_s=cfg.parallel.timeout_s)  # stop flag, rank-0 decisions
     io_group = distributed.cpu_group(timeout_s=cfg.checkpoint.timeout_s)  # DCP, also from its own thread
     run_dir = cfg.run_dir
+    datasets = _datasets(cfg, env, control)  # bad data stops the run here, before the run dir is touched
     distributed.check_nodes(run_dir, control)
     lease = _take_lease(run_dir, env, control)  # before anything in the run dir changes
     try:
-        _train(cfg, env, control, io_group)
+        _train(cfg, env, control, io_group, *datasets)
     except RuntimeError as e:  # torch.distributed.DistBackendError is one
         if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
             raise
@@ -144,7 +145,29 @@ def _take_lease(run_dir: str, env: distributed.Env, group) -> Lease | None:
     return lease
 
 
-def _train(cfg: Config, env: distributed.Env, control, io_group) -> None:
+def _datasets(cfg: Config, env: distributed.Env, group) -> tuple:
+    """(training set, evaluation set or None), built by rank 0 first (it downloads what is missing:
+    MNIST), then by the others. A DataError on any rank is raised on every rank with the first
+    message, so that rank 0 says it in one line and no rank is left in a collective that fails."""
+    sets = None
+    for rank_0_turn in (True, False):
+        error = None
+        if env.is_main == rank_0_turn:
+            try:
+                train_set = data.build(cfg.data, cfg.model, cfg.train.seed, train=True)
+                eval_set = data.build(cfg.data, cfg.model, cfg.train.seed, train=False) if cfg.eval.interval else None
+                sets = train_set, eval_set
+            except data.DataError as e:
+                error = str(e)
+        errors: list = [None] * env.world_size
+        dist.all_gather_object(errors, error, group=group)
+        first = next((e for e in errors if e), None)
+        if first:
+            raise data.DataError(first)
+    return sets
+
+
+def _train(cfg: Config, env: distributed.Env, control, io_group, train_set, eval_set) -> None:
     run_dir = cfg.run_dir
     micro, accum = batch_plan(cfg, env.world_size)
     B = cfg.train.global_batch_size
@@ -178,13 +201,6 @@ def _train(cfg: Config, env: distributed.Env, control, io_group) -> None:
             layout.write_status(run_dir, state="finished")
         return
 
-    # Rank 0 first: it downloads what is missing (MNIST), the others then find it in place.
-    if not env.is_main:
-        dist.barrier(group=control)
-    train_set = data.build(cfg.data, cfg.model, cfg.train.seed, train=True)
-    eval_set = data.build(cfg.data, cfg.model, cfg.train.seed, train=False) if cfg.eval.interval else None
-    if env.is_main:
-        dist.barrier(group=control)
     batches = data.loader(train_set, cfg.data, cfg.train.seed, samples, B, micro, env.rank, env.world_size)
     trace = _open_trace(run_dir, env.rank) if cfg.data.trace else None
     flops_per_token = parallel.unwrap(model).flops_per_token() if cfg.model.name == "transformer" else None
