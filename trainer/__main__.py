@@ -13,7 +13,7 @@ from trainer import signals
 signals.install()  # before the slow imports below: a stop signal during start-up is kept, not fatal
 signals.stop_with_launcher()  # a rank whose launcher died (kill -9) saves and stops, never trains on alone
 
-from trainer.check import check_gpus, validate  # noqa: E402
+from trainer.check import check_gpus, resolve, validate  # noqa: E402
 from trainer.checkpoint import CheckpointError  # noqa: E402
 from trainer.config import ConfigError, load  # noqa: E402
 from trainer.data import DataError  # noqa: E402
@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     try:  # all of this before any process group or file exists
         cfg = load(args.config, args.overrides)
         validate(cfg, env.world_size, where=args.config)
+        cfg = resolve(cfg, where=args.config)  # the shape spelled out, as config.yaml records it
         check_gpus(env.local_world_size)
     except ConfigError as e:
         return fail(str(e))

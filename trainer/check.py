@@ -17,7 +17,7 @@ import sys
 import torch
 
 from trainer.config import Config, ConfigError, load
-from trainer.models import TRANSFORMER_SIZES
+from trainer.models import TRANSFORMER_SIZES, resolve as resolve_model
 
 LM_DATA = ("synthetic", "tokens")
 # Bytes a checkpoint holds per parameter: the float32 weight and the optimizer's float32 state.
@@ -73,7 +73,10 @@ def validate(cfg: Config, world_size: int, where: str = "config") -> None:
             fail("model.vocab_size", f"is {m.vocab_size}; it must be at least 2")
         if d.name not in LM_DATA:
             fail("data.name", f"is {d.name!r} but the transformer needs token data; use synthetic or tokens")
+        _check_shape(resolve(cfg, where).model, fail)
     else:
+        if m.init_from:
+            fail("model.init_from", f"applies to the transformer only (model.name is {m.name!r}); remove it")
         if m.name != "mnist_cnn" and m.name not in _torchvision_names():
             fail("model.name", f"is {m.name!r}; use mnist_cnn, transformer or a torchvision classification model (e.g. resnet18)")
         if d.name in LM_DATA:
@@ -120,6 +123,42 @@ def validate(cfg: Config, world_size: int, where: str = "config") -> None:
     if c.resume_from is not None and not os.path.isdir(c.resume_from):
         fail("checkpoint.resume_from", f"{c.resume_from} does not exist; give a checkpoint folder such as run_dir/checkpoints/step_00000100")
     _check_writable(cfg.run_dir, where)
+
+
+def resolve(cfg: Config, where: str = "config") -> Config:
+    """The config as the run records it: the transformer's shape spelled out, from model.init_from's
+    config.json (keys the config sets must agree with it) or else from model.size."""
+    model = cfg.model
+    if model.name == "transformer" and model.init_from:
+        from trainer import hf
+
+        try:
+            model = hf.model_args(model.init_from, model)
+        except hf.HFError as e:
+            raise ConfigError(f"{where}: model.init_from: {e}") from None
+    return dataclasses.replace(cfg, model=resolve_model(model))
+
+
+def _check_shape(m, fail) -> None:
+    """The resolved transformer shape must be buildable."""
+    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
+        if getattr(m, key) < 1:
+            fail(f"model.{key}", f"is {getattr(m, key)}; it must be at least 1")
+    if m.dim % m.n_heads or (m.dim // m.n_heads) % 2:
+        fail("model.n_heads", f"{m.n_heads} heads do not split model.dim={m.dim} into heads of an even size; "
+             f"choose a divisor of {m.dim} that leaves an even head size")
+    if m.n_heads % m.n_kv_heads:
+        fail("model.n_kv_heads", f"{m.n_kv_heads} does not divide model.n_heads={m.n_heads}; choose a divisor")
+    for key in ("norm_eps", "rope_theta"):
+        if getattr(m, key) <= 0:
+            fail(f"model.{key}", f"is {getattr(m, key)}; it must be positive")
+    s = m.rope_scaling
+    if s is not None and s.rope_type == "llama3":
+        if s.factor <= 0 or s.original_max_position_embeddings < 1:
+            fail("model.rope_scaling", "factor and original_max_position_embeddings must be positive")
+        if not 0 < s.low_freq_factor < s.high_freq_factor:
+            fail("model.rope_scaling", f"needs 0 < low_freq_factor < high_freq_factor (they are {s.low_freq_factor} "
+                 f"and {s.high_freq_factor})")
 
 
 def _floats(section, prefix: str = ""):
@@ -215,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"the number of nodes is {args.nnodes}; it must be at least 1")
         world = (args.nproc or 1) * args.nnodes
         validate(cfg, world, where=args.config)
+        cfg = resolve(cfg, where=args.config)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
