@@ -25,7 +25,7 @@ def hf_llama(folder, tied: bool = False, scaling: dict | None = SCALING, seed: i
     """A tiny random LlamaForCausalLM (4 query heads over 2 key/value heads), saved to `folder`."""
     config = transformers.LlamaConfig(
         vocab_size=96, hidden_size=32, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=scaling,
+        num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=dict(scaling) if scaling else None,  # a copy: LlamaConfig adds to it
         max_position_embeddings=128, tie_word_embeddings=tied)
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config).eval()
@@ -110,3 +110,83 @@ def test_rope_settings_are_recorded_in_the_run_config(tmp_path):
     assert recorded["rope_scaling"] == {"rope_type": "llama3", "factor": 2.0, "low_freq_factor": 1.0,
                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
     assert recorded["dim"] == 64 and recorded["vocab_size"] == 256  # the size spelled out
+
+
+def hf_state(folder) -> dict[str, torch.Tensor]:
+    """Our names -> the tensors of an HF folder (read back with safetensors)."""
+    files = hf.weight_files(str(folder))
+    from safetensors import safe_open
+
+    ours = {}
+    for name in [*hf._TOP, *(f"layers.{i}.{k}" for i in range(2) for k in hf._LAYER)]:
+        if hf.hf_name(name) in files:
+            with safe_open(files[hf.hf_name(name)], framework="pt") as f:
+                ours[name] = f.get_tensor(hf.hf_name(name))
+    return ours
+
+
+# optim.lr so small that a step leaves every fp32 weight as it was: the checkpoint holds the start
+UNCHANGED = [*TINY, "train.steps=1", "optim.lr=1e-30", "optim.warmup_steps=0"]
+
+
+@pytest.fixture(scope="module")
+def sharded_llama(tmp_path_factory):
+    """A tiny HF Llama saved in several shards with an index, as big checkpoints are."""
+    folder = tmp_path_factory.mktemp("hf_sharded")
+    hf_llama(folder, max_shard_size="20KB")
+    assert (folder / hf.INDEX).exists() and len(list(folder.glob("*.safetensors"))) > 1
+    return folder
+
+
+@pytest.mark.parametrize("nproc", [1, 2, 3])
+def test_init_from_loads_the_same_weights_on_any_number_of_processes(tmp_path, sharded_llama, nproc):
+    """3 processes shard 16 key/value rows, 80 FFN rows and 96 vocabulary rows unevenly."""
+    train(tmp_path, nproc, *UNCHANGED, f"model.init_from={sharded_llama}")
+    got, expected = weights(tmp_path), hf_state(sharded_llama)
+    assert got.keys() == expected.keys()
+    for name in got:
+        assert torch.equal(got[name], expected[name]), name
+
+
+def test_the_run_dirs_own_checkpoints_win_over_init_from(tmp_path, sharded_llama):
+    train(tmp_path, 1, *UNCHANGED, f"model.init_from={sharded_llama}")
+    proc = train(tmp_path, 1, *TINY, "train.steps=2", f"model.init_from={sharded_llama}")
+    assert f"model.init_from={sharded_llama} is not used: this run dir has checkpoints of its own" in proc.stdout + proc.stderr
+    assert "resumed from" in proc.stdout + proc.stderr
+
+
+def export_hf(run_dir, out, *options) -> subprocess.CompletedProcess:
+    proc = subprocess.run([PYTHON, "-m", "trainer.export", str(run_dir), "--format", "hf", "--out", str(out), *options],
+                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_export_loads_in_transformers_with_the_same_logits(tmp_path, tied):
+    """Start from HF, train 3 steps on 2 processes, export in shards: transformers' logits are ours."""
+    hf_llama(tmp_path / "start", tied=tied)
+    train(tmp_path / "run", 2, *TINY, "train.steps=3", f"model.init_from={tmp_path / 'start'}")
+    export_hf(tmp_path / "run", tmp_path / "out", "--max-shard-size", "30KB")
+    out = tmp_path / "out"
+    index = json.loads((out / hf.INDEX).read_text())
+    assert len(set(index["weight_map"].values())) > 1 and ("lm_head.weight" in index["weight_map"]) != tied
+    config = json.loads((out / "config.json").read_text())
+    assert config["rope_scaling"] == SCALING and config["rope_theta"] == 10000.0
+    assert config["tie_word_embeddings"] == tied and config["max_position_embeddings"] == 128
+    assert config["num_key_value_heads"] == 2 and config["model_type"] == "llama"
+
+    trained = weights(tmp_path / "run")
+    assert not torch.equal(trained["layers.0.attention.wq.weight"], hf_state(tmp_path / "start")["layers.0.attention.wq.weight"])
+    ours = models.build(resolve(Config(model=models.ModelArgs(init_from=str(tmp_path / "start"), seq_len=64))).model)
+    ours.load_state_dict(trained)
+    theirs = transformers.LlamaForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(TOKENS).logits, ours.eval()(TOKENS), atol=2e-5, rtol=1e-5)
+
+
+def test_export_refuses_a_bad_shard_size(tmp_path):
+    train(tmp_path / "run", 1, *TINY, "train.steps=1")
+    proc = subprocess.run([PYTHON, "-m", "trainer.export", str(tmp_path / "run"), "--format", "hf", "--out",
+                           str(tmp_path / "out"), "--max-shard-size", "lots"], cwd=ROOT, env=env(), capture_output=True, text=True)
+    assert proc.returncode == 2 and "--max-shard-size: size 'lots'" in proc.stderr

@@ -1,10 +1,14 @@
-"""Export a checkpoint as one consolidated model file (the tutorials' "full state dict").
+"""Export a checkpoint as one consolidated model file (the tutorials' "full state dict"), or as a
+Hugging Face model folder.
 
     python -m trainer.export RUN_DIR [--step N] --out model.pt
+    python -m trainer.export RUN_DIR [--step N] --format hf --out DIR [--max-shard-size 5GB] [--dtype bfloat16]
 
 Runs in one process whatever number of processes trained. The file loads straight into the plain
 model: `model.load_state_dict(torch.load("model.pt", weights_only=True))`. With an `.safetensors`
-name it is written in that format (needs the safetensors package).
+name it is written in that format (needs the safetensors package). `--format hf` (transformers
+only) writes config.json and safetensors shards with HF's names (trainer/hf.py), which
+`LlamaForCausalLM.from_pretrained(DIR)` loads.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from trainer import checkpoint, models
+from trainer import checkpoint, hf, models
 from trainer.config import ConfigError, from_dict, load
 from trainer.shard_reader import ShardReader
 
@@ -66,10 +70,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.export", description=__doc__.split("\n")[0])
     parser.add_argument("run_dir")
     parser.add_argument("--step", type=int, help="checkpoint step; default: the newest complete one")
-    parser.add_argument("--out", required=True, help="output file: .pt (torch.save) or .safetensors")
+    parser.add_argument("--out", required=True, help="output file: .pt (torch.save) or .safetensors; with --format hf a folder")
+    parser.add_argument("--format", choices=("file", "hf"), default="file",
+                        help="file: one file, its type from --out's name; hf: a Hugging Face model folder")
+    parser.add_argument("--max-shard-size", default="5GB", help="hf: largest safetensors file (e.g. 5GB, 500MB)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                        help="hf: element type of the written weights")
     args = parser.parse_args(argv)
     try:
         state, path = consolidate(args.run_dir, args.step)
+        if args.format == "hf":
+            cfg = _config(args.run_dir, path)
+            if cfg.model.name != "transformer":
+                raise ConfigError(f"{path} holds a {cfg.model.name}; --format hf exports the transformer (a Llama) only")
+            try:
+                max_bytes = hf.parse_size(args.max_shard_size)
+            except ValueError as e:
+                raise ConfigError(f"--max-shard-size: {e}") from None
+            files = hf.save(state, cfg.model, args.out, max_bytes, getattr(torch, args.dtype))
+            print(f"exported {path} as a Hugging Face folder to {args.out}: {', '.join(files)}")
+            return 0
         if args.out.endswith(".safetensors"):
             try:
                 from safetensors.torch import save_file

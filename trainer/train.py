@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from trainer import checkpoint, data, dist as distributed, layout, models, optim, parallel
+from trainer import checkpoint, data, dist as distributed, hf, layout, models, optim, parallel
 from trainer.config import Config, dump, to_dict
 from trainer.lease import Lease, LeaseError
 from trainer.metrics import Reporter, peak_flops, peak_memory_gb
@@ -169,6 +169,15 @@ def _train(cfg: Config, env: distributed.Env, control, io_group) -> None:
                              f"step {step} with the new peak")
         optim.set_peak_lr(scheduler, cfg.optim, cfg.train.steps)
         reporter.message(f"resumed from {meta['path']} at step {step} (saved by {meta['world_size']} processes, loaded in {meta['load_time_s']:.2f}s)")
+        if cfg.model.init_from:
+            reporter.message(f"model.init_from={cfg.model.init_from} is not used: this run dir has checkpoints of its own")
+    elif cfg.model.init_from:  # a new run from a Hugging Face folder: its weights, step 0
+        started = time.perf_counter()
+        try:
+            hf.load_weights(parallel.unwrap(model), cfg.model.init_from)
+        except hf.HFError as e:
+            raise checkpoint.CheckpointError(f"model.init_from: {e}") from None
+        reporter.message(f"initialised from {cfg.model.init_from} in {time.perf_counter() - started:.2f}s")
     if env.is_main:  # the start is accepted: only now the run dir's config and status change
         dump(cfg, os.path.join(run_dir, "config.yaml"))
         layout.write_status(run_dir, state="running", steps=cfg.train.steps, step=step)
