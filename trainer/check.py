@@ -73,7 +73,12 @@ def validate(cfg: Config, world_size: int, where: str = "config") -> None:
             fail("model.vocab_size", f"is {m.vocab_size}; it must be at least 2")
         if d.name not in LM_DATA:
             fail("data.name", f"is {d.name!r} but the transformer needs token data; use synthetic or tokens")
-        _check_shape(resolve(cfg, where).model, fail)
+        model = resolve(cfg, where).model
+        _check_shape(model, fail)
+        if d.name == "tokens":
+            for key, path in (("data.path", d.path), ("data.eval_path", d.eval_path)):
+                if path and os.path.isfile(path):
+                    _check_sidecar(key, path, d.token_dtype, model.vocab_size, fail)
     else:
         if m.init_from:
             fail("model.init_from", f"applies to the transformer only (model.name is {m.name!r}); remove it")
@@ -137,6 +142,24 @@ def resolve(cfg: Config, where: str = "config") -> Config:
         except hf.HFError as e:
             raise ConfigError(f"{where}: model.init_from: {e}") from None
     return dataclasses.replace(cfg, model=resolve_model(model))
+
+
+def _check_sidecar(key: str, path: str, dtype: str, vocab_size: int, fail) -> None:
+    """A token file written by trainer.prepare must fit the model: its dtype, its vocabulary, its ids."""
+    from trainer.prepare import read_sidecar, sidecar_path
+
+    try:
+        info = read_sidecar(path)
+    except (OSError, ValueError) as e:
+        fail(key, f"the sidecar {sidecar_path(path)} is unreadable ({e}); run trainer.prepare again or remove it")
+    if info is None:
+        return
+    what = f"{path} was tokenized with {info.get('tokenizer')} ({sidecar_path(path)})"
+    if info.get("dtype") != dtype:
+        fail("data.token_dtype", f"is {dtype} but {what} as {info.get('dtype')}; set data.token_dtype={info.get('dtype')}")
+    if info.get("vocab_size", 0) > vocab_size or info.get("max_id", -1) >= vocab_size:
+        fail("model.vocab_size", f"is {vocab_size} but {what}, vocabulary {info.get('vocab_size')}, largest id "
+             f"{info.get('max_id')}; set model.vocab_size={info.get('vocab_size')} or more")
 
 
 def _check_shape(m, fail) -> None:
