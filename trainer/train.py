@@ -265,6 +265,7 @@ def _train(cfg: Config, env: distributed.Env, control, io_group) -> None:
 
         # evaluate
         if eval_set is not None and step % cfg.eval.interval == 0:
+            parallel.average_batchnorm_stats(model)  # the same statistics on every rank
             result = evaluate(model, cfg, env, eval_set, compute_dtype)
             reporter.message(f"eval at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
             reporter.write({"step": step, **result})
@@ -275,6 +276,7 @@ def _train(cfg: Config, env: distributed.Env, control, io_group) -> None:
         interval = cfg.checkpoint.interval
         if stopping or step == cfg.train.steps or (interval and step % interval == 0):
             _stop_if_diverged(first_bad, ckpt, model)
+            parallel.average_batchnorm_stats(model)  # the checkpoint keeps one rank's copy: make it all ranks'
             blocking = stopping or step == cfg.train.steps or not cfg.checkpoint.async_save
             started = time.perf_counter()
             ckpt.save(step, model, optimizer, scheduler, {"samples": samples, "config": to_dict(cfg)}, blocking=blocking)
