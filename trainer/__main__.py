@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     try:  # all of this before any process group or file exists
         cfg = load(args.config, args.overrides)
         validate(cfg, env.world_size, where=args.config)
-        cfg = resolve(cfg, where=args.config)  # the shape spelled out, as config.yaml records it
+        cfg = resolve(cfg, where=args.config, world_size=env.world_size)  # as config.yaml records it
         check_gpus(env.local_world_size)
     except ConfigError as e:
         return fail(str(e))

@@ -46,6 +46,8 @@ def validate(cfg: Config, world_size: int, where: str = "config") -> None:
     }
     if cfg.train.micro_batch_size is not None:
         positive["train.micro_batch_size"] = cfg.train.micro_batch_size
+    if cfg.train.rank_batch_size is not None:
+        positive["train.rank_batch_size"] = cfg.train.rank_batch_size
     if cfg.parallel.shard_size is not None:
         positive["parallel.shard_size"] = cfg.parallel.shard_size
     for key, value in positive.items():
@@ -104,7 +106,7 @@ def validate(cfg: Config, world_size: int, where: str = "config") -> None:
                 fail(key, f"{path}/MNIST/raw does not exist; set data.download=true or copy the MNIST files there")
 
     # batch arithmetic
-    t = cfg.train
+    t = resolve_batch(cfg, world_size).train
     if t.global_batch_size % world_size:
         fail("train.global_batch_size", f"{t.global_batch_size} is not divisible by {world_size} processes; use a multiple of {world_size}")
     per_rank = t.global_batch_size // world_size
@@ -130,9 +132,18 @@ def validate(cfg: Config, world_size: int, where: str = "config") -> None:
     _check_writable(cfg.run_dir, where)
 
 
-def resolve(cfg: Config, where: str = "config") -> Config:
-    """The config as the run records it: the transformer's shape spelled out, from model.init_from's
-    config.json (keys the config sets must agree with it) or else from model.size."""
+def resolve_batch(cfg: Config, world_size: int) -> Config:
+    """train.global_batch_size made train.rank_batch_size x processes where that is set."""
+    if cfg.train.rank_batch_size is None:
+        return cfg
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch_size=cfg.train.rank_batch_size * world_size))
+
+
+def resolve(cfg: Config, where: str = "config", world_size: int = 1) -> Config:
+    """The config as the run records it: the global batch of `world_size` processes, and the
+    transformer's shape spelled out, from model.init_from's config.json (keys the config sets
+    must agree with it) or else from model.size."""
+    cfg = resolve_batch(cfg, world_size)
     model = cfg.model
     if model.name == "transformer" and model.init_from:
         from trainer import hf
@@ -277,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"the number of nodes is {args.nnodes}; it must be at least 1")
         world = (args.nproc or 1) * args.nnodes
         validate(cfg, world, where=args.config)
-        cfg = resolve(cfg, where=args.config)
+        cfg = resolve(cfg, where=args.config, world_size=world)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -218,7 +218,9 @@ def _train(cfg: Config, env: distributed.Env, control, io_group) -> None:
             x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
             with _no_sync(model, cfg, last_micro=i == accum - 1), _autocast(env, compute_dtype):
                 loss = loss_fn(model(x), y) / accum
-            scaler.scale(loss).backward() if scaler else loss.backward()
+            # sum: the sum over the micro-batch's samples (tokens), as the tutorial's reduction="sum"
+            grad_loss = loss * (y.numel() * accum) if cfg.train.loss_reduction == "sum" else loss
+            scaler.scale(grad_loss).backward() if scaler else grad_loss.backward()
             loss_sum += loss.detach()
 
         # clip
