@@ -213,7 +213,7 @@ def param_count(cfg: Config) -> int:
     from trainer.models import build
 
     with torch.device("meta"):
-        return sum(p.numel() for p in build(cfg.model).parameters())
+        return sum(p.numel() for p in build(resolve(cfg).model).parameters())  # init_from: its config.json's shape
 
 
 def save_seconds(cfg: Config, nodes: int, run_dir: str) -> tuple[float, str]:
