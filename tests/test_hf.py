@@ -175,6 +175,8 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, tied):
     assert config["rope_scaling"] == SCALING and config["rope_theta"] == 10000.0
     assert config["tie_word_embeddings"] == tied and config["max_position_embeddings"] == 128
     assert config["num_key_value_heads"] == 2 and config["model_type"] == "llama"
+    assert (out / "generation_config.json").exists()  # passed on from the folder the run started from
+    assert config["eos_token_id"] == json.loads((tmp_path / "start" / "config.json").read_text())["eos_token_id"]
 
     trained = weights(tmp_path / "run")
     assert not torch.equal(trained["layers.0.attention.wq.weight"], hf_state(tmp_path / "start")["layers.0.attention.wq.weight"])

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import re
+import shutil
 
 import torch
 
@@ -28,6 +29,11 @@ log = logging.getLogger("trainer")
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+# What an export takes over from the folder the run started from (model.init_from), where it is
+# still there, so that generation and evaluation (vLLM, lm-eval) find the tokenizer and its ids.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "generation_config.json")
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
@@ -236,7 +242,8 @@ def save(state: dict[str, torch.Tensor], args: ModelArgs, out: str, max_shard_by
          dtype: torch.dtype = torch.float32) -> list[str]:
     """Write our full state dict as an HF folder; returns the files written. Tensors go into shards
     of at most `max_shard_bytes` (a larger tensor gets one of its own), listed in an index file when
-    there is more than one, as `save_pretrained` does."""
+    there is more than one, as `save_pretrained` does. A run that started from an HF folder that is
+    still there passes on its tokenizer files and special token ids."""
     from safetensors.torch import save_file
 
     shape = transformer_shape(args)
@@ -262,6 +269,15 @@ def save(state: dict[str, torch.Tensor], args: ModelArgs, out: str, max_shard_by
         with open(os.path.join(out, INDEX), "w") as f:
             json.dump(index, f, indent=2)
         names.append(INDEX)
+    config = config_for(shape, args.max_position_embeddings or args.seq_len, dtype)
+    copied = []
+    source = args.init_from
+    if source and os.path.isfile(os.path.join(source, CONFIG)):
+        config.update({k: v for k, v in read_config(source).items() if k in TOKEN_ID_KEYS})
+        for name in TOKENIZER_FILES:
+            if os.path.isfile(os.path.join(source, name)):
+                shutil.copyfile(os.path.join(source, name), os.path.join(out, name))
+                copied.append(name)
     with open(os.path.join(out, CONFIG), "w") as f:
-        json.dump(config_for(shape, args.max_position_embeddings or args.seq_len, dtype), f, indent=2)
-    return [CONFIG, *names]
+        json.dump(config, f, indent=2)
+    return [CONFIG, *names, *copied]
