@@ -244,9 +244,11 @@ class Transformer(nn.Module):
         return n - self.tok_embeddings.weight.numel() if exclude_embedding else n
 
     def flops_per_token(self) -> float:
-        """Training FLOPs per token: 6·N (forward+backward matmuls) plus the attention scores term."""
+        """Training FLOPs per token: 6·N (forward+backward matmuls) plus the attention scores term.
+        N excludes the embedding lookup but not the output head, which a tied head still computes."""
         s = self.shape
-        return 6 * self.num_params() + 12 * s.n_layers * s.dim * self.seq_len
+        head = s.vocab_size * s.dim if s.tie_embeddings else 0  # otherwise already in num_params()
+        return 6 * (self.num_params() + head) + 12 * s.n_layers * s.dim * self.seq_len
 
 
 @torch.no_grad()
