@@ -138,10 +138,14 @@ def sharded_llama(tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize("nproc", [1, 2, 3])
-def test_init_from_loads_the_same_weights_on_any_number_of_processes(tmp_path, sharded_llama, nproc):
-    """3 processes shard 16 key/value rows, 80 FFN rows and 96 vocabulary rows unevenly."""
-    train(tmp_path, nproc, *UNCHANGED, f"model.init_from={sharded_llama}")
+@pytest.mark.parametrize("nproc, overrides", [
+    (1, []), (2, []), (3, []),
+    (2, ["parallel.sharding=hybrid", "parallel.shard_size=1", "parallel.activation_checkpointing=true"]),
+], ids=["1", "2", "3", "2-replicated-act_ckpt"])
+def test_init_from_loads_the_same_weights_on_any_number_of_processes(tmp_path, sharded_llama, nproc, overrides):
+    """3 processes shard 16 key/value rows, 80 FFN rows and 96 vocabulary rows unevenly; hybrid
+    sharding with groups of 1 replicates (a 2-D mesh), activation checkpointing renames modules."""
+    train(tmp_path, nproc, *UNCHANGED, *overrides, f"model.init_from={sharded_llama}")
     got, expected = weights(tmp_path), hf_state(sharded_llama)
     assert got.keys() == expected.keys()
     for name in got:
