@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, env
-from trainer.check import check_devices, validate
+from trainer.check import check_devices, resolve, validate
 from trainer.config import Config, ConfigError, load
 
 
@@ -149,4 +149,6 @@ def test_resolved_config_is_written(tmp_path):
     train(tmp_path, 1, *TINY, "train.steps=1", "optim.lr=1e-3")
     written = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert written["optim"]["lr"] == 1e-3 and written["run_dir"] == str(tmp_path)
-    assert load(str(tmp_path / "config.yaml")) == load(None, [*TINY, "train.steps=1", "optim.lr=1e-3", f"run_dir={tmp_path}"])
+    expected = load(None, [*TINY, "train.steps=1", "optim.lr=1e-3", f"run_dir={tmp_path}"])
+    assert load(str(tmp_path / "config.yaml")) == resolve(expected)  # the transformer's shape spelled out
+    assert written["model"]["dim"] == 64 and written["model"]["rope_theta"] == 10000.0

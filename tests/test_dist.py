@@ -99,3 +99,6 @@ def test_transformer_flops_per_token():
     n = model.num_params()
     assert model.flops_per_token() == 6 * n + 12 * s.n_layers * s.dim * 2048
     assert 6 * n / model.flops_per_token() > 0.8  # the attention term is the smaller part at 2k context
+    with torch.device("meta"):
+        tied = build(ModelArgs(size="1b", seq_len=2048, tie_embeddings=True))
+    assert tied.flops_per_token() == model.flops_per_token()  # a tied head computes as much

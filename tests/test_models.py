@@ -136,7 +136,7 @@ def test_trainer_on_mnist_files(tmp_path):
 
     write_mnist(tmp_path / "mnist", 64)
     train(tmp_path / "run", 2, f"data.path={tmp_path / 'mnist'}", "data.download=false", "train.steps=4",
-          "train.global_batch_size=16", "optim.step_size=2", "eval.interval=4", "eval.batches=2", "log.interval=1",
+          "train.rank_batch_size=8", "optim.step_size=2", "eval.interval=4", "eval.batches=2", "log.interval=1",
           "log.progress=false", config="configs/mnist.yaml")
     logged = rows(tmp_path / "run")
     assert [r["step"] for r in logged] == [1, 2, 3, 4]
@@ -158,3 +158,35 @@ def test_trainer_on_image_folder(tmp_path):
           f"data.path={tmp_path / 'images'}", "train.steps=2", "train.global_batch_size=8", "log.interval=1",
           "parallel.param_dtype=bfloat16", "log.progress=false")
     assert [r["step"] for r in rows(tmp_path / "run")] == [1, 2]
+
+
+def test_mnist_config_takes_the_tutorials_step(tmp_path):
+    """configs/mnist.yaml on 2 processes does what the FSDP tutorial's program does: each rank sums
+    the NLL loss over its own 64 samples, the gradients are averaged over the ranks, Adadelta (lr
+    1.0) steps. Computed here in one process for comparison (dropout off: its masks are random)."""
+    from conftest import train, weights
+    from trainer.config import load
+
+    overrides = ["data.name=synthetic_images", "model.dropout=0", "train.steps=1", "log.progress=false"]
+    train(tmp_path, 2, *overrides, config="configs/mnist.yaml")
+    cfg = load(str(__import__("conftest").ROOT / "configs/mnist.yaml"), overrides)
+    assert cfg.train.rank_batch_size == 64 and cfg.train.loss_reduction == "sum"
+
+    torch.manual_seed(cfg.train.seed)  # the trainer's initial weights
+    model = models.build(cfg.model)
+    optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
+    dataset = data.build(cfg.data, cfg.model, cfg.train.seed, train=True)
+    for step in range(1):
+        grads = []
+        for rank in range(2):  # rank r takes samples [128 s + 64 r, 128 s + 64 (r + 1))
+            batch = [dataset[128 * step + 64 * rank + i] for i in range(64)]
+            x, y = torch.stack([b[0] for b in batch]), torch.tensor([b[1] for b in batch])
+            model.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for p, g0, g1 in zip(model.parameters(), *grads):
+            p.grad = (g0 + g1) / 2  # what FSDP's reduce-scatter does
+        optimizer.step()
+    got = weights(tmp_path)
+    for name, expected in model.state_dict().items():
+        torch.testing.assert_close(got[name], expected, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")

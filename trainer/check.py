@@ -19,7 +19,7 @@ import torch
 
 from trainer.config import Config, ConfigError, load
 from trainer.data import token_file_problem
-from trainer.models import TRANSFORMER_SIZES
+from trainer.models import TRANSFORMER_SIZES, resolve as resolve_model
 
 LM_DATA = ("synthetic", "tokens")
 # Bytes a checkpoint holds per parameter: the float32 weight and the optimizer's float32 state.
@@ -74,6 +74,8 @@ def validate(cfg: Config, world_size: int, where: str = "config", overrides: lis
     }
     if cfg.train.micro_batch_size is not None:
         positive["train.micro_batch_size"] = cfg.train.micro_batch_size
+    if cfg.train.rank_batch_size is not None:
+        positive["train.rank_batch_size"] = cfg.train.rank_batch_size
     if cfg.parallel.shard_size is not None:
         positive["parallel.shard_size"] = cfg.parallel.shard_size
     for key, value in positive.items():
@@ -94,7 +96,15 @@ def validate(cfg: Config, world_size: int, where: str = "config", overrides: lis
             fail("model.vocab_size", f"is {m.vocab_size}; it must be at least 2")
         if d.name not in LM_DATA:
             fail("data.name", f"is {d.name!r} but the transformer needs token data; use synthetic or tokens")
+        model = resolve(cfg, where).model
+        _check_shape(model, fail)
+        if d.name == "tokens":
+            for key, path in (("data.path", d.path), ("data.eval_path", d.eval_path)):
+                if path and os.path.isfile(path):
+                    _check_sidecar(key, path, d.token_dtype, model.vocab_size, fail)
     else:
+        if m.init_from:
+            fail("model.init_from", f"applies to the transformer only (model.name is {m.name!r}); remove it")
         if m.name != "mnist_cnn" and m.name not in _torchvision_names():
             fail("model.name", f"is {m.name!r}; use mnist_cnn, transformer or a torchvision classification model (e.g. resnet18)")
         if m.name != "mnist_cnn":
@@ -127,7 +137,7 @@ def validate(cfg: Config, world_size: int, where: str = "config", overrides: lis
                 fail(key, f"{path}/MNIST/raw does not exist; set data.download=true or copy the MNIST files there")
 
     # batch arithmetic
-    t = cfg.train
+    t = resolve_batch(cfg, world_size).train
     if t.global_batch_size % world_size:
         fail("train.global_batch_size", f"{t.global_batch_size} is not divisible by {world_size} processes; use a multiple of {world_size}")
     per_rank = t.global_batch_size // world_size
@@ -178,6 +188,69 @@ def _check_memory(cfg: Config, world_size: int, ranks_per_node: int, fail) -> No
               f"{memory.gb(have)} of memory; {todo}")
 
 
+def resolve_batch(cfg: Config, world_size: int) -> Config:
+    """train.global_batch_size made train.rank_batch_size x processes where that is set."""
+    if cfg.train.rank_batch_size is None:
+        return cfg
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch_size=cfg.train.rank_batch_size * world_size))
+
+
+def resolve(cfg: Config, where: str = "config", world_size: int = 1) -> Config:
+    """The config as the run records it: the global batch of `world_size` processes, and the
+    transformer's shape spelled out, from model.init_from's config.json (keys the config sets
+    must agree with it) or else from model.size."""
+    cfg = resolve_batch(cfg, world_size)
+    model = cfg.model
+    if model.name == "transformer" and model.init_from:
+        from trainer import hf
+
+        try:
+            model = hf.model_args(model.init_from, model)
+        except hf.HFError as e:
+            raise ConfigError(f"{where}: model.init_from: {e}") from None
+    return dataclasses.replace(cfg, model=resolve_model(model))
+
+
+def _check_sidecar(key: str, path: str, dtype: str, vocab_size: int, fail) -> None:
+    """A token file written by trainer.prepare must fit the model: its dtype, its vocabulary, its ids."""
+    from trainer.prepare import read_sidecar, sidecar_path
+
+    try:
+        info = read_sidecar(path)
+    except (OSError, ValueError) as e:
+        fail(key, f"the sidecar {sidecar_path(path)} is unreadable ({e}); run trainer.prepare again or remove it")
+    if info is None:
+        return
+    what = f"{path} was tokenized with {info.get('tokenizer')} ({sidecar_path(path)})"
+    if info.get("dtype") != dtype:
+        fail("data.token_dtype", f"is {dtype} but {what} as {info.get('dtype')}; set data.token_dtype={info.get('dtype')}")
+    if info.get("vocab_size", 0) > vocab_size or info.get("max_id", -1) >= vocab_size:
+        fail("model.vocab_size", f"is {vocab_size} but {what}, vocabulary {info.get('vocab_size')}, largest id "
+             f"{info.get('max_id')}; set model.vocab_size={info.get('vocab_size')} or more")
+
+
+def _check_shape(m, fail) -> None:
+    """The resolved transformer shape must be buildable."""
+    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
+        if getattr(m, key) < 1:
+            fail(f"model.{key}", f"is {getattr(m, key)}; it must be at least 1")
+    if m.dim % m.n_heads or (m.dim // m.n_heads) % 2:
+        fail("model.n_heads", f"{m.n_heads} heads do not split model.dim={m.dim} into heads of an even size; "
+             f"choose a divisor of {m.dim} that leaves an even head size")
+    if m.n_heads % m.n_kv_heads:
+        fail("model.n_kv_heads", f"{m.n_kv_heads} does not divide model.n_heads={m.n_heads}; choose a divisor")
+    for key in ("norm_eps", "rope_theta"):
+        if getattr(m, key) <= 0:
+            fail(f"model.{key}", f"is {getattr(m, key)}; it must be positive")
+    s = m.rope_scaling
+    if s is not None and s.rope_type == "llama3":
+        if s.factor <= 0 or s.original_max_position_embeddings < 1:
+            fail("model.rope_scaling", "factor and original_max_position_embeddings must be positive")
+        if not 0 < s.low_freq_factor < s.high_freq_factor:
+            fail("model.rope_scaling", f"needs 0 < low_freq_factor < high_freq_factor (they are {s.low_freq_factor} "
+                 f"and {s.high_freq_factor})")
+
+
 def _floats(section, prefix: str = ""):
     """(dotted key, value) of every float in the config, tuples included."""
     for field in dataclasses.fields(section):
@@ -196,7 +269,7 @@ def param_count(cfg: Config) -> int:
     from trainer.models import build
 
     with torch.device("meta"):
-        return sum(p.numel() for p in build(cfg.model).parameters())
+        return sum(p.numel() for p in build(resolve(cfg).model).parameters())  # init_from: its config.json's shape
 
 
 def save_seconds(cfg: Config, nodes: int, run_dir: str) -> tuple[float, str]:
@@ -295,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"the number of nodes is {args.nnodes}; it must be at least 1")
         world = (args.nproc or 1) * args.nnodes
         validate(cfg, world, where=args.config, overrides=args.overrides, ranks_per_node=args.nproc or 1)
+        cfg = resolve(cfg, where=args.config, world_size=world)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

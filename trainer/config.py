@@ -33,6 +33,13 @@ class ConfigError(Exception):
 class TrainArgs:
     steps: int = 200  # total optimizer steps of the run
     global_batch_size: int = 32  # samples per optimizer step, summed over all ranks
+    # Samples per optimizer step on each rank (the tutorials' batch_size): when set, global_batch_size
+    # becomes this times the number of processes, whatever it says.
+    rank_batch_size: int | None = None
+    # How a step's loss is reduced over the rank's samples (tokens for the LM) before backward: mean,
+    # or sum (the MNIST tutorial's nll_loss(reduction="sum"): gradients micro_batch x larger). The
+    # gradients are averaged over the ranks either way; the logged loss is the mean in both cases.
+    loss_reduction: Literal["mean", "sum"] = "mean"
     micro_batch_size: int | None = None  # samples per forward/backward on one rank; None: all at once
     seed: int = 0  # seeds the weights and the order of the data
     grad_clip: float | None = 1.0  # max global gradient norm, > 0; None disables clipping

@@ -1,11 +1,15 @@
-"""Export a checkpoint as one consolidated model file (the tutorials' "full state dict").
+"""Export a checkpoint as one consolidated model file (the tutorials' "full state dict"), or as a
+Hugging Face model folder.
 
     python -m trainer.export RUN_DIR [--step N] --out model.pt
+    python -m trainer.export RUN_DIR [--step N] --format hf --out DIR [--max-shard-size 5GB] [--dtype bfloat16]
 
 Runs in one process whatever number of processes trained. The file loads straight into the plain
 model: `model.load_state_dict(torch.load("model.pt", weights_only=True))`. A `.pt` or `.pth` name
-is written by torch.save, a `.safetensors` name in that format (needs the safetensors package);
-any other suffix is refused, like an --out that is a folder or in a folder that is missing.
+is written by torch.save, a `.safetensors` name in that format; any other suffix is refused, like an
+--out that is a folder or in a folder that is missing. `--format hf` (transformers only) writes
+config.json and safetensors shards with HF's names (trainer/hf.py) into a new or empty folder,
+which `LlamaForCausalLM.from_pretrained(DIR)` loads.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from trainer import checkpoint, models
+from trainer import checkpoint, hf, models
 from trainer.config import ConfigError, from_dict, load
 from trainer.shard_reader import ShardReader
 
@@ -67,13 +71,19 @@ def _config(run_dir: str, path: str):
 SUFFIXES = (".pt", ".pth", ".safetensors")
 
 
-def check_out(out: str) -> None:
+def check_out(out: str, fmt: str = "file") -> None:
     """Refuse an output path that cannot be written as asked, before anything is read or written."""
     parent = os.path.dirname(os.path.abspath(out))
-    if os.path.isdir(out):
-        raise ConfigError(f"--out {out}: is a folder; give a file name such as {os.path.join(out, 'model.pt')}")
     suffix = os.path.splitext(out)[1]
-    if suffix not in SUFFIXES:
+    if fmt == "hf":
+        if os.path.exists(out) and not os.path.isdir(out):
+            raise ConfigError(f"--out {out}: is a file; --format hf writes a folder: give a new or empty one")
+        if os.path.isdir(out) and os.listdir(out):
+            raise ConfigError(f"--out {out}: the folder is not empty; give a new or empty one (nothing is overwritten)")
+        suffix = ".safetensors"
+    elif os.path.isdir(out):
+        raise ConfigError(f"--out {out}: is a folder; give a file name such as {os.path.join(out, 'model.pt')}")
+    elif suffix not in SUFFIXES:
         raise ConfigError(f"--out {out}: unknown suffix {suffix or '(none)'}; name the file .pt or .pth (torch.save) "
                           f"or .safetensors")
     if not os.path.isdir(parent):
@@ -93,11 +103,27 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.export", description=__doc__.split("\n")[0])
     parser.add_argument("run_dir")
     parser.add_argument("--step", type=int, help="checkpoint step; default: the newest complete one")
-    parser.add_argument("--out", required=True, help="output file: .pt (torch.save) or .safetensors")
+    parser.add_argument("--out", required=True, help="output file: .pt (torch.save) or .safetensors; with --format hf a folder")
+    parser.add_argument("--format", choices=("file", "hf"), default="file",
+                        help="file: one file, its type from --out's name; hf: a Hugging Face model folder")
+    parser.add_argument("--max-shard-size", default="5GB", help="hf: largest safetensors file (e.g. 5GB, 500MB)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                        help="hf: element type of the written weights")
     args = parser.parse_args(argv)
     try:
-        check_out(args.out)
+        check_out(args.out, args.format)
         state, path = consolidate(args.run_dir, args.step)
+        if args.format == "hf":
+            cfg = _config(args.run_dir, path)
+            if cfg.model.name != "transformer":
+                raise ConfigError(f"{path} holds a {cfg.model.name}; --format hf exports the transformer (a Llama) only")
+            try:
+                max_bytes = hf.parse_size(args.max_shard_size)
+            except ValueError as e:
+                raise ConfigError(f"--max-shard-size: {e}") from None
+            files = hf.save(state, cfg.model, args.out, max_bytes, getattr(torch, args.dtype))
+            print(f"exported {path} as a Hugging Face folder to {args.out}: {', '.join(files)}")
+            return 0
         if args.out.endswith(".safetensors"):
             from safetensors.torch import save_file
 

@@ -6,20 +6,53 @@ and compilation act on.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3's RoPE frequency scaling (Hugging Face `rope_scaling` with `rope_type: llama3`):
+    wavelengths longer than the original context are stretched by `factor`, short ones kept, those
+    in between blended. The defaults are Llama 3.1's."""
+
+    rope_type: Literal["llama3", "none"] = "llama3"  # none: no scaling (also on a size that has it)
+    factor: float = 8.0  # how much longer the long wavelengths become
+    low_freq_factor: float = 1.0  # wavelengths above original_max_position_embeddings / this are scaled fully
+    high_freq_factor: float = 4.0  # wavelengths below original_max_position_embeddings / this are not scaled
+    original_max_position_embeddings: int = 8192  # context length in tokens the model was pretrained with
+
+
 @dataclass
 class ModelArgs:
     name: str = "transformer"  # mnist_cnn, transformer, or a torchvision classification model name
-    size: str = "tiny"  # transformer size: one of TRANSFORMER_SIZES
-    vocab_size: int | None = None  # transformer vocabulary; None: the size's default
+    size: str = "tiny"  # transformer size: one of TRANSFORMER_SIZES; the keys below set each part of it
+    # A local Hugging Face Llama folder (config.json + *.safetensors) a new run starts from: its
+    # config.json gives the transformer's shape (keys set here must agree), its weights the first
+    # step's. Once run_dir has checkpoints of its own, they win.
+    init_from: str | None = None
+    # The transformer's shape. None: the size's value (with init_from: config.json's), written into
+    # the run's config.yaml resolved.
+    vocab_size: int | None = None  # vocabulary, in tokens
+    dim: int | None = None  # hidden size (HF hidden_size)
+    n_layers: int | None = None  # transformer blocks
+    n_heads: int | None = None  # query heads; must divide dim
+    n_kv_heads: int | None = None  # key/value heads (grouped-query attention); must divide n_heads
+    ffn_dim: int | None = None  # SwiGLU hidden size (HF intermediate_size)
+    norm_eps: float | None = None  # RMSNorm epsilon
+    rope_theta: float | None = None  # RoPE base period (10000 for Llama 2, 500000 for Llama 3)
+    rope_scaling: RopeScaling | None = None  # Llama 3 RoPE scaling; rope_type none turns a size's off
+    tie_embeddings: bool | None = None  # the output head is the token embedding matrix (Llama 3.2 1B/3B)
+    # Context length in tokens an HF export advertises (its max_position_embeddings); None: seq_len,
+    # with init_from: config.json's (a model trained on shorter sequences keeps its long context).
+    max_position_embeddings: int | None = None
     seq_len: int = 128  # transformer context length in tokens
     num_classes: int = 10  # classes of the image classifiers
     image_size: int = 224  # side in pixels that torchvision models see (MNIST is always 28)
@@ -34,15 +67,23 @@ class TransformerShape:
     n_kv_heads: int
     ffn_dim: int
     vocab_size: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    tie_embeddings: bool = False
 
+
+# The ModelArgs keys that make up a TransformerShape.
+SHAPE_KEYS = tuple(f.name for f in dataclasses.fields(TransformerShape))
 
 TRANSFORMER_SIZES = {
     "tiny": TransformerShape(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=192, vocab_size=256),
     "small": TransformerShape(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, vocab_size=4096),
     "125m": TransformerShape(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_dim=2048, vocab_size=32000),
     "1b": TransformerShape(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, vocab_size=32000),
-    # The Llama-3-8B shape.
-    "8b": TransformerShape(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256),
+    # Llama-3.1-8B in full: its shape, vocabulary, RoPE base and RoPE scaling.
+    "8b": TransformerShape(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256,
+                           rope_theta=500000.0, rope_scaling=RopeScaling()),
 }
 
 
@@ -75,8 +116,23 @@ class MnistCNN(nn.Module):
 # Transformer LM: pre-norm blocks with RMSNorm, rotary embeddings, grouped-query attention, SwiGLU.
 
 
-def rope_tables(head_dim: int, seq_len: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Angular frequency of each rotated pair, Llama 3 scaling applied (as HF's `llama3` rope type)."""
     freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    if scaling is None or scaling.rope_type == "none":
+        return freqs
+    old_len = scaling.original_max_position_embeddings
+    wavelen = 2 * math.pi / freqs
+    scaled = torch.where(wavelen > old_len / scaling.low_freq_factor, freqs / scaling.factor, freqs)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= old_len / scaling.high_freq_factor) & (wavelen <= old_len / scaling.low_freq_factor)
+    return torch.where(medium, blended, scaled)
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float = 10000.0,
+                scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = rope_frequencies(head_dim, theta, scaling)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), freqs)
     return angles.cos(), angles.sin()
 
@@ -123,9 +179,9 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     def __init__(self, s: TransformerShape):
         super().__init__()
-        self.attention_norm = nn.RMSNorm(s.dim, eps=1e-5)
+        self.attention_norm = nn.RMSNorm(s.dim, eps=s.norm_eps)
         self.attention = Attention(s)
-        self.ffn_norm = nn.RMSNorm(s.dim, eps=1e-5)
+        self.ffn_norm = nn.RMSNorm(s.dim, eps=s.norm_eps)
         self.feed_forward = FeedForward(s)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -139,9 +195,11 @@ class Transformer(nn.Module):
         self.shape, self.seq_len = shape, seq_len
         self.tok_embeddings = nn.Embedding(shape.vocab_size, shape.dim)
         self.layers = nn.ModuleList(Block(shape) for _ in range(shape.n_layers))
-        self.norm = nn.RMSNorm(shape.dim, eps=1e-5)
-        self.output = nn.Linear(shape.dim, shape.vocab_size, bias=False)
-        cos, sin = rope_tables(shape.dim // shape.n_heads, seq_len)
+        self.norm = nn.RMSNorm(shape.dim, eps=shape.norm_eps)
+        # Tied: the head reads the embedding matrix itself. Sharing one Parameter between two modules
+        # would not survive to_empty (the meta-device start) outside FSDP.
+        self.output = None if shape.tie_embeddings else nn.Linear(shape.dim, shape.vocab_size, bias=False)
+        cos, sin = self._rope_tables()
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -149,7 +207,12 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, self.rope_cos, self.rope_sin)
-        return self.output(self.norm(h))
+        h = self.norm(h)
+        return self.output(h) if self.output is not None else F.linear(h, self.tok_embeddings.weight)
+
+    def _rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.shape
+        return rope_tables(s.dim // s.n_heads, self.seq_len, s.rope_theta, s.rope_scaling)
 
     def blocks(self) -> list[nn.Module]:
         return list(self.layers)
@@ -161,7 +224,7 @@ class Transformer(nn.Module):
         each rank copies in its own shard. So 1 process and N processes start from the same weights,
         and the model can be built on the meta device (no full copy per rank) and sharded first.
         """
-        cos, sin = rope_tables(self.shape.dim // self.shape.n_heads, self.seq_len)
+        cos, sin = self._rope_tables()
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
         out_std = 0.02 / math.sqrt(2 * self.shape.n_layers)
@@ -181,9 +244,11 @@ class Transformer(nn.Module):
         return n - self.tok_embeddings.weight.numel() if exclude_embedding else n
 
     def flops_per_token(self) -> float:
-        """Training FLOPs per token: 6·N (forward+backward matmuls) plus the attention scores term."""
+        """Training FLOPs per token: 6·N (forward+backward matmuls) plus the attention scores term.
+        N excludes the embedding lookup but not the output head, which a tied head still computes."""
         s = self.shape
-        return 6 * self.num_params() + 12 * s.n_layers * s.dim * self.seq_len
+        head = s.vocab_size * s.dim if s.tie_embeddings else 0  # otherwise already in num_params()
+        return 6 * (self.num_params() + head) + 12 * s.n_layers * s.dim * self.seq_len
 
 
 @torch.no_grad()
@@ -239,10 +304,17 @@ def torchvision_problem(args: ModelArgs) -> str | None:
 
 
 def transformer_shape(args: ModelArgs) -> TransformerShape:
+    """The size's shape with every shape key the config sets in place of the size's value."""
     shape = TRANSFORMER_SIZES[args.size]
-    if args.vocab_size is not None:
-        shape = TransformerShape(**{**shape.__dict__, "vocab_size": args.vocab_size})
-    return shape
+    return dataclasses.replace(shape, **{k: getattr(args, k) for k in SHAPE_KEYS if getattr(args, k) is not None})
+
+
+def resolve(args: ModelArgs) -> ModelArgs:
+    """`args` with the transformer's shape keys spelled out (what the run's config.yaml records)."""
+    if args.name != "transformer":
+        return args
+    shape = transformer_shape(args)
+    return dataclasses.replace(args, **{k: getattr(shape, k) for k in SHAPE_KEYS})
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:

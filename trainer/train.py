@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from trainer import checkpoint, data, dist as distributed, layout, models, optim, parallel
+from trainer import checkpoint, data, dist as distributed, hf, layout, models, optim, parallel
 from trainer.config import Config, dump, to_dict
 from trainer.lease import Lease, LeaseError
 from trainer.metrics import Reporter, peak_flops, peak_memory_gb
@@ -192,6 +192,15 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, train_set, eval
                              f"step {step} with the new peak")
         optim.set_peak_lr(scheduler, cfg.optim, cfg.train.steps)
         reporter.message(f"resumed from {meta['path']} at step {step} (saved by {meta['world_size']} processes, loaded in {meta['load_time_s']:.2f}s)")
+        if cfg.model.init_from:
+            reporter.message(f"model.init_from={cfg.model.init_from} is not used: this run dir has checkpoints of its own")
+    elif cfg.model.init_from:  # a new run from a Hugging Face folder: its weights, step 0
+        started = time.perf_counter()
+        try:
+            hf.load_weights(parallel.unwrap(model), cfg.model.init_from)
+        except hf.HFError as e:
+            raise checkpoint.CheckpointError(f"model.init_from: {e}") from None
+        reporter.message(f"initialised from {cfg.model.init_from} in {time.perf_counter() - started:.2f}s")
     if env.is_main:  # the start is accepted: only now the run dir's config and status change
         dump(cfg, os.path.join(run_dir, "config.yaml"))
         layout.write_status(run_dir, state="running", steps=cfg.train.steps, step=step)
@@ -225,7 +234,9 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, train_set, eval
             x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
             with _no_sync(model, cfg, last_micro=i == accum - 1), _autocast(env, compute_dtype):
                 loss = loss_fn(model(x), y) / accum
-            scaler.scale(loss).backward() if scaler else loss.backward()
+            # sum: the sum over the micro-batch's samples (tokens), as the tutorial's reduction="sum"
+            grad_loss = loss * (y.numel() * accum) if cfg.train.loss_reduction == "sum" else loss
+            scaler.scale(grad_loss).backward() if scaler else grad_loss.backward()
             loss_sum += loss.detach()
 
         # clip
@@ -272,6 +283,7 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, train_set, eval
 
         # evaluate
         if eval_set is not None and step % cfg.eval.interval == 0:
+            parallel.average_batchnorm_stats(model)  # the same statistics on every rank
             result = evaluate(model, cfg, env, eval_set, compute_dtype)
             reporter.message(f"eval at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
             reporter.write({"step": step, **result})
@@ -282,6 +294,7 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, train_set, eval
         interval = cfg.checkpoint.interval
         if stopping or step == cfg.train.steps or (interval and step % interval == 0):
             _stop_if_diverged(first_bad, ckpt, model)
+            parallel.average_batchnorm_stats(model)  # the checkpoint keeps one rank's copy: make it all ranks'
             blocking = stopping or step == cfg.train.steps or not cfg.checkpoint.async_save
             started = time.perf_counter()
             ckpt.save(step, model, optimizer, scheduler, {"samples": samples, "config": to_dict(cfg)}, blocking=blocking)

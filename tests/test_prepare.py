@@ -1,0 +1,95 @@
+"""trainer.prepare with a real tokenizer trained here on the fly (nothing is downloaded): the token
+file holds each document's tokens and an end-of-document token, in order; the trainer learns from
+it; a sidecar that does not fit the model stops the start with one line."""
+
+import json
+import random
+import subprocess
+
+import numpy as np
+import pytest
+
+from conftest import PYTHON, ROOT, TINY, env, rows, train
+
+tokenizers = pytest.importorskip("tokenizers")
+
+EOS = "<|endoftext|>"
+
+
+def corpus(n: int, seed: int = 0) -> list[str]:
+    """Sentences from a small grammar: learnable structure."""
+    rng = random.Random(seed)
+    subjects, verbs, objects = ["the cat", "a dog", "my bird", "the fox"], ["sees", "eats", "likes"], ["the fish.", "a bone.", "some seeds."]
+    return [" ".join(f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)}" for _ in range(rng.randint(1, 4)))
+            for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """A BPE tokenizer.json trained on the corpus, two .jsonl files and a plain text file."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    folder = tmp_path_factory.mktemp("prepare")
+    docs = corpus(1500)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=300, special_tokens=[EOS], show_progress=False))
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[:700]))
+    (folder / "b.jsonl").write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs[700:1499])))
+    (folder / "c.txt").write_text(docs[1499])
+    return folder, docs, tok
+
+
+def prepare(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([PYTHON, "-m", "trainer.prepare", *map(str, args)], cwd=ROOT, env=env(), capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_tokens_in_order_with_an_end_of_document_token_between(inputs, tmp_path):
+    folder, docs, tok = inputs
+    out = tmp_path / "train.bin"
+    proc = prepare(folder / "a.jsonl", folder / "b.jsonl", folder / "c.txt", "--tokenizer", folder / "tokenizer.json",
+                   "--out", out, "--workers", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert "100.0%" in proc.stderr  # the progress bar reached the end
+    eos_id = tok.token_to_id(EOS)
+    expected = [i for d in docs for i in [*tok.encode(d, add_special_tokens=False).ids, eos_id]]
+    got = np.fromfile(out, dtype=np.uint16)
+    assert got.tolist() == expected
+    sidecar = json.loads((tmp_path / "train.bin.json").read_text())
+    assert sidecar["vocab_size"] == tok.get_vocab_size() and sidecar["dtype"] == "uint16"
+    assert sidecar["tokens"] == len(expected) and sidecar["max_id"] == max(expected) and sidecar["documents"] == 1500
+    assert sidecar["eos_token"] == EOS and sidecar["tokenizer"] == str(folder / "tokenizer.json")
+
+
+def test_prepare_then_train_loss_falls_and_a_misfit_model_is_refused(inputs, tmp_path):
+    folder, _, tok = inputs
+    tokens = tmp_path / "train.bin"
+    assert prepare(folder / "a.jsonl", folder / "b.jsonl", "--tokenizer", folder, "--out", tokens,
+                   "--workers", "2", "--no-progress").returncode == 0  # a folder holding tokenizer.json works too
+    vocab = tok.get_vocab_size()
+    common = [*TINY, "data.name=tokens", f"data.path={tokens}", "train.steps=40", "optim.warmup_steps=5"]
+    train(tmp_path / "run", 2, *common, f"model.vocab_size={vocab}")
+    logged = rows(tmp_path / "run")
+    first, last = logged[0]["loss"], sum(r["loss"] for r in logged[-5:]) / 5
+    assert last < 0.5 * first, f"loss went from {first} to {last}"
+
+    proc = train(tmp_path / "small", 1, *common, f"model.vocab_size={vocab - 1}", expect=2)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and f"model.vocab_size: is {vocab - 1} but {tokens} was tokenized with" in lines[0]
+    assert f"set model.vocab_size={vocab} or more" in lines[0]
+    assert not (tmp_path / "small").exists()  # refused before anything was written
+
+    proc = train(tmp_path / "wide", 1, *common, f"model.vocab_size={vocab}", "data.token_dtype=uint32", expect=2)
+    assert "data.token_dtype: is uint32 but" in proc.stderr and "set data.token_dtype=uint16" in proc.stderr
+
+
+def test_bad_input_is_one_line(inputs, tmp_path):
+    folder, _, _ = inputs
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"body": "no text"}\n')
+    proc = prepare(tmp_path / "bad.jsonl", "--tokenizer", folder / "tokenizer.json", "--out", tmp_path / "x.bin", "--no-progress")
+    assert proc.returncode == 2 and f"error: {tmp_path / 'bad.jsonl'}:2: expected a JSON object with a 'text' string" in proc.stderr
+    assert not list(tmp_path.glob("x.bin*"))  # nothing half-written
+    proc = prepare(folder / "c.txt", "--tokenizer", folder / "tokenizer.json", "--out", tmp_path / "x.bin", "--eos", "<nope>")
+    assert proc.returncode == 2 and "--eos '<nope>' is not a token of" in proc.stderr
