@@ -93,3 +93,20 @@ def test_bad_input_is_one_line(inputs, tmp_path):
     assert not list(tmp_path.glob("x.bin*"))  # nothing half-written
     proc = prepare(folder / "c.txt", "--tokenizer", folder / "tokenizer.json", "--out", tmp_path / "x.bin", "--eos", "<nope>")
     assert proc.returncode == 2 and "--eos '<nope>' is not a token of" in proc.stderr
+
+
+def test_the_sidecar_of_the_same_file_spares_the_id_scan(tmp_path):
+    """Opening a token file scans every id unless trainer.prepare's sidecar of that very file (same
+    token count) records its largest id: a corpus of hundreds of GB is not read at each start. A
+    sidecar of another file (count differs) is not trusted. (The sidecar here lies on purpose: that
+    the bad id goes unseen proves the scan was skipped.)"""
+    from trainer.data import DataError, TokenFile
+
+    path = tmp_path / "tokens.bin"
+    np.array([1, 2, 3, 99, 4, 5, 6, 7, 8], dtype=np.uint16).tofile(path)
+    sidecar = {"tokenizer": "t", "vocab_size": 50, "dtype": "uint16", "tokens": 9, "max_id": 8}
+    (tmp_path / "tokens.bin.json").write_text(json.dumps(sidecar))
+    assert len(TokenFile(str(path), "uint16", 4, vocab_size=50)) == 2
+    (tmp_path / "tokens.bin.json").write_text(json.dumps({**sidecar, "tokens": 8}))
+    with pytest.raises(DataError, match=r"token 3 \(byte offset 6\) is id 99, not below model.vocab_size=50"):
+        TokenFile(str(path), "uint16", 4, vocab_size=50)

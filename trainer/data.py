@@ -84,12 +84,25 @@ def token_file_problem(path: str, dtype: str, seq_len: int) -> str | None:
     return None
 
 
+def _sidecar_vouches(path: str, tokens: int, vocab_size: int) -> bool:
+    """Whether trainer.prepare's sidecar of this very file (same token count) puts every id below vocab_size."""
+    from trainer.prepare import read_sidecar
+
+    try:
+        info = read_sidecar(path) or {}
+    except (OSError, ValueError):
+        return False
+    return info.get("tokens") == tokens and -1 <= info.get("max_id", vocab_size) < vocab_size
+
+
 class TokenFile(Dataset):
     """A flat binary array of token ids (uint16 or uint32), memory-mapped, cut into windows.
 
-    Every id is checked against the vocabulary when the file is opened (a few seconds per GB; the
-    page cache serves the ranks of one node after the first): an id out of range would otherwise
-    stop training in the middle with an IndexError, or on the GPU with a device assert."""
+    Every id must be below the vocabulary: one out of range would otherwise stop training in the
+    middle with an IndexError, or on the GPU with a device assert. A file written by trainer.prepare
+    has a sidecar that records its token count and largest id (checked before start, trainer/check.py);
+    any other file is scanned when it is opened (a few seconds per GB; the page cache serves the
+    ranks of one node after the first)."""
 
     CHUNK = 1 << 24  # tokens checked at a time
 
@@ -100,6 +113,8 @@ class TokenFile(Dataset):
         self.tokens = np.memmap(path, dtype=np.dtype(dtype), mode="r")
         self.seq_len = seq_len
         self.windows = (len(self.tokens) - 1) // seq_len
+        if _sidecar_vouches(path, len(self.tokens), vocab_size):
+            return
         for start in range(0, len(self.tokens), self.CHUNK):
             chunk = self.tokens[start : start + self.CHUNK]
             if chunk.max() >= vocab_size:
