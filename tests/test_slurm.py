@@ -258,9 +258,10 @@ def test_a_cancelled_job_is_not_requeued(runs):
 @cluster
 def test_job_without_progress_is_not_requeued_forever(runs):
     run_dir = runs / "no-progress"
-    (run_dir / "metrics.jsonl").mkdir(parents=True)  # the trainer cannot write its metrics: fails at start
+    run_dir.mkdir(parents=True)
+    (run_dir / "trace").write_text("")  # a file where the debugging trace folder goes: the ranks crash at start
     job = submit_job("--nodes", "1", "--run-dir", str(run_dir), "--max-attempts", "2", "train.steps=10",
-                     "log.interval=1")
+                     "log.interval=1", "data.trace=true")
     info = wait_job(job)
     assert info["JobState"] == "FAILED"
     assert info["Restarts"] == "1"

@@ -201,7 +201,11 @@ class Checkpointer:
         one not found `unreadable`, else checkpoint.resume_from for a run without its own."""
         choice = [None]
         if self.rank == 0:
-            found = [(step, path) for step, path in complete(self.run_dir) if path not in unreadable]
+            listed = complete(self.run_dir)
+            found = [(step, path) for step, path in listed if path not in unreadable]
+            # Committed checkpoints damaged after their commit (found out when listed or when read):
+            # with none readable left the run does not silently start over in their place.
+            unreadable += tuple(folder[1] for folder in layout.step_folders(self.run_dir) if folder not in listed)
             if found:  # the run's own checkpoints win: resume_from is only where a new run starts
                 choice = [found[-1][1]]
                 if self.args.resume_from:
