@@ -96,10 +96,10 @@ def test_the_local_gpus_memory_is_the_target_without_gpu_mem_gb(capsys, tmp_path
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(memory, "local_gpu_bytes", lambda: 24 * 10**9)
+    monkeypatch.setattr(memory, "local_gpu_bytes", lambda: 40 * 10**9)
     code, out, err = run_check(capsys, tmp_path, "--nproc", "1", "model.size=1b", "model.seq_len=2048",
                                "parallel.sharding=full", "train.global_batch_size=8", "train.micro_batch_size=8",
                                "parallel.activation_checkpointing=false")
     lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and "than the 24.0 GB of this machine's GPU" in lines[0], err
+    assert code == 2 and len(lines) == 1 and "than the 40.0 GB of this machine's GPU" in lines[0], err
     assert re.search(r"train.micro_batch_size=\d \(", lines[0]), lines[0]
