@@ -103,3 +103,70 @@ def test_the_local_gpus_memory_is_the_target_without_gpu_mem_gb(capsys, tmp_path
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and "than the 40.0 GB of this machine's GPU" in lines[0], err
     assert re.search(r"train.micro_batch_size=\d \(", lines[0]), lines[0]
+
+
+# ---------------------------------------------------------------------------------------------------
+# checkpoint.interval=auto
+
+
+@pytest.mark.parametrize("save_s, mtbf_s, step_s, steps", [
+    (10.0, 3600 * 5, 1.0, 600),  # sqrt(2 x 10 x 18000) = 600 s
+    (30.0, 3600 * 24, 2.0, 1138),  # sqrt(5,184,000) = 2276.8 s
+    (0.5, 100.0, 0.01, 1000),  # sqrt(100) = 10 s
+    (1.0, 1.0, 10.0, 1),  # shorter than a step: every step
+    (0.0, 1e6, 1.0, 1),  # a free save: every step
+])
+def test_young_daly_interval(save_s, mtbf_s, step_s, steps):
+    from trainer.checkpoint import young_daly_interval
+
+    assert young_daly_interval(save_s, mtbf_s, step_s) == steps
+
+
+def test_the_default_mtbf_is_the_llama_3_rate_per_gpu():
+    from trainer.checkpoint import GPU_MTBF_HOURS
+
+    assert GPU_MTBF_HOURS == pytest.approx(45566, abs=1)  # 54 days x 24 h x 16,384 GPUs / 466 interruptions
+
+
+def test_auto_interval_is_chosen_again_when_the_save_cost_changes():
+    from trainer.checkpoint import AutoInterval
+
+    auto = AutoInterval(mtbf_s=7200.0, estimated_save_s=2.0, how="estimated")
+    assert auto.choose(step_s=1.0) == 170  # sqrt(2 x 2 x 7200) = 169.7
+    assert not auto.measured(2.4)  # +20%: kept
+    assert auto.measured(8.0)  # 4x: chosen again
+    assert auto.choose(step_s=1.0) == 339
+
+
+@pytest.mark.parametrize("value, expected", [("auto", "auto"), ("25", 25), ("0", 0)])
+def test_interval_takes_a_number_or_auto(value, expected):
+    assert load(None, [f"checkpoint.interval={value}"]).checkpoint.interval == expected
+
+
+def test_interval_refuses_other_words():
+    from trainer.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"'checkpoint.interval' is 'often'; expected int or 'auto'"):
+        load(None, ["checkpoint.interval=often"])
+
+
+def test_a_run_with_auto_interval_logs_its_choice_and_saves_at_it(tmp_path):
+    from conftest import TINY, train
+
+    steps = 16
+    overrides = [o for o in TINY if not o.startswith(("checkpoint.interval", "train.steps"))]
+    proc = train(tmp_path / "run", 2, *overrides, f"train.steps={steps}", "checkpoint.interval=auto",
+                 "checkpoint.mtbf_hours=0.0001", "checkpoint.keep=0")
+    choices = [(int(m[1]), int(m[2]), int(m[3])) for m in re.finditer(
+        r"checkpoint.interval=auto: every (\d+) steps \(~[\d.]+ s\) from step (\d+), next save at step (\d+): "
+        r"sqrt\(2 x [\d.]+ s per save \((?:estimated|measured by the last save)\) x 0.0001 h between interruptions\) "
+        r"/ [\d.]+ s per step", proc.stdout + proc.stderr)]
+    assert choices and choices[0][1] == 1, proc.stdout  # chosen after the first step
+    by_step = {start: every for every, start, _ in choices}
+    expected, every, at = [], choices[0][0], choices[0][2]
+    while at < steps:  # the saves the logged choices promise
+        expected.append(at)
+        every = by_step.get(at, every)
+        at += every
+    saved = sorted(int(p.name.split("_")[1]) for p in (tmp_path / "run" / "checkpoints").glob("step_*"))
+    assert saved == expected + [steps], (saved, choices)

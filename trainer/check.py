@@ -81,7 +81,11 @@ def validate(cfg: Config, world_size: int, where: str = "config", overrides: lis
     for key, value in positive.items():
         if value < 1:
             fail(key, f"is {value}; it must be at least 1")
-    for key, value in {"checkpoint.interval": cfg.checkpoint.interval, "checkpoint.keep": cfg.checkpoint.keep,
+    if cfg.checkpoint.mtbf_hours is not None and not cfg.checkpoint.mtbf_hours > 0:
+        fail("checkpoint.mtbf_hours", f"is {cfg.checkpoint.mtbf_hours}; give the hours between interruptions (> 0), "
+             f"or null for the Llama 3 report's rate")
+    interval = 0 if cfg.checkpoint.interval == "auto" else cfg.checkpoint.interval
+    for key, value in {"checkpoint.interval": interval, "checkpoint.keep": cfg.checkpoint.keep,
                        "checkpoint.keep_every": cfg.checkpoint.keep_every, "eval.interval": cfg.eval.interval,
                        "data.num_workers": cfg.data.num_workers, "optim.warmup_steps": cfg.optim.warmup_steps}.items():
         if value < 0:
