@@ -170,3 +170,66 @@ def test_a_run_with_auto_interval_logs_its_choice_and_saves_at_it(tmp_path):
         at += every
     saved = sorted(int(p.name.split("_")[1]) for p in (tmp_path / "run" / "checkpoints").glob("step_*"))
     assert saved == expected + [steps], (saved, choices)
+
+
+# ---------------------------------------------------------------------------------------------------
+# trainer.submit --dry-run: the partition's GPU type from gres (Slurm answered by two small scripts,
+# as a partition of 8 x H100 nodes would: no cluster runs here)
+
+
+def _fake_slurm(tmp_path: Path, gres: str) -> dict:
+    import os
+    import stat
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scripts = {
+        "sinfo": f'if [ "$2" = "-N" ]; then echo "n[1-4] {gres} 96"; else echo "gpu*"; fi',
+        "scontrol": 'echo "PartitionName=gpu PreemptMode=OFF GraceTime=0"',
+    }
+    for name, body in scripts.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(stat.S_IRWXU)
+    return dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHONPATH=str(ROOT))
+
+
+def _shared_run_dir() -> Path:
+    """A run dir a 4-node job may use (not /tmp, where pytest's tmp_path lives); a dry run writes nothing."""
+    import os
+
+    return ROOT / "runs" / f"test-preflight-{os.getpid()}"
+
+
+def submit_dry_run(tmp_path, environ, *args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "trainer.submit", "--nodes", "4", "--config", LLAMA_8B,
+                           "--run-dir", str(_shared_run_dir()), "--dry-run", *args, "--", *SYNTHETIC],
+                          capture_output=True, text=True, cwd=ROOT, env=environ, timeout=120)
+
+
+def test_submit_dry_run_prints_the_estimate_beside_the_partitions_gpus(tmp_path):
+    out = submit_dry_run(tmp_path, _fake_slurm(tmp_path, "gpu:h100:8(S:0-1)"))
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"GPU memory +about [\d.]+ GB per GPU estimated, of the 85.5 GB of h100 \(gres of partition gpu\)",
+                     out.stdout), out.stdout
+    assert re.search(r"^    activations +[\d.]+ GB  1 sample\(s\) x [\d.]+ GB, with activation checkpointing", out.stdout, re.M)
+    assert not _shared_run_dir().exists()
+
+
+def test_submit_refuses_a_job_that_cannot_fit_in_one_line(tmp_path):
+    out = submit_dry_run(tmp_path, _fake_slurm(tmp_path, "gpu:a100:8"), "parallel.activation_checkpointing=false",
+                         "train.micro_batch_size=4", "train.global_batch_size=128")
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert re.fullmatch(r"submit: error: .*llama-8b.yaml: memory: one GPU needs about [\d.]+ GB \(estimated.*\), [\d.]+ GB "
+                        r"more than the 42.9 GB of a100 \(gres of partition gpu\); it would fit with "
+                        r"parallel.activation_checkpointing=true \([\d.]+ GB\).*", lines[0]), lines[0]
+
+
+def test_submit_asks_for_gpu_mem_gb_where_the_gpu_type_is_unknown(tmp_path):
+    environ = _fake_slurm(tmp_path, "gpu:mi300x:8")
+    out = submit_dry_run(tmp_path, environ)
+    assert out.returncode == 2 and "GPU_MEM_GB=80 (--gpu-mem-gb)" in out.stderr and "mi300x" in out.stderr, out.stderr
+    assert submit_dry_run(tmp_path, environ, "--gpu-mem-gb", "192").returncode == 0
