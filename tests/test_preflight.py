@@ -228,8 +228,12 @@ def test_submit_refuses_a_job_that_cannot_fit_in_one_line(tmp_path):
                         r"parallel.activation_checkpointing=true \([\d.]+ GB\).*", lines[0]), lines[0]
 
 
-def test_submit_asks_for_gpu_mem_gb_where_the_gpu_type_is_unknown(tmp_path):
+def test_submit_checks_an_unknown_gpu_type_with_gpu_mem_gb(tmp_path):
     environ = _fake_slurm(tmp_path, "gpu:mi300x:8")
     out = submit_dry_run(tmp_path, environ)
-    assert out.returncode == 2 and "GPU_MEM_GB=80 (--gpu-mem-gb)" in out.stderr and "mi300x" in out.stderr, out.stderr
-    assert submit_dry_run(tmp_path, environ, "--gpu-mem-gb", "192").returncode == 0
+    assert out.returncode == 0, out.stderr  # not refused: unchecked, and the dry run says how to check it
+    assert re.search(r"GPU memory +not checked: partition gpu has GPUs of type mi300x \(gres\).*GPU_MEM_GB=80", out.stdout)
+    out = submit_dry_run(tmp_path, environ, "--gpu-mem-gb", "192")
+    assert out.returncode == 0 and "of the 192.0 GB of GPU_MEM_GB=192" in out.stdout, out.stderr
+    out = submit_dry_run(tmp_path, environ, "--gpu-mem-gb", "20")
+    assert out.returncode == 2 and "than the 20.0 GB of GPU_MEM_GB=20" in out.stderr, out.stderr

@@ -276,9 +276,10 @@ def parse_job(args: argparse.Namespace, partition: Partition) -> Job:
                max_attempts=max_attempts, reasons=reasons, gpu_mem_gb=args.gpu_mem_gb)
 
 
-def gpu_memory(job: Job, partition: Partition) -> tuple[int, str]:
+def gpu_memory(job: Job, partition: Partition) -> tuple[int | None, str]:
     """(bytes of one GPU of the job, what they are): GPU_MEM_GB, else the partition's GPU type (the
-    smallest where its nodes have several)."""
+    smallest where its nodes have several); (None, why) where neither says it: then the job is not
+    checked (gres without a type, gpu:8, is common) and the dry run says how to check it."""
     from trainer.memory import gpu_type_bytes
 
     if job.gpu_mem_gb:
@@ -290,15 +291,33 @@ def gpu_memory(job: Job, partition: Partition) -> tuple[int, str]:
             raise SubmitError(f"GPU_MEM_GB={job.gpu_mem_gb!r}: give the memory of one GPU in GB, e.g. 80")
         return int(value * 1e9), f"GPU_MEM_GB={job.gpu_mem_gb}"
     if not partition.gpu_types:
-        raise SubmitError(f"the nodes of partition {partition.name} do not name their GPU type in gres (gpu:N), so "
-                          f"their memory is unknown; give it: GPU_MEM_GB=80 (--gpu-mem-gb)")
+        return None, (f"not checked: the nodes of partition {partition.name} name no GPU type in gres, so their "
+                      f"memory is unknown; give it to check: GPU_MEM_GB=80 (--gpu-mem-gb)")
     known = {t: gpu_type_bytes(t) for t in partition.gpu_types}
     unknown = [t for t, b in known.items() if b is None]
     if unknown:
-        raise SubmitError(f"partition {partition.name} has GPUs of type {', '.join(unknown)} (gres), whose memory "
-                          f"trainer.memory does not know; give it: GPU_MEM_GB=80 (--gpu-mem-gb)")
+        return None, (f"not checked: partition {partition.name} has GPUs of type {', '.join(unknown)} (gres), whose "
+                      f"memory trainer.memory does not know; give it to check: GPU_MEM_GB=80 (--gpu-mem-gb)")
     smallest = min(known, key=known.get)
     return known[smallest], f"{smallest} (gres of partition {partition.name})"
+
+
+def _check_gpu_memory(job: Job, partition: Partition, cfg, world: int) -> None:
+    """The memory preflight for the partition's GPUs; its outcome goes into job.reasons and job.memory."""
+    from trainer import memory
+    from trainer.config import ConfigError
+
+    have, what = gpu_memory(job, partition)
+    if have is None:
+        job.reasons["memory"] = what
+        return
+    try:
+        need = memory.preflight(cfg, world, job.gpus_per_node, have, what, nodes=job.nodes, nodes_option="NODES={}")
+    except ConfigError as e:
+        raise ConfigError(f"{job.config}: {e}") from None
+    job.reasons["memory"] = (f"about {memory.gb(need.total)} per GPU estimated, of the {memory.gb(have)} of {what} "
+                             f"({need.total / have:.0%})")
+    job.memory = need.breakdown("    ")
 
 
 def check_config(job: Job, partition: Partition | None = None) -> float:
@@ -314,17 +333,7 @@ def check_config(job: Job, partition: Partition | None = None) -> float:
         cfg = load(str(job.config), overrides)
         validate(cfg, world, where=str(job.config), overrides=overrides)
         if job.gpus_per_node and partition is not None:
-            from trainer import memory
-
-            have, what = gpu_memory(job, partition)
-            try:
-                need = memory.preflight(cfg, world, job.gpus_per_node, have, what, nodes=job.nodes,
-                                        nodes_option="NODES={}")
-            except ConfigError as e:
-                raise ConfigError(f"{job.config}: {e}") from None
-            job.reasons["memory"] = (f"about {memory.gb(need.total)} per GPU estimated, of the {memory.gb(have)} of "
-                                     f"{what} ({need.total / have:.0%})")
-            job.memory = need.breakdown("    ")
+            _check_gpu_memory(job, partition, cfg, world)
     except ConfigError as e:
         raise SubmitError(str(e)) from None
     estimate, how = save_seconds(cfg, job.nodes, str(job.run_dir))
