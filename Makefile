@@ -29,6 +29,9 @@ NET_IF        ?=
 WARN          ?= 120
 LAUNCHER      ?= sbatch
 DRY_RUN       ?=
+# Memory of one GPU in GB for the memory preflight (make check, make submit); empty: the local GPUs
+# (check), the partition's GPU type from gres (submit).
+GPU_MEM_GB    ?=
 
 .PHONY: help venv run check test test-gpu bench image up docker-engine submit slurm-up slurm-down clean
 
@@ -45,8 +48,8 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed ## create .venv with the trainer and its dependencies
 
-check: venv ## validate CONFIG (+ARGS) for NPROC processes on this machine
-	@$(PY) -m trainer.check --config $(CONFIG) --nproc $(NPROC) $(OVERRIDES)
+check: venv ## validate CONFIG (+ARGS) for NPROC processes on this machine; memory per GPU (GPU_MEM_GB=)
+	@$(PY) -m trainer.check --config $(CONFIG) --nproc $(NPROC) --gpu-mem-gb "$(GPU_MEM_GB)" $(OVERRIDES)
 
 run: venv ## train CONFIG on NPROC local processes (RUN_DIR=, ARGS="k=v ..."); checks the config first
 	$(PY) -m trainer.launch --nproc-per-node=$(NPROC) --config $(CONFIG) $(OVERRIDES)
@@ -69,10 +72,11 @@ up: ## train with Docker Compose in the foreground on all GPUs (CPU=1: on the CP
 docker-engine: ## start a local Docker engine (Debian, root; vfs storage, host networking)
 	docker/engine-up.sh
 
-submit: venv ## submit to Slurm: NODES=4 [GPUS_PER_NODE= CONFIG= RUN_DIR= TIME= PARTITION= CONTAINER= NET_IF= LAUNCHER=submitit DRY_RUN=1 ARGS=]
+submit: venv ## submit to Slurm: NODES=4 [GPU_MEM_GB= GPUS_PER_NODE= CONFIG= RUN_DIR= TIME= PARTITION= CONTAINER= NET_IF= LAUNCHER=submitit DRY_RUN=1 ARGS=]
 	@$(PY) -m trainer.submit --nodes "$(NODES)" --gpus-per-node "$(GPUS_PER_NODE)" --cpus-per-node "$(CPUS_PER_NODE)" \
 	    --config "$(CONFIG)" --run-dir "$(RUN_DIR)" --time "$(TIME)" --partition "$(PARTITION)" \
 	    --container "$(CONTAINER)" --net-if "$(NET_IF)" --warn-seconds "$(WARN)" --launcher "$(LAUNCHER)" \
+	    --gpu-mem-gb "$(GPU_MEM_GB)" \
 	    $(if $(filter 1,$(DRY_RUN)),--dry-run) -- $(ARGS)
 
 slurm-up: ## start the local 4-node Slurm cluster for trying jobs and for tests (root; Debian packages)

@@ -81,7 +81,11 @@ def validate(cfg: Config, world_size: int, where: str = "config", overrides: lis
     for key, value in positive.items():
         if value < 1:
             fail(key, f"is {value}; it must be at least 1")
-    for key, value in {"checkpoint.interval": cfg.checkpoint.interval, "checkpoint.keep": cfg.checkpoint.keep,
+    if cfg.checkpoint.mtbf_hours is not None and not cfg.checkpoint.mtbf_hours > 0:
+        fail("checkpoint.mtbf_hours", f"is {cfg.checkpoint.mtbf_hours}; give the hours between interruptions (> 0), "
+             f"or null for the Llama 3 report's rate")
+    interval = 0 if cfg.checkpoint.interval == "auto" else cfg.checkpoint.interval
+    for key, value in {"checkpoint.interval": interval, "checkpoint.keep": cfg.checkpoint.keep,
                        "checkpoint.keep_every": cfg.checkpoint.keep_every, "eval.interval": cfg.eval.interval,
                        "data.num_workers": cfg.data.num_workers, "optim.warmup_steps": cfg.optim.warmup_steps}.items():
         if value < 0:
@@ -358,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="YAML config file")
     parser.add_argument("--nproc", type=int, help="processes per node; checked against this machine's devices")
     parser.add_argument("--nnodes", type=int, default=1, help="nodes (for the batch arithmetic)")
+    parser.add_argument("--gpu-mem-gb", default="", help="memory of one GPU in GB (1e9 bytes) to check the "
+                        "estimate against; empty: this machine's GPUs, none without GPUs")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     args = parser.parse_intermixed_args(argv)  # overrides may come before --config too
     try:
@@ -367,13 +373,53 @@ def main(argv: list[str] | None = None) -> int:
         if args.nnodes < 1:
             raise ConfigError(f"the number of nodes is {args.nnodes}; it must be at least 1")
         world = (args.nproc or 1) * args.nnodes
-        validate(cfg, world, where=args.config, overrides=args.overrides, ranks_per_node=args.nproc or 1)
+        # A GPU target (GPU_MEM_GB) is checked below; this machine's RAM only for CPU training here.
+        validate(cfg, world, where=args.config, overrides=args.overrides,
+                 ranks_per_node=None if args.gpu_mem_gb else args.nproc or 1)
         cfg = resolve(cfg, where=args.config, world_size=world)
+        fit = gpu_preflight(cfg, world, args.nproc or 1, args.nnodes, args.gpu_mem_gb, where=args.config)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"config OK: {args.config}: {cfg.model.name} on {world} processes, run_dir {cfg.run_dir}")
+    if fit:
+        print(fit)
     return 0
+
+
+def gpu_target(gpu_mem_gb: str) -> tuple[int, str] | None:
+    """(bytes of one GPU, what they are) from --gpu-mem-gb, else this machine's GPUs; None without
+    either. Only trainer.check asks torch for the GPUs (a CUDA context): never the launcher."""
+    from trainer import memory
+
+    if gpu_mem_gb:
+        try:
+            value = float(gpu_mem_gb)
+        except ValueError:
+            value = 0.0
+        if not value > 0:
+            raise ConfigError(f"GPU_MEM_GB={gpu_mem_gb!r}: give the memory of one GPU in GB, e.g. 80")
+        return int(value * 1e9), f"GPU_MEM_GB={gpu_mem_gb}"
+    have = memory.local_gpu_bytes()
+    return (have, "this machine's GPU") if have else None
+
+
+def gpu_preflight(cfg: Config, world: int, ranks_per_node: int, nnodes: int, gpu_mem_gb: str,
+                  where: str = "config") -> str | None:
+    """Refuse (ConfigError) a config whose estimated peak does not fit one GPU of the target; else the
+    line that says estimate and target, or None where there is no GPU to check against."""
+    from trainer import memory
+
+    target = gpu_target(gpu_mem_gb)
+    if target is None:
+        return None
+    have, what = target
+    try:
+        need = memory.preflight(cfg, world, ranks_per_node, have, what, nodes=nnodes, nodes_option="--nnodes {}")
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    return (f"memory: about {memory.gb(need.total)} per GPU estimated, of the {memory.gb(have)} of {what} "
+            f"({need.total / have:.0%})\n{need.breakdown()}")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -26,6 +27,7 @@ import uuid
 import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -41,14 +43,61 @@ from trainer.shard_reader import ShardReader
 log = logging.getLogger("trainer")
 
 
+# Mean time between interruptions of one GPU, in hours, from the Llama 3 report (Meta, 2024, section
+# 3.3.4): 466 job interruptions in 54 days of pre-training on 16,384 H100 GPUs. A job of G GPUs is
+# interrupted G times as often.
+GPU_MTBF_HOURS = 54 * 24 * 16384 / 466
+
+
 @dataclass
 class CheckpointArgs:
-    interval: int = 100  # optimizer steps between saves; 0: save only at the end and when stopped
+    # Optimizer steps between saves; 0: save only at the end and when stopped; auto: the Young-Daly
+    # interval sqrt(2 x blocking save seconds x mtbf), in steps, from the run's own save and step times.
+    interval: int | Literal["auto"] = 100
+    # Mean time between interruptions of the whole job in hours (interval=auto); None: the Llama 3
+    # report's GPU_MTBF_HOURS (45,566 GPU-hours) divided by the job's processes.
+    mtbf_hours: float | None = None
     keep: int = 3  # newest complete checkpoints kept, older ones are deleted; 0 keeps all
     keep_every: int = 0  # also keep forever every checkpoint whose step is a multiple of this; 0: none
     async_save: bool = False  # write shards in the background while training goes on
     resume_from: str | None = None  # a checkpoint folder a new run starts from; once run_dir has its own, they win
     timeout_s: int = 3600  # limit for the collectives of one save or load (slow filesystems)
+
+
+def young_daly_interval(save_s: float, mtbf_s: float, step_s: float) -> int:
+    """Optimizer steps between saves that lose the least expected time (Young 1974, Daly 2006): a save
+    every sqrt(2 x save_s x mtbf_s) seconds, `save_s` being what one save blocks training, `mtbf_s` the
+    mean time between interruptions, `step_s` one step; at least 1."""
+    if step_s <= 0:
+        raise ValueError(f"step_s must be positive, got {step_s}")
+    return max(1, round(math.sqrt(2 * max(save_s, 0.0) * mtbf_s) / step_s))
+
+
+class AutoInterval:
+    """checkpoint.interval=auto: the Young-Daly interval, chosen once the first step's time is known
+    (with the save cost estimated), chosen again after each save whose measured cost differs by more
+    than RECHOOSE from the one the interval was chosen with."""
+
+    RECHOOSE = 0.25  # relative change of the save cost that makes the interval be chosen again
+
+    def __init__(self, mtbf_s: float, estimated_save_s: float, how: str):
+        self.mtbf_s, self.save_s, self.how = mtbf_s, estimated_save_s, how
+        self.steps: int | None = None  # the interval chosen, in steps; None before the first step
+        self.chosen_with: float | None = None  # the save cost it was chosen with
+
+    def choose(self, step_s: float) -> int:
+        self.steps, self.chosen_with = young_daly_interval(self.save_s, self.mtbf_s, step_s), self.save_s
+        return self.steps
+
+    def measured(self, save_s: float) -> bool:
+        """Record a measured save; True if the interval should be chosen again."""
+        self.save_s, self.how = save_s, "measured by the last save"
+        return abs(save_s - self.chosen_with) > self.RECHOOSE * self.chosen_with
+
+    def line(self, step: int, step_s: float, next_save: int) -> str:
+        return (f"checkpoint.interval=auto: every {self.steps} steps (~{self.steps * step_s:.1f} s) from step {step}, "
+                f"next save at step {next_save}: sqrt(2 x {self.save_s:.3f} s per save ({self.how}) x "
+                f"{self.mtbf_s / 3600:.4g} h between interruptions) / {step_s:.3f} s per step")
 
 
 class CheckpointError(Exception):

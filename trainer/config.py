@@ -180,7 +180,16 @@ def _coerce(tp, value, key: str, where: str, sources: dict, default_source: str)
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None:
             return None
-        return _coerce(args[0], value, key, where, sources, default_source)
+        if len(args) == 1:
+            return _coerce(args[0], value, key, where, sources, default_source)
+        for arm in args:  # int | Literal["auto"]: the first arm that takes the value
+            try:
+                return _coerce(arm, value, key, where, sources, default_source)
+            except ConfigError:
+                pass
+        names = [" or ".join(repr(c) for c in typing.get_args(a)) if typing.get_origin(a) is Literal else a.__name__
+                 for a in args]
+        raise ConfigError(f"{where}: '{key}' is {value!r}; expected {' or '.join(names)}")
     if origin is tuple:
         args = typing.get_args(tp)
         if not isinstance(value, (list, tuple)) or len(value) != len(args):

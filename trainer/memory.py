@@ -1,17 +1,37 @@
 """How much memory one rank needs, estimated without allocating anything (the model runs on the meta
-device), and how much a machine has.
+device), and how much a machine or a GPU has: the memory preflight of `trainer.check` and
+`trainer.submit` (issue #18).
 
-The estimate is a lower bound, to refuse what cannot fit (train.global_batch_size=1000000000), not
-to promise that the rest fits. It leaves out: the CUDA context and the allocator's caching and
-fragmentation; FSDP's all-gathered (unsharded) copy of the unit being computed; lower-precision
-copies of parameters under mixed precision; temporary buffers inside operations (attention
-workspaces, the communication buffers of all-reduce and reduce-scatter); tensors that functional
-operations between modules keep for backward (residual adds, RoPE); DataLoader workers, pinned
-memory and torch.compile's caches. Issue #18 (memory preflight, "will it fit") extends it.
+The estimate of one rank's peak, by part (`estimate`):
+
+* parameters, gradients, optimizer state: float32, each rank holding 1/S of them under FSDP (S: the
+  ranks a parameter is sharded over: all of them for full and grad_op, `shard_size` for hybrid), all
+  of them under DDP and without a strategy. With CPU offload they live in host memory (`host`).
+* unsharded: what FSDP all-gathers, in the compute dtype (param_dtype): the root's parameters
+  (embeddings, head: kept unsharded from forward to backward), the largest unit being computed and
+  the next one, prefetched; grad_op keeps every unit unsharded between forward and backward.
+  Without FSDP under bfloat16/float16: autocast's low-precision copies of the weights.
+* reduce buffers: the unsharded gradients of the largest unit before reduce-scatter (in the compute
+  dtype, plus a copy in reduce_dtype when it differs); DDP's gradient buckets (a second copy of the
+  gradients).
+* activations: what autograd saves for backward for one micro-batch, measured by running forward
+  and loss on the meta device in the compute dtype with saved-tensor hooks, attention counted as the
+  fused kernels (flash, memory-efficient, CPU flash) save it: q, k, v, output and log-sum-exp, not
+  the seq x seq scores the meta device's reference kernel would keep. With activation checkpointing:
+  the blocks' inputs, what lies outside the blocks, and one block's saved tensors (recomputed in
+  backward).
+* on a GPU only: the caching allocator's overhead, ALLOCATOR_OVERHEAD of the above, and the CUDA
+  context with NCCL's buffers, CUDA_CONTEXT_BYTES (see there for where the numbers come from).
+
+Left out: temporaries inside one operation (the gradient of the logits at the start of backward, a
+matmul's workspace), DataLoader workers, pinned host buffers, torch.compile's caches. On the CPU the
+process itself (Python, torch, gloo: a few hundred MB) comes on top; bench/memory_calibration.py
+measures it and compares the rest with peak RSS.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -22,78 +42,156 @@ from trainer.parallel import DTYPES
 # Bytes of optimizer state per parameter (float32): Adam(W) and Adadelta keep two tensors, SGD one
 # (its momentum buffer, none without momentum).
 OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "adadelta": 8, "sgd": 4}
+# The CUDA caching allocator reserves more than it hands out: blocks are rounded (512 B, 2 MB
+# segments) and freed blocks fragment. 10% of what is allocated is the usual reserved/allocated
+# ratio of steady training loops; an assumption until bench/memory_calibration.py --device cuda
+# has measured it (it records max_memory_reserved / max_memory_allocated).
+ALLOCATOR_OVERHEAD = 0.10
+# The CUDA context (kernels of torch, cuBLAS, cuDNN loaded: 0.3-0.5 GB on an H100 with torch 2.x) and
+# NCCL's communicator buffers, outside torch's allocator: counted as 0.5 GB, the figure nvidia-smi
+# shows for a process that has only initialised CUDA and NCCL.
+CUDA_CONTEXT_BYTES = 500 * 2**20
+# Memory of the GPUs Slurm names in gres (gpu:<type>:<count>), in MiB as nvidia-smi reports it for
+# each card (what torch's total_memory says, divided by 2**20). Lower case; a site's own names need
+# GPU_MEM_GB (--gpu-mem-gb).
+GPU_MEMORY_MIB = {
+    "h200": 143771, "gh200": 97871, "h100-nvl": 95830, "h100nvl": 95830, "h100-94gb": 95830,
+    "h100": 81559, "h100-80gb": 81559, "a100-80gb": 81920, "a100_80gb": 81920, "a100-sxm4-80gb": 81920,
+    "a100": 40960, "a100-40gb": 40960, "a100_40gb": 40960, "l40s": 46068, "l40": 46068, "a40": 46068,
+    "a10": 23028, "a10g": 23028, "l4": 23034, "v100": 16384, "v100-32gb": 32768, "v100_32gb": 32768,
+    "rtx6000": 24576, "rtx8000": 49152, "a6000": 49140, "t4": 15360, "b200": 183359,
+}
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What the estimate needs to know of a model, measured once on the meta device."""
+
+    params: int  # parameters in all
+    root_params: int  # parameters in no FSDP unit: the root's (embeddings, final norm, head)
+    largest_unit: int  # parameters of the largest FSDP unit (a block)
+    activations: int  # bytes autograd saves for one sample, in the compute dtype
+    activations_checkpointed: int  # the same with activation checkpointing of the blocks
+    compute_dtype: torch.dtype  # what FSDP all-gathers and computes in (float32 for BatchNorm models)
 
 
 @dataclass(frozen=True)
 class Estimate:
-    """Bytes one rank holds while it trains, by part."""
+    """Bytes one rank holds at its peak while it trains, by part (see the module's docstring)."""
 
-    parameters: int  # this rank's float32 parameters (its shard under FSDP)
-    gradients: int  # their gradients (sharded under FSDP full and grad_op)
-    optimizer: int  # optimizer state (sharded under FSDP full and grad_op)
-    activations: int  # what one micro-batch keeps for backward: module outputs and the loss's float32 logits
+    parameters: int
+    gradients: int
+    optimizer: int
+    unsharded: int
+    reduce_buffers: int
+    activations: int  # what one micro-batch keeps for backward
     activations_per_sample: int  # the same for one sample, to size the micro-batch
+    overhead: int = 0  # GPU only: the allocator's overhead and the CUDA context
+    host: int = 0  # moved to host memory by CPU offload (not in total)
+    notes: dict = dataclasses.field(default_factory=dict, compare=False)  # part -> how it was counted
+
+    PARTS = ("parameters", "gradients", "optimizer", "unsharded", "reduce_buffers", "activations", "overhead")
 
     @property
     def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer + self.activations
+        return sum(getattr(self, part) for part in self.PARTS)
+
+    def breakdown(self, indent: str = "  ") -> str:
+        """One line per part: name, GB, how it was counted."""
+        lines = [f"{indent}{part.replace('_', ' '):<15} {gb(getattr(self, part)):>9}  {self.notes.get(part, '')}".rstrip()
+                 for part in self.PARTS]
+        if self.host:
+            lines.append(f"{indent}{'(host memory)':<15} {gb(self.host):>9}  {self.notes.get('host', '')}")
+        lines.append(f"{indent}{'total':<15} {gb(self.total):>9}  per rank")
+        return "\n".join(lines)
 
 
-def estimate(cfg, world_size: int, micro_batch: int) -> Estimate:
-    """The memory of one rank training `cfg` on `world_size` ranks, `micro_batch` samples at a time."""
-    from trainer import models
+def measure(cfg) -> Profile:
+    """Build the model on the meta device and run forward and loss for 2 samples (BatchNorm refuses
+    one value per channel), counting what autograd saves."""
+    from trainer import models, parallel
 
     with torch.device("meta"):
         model = models.build(cfg.model)
+    batchnorm = parallel.has_batchnorm(model)
+    dtype = torch.float32 if batchnorm else DTYPES[cfg.parallel.param_dtype]
+    model.to(dtype)
     n = sum(p.numel() for p in model.parameters())
-    p = cfg.parallel
-    shards = 1
-    if p.strategy == "fsdp":
-        shards = (p.shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))) if p.sharding == "hybrid" else world_size
-    param_shards = shards if p.strategy == "fsdp" and p.sharding != "grad_op" else 1
-    state = OPTIMIZER_BYTES[cfg.optim.name] if cfg.optim.name != "sgd" or cfg.optim.momentum else 0
-    per_sample = _activations_per_sample(model, cfg)
-    return Estimate(parameters=4 * n // param_shards, gradients=4 * n // shards, optimizer=state * n // shards,
-                    activations=per_sample * micro_batch, activations_per_sample=per_sample)
+    units = parallel.wrap_units(model, cfg.parallel)
+    in_units = {id(p) for u in units for p in u.parameters()}
+    unit_sizes = [sum(p.numel() for p in u.parameters()) for u in units]
+    blocks = models.blocks(model)
 
+    saved: dict[int, tuple[int, int]] = {}  # storage -> (bytes, index of the block it was saved in; -1 outside)
+    block_inputs: dict[int, int] = {}  # storage -> bytes of a block's input
+    where = [-1]
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
 
-def _activations_per_sample(model: torch.nn.Module, cfg) -> int:
-    """Bytes of the outputs of every leaf module (conv, linear, norm, ...) for one sample, with
-    activation checkpointing only the blocks' inputs and one block's outputs; plus the float32
-    copy of the output the loss makes."""
-    from trainer import models
+    def pack(t):
+        s = t.untyped_storage()
+        if s._cdata not in params and s._cdata not in saved:
+            saved[s._cdata] = (s.nbytes(), where[0])
+        return t
 
-    m = cfg.model
-    if m.name == "transformer":
-        x = torch.zeros(2, m.seq_len, dtype=torch.long, device="meta")
-    else:
-        side, channels = (28, 1) if m.name == "mnist_cnn" else (m.image_size, 3)
-        x = torch.zeros(2, channels, side, side, device="meta")  # 2: BatchNorm refuses one value per channel
-    sizes: dict[int, int] = {}  # id(leaf module) -> elements of its output
-    block_inputs: list[int] = []
+    def enter(i):
+        def hook(module, args):
+            where[0] = i
+            for t in _tensors(args):
+                block_inputs.setdefault(t.untyped_storage()._cdata, t.untyped_storage().nbytes())
+        return hook
 
-    def leaf_hook(module, args, output):
-        sizes[id(module)] = sum(t.numel() for t in _tensors(output))
+    def leave(module, args, output):
+        where[0] = -1
 
-    def block_hook(module, args):
-        block_inputs.append(sum(t.numel() for t in _tensors(args)))
-
-    leaves = [mod for mod in model.modules() if next(mod.children(), None) is None]
-    blocks = models.blocks(model) if cfg.parallel.activation_checkpointing else []
-    handles = [mod.register_forward_hook(leaf_hook) for mod in leaves]
-    handles += [b.register_forward_pre_hook(block_hook) for b in blocks]
+    handles = [b.register_forward_pre_hook(enter(i)) for i, b in enumerate(blocks)]
+    handles += [b.register_forward_hook(leave) for b in blocks]
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+    torch.nn.functional.scaled_dot_product_attention = _fused_attention
     try:
-        output = model(x)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            x, y = _inputs(cfg.model, dtype)
+            models.loss_fn(model(x), y)
     finally:
+        torch.nn.functional.scaled_dot_product_attention = real_sdpa
         for h in handles:
             h.remove()
-    elements = sum(sizes.values())
-    if blocks:
-        inside = [sum(sizes.get(id(mod), 0) for mod in b.modules()) for b in blocks]
-        elements += sum(block_inputs) + max(inside) - sum(inside)
-    elements_size = DTYPES[cfg.parallel.param_dtype].itemsize
-    logits = sum(t.numel() for t in _tensors(output))
-    return (elements * elements_size + 4 * logits) // 2  # the forward ran on 2 samples
+    plain = sum(b for b, _ in saved.values())
+    outside = sum(b for b, i in saved.values() if i < 0)
+    inside = [sum(b for b, i in saved.values() if i == k) for k in range(len(blocks))]
+    checkpointed = outside + sum(block_inputs.values()) + max(inside, default=0) if blocks else plain
+    return Profile(params=n, root_params=sum(p.numel() for p in model.parameters() if id(p) not in in_units),
+                   largest_unit=max(unit_sizes, default=0), activations=plain // 2,
+                   activations_checkpointed=checkpointed // 2, compute_dtype=dtype)
+
+
+def _inputs(m, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    if m.name == "transformer":
+        x = torch.zeros(2, m.seq_len, dtype=torch.long, device="meta")
+        return x, x
+    side, channels = (28, 1) if m.name == "mnist_cnn" else (m.image_size, 3)
+    return torch.zeros(2, channels, side, side, device="meta", dtype=dtype), torch.zeros(2, dtype=torch.long, device="meta")
+
+
+class _FusedAttention(torch.autograd.Function):
+    """Attention as the fused kernels save it for backward: inputs, output and log-sum-exp (meta only)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = torch.empty_like(q)
+        ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:-1], dtype=torch.float32))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # never run: the estimate stops after forward
+        raise NotImplementedError
+
+
+def _fused_attention(q, k, v, *args, **kwargs):
+    return _FusedAttention.apply(q, k, v)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -102,6 +200,152 @@ def _tensors(value) -> list[torch.Tensor]:
     if isinstance(value, (tuple, list)):
         return [t for v in value for t in _tensors(v)]
     return []
+
+
+def shard_count(cfg, world_size: int, ranks_per_node: int | None = None) -> int:
+    """The ranks one parameter is sharded over."""
+    p = cfg.parallel
+    if p.strategy != "fsdp":
+        return 1
+    if p.sharding == "hybrid":
+        return p.shard_size or ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    return world_size
+
+
+def estimate(cfg, world_size: int, micro_batch: int, ranks_per_node: int | None = None, gpu: bool = False,
+             profile: Profile | None = None) -> Estimate:
+    """The peak memory of one rank training `cfg` on `world_size` ranks (`ranks_per_node` of them per
+    node), `micro_batch` samples at a time; `gpu`: on a GPU (allocator and CUDA context added, CPU
+    offload moves state to the host), else on the CPU. `profile`: measure(cfg), when known."""
+    pr = profile or measure(cfg)
+    p, n = cfg.parallel, pr.params
+    fsdp = p.strategy == "fsdp"
+    s = shard_count(cfg, world_size, ranks_per_node)
+    b = pr.compute_dtype.itemsize
+    state = OPTIMIZER_BYTES[cfg.optim.name] if cfg.optim.name != "sgd" or cfg.optim.momentum else 0
+    notes = {}
+    what = f"1/{s} of {n / 1e6:,.1f}M (sharded over {s} ranks)" if s > 1 else f"all {n / 1e6:,.1f}M"
+    parameters, gradients, optimizer = 4 * n // s, 4 * n // s, state * n // s
+    notes["parameters"] = f"float32, {what}"
+    notes["gradients"] = f"float32, {what}"
+    notes["optimizer"] = f"{state} bytes per parameter ({cfg.optim.name}), {what}"
+    if fsdp and p.sharding == "grad_op":
+        unsharded = n * b
+        notes["unsharded"] = f"every unit all-gathered in {_name(pr.compute_dtype)} from forward to backward (grad_op)"
+    elif fsdp:
+        unsharded = (pr.root_params + 2 * pr.largest_unit) * b
+        notes["unsharded"] = (f"all-gathered in {_name(pr.compute_dtype)}: the root's {pr.root_params / 1e6:,.1f}M + the largest "
+                              f"unit ({pr.largest_unit / 1e6:,.1f}M) and the next one, prefetched")
+    elif b < 4:
+        unsharded = n * b
+        notes["unsharded"] = f"autocast's {_name(pr.compute_dtype)} copies of the weights"
+    else:
+        unsharded = 0
+        notes["unsharded"] = "none: no FSDP, float32"
+    reduce_bytes = DTYPES[p.reduce_dtype].itemsize
+    if fsdp:
+        reduce_buffers = pr.largest_unit * (b + (reduce_bytes if reduce_bytes != b else 0))
+        notes["reduce_buffers"] = "the largest unit's unsharded gradients before reduce-scatter"
+    elif p.strategy == "ddp" and world_size > 1:
+        reduce_buffers = 4 * n
+        notes["reduce_buffers"] = "DDP's gradient buckets (a copy of the gradients)"
+    else:
+        reduce_buffers = 0
+        notes["reduce_buffers"] = "none"
+    per_sample = pr.activations_checkpointed if p.activation_checkpointing else pr.activations
+    activations = per_sample * micro_batch
+    notes["activations"] = (f"{micro_batch} sample(s) x {gb(per_sample)}, "
+                            f"{'with' if p.activation_checkpointing else 'without'} activation checkpointing")
+    host = 0
+    if gpu and fsdp and p.cpu_offload:
+        host = parameters + gradients + optimizer
+        parameters = gradients = optimizer = 0
+        notes["host"] = "parameters, gradients and optimizer state offloaded to host memory"
+    overhead = 0
+    if gpu:
+        allocated = parameters + gradients + optimizer + unsharded + reduce_buffers + activations
+        overhead = int(ALLOCATOR_OVERHEAD * allocated) + CUDA_CONTEXT_BYTES
+        notes["overhead"] = (f"the allocator's {ALLOCATOR_OVERHEAD:.0%} + the CUDA context and NCCL "
+                             f"({gb(CUDA_CONTEXT_BYTES)})")
+    else:
+        notes["overhead"] = "none on the CPU (the process itself comes on top)"
+    return Estimate(parameters=parameters, gradients=gradients, optimizer=optimizer, unsharded=unsharded,
+                    reduce_buffers=reduce_buffers, activations=activations, activations_per_sample=per_sample,
+                    overhead=overhead, host=host, notes=notes)
+
+
+def preflight(cfg, world_size: int, ranks_per_node: int, have: int, target: str, nodes: int = 1,
+              nodes_option: str = "--nnodes {}") -> Estimate:
+    """The estimate of one GPU's peak; raise ConfigError when it exceeds `have` bytes (`target` names
+    them: "h100 (gres)", "GPU_MEM_GB=80") with one line: by how much, and each change that would make it
+    fit, computed (`nodes_option` spells a node count the way the caller's user gives it)."""
+    from trainer.config import ConfigError
+
+    pr = measure(cfg)
+    per_rank = cfg.train.global_batch_size // world_size
+    micro = cfg.train.micro_batch_size or per_rank
+    need = estimate(cfg, world_size, micro, ranks_per_node, gpu=True, profile=pr)
+    if need.total <= have:
+        return need
+    fixes = []
+
+    def fits(changed, world: int = world_size, mb: int = micro) -> int | None:
+        e = estimate(changed, world, mb, ranks_per_node, gpu=True, profile=pr)
+        return e.total if e.total <= have else None
+
+    p = cfg.parallel
+    if not p.activation_checkpointing:
+        total = fits(_with(cfg, parallel={"activation_checkpointing": True}))
+        if total:
+            fixes.append(f"parallel.activation_checkpointing=true ({gb(total)})")
+    smaller = [m for m in range(micro - 1, 0, -1) if per_rank % m == 0 and fits(cfg, mb=m)]
+    if smaller:
+        fixes.append(f"train.micro_batch_size={smaller[0]} ({gb(fits(cfg, mb=smaller[0]))})")
+    if p.strategy == "fsdp" and not p.cpu_offload:
+        total = fits(_with(cfg, parallel={"cpu_offload": True}))
+        if total:
+            fixes.append(f"parallel.cpu_offload=true ({gb(total)}, slower)")
+    if p.strategy == "fsdp" and p.sharding == "hybrid" and shard_count(cfg, world_size, ranks_per_node) < world_size:
+        total = fits(_with(cfg, parallel={"sharding": "full"}))
+        if total:
+            fixes.append(f"parallel.sharding=full ({gb(total)})")
+    if p.strategy == "fsdp" and p.sharding != "hybrid":
+        for more in range(nodes + 1, 16 * nodes + 1):
+            world = more * ranks_per_node
+            if cfg.train.global_batch_size % world:
+                continue
+            mb = min(micro, cfg.train.global_batch_size // world)
+            total = fits(cfg, world, mb)
+            if total:
+                fixes.append(f"{nodes_option.format(more)} ({gb(total)})")
+                break
+    todo = ("it would fit with " + ", or ".join(fixes)) if fixes else (
+        "no single change (activation checkpointing, a smaller micro-batch, CPU offload, full sharding, up to 16x the "
+        "nodes) makes it fit: "
+        "use a smaller model or GPUs with more memory")
+    raise ConfigError(f"memory: one GPU needs about {gb(need.total)} (estimated: parameters, gradients, optimizer, "
+                      f"all-gathered units, activations of {micro} sample(s), allocator and CUDA context), "
+                      f"{gb(need.total - have)} more than the {gb(have)} of {target}; {todo}")
+
+
+def _with(cfg, **sections):
+    """`cfg` with some keys of some sections replaced: _with(cfg, parallel={"cpu_offload": True})."""
+    return dataclasses.replace(cfg, **{name: dataclasses.replace(getattr(cfg, name), **values)
+                                       for name, values in sections.items()})
+
+
+def gpu_type_bytes(name: str) -> int | None:
+    """Memory of a GPU type as Slurm's gres names it (h100, a100-80gb, ...), or None if unknown."""
+    mib = GPU_MEMORY_MIB.get(name.lower())
+    return mib * 2**20 if mib else None
+
+
+def local_gpu_bytes() -> int | None:
+    """The smallest memory of this machine's GPUs, or None without one (creates a CUDA context: never
+    call it from the launcher)."""
+    if not torch.cuda.is_available():
+        return None
+    return min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
 
 
 def machine_bytes() -> int | None:
@@ -117,4 +361,4 @@ def machine_bytes() -> int | None:
 
 
 def gb(n: int) -> str:
-    return f"{n / 1e9:.1f} GB"
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 or n == 0 else f"{n / 1e9:.3f} GB"

@@ -58,6 +58,7 @@ class Partition:
     gpus_per_node: int  # the fewest GPUs (gres gpu) any node of the partition declares
     cpus_per_node: int  # the fewest CPUs any node of the partition has
     grace_time_s: int | None  # seconds a preempted job gets after its first SIGTERM; None: not preemptable
+    gpu_types: tuple[str, ...] = ()  # the GPU types its nodes' gres name (gpu:h100:8 -> h100); () if untyped
 
 
 def _run(cmd: list[str]) -> str:
@@ -73,6 +74,11 @@ def _run(cmd: list[str]) -> str:
 def gres_gpus(gres: str) -> int:
     """GPUs in a node's gres string: 'gpu:8', 'gpu:a100:4(S:0-1),gpu:h100:4', '(null)' -> 8, 8, 0."""
     return sum(int(m.group(1)) for m in re.finditer(r"(?:^|,)gpu(?::[^:,(]+)?:(\d+)", gres))
+
+
+def gres_gpu_types(gres: str) -> set[str]:
+    """GPU types in a node's gres string: 'gpu:a100:4(S:0-1),gpu:h100:4' -> {a100, h100}; 'gpu:8' -> {}."""
+    return {m.group(1) for m in re.finditer(r"(?:^|,)gpu:([^:,(]+):\d+", gres)}
 
 
 def query_partition(name: str | None) -> Partition:
@@ -93,7 +99,8 @@ def query_partition(name: str | None) -> Partition:
     preemptable = re.search(r"\bPreemptMode=(\S+)", info)
     preempted = preemptable is not None and preemptable.group(1) not in ("OFF", "NONE")
     return Partition(name, min(gres_gpus(g) for _, g, _ in nodes), min(int(c.rstrip("+")) for _, _, c in nodes),
-                     int(grace.group(1)) if grace and preempted else None)
+                     int(grace.group(1)) if grace and preempted else None,
+                     tuple(sorted(set().union(*(gres_gpu_types(g) for _, g, _ in nodes)))))
 
 
 def has_pyxis() -> bool:
@@ -123,6 +130,8 @@ class Job:
     warn_seconds: int  # time-limit warning sent this long before the limit
     max_attempts: int  # attempts in a row without a new checkpoint before giving up
     reasons: dict[str, str] = dataclasses.field(default_factory=dict)  # resource -> why this value
+    gpu_mem_gb: str = ""  # GPU_MEM_GB: memory of one GPU in GB; empty: from the partition's GPU type
+    memory: str = ""  # the memory estimate's breakdown, per part (printed by --dry-run)
 
     @property
     def nproc_per_node(self) -> int:
@@ -264,12 +273,57 @@ def parse_job(args: argparse.Namespace, partition: Partition) -> Job:
     return Job(nodes=nodes, gpus_per_node=gpus, cpus_per_node=cpus, config=config, run_dir=run_dir,
                overrides=list(args.overrides), time=time_limit, partition=args.partition or None,
                container=container, runtime=runtime, net_if=args.net_if or None, warn_seconds=warn,
-               max_attempts=max_attempts, reasons=reasons)
+               max_attempts=max_attempts, reasons=reasons, gpu_mem_gb=args.gpu_mem_gb)
 
 
-def check_config(job: Job) -> float:
-    """Validate the config for the job's shape (not this machine's devices); return the estimated
-    seconds of one save, and refuse a warning too short for it."""
+def gpu_memory(job: Job, partition: Partition) -> tuple[int | None, str]:
+    """(bytes of one GPU of the job, what they are): GPU_MEM_GB, else the partition's GPU type (the
+    smallest where its nodes have several); (None, why) where neither says it: then the job is not
+    checked (gres without a type, gpu:8, is common) and the dry run says how to check it."""
+    from trainer.memory import gpu_type_bytes
+
+    if job.gpu_mem_gb:
+        try:
+            value = float(job.gpu_mem_gb)
+        except ValueError:
+            value = 0.0
+        if not value > 0:
+            raise SubmitError(f"GPU_MEM_GB={job.gpu_mem_gb!r}: give the memory of one GPU in GB, e.g. 80")
+        return int(value * 1e9), f"GPU_MEM_GB={job.gpu_mem_gb}"
+    if not partition.gpu_types:
+        return None, (f"not checked: the nodes of partition {partition.name} name no GPU type in gres, so their "
+                      f"memory is unknown; give it to check: GPU_MEM_GB=80 (--gpu-mem-gb)")
+    known = {t: gpu_type_bytes(t) for t in partition.gpu_types}
+    unknown = [t for t, b in known.items() if b is None]
+    if unknown:
+        return None, (f"not checked: partition {partition.name} has GPUs of type {', '.join(unknown)} (gres), whose "
+                      f"memory trainer.memory does not know; give it to check: GPU_MEM_GB=80 (--gpu-mem-gb)")
+    smallest = min(known, key=known.get)
+    return known[smallest], f"{smallest} (gres of partition {partition.name})"
+
+
+def _check_gpu_memory(job: Job, partition: Partition, cfg, world: int) -> None:
+    """The memory preflight for the partition's GPUs; its outcome goes into job.reasons and job.memory."""
+    from trainer import memory
+    from trainer.config import ConfigError
+
+    have, what = gpu_memory(job, partition)
+    if have is None:
+        job.reasons["memory"] = what
+        return
+    try:
+        need = memory.preflight(cfg, world, job.gpus_per_node, have, what, nodes=job.nodes, nodes_option="NODES={}")
+    except ConfigError as e:
+        raise ConfigError(f"{job.config}: {e}") from None
+    job.reasons["memory"] = (f"about {memory.gb(need.total)} per GPU estimated, of the {memory.gb(have)} of {what} "
+                             f"({need.total / have:.0%})")
+    job.memory = need.breakdown("    ")
+
+
+def check_config(job: Job, partition: Partition | None = None) -> float:
+    """Validate the config for the job's shape (not this machine's devices), and that it fits the
+    GPUs' memory (with `partition`); return the estimated seconds of one save, and refuse a warning
+    too short for it."""
     from trainer.check import save_seconds, validate
     from trainer.config import ConfigError, load
 
@@ -278,6 +332,8 @@ def check_config(job: Job) -> float:
         overrides = [f"run_dir={job.run_dir}", *job.overrides]
         cfg = load(str(job.config), overrides)
         validate(cfg, world, where=str(job.config), overrides=overrides)
+        if job.gpus_per_node and partition is not None:
+            _check_gpu_memory(job, partition, cfg, world)
     except ConfigError as e:
         raise SubmitError(str(e)) from None
     estimate, how = save_seconds(cfg, job.nodes, str(job.run_dir))
@@ -353,6 +409,7 @@ def describe(job: Job, partition: Partition) -> str:
                                                                       f"to save, {signals.EXIT_MARGIN_S} s stay for the requeue check"),
         ("preemption", f"GraceTime {partition.grace_time_s} s" if partition.grace_time_s is not None else "not preemptable",
          f"partition {partition.name}"),
+        ("GPU memory", job.reasons.get("memory", "not checked (no GPUs)"), ""),
         ("checkpoint save", job.reasons.get("save", "not estimated"), ""),
         ("network", job.net_if or "NCCL's and gloo's own choice", "NET_IF" if job.net_if else "no NET_IF given"),
         ("container", f"{job.container} ({job.runtime})" if job.container else "none: this checkout and venv", ""),
@@ -485,6 +542,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="empty: apptainer for .sif files, pyxis otherwise")
     p.add_argument("--net-if", default="", help="network interface for NCCL and gloo (e.g. ib0); empty: their choice")
     p.add_argument("--launcher", default="sbatch", choices=["sbatch", "submitit"])
+    p.add_argument("--gpu-mem-gb", default="", help="memory of one GPU in GB; empty: from the partition's GPU type (gres)")
     p.add_argument("--warn-seconds", default="120", help="time-limit warning, seconds before the limit")
     p.add_argument("--max-attempts", default="3", help="attempts without a new checkpoint before giving up")
     p.add_argument("--dry-run", action="store_true", help="print the resources and the batch script; submit nothing")
@@ -497,12 +555,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         partition = query_partition(args.partition or None)
         job = parse_job(args, partition)
-        check_config(job)
+        check_config(job, partition)
         if job.runtime == "pyxis" and not args.dry_run and not has_pyxis():
             raise SubmitError(f"CONTAINER={args.container}: this cluster's srun has no Pyxis plugin "
                               f"(--container-image); use an Apptainer .sif, or no container")
         if args.dry_run:
-            print(f"# {args.launcher} job, not submitted (DRY_RUN):\n{describe(job, partition)}\n")
+            print(f"# {args.launcher} job, not submitted (DRY_RUN):\n{describe(job, partition)}")
+            if job.memory:
+                print(f"  the GPU memory estimate, per GPU:\n{job.memory}")
+            print()
             print(render_sbatch(job), end="")
             return 0
         print(describe(job, partition))

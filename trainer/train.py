@@ -219,6 +219,8 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, train_set, eval
                      f"strategy {cfg.parallel.strategy}, {micro} samples x {accum} micro-batches per rank, steps {step}->{cfg.train.steps}")
 
     model.train()
+    auto = _auto_interval(cfg, env) if cfg.checkpoint.interval == "auto" else None
+    last_save, segment_start = step, time.perf_counter()  # steps and time since the last save: the step time
     window_start, window_steps = time.perf_counter(), 0  # throughput over the steps since the last row
     # First step whose loss or gradient norm was not finite, or -1; on the device: read (a sync) only
     # when logging and before saving, so nothing non-finite is ever written or committed.
@@ -292,14 +294,29 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, train_set, eval
         stopping = stop.requested()
         ckpt.poll()
         interval = cfg.checkpoint.interval
-        if stopping or step == cfg.train.steps or (interval and step % interval == 0):
+        due = interval != "auto" and interval and step % interval == 0
+        if auto is not None:
+            if auto.steps is None:  # the first step's time is known: choose with the estimated save cost
+                (step_s,) = _agreed_max(control, (time.perf_counter() - segment_start) / (step - last_save))
+                auto.choose(step_s)
+                reporter.message(auto.line(step, step_s, last_save + auto.steps))
+            due = step - last_save >= auto.steps
+        if stopping or step == cfg.train.steps or due:
+            segment = (time.perf_counter() - segment_start, step - last_save)
             _stop_if_diverged(first_bad, ckpt, model)
             parallel.average_batchnorm_stats(model)  # the checkpoint keeps one rank's copy: make it all ranks'
             blocking = stopping or step == cfg.train.steps or not cfg.checkpoint.async_save
             started = time.perf_counter()
             ckpt.save(step, model, optimizer, scheduler, {"samples": samples, "config": to_dict(cfg)}, blocking=blocking)
+            save_s = time.perf_counter() - started  # what the save blocked training (all of it, unless async)
             if blocking and env.is_main:  # what a stop costs: make submit sizes the warning with it
-                layout.write_status(run_dir, save_s=round(time.perf_counter() - started, 3))
+                layout.write_status(run_dir, save_s=round(save_s, 3))
+            if auto is not None and segment[1] and step < cfg.train.steps and not stopping:
+                save_s, step_s = _agreed_max(control, save_s, segment[0] / segment[1])  # every rank the same
+                if auto.measured(save_s):
+                    auto.choose(step_s)
+                    reporter.message(auto.line(step, step_s, step + auto.steps))
+            last_save, segment_start = step, time.perf_counter()
         if stopping:
             reporter.message(f"stopped by signal after step {step}; the checkpoint is saved, a restart resumes here")
             break
@@ -310,6 +327,24 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, train_set, eval
     if env.is_main:
         layout.write_status(run_dir, state="stopped" if step < cfg.train.steps else "finished", step=step)
     dist.barrier(group=control)
+
+
+def _auto_interval(cfg: Config, env: distributed.Env) -> checkpoint.AutoInterval:
+    """checkpoint.interval=auto's state: the job's MTBF and the save cost until one is measured (this
+    run dir's last blocking save, else the state's size at the assumed write speed: trainer.check)."""
+    from trainer.check import save_seconds
+
+    mtbf_hours = cfg.checkpoint.mtbf_hours or checkpoint.GPU_MTBF_HOURS / env.world_size
+    nodes = max(1, env.world_size // env.local_world_size)
+    save_s, how = save_seconds(cfg, nodes, cfg.run_dir)
+    return checkpoint.AutoInterval(mtbf_hours * 3600, save_s, how.split(":")[0])
+
+
+def _agreed_max(group, *values: float) -> list[float]:
+    """The largest of each value over the ranks: decisions that every rank must take alike."""
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
 
 
 class Diverged(Exception):

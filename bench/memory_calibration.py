@@ -1,0 +1,114 @@
+"""The memory estimate (trainer.memory) against measured peaks: runs the trainer a few steps per
+configuration and writes bench/results/<date>-memory-calibration.md.
+
+    python bench/memory_calibration.py                 # CPU: 2 processes, gloo, peak RSS (~3 min)
+    python bench/memory_calibration.py --device cuda   # 1 GPU: 125m and 1b, with and without AC
+
+On the CPU the trainer's peak_mem_gb is rank 0's peak RSS: the process itself (Python, torch, gloo)
+plus what the estimate counts. The process's share is measured by a baseline run of the tiny model
+(its estimate subtracted); each configuration's error is that of the estimate against peak RSS minus
+that baseline. On a GPU peak_mem_gb is torch.cuda.max_memory_allocated: compared with the estimate
+without the allocator's overhead and the CUDA context, which it does not see.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from trainer import memory  # noqa: E402
+from trainer.config import load  # noqa: E402
+
+BASE = ["log.interval=1", "log.progress=false", "checkpoint.interval=0", "train.steps=3", "optim.warmup_steps=1"]
+# name, overrides: sizes, strategies and activation checkpointing where the model's part of the RSS
+# is large enough to be seen beside the process's few hundred MB.
+CPU_CONFIGS = [
+    ("baseline: tiny", ["model.size=tiny", "model.seq_len=32", "train.global_batch_size=4"]),
+    ("small, fsdp full, seq 512, 16/rank", ["model.size=small", "model.seq_len=512", "train.global_batch_size=32"]),
+    ("small, fsdp full + AC", ["model.size=small", "model.seq_len=512", "train.global_batch_size=32",
+                               "parallel.activation_checkpointing=true"]),
+    ("small, ddp", ["model.size=small", "model.seq_len=512", "train.global_batch_size=32", "parallel.strategy=ddp"]),
+    ("small x2 wide (dim 512), fsdp grad_op, 8/rank", ["model.size=small", "model.dim=512", "model.ffn_dim=1536",
+                                                       "model.seq_len=512", "train.global_batch_size=16",
+                                                       "parallel.sharding=grad_op"]),
+]
+GPU_CONFIGS = [
+    (f"{size}, bf16, seq 2048, {micro}/GPU{', AC' if ac else ''}",
+     [f"model.size={size}", "model.seq_len=2048", f"train.global_batch_size={micro}", "parallel.param_dtype=bfloat16",
+      f"parallel.activation_checkpointing={str(ac).lower()}"])
+    for size, micro in (("125m", 8), ("1b", 4)) for ac in (False, True)
+]
+
+
+def run(overrides: list[str], nproc: int, gpu: bool) -> float:
+    """rank 0's peak_mem_gb after the last step."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+        if not gpu:
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc-per-node={nproc}", "-m",
+               "trainer", "--config", str(ROOT / "configs" / "default.yaml"), f"run_dir={run_dir}", *BASE, *overrides]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        if proc.returncode != 0:
+            raise SystemExit(f"{' '.join(overrides)}: the trainer failed:\n{proc.stderr[-3000:]}")
+        rows = [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
+        return max(r["peak_mem_gb"] for r in rows if "peak_mem_gb" in r) * 1e9
+
+
+def calibrate(device: str) -> tuple[list[dict], float]:
+    """Each configuration's estimate and measurement, and the process baseline in bytes (CPU)."""
+    gpu = device == "cuda"
+    nproc = 1 if gpu else 2
+    results, baseline = [], 0.0
+    for name, overrides in (GPU_CONFIGS if gpu else CPU_CONFIGS):
+        cfg = load(str(ROOT / "configs" / "default.yaml"), overrides)
+        micro = cfg.train.global_batch_size // nproc
+        e = memory.estimate(cfg, nproc, micro, ranks_per_node=nproc, gpu=False)  # allocated: no allocator/context
+        started = time.perf_counter()
+        measured = run(overrides, nproc, gpu)
+        if name.startswith("baseline"):
+            baseline = measured - e.total
+        model_part = measured - baseline
+        results.append({"name": name, "overrides": overrides, "estimate": e.total, "measured": measured,
+                        "model_part": model_part, "error": e.total / model_part - 1, "seconds": time.perf_counter() - started})
+        print(f"{name}: estimate {e.total / 1e9:.3f} GB, measured {measured / 1e9:.3f} GB "
+              f"({'minus baseline ' + format(model_part / 1e9, '.3f') + ' GB, ' if not gpu else ''}"
+              f"error {results[-1]['error']:+.1%})", flush=True)
+    return results, baseline
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = parser.parse_args()
+    results, baseline = calibrate(args.device)
+    day = time.strftime("%Y-%m-%d")
+    path = Path(args.out) / f"{day}-memory-calibration{'-gpu' if args.device == 'cuda' else ''}.md"
+    lines = [f"# Memory estimate against measured peaks ({args.device}, {day})", "",
+             f"`python bench/memory_calibration.py{' --device cuda' if args.device == 'cuda' else ''}`; torch "
+             f"{__import__('torch').__version__}; 3 steps each.", ""]
+    if args.device == "cpu":
+        lines += [f"2 processes (gloo). Process baseline (tiny run's peak RSS minus its estimate): {baseline / 1e9:.3f} GB.",
+                  "The error is the estimate's against peak RSS minus that baseline.", ""]
+    lines += ["| config | estimate GB | measured GB | model part GB | error |", "|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['name']} | {r['estimate'] / 1e9:.3f} | {r['measured'] / 1e9:.3f} | "
+                     f"{r['model_part'] / 1e9:.3f} | {r['error']:+.1%} |")
+    path.write_text("\n".join(lines) + "\n")
+    (path.with_suffix(".json")).write_text(json.dumps({"device": args.device, "baseline": baseline, "results": results}, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

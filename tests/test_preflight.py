@@ -1,0 +1,239 @@
+"""Issue #18: the memory preflight ("will it fit?") and checkpoint.interval=auto ("how often should it
+save?"). The GPU's memory is the one thing mocked: no GPU here."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from trainer import check, memory
+from trainer.config import load
+
+LLAMA_8B = str(ROOT / "configs" / "llama-8b.yaml")
+SYNTHETIC = ["data.name=synthetic"]  # the 8b config points at a token file of the cluster
+
+
+def run_check(capsys, tmp_path, *argv, config=LLAMA_8B):
+    code = check.main(["--config", config, f"run_dir={tmp_path / 'run'}", *SYNTHETIC, *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_the_estimate_counts_each_part_by_strategy():
+    cfg = load(None, ["model.seq_len=32"])
+    pr = memory.measure(cfg)
+    n = pr.params
+    one, four = memory.estimate(cfg, 1, 2, profile=pr), memory.estimate(cfg, 4, 2, profile=pr)
+    assert (four.parameters, four.gradients, four.optimizer) == (n, n, 2 * n)
+    assert four.unsharded == 4 * (pr.root_params + 2 * pr.largest_unit)  # float32 all-gather: root + unit + prefetch
+    ddp = memory.estimate(load(None, ["model.seq_len=32", "parallel.strategy=ddp"]), 4, 2, profile=pr)
+    assert (ddp.parameters, ddp.reduce_buffers) == (4 * n, 4 * n)  # replicated, plus the buckets
+    grad_op = memory.estimate(load(None, ["model.seq_len=32", "parallel.sharding=grad_op"]), 4, 2, profile=pr)
+    assert grad_op.unsharded == 4 * n  # every unit stays all-gathered
+    hybrid = memory.estimate(load(None, ["model.seq_len=32", "parallel.sharding=hybrid"]), 8, 2, ranks_per_node=2, profile=pr)
+    assert hybrid.parameters == 2 * n  # sharded over the 2 ranks of a node only
+    offload = memory.estimate(load(None, ["model.seq_len=32", "parallel.cpu_offload=true"]), 4, 2, gpu=True, profile=pr)
+    assert (offload.parameters, offload.optimizer, offload.host) == (0, 0, 4 * n)
+    assert offload.overhead >= memory.CUDA_CONTEXT_BYTES and one.overhead == 0
+    assert one.activations == 2 * pr.activations > 2 * pr.activations_checkpointed > 0
+
+
+def test_bfloat16_halves_the_all_gathered_copies_and_the_activations_of_the_blocks():
+    f32, bf16 = (memory.measure(load(None, ["model.size=small", "model.seq_len=64", f"parallel.param_dtype={d}"]))
+                 for d in ("float32", "bfloat16"))
+    assert bf16.compute_dtype.itemsize == 2 and bf16.params == f32.params
+    e32, e16 = (memory.estimate(load(None, ["model.size=small", f"parallel.param_dtype={d}"]), 4, 1, profile=p)
+                for d, p in (("float32", f32), ("bfloat16", bf16)))
+    assert e16.unsharded * 2 == e32.unsharded
+    assert 0.5 * f32.activations < bf16.activations < f32.activations  # the loss's logits stay float32
+
+
+def test_attention_is_counted_as_the_fused_kernels_keep_it():
+    """Not the seq x seq scores: doubling the sequence doubles the activations."""
+    short, long = (memory.measure(load(None, ["model.size=small", f"model.seq_len={t}"])) for t in (256, 512))
+    assert long.activations == pytest.approx(2 * short.activations, rel=0.01)
+
+
+def test_a_job_that_fits_prints_the_estimate_beside_the_gpu(capsys, tmp_path):
+    code, out, err = run_check(capsys, tmp_path, "--nproc", "2", "--nnodes", "4", "--gpu-mem-gb", "85.5")
+    assert code == 0, err
+    assert re.search(r"memory: about [\d.]+ GB per GPU estimated, of the 85.5 GB of GPU_MEM_GB=85.5 \(\d+%\)", out), out
+    for part in ("parameters", "gradients", "optimizer", "unsharded", "reduce buffers", "activations", "overhead", "total"):
+        assert re.search(rf"^  {part} +[\d.]+ GB", out, re.M), part
+
+
+def test_a_job_that_cannot_fit_is_refused_with_what_would_fit(capsys, tmp_path):
+    code, out, err = run_check(capsys, tmp_path, "--nproc", "2", "--nnodes", "4", "--gpu-mem-gb", "40",
+                               "parallel.sharding=full", "parallel.activation_checkpointing=false")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    m = re.fullmatch(r"error: .*llama-8b.yaml: memory: one GPU needs about ([\d.]+) GB \(estimated.*\), ([\d.]+) GB more "
+                     r"than the 40.0 GB of GPU_MEM_GB=40; it would fit with (.*)", lines[0])
+    assert m, lines[0]
+    assert float(m[1]) - 40 == pytest.approx(float(m[2]), abs=0.11)
+    fixes = m[3].split(", or ")
+    assert any(f.startswith("parallel.activation_checkpointing=true") for f in fixes), fixes
+    assert not any("micro_batch_size" in f for f in fixes)  # already 1 sample: no smaller one to offer
+    # every suggestion, applied, passes the same check
+    for fix in fixes:
+        option = fix.split(" (")[0]
+        argv = ["--nproc", "2", "--nnodes", "4", "--gpu-mem-gb", "40", "parallel.sharding=full",
+                "parallel.activation_checkpointing=false"]
+        if option.startswith("--nnodes"):
+            argv[3] = option.split()[1]
+        else:
+            argv.append(option)
+        code, out, err = run_check(capsys, tmp_path, *argv)
+        assert code == 0, (fix, err)
+
+
+def test_the_local_gpus_memory_is_the_target_without_gpu_mem_gb(capsys, tmp_path, monkeypatch):
+    """The GPU is mocked (there is none here): the local GPU's total_memory is the target."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(memory, "local_gpu_bytes", lambda: 40 * 10**9)
+    code, out, err = run_check(capsys, tmp_path, "--nproc", "1", "model.size=1b", "model.seq_len=2048",
+                               "parallel.sharding=full", "train.global_batch_size=8", "train.micro_batch_size=8",
+                               "parallel.activation_checkpointing=false")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "than the 40.0 GB of this machine's GPU" in lines[0], err
+    assert re.search(r"train.micro_batch_size=\d \(", lines[0]), lines[0]
+
+
+# ---------------------------------------------------------------------------------------------------
+# checkpoint.interval=auto
+
+
+@pytest.mark.parametrize("save_s, mtbf_s, step_s, steps", [
+    (10.0, 3600 * 5, 1.0, 600),  # sqrt(2 x 10 x 18000) = 600 s
+    (30.0, 3600 * 24, 2.0, 1138),  # sqrt(5,184,000) = 2276.8 s
+    (0.5, 100.0, 0.01, 1000),  # sqrt(100) = 10 s
+    (1.0, 1.0, 10.0, 1),  # shorter than a step: every step
+    (0.0, 1e6, 1.0, 1),  # a free save: every step
+])
+def test_young_daly_interval(save_s, mtbf_s, step_s, steps):
+    from trainer.checkpoint import young_daly_interval
+
+    assert young_daly_interval(save_s, mtbf_s, step_s) == steps
+
+
+def test_the_default_mtbf_is_the_llama_3_rate_per_gpu():
+    from trainer.checkpoint import GPU_MTBF_HOURS
+
+    assert GPU_MTBF_HOURS == pytest.approx(45566, abs=1)  # 54 days x 24 h x 16,384 GPUs / 466 interruptions
+
+
+def test_auto_interval_is_chosen_again_when_the_save_cost_changes():
+    from trainer.checkpoint import AutoInterval
+
+    auto = AutoInterval(mtbf_s=7200.0, estimated_save_s=2.0, how="estimated")
+    assert auto.choose(step_s=1.0) == 170  # sqrt(2 x 2 x 7200) = 169.7
+    assert not auto.measured(2.4)  # +20%: kept
+    assert auto.measured(8.0)  # 4x: chosen again
+    assert auto.choose(step_s=1.0) == 339
+
+
+@pytest.mark.parametrize("value, expected", [("auto", "auto"), ("25", 25), ("0", 0)])
+def test_interval_takes_a_number_or_auto(value, expected):
+    assert load(None, [f"checkpoint.interval={value}"]).checkpoint.interval == expected
+
+
+def test_interval_refuses_other_words():
+    from trainer.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"'checkpoint.interval' is 'often'; expected int or 'auto'"):
+        load(None, ["checkpoint.interval=often"])
+
+
+def test_a_run_with_auto_interval_logs_its_choice_and_saves_at_it(tmp_path):
+    from conftest import TINY, train
+
+    steps = 16
+    overrides = [o for o in TINY if not o.startswith(("checkpoint.interval", "train.steps"))]
+    proc = train(tmp_path / "run", 2, *overrides, f"train.steps={steps}", "checkpoint.interval=auto",
+                 "checkpoint.mtbf_hours=0.0001", "checkpoint.keep=0")
+    choices = [(int(m[1]), int(m[2]), int(m[3])) for m in re.finditer(
+        r"checkpoint.interval=auto: every (\d+) steps \(~[\d.]+ s\) from step (\d+), next save at step (\d+): "
+        r"sqrt\(2 x [\d.]+ s per save \((?:estimated|measured by the last save)\) x 0.0001 h between interruptions\) "
+        r"/ [\d.]+ s per step", proc.stdout + proc.stderr)]
+    assert choices and choices[0][1] == 1, proc.stdout  # chosen after the first step
+    by_step = {start: every for every, start, _ in choices}
+    expected, every, at = [], choices[0][0], choices[0][2]
+    while at < steps:  # the saves the logged choices promise
+        expected.append(at)
+        every = by_step.get(at, every)
+        at += every
+    saved = sorted(int(p.name.split("_")[1]) for p in (tmp_path / "run" / "checkpoints").glob("step_*"))
+    assert saved == expected + [steps], (saved, choices)
+
+
+# ---------------------------------------------------------------------------------------------------
+# trainer.submit --dry-run: the partition's GPU type from gres (Slurm answered by two small scripts,
+# as a partition of 8 x H100 nodes would: no cluster runs here)
+
+
+def _fake_slurm(tmp_path: Path, gres: str) -> dict:
+    import os
+    import stat
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scripts = {
+        "sinfo": f'if [ "$2" = "-N" ]; then echo "n[1-4] {gres} 96"; else echo "gpu*"; fi',
+        "scontrol": 'echo "PartitionName=gpu PreemptMode=OFF GraceTime=0"',
+    }
+    for name, body in scripts.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(stat.S_IRWXU)
+    return dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHONPATH=str(ROOT))
+
+
+def _shared_run_dir() -> Path:
+    """A run dir a 4-node job may use (not /tmp, where pytest's tmp_path lives); a dry run writes nothing."""
+    import os
+
+    return ROOT / "runs" / f"test-preflight-{os.getpid()}"
+
+
+def submit_dry_run(tmp_path, environ, *args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "trainer.submit", "--nodes", "4", "--config", LLAMA_8B,
+                           "--run-dir", str(_shared_run_dir()), "--dry-run", *args, "--", *SYNTHETIC],
+                          capture_output=True, text=True, cwd=ROOT, env=environ, timeout=120)
+
+
+def test_submit_dry_run_prints_the_estimate_beside_the_partitions_gpus(tmp_path):
+    out = submit_dry_run(tmp_path, _fake_slurm(tmp_path, "gpu:h100:8(S:0-1)"))
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"GPU memory +about [\d.]+ GB per GPU estimated, of the 85.5 GB of h100 \(gres of partition gpu\)",
+                     out.stdout), out.stdout
+    assert re.search(r"^    activations +[\d.]+ GB  1 sample\(s\) x [\d.]+ GB, with activation checkpointing", out.stdout, re.M)
+    assert not _shared_run_dir().exists()
+
+
+def test_submit_refuses_a_job_that_cannot_fit_in_one_line(tmp_path):
+    out = submit_dry_run(tmp_path, _fake_slurm(tmp_path, "gpu:a100:8"), "parallel.activation_checkpointing=false",
+                         "train.micro_batch_size=4", "train.global_batch_size=128")
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert re.fullmatch(r"submit: error: .*llama-8b.yaml: memory: one GPU needs about [\d.]+ GB \(estimated.*\), [\d.]+ GB "
+                        r"more than the 42.9 GB of a100 \(gres of partition gpu\); it would fit with "
+                        r"parallel.activation_checkpointing=true \([\d.]+ GB\).*", lines[0]), lines[0]
+
+
+def test_submit_checks_an_unknown_gpu_type_with_gpu_mem_gb(tmp_path):
+    environ = _fake_slurm(tmp_path, "gpu:mi300x:8")
+    out = submit_dry_run(tmp_path, environ)
+    assert out.returncode == 0, out.stderr  # not refused: unchecked, and the dry run says how to check it
+    assert re.search(r"GPU memory +not checked: partition gpu has GPUs of type mi300x \(gres\).*GPU_MEM_GB=80", out.stdout)
+    out = submit_dry_run(tmp_path, environ, "--gpu-mem-gb", "192")
+    assert out.returncode == 0 and "of the 192.0 GB of GPU_MEM_GB=192" in out.stdout, out.stderr
+    out = submit_dry_run(tmp_path, environ, "--gpu-mem-gb", "20")
+    assert out.returncode == 2 and "than the 20.0 GB of GPU_MEM_GB=20" in out.stderr, out.stderr
