@@ -252,9 +252,11 @@ class Checkpointer:
         if self.rank == 0:
             listed = complete(self.run_dir)
             found = [(step, path) for step, path in listed if path not in unreadable]
-            # Committed checkpoints damaged after their commit (found out when listed or when read):
-            # with none readable left the run does not silently start over in their place.
-            unreadable += tuple(folder[1] for folder in layout.step_folders(self.run_dir) if folder not in listed)
+            # Checkpoints damaged after their commit (DCP's .metadata is there, a shard is not whole),
+            # found out when listed or when read: with none readable left the run does not silently
+            # start over in their place. A step folder without .metadata was never a checkpoint.
+            unreadable += tuple(path for step, path in layout.step_folders(self.run_dir) if (step, path) not in listed
+                                and os.path.isfile(os.path.join(path, ".metadata")))
             if found:  # the run's own checkpoints win: resume_from is only where a new run starts
                 choice = [found[-1][1]]
                 if self.args.resume_from:
