@@ -194,10 +194,18 @@ def _fake_slurm(tmp_path: Path, gres: str) -> dict:
 
 
 def _shared_run_dir() -> Path:
-    """A run dir a 4-node job may use (not /tmp, where pytest's tmp_path lives); a dry run writes nothing."""
+    """A run dir a 4-node job may use (not /tmp, where pytest's tmp_path and CI's clone may live): the
+    repo's runs/, else one under the home; a dry run writes nothing."""
     import os
 
-    return ROOT / "runs" / f"test-preflight-{os.getpid()}"
+    from trainer import submit
+
+    run_dir = ROOT / "runs" / f"test-preflight-{os.getpid()}"
+    try:
+        submit.check_shared(run_dir, nodes=4)
+    except submit.SubmitError:  # e.g. a CI clone in /tmp
+        run_dir = Path.home() / ".cache" / "fsdp-trainer-tests" / f"preflight-{os.getpid()}"
+    return run_dir
 
 
 def submit_dry_run(tmp_path, environ, *args):
