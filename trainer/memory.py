@@ -182,8 +182,8 @@ class _FusedAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad):  # never run: the estimate stops after forward
-        raise NotImplementedError
+    def backward(ctx, grad):
+        raise RuntimeError("the memory estimate runs the model forward only, on the meta device")
 
 
 def _fused_attention(q, k, v, *args, **kwargs):
