@@ -94,7 +94,7 @@ def main() -> None:
 
     ckpt = checkpoint.Checkpointer(cfg.checkpoint, args.dir, rank, world, io_group)
     stock = checkpoint.Checkpointer(cfg.checkpoint, args.dir, rank, world, io_group)
-    stock.reader = FileSystemReader  # the same load with DCP's own reader in place of the trainer's
+    stock.reader = lambda path, **_: FileSystemReader(path)  # the same load with DCP's own reader in place of the trainer's
     raw_file = os.path.join(args.dir, "raw.bin")
     full_file = os.path.join(args.dir, "full_state.pt")
     buffer = os.urandom(CHUNK) if rank == 0 else b""  # random: nothing below can compress it

@@ -11,7 +11,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
-from trainer import shard_reader
+from trainer import checksums, shard_reader
 from trainer.shard_reader import ShardReader
 
 
@@ -167,3 +167,33 @@ def test_differential_against_dcps_reader_on_random_layouts(tmp_path, seed):
         for k in state:
             assert torch.equal(ours[k], stock[k]), f"seed {seed} trial {trial}: {k} differs; {layouts[k]}"
             assert torch.equal(ours[k], state[k].resolve_neg()), f"seed {seed} trial {trial}: {k} is not what was saved"
+
+
+def test_each_shard_file_is_checked_by_one_rank_its_writer(tmp_path, monkeypatch):
+    """A rank that needs a few bytes of another rank's file (replicated state) reads those, not
+    the whole file for its checksum: each file is checked once, by the rank that wrote it (or,
+    with fewer ranks than writers, dealt out), so at N ranks rank 0's file is not read N times."""
+    state = {"a": torch.randn(256, 64), "b": torch.arange(9)}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, storage_writer=checksums.ChecksumWriter(tmp_path), no_dist=True)  # writes __0_0.distcp
+    (shard,) = tmp_path.glob("*.distcp")
+    raw = bytearray(shard.read_bytes())
+    raw[-100] ^= 0xFF  # in the zip directory at the archive's end, a part no load needs
+    shard.write_bytes(bytes(raw))
+    hashed = []
+    hasher = checksums.hasher
+    monkeypatch.setattr(checksums, "hasher", lambda: hashed.append(1) or hasher())
+
+    def load_as(rank: int, world_size: int) -> None:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(blank(state), storage_reader=ShardReader(tmp_path, rank=rank, world_size=world_size), no_dist=True)
+
+    load_as(1, 2)  # rank 1 of 2 reads the tensors it needs and leaves writer 0's file to rank 0
+    assert hashed == []
+    with pytest.raises(CheckpointException) as failed:
+        load_as(0, 2)
+    assert isinstance(failed.value.failures[0][0], checksums.ChecksumError)
+    assert [shard_reader._checker(f"__{w}_0.distcp", w, 3) for w in range(5)] == [0, 1, 2, 0, 1]
+    assert shard_reader._checker("other.distcp", 4, 3) == 1

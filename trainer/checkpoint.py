@@ -324,7 +324,7 @@ class Checkpointer:
         try:
             with warnings.catch_warnings():  # no_dist warns that it assumes one process; it is each rank alone
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.load(state, storage_reader=self.reader(path), no_dist=True)
+                dcp.load(state, storage_reader=self.reader(path, rank=self.rank, world_size=self.world_size), no_dist=True)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - any failure stops every rank, with its cause
             cause = e.failures[min(e.failures)][0] if isinstance(e, CheckpointException) and e.failures else e
             log.warning("rank %d: reading checkpoint %s failed: %s: %s", self.rank, path, type(cause).__name__, cause)

@@ -11,6 +11,12 @@ itself, while a thread reads ahead so the disk never waits for the CPU. Any tens
 recognise as a plain contiguous one that fills its destination whole (a resharded slice, another
 dtype, strides, compression, storage transforms, bytes items) goes to the stock reader unchanged,
 so the result is always what `FileSystemReader` would have produced.
+
+Every shard file with a recorded checksum is checked by exactly one rank, the one that wrote it
+when that rank is loading (files of ranks beyond the world are dealt out by the writer's number):
+the others read only the parts they need. With every rank hashing every file it touched, a rank
+that needs a few hundred bytes of replicated state from rank 0's file read all of it, and at N
+ranks that file was read N times.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import io
 import math
 import os
 import pickle
+import re
 import struct
 import sys
 import threading
@@ -57,7 +64,19 @@ class _Stored:
 
 
 class ShardReader(FileSystemReader):
-    """`FileSystemReader` that reads plain tensors into their destination without `torch.load`."""
+    """`FileSystemReader` that reads plain tensors into their destination without `torch.load`,
+    and checks the checksums of the shard files that are `rank`'s of `world_size` to check."""
+
+    def __init__(self, path: str | os.PathLike, rank: int = 0, world_size: int = 1):
+        super().__init__(path)
+        self.share = (rank, world_size)  # not self.rank: DCP sets that in set_up_storage_reader
+
+    def checked_here(self) -> list[str]:
+        """The shard files (relative paths) this rank checks: `__<writer>_<n>.distcp` by rank
+        writer % world_size, any other name by its place in the sorted list."""
+        rank, world_size = self.share
+        names = sorted({info.relative_path for info in self.storage_data.values()})
+        return [name for index, name in enumerate(names) if _checker(name, index, world_size) == rank]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list[ReadItem]] = {}
@@ -68,8 +87,10 @@ class ShardReader(FileSystemReader):
         spans = {os.path.join(self.path, path): [(self.storage_data[i.storage_index].offset,
                                                   self.storage_data[i.storage_index].length) for i in items]
                  for path, items in per_file.items()}
+        checked = [os.path.join(self.path, name) for name in self.checked_here()]
+        spans.update({path: [] for path in checked if path not in spans})  # last: read only to be checked
         rest: list[ReadItem] = []
-        with _ReadAhead(spans) as ahead:
+        with _ReadAhead(spans, checked) as ahead:
             for path, items in per_file.items():
                 with open(os.path.join(self.path, path), "rb", buffering=0) as f:
                     for item in items:
@@ -102,6 +123,12 @@ class ShardReader(FileSystemReader):
             target.copy_(dest)
         planner.commit_tensor(item, target)
         return True
+
+
+def _checker(name: str, index: int, world_size: int) -> int:
+    """The rank that checks shard file `name`, `index`th in name order: its writer's, dealt out."""
+    written_by = re.fullmatch(r"__(\d+)_\d+\.distcp", name)
+    return (int(written_by.group(1)) if written_by else index) % world_size
 
 
 def _read_exactly(f, start: int, dest: torch.Tensor) -> None:
@@ -186,13 +213,13 @@ class _ReadAhead:
     keeps at most `ahead` bytes in front of the load: each tensor is then in the page cache when
     the load reaches it, and the disk works while the load's CPU does.
 
-    Files with a recorded checksum (trainer/checksums.py) are read whole, and their checksum is
-    computed on the way, beside the load; leaving the block finishes them and raises
-    ChecksumError for one that is not what was written. Other files are
-    only warmed: the load reads everything itself, so an error there only costs speed."""
+    The files of `check` that have a recorded checksum (trainer/checksums.py) are read whole,
+    and their checksum is computed on the way, beside the load; leaving the block finishes them
+    and raises ChecksumError for one that is not what was written. Other files are only
+    warmed: the load reads everything itself, so an error there only costs speed."""
 
-    def __init__(self, spans: dict[str, list[tuple[int, int]]], ahead: int = _AHEAD_BYTES):
-        self.verified = {path: checksums.record(path) for path in spans}
+    def __init__(self, spans: dict[str, list[tuple[int, int]]], check=(), ahead: int = _AHEAD_BYTES):
+        self.verified = {path: checksums.record(path) for path in check}
         self.verified = {path: want for path, want in self.verified.items() if want is not None}
         # file -> its (offset, length)s, in the order the load reads them; whole for verified files
         self.spans = {path: [(0, self.verified[path]["size"])] if path in self.verified else s
