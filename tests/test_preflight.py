@@ -245,3 +245,34 @@ def test_submit_checks_an_unknown_gpu_type_with_gpu_mem_gb(tmp_path):
     assert out.returncode == 0 and "of the 192.0 GB of GPU_MEM_GB=192" in out.stdout, out.stderr
     out = submit_dry_run(tmp_path, environ, "--gpu-mem-gb", "20")
     assert out.returncode == 2 and "than the 20.0 GB of GPU_MEM_GB=20" in out.stderr, out.stderr
+
+
+def test_a_rank_refuses_a_batch_its_gpu_cannot_hold_before_anything_is_written(tmp_path):
+    """`make run`, compose and sbatch have no `make check` before them: each rank checks its own
+    GPU (the launcher must not create a CUDA context). The real entry point, in its own process,
+    with the one thing not here mocked: a 40 GB GPU."""
+    import subprocess
+    import sys
+    import textwrap
+
+    gpu = textwrap.dedent("""
+        import runpy, sys, types, torch
+        torch.cuda.is_available = lambda: True
+        torch.cuda.device_count = lambda: 1
+        torch.cuda.set_device = lambda index: None
+        torch.cuda.get_device_properties = lambda index: types.SimpleNamespace(total_memory=40 * 10**9)
+        torch.cuda.get_device_name = lambda index: "NVIDIA A100-SXM4-40GB"
+        sys.argv[0] = "trainer"
+        runpy.run_module("trainer", run_name="__main__", alter_sys=True)
+    """)
+    run_dir = tmp_path / "run"
+    config = str(ROOT / "configs" / "default.yaml")
+    done = subprocess.run([sys.executable, "-c", gpu, "--config", config, f"run_dir={run_dir}", "model.size=1b",
+                           "model.seq_len=2048", "train.global_batch_size=8", "train.micro_batch_size=8"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"error: {config}: memory: one GPU needs about "), lines[0]
+    assert "than the 40.0 GB of GPU 0 (NVIDIA A100-SXM4-40GB); it would fit with " in lines[0], lines[0]
+    assert re.search(r"train.micro_batch_size=\d \(", lines[0]), lines[0]
+    assert not run_dir.exists()

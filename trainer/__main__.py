@@ -13,7 +13,7 @@ from trainer import signals
 signals.install()  # before the slow imports below: a stop signal during start-up is kept, not fatal
 signals.stop_with_launcher()  # a rank whose launcher died (kill -9) saves and stops, never trains on alone
 
-from trainer.check import check_gpus, resolve, validate  # noqa: E402
+from trainer.check import check_gpu_memory, check_gpus, resolve, validate  # noqa: E402
 from trainer.checkpoint import CheckpointError  # noqa: E402
 from trainer.config import ConfigError, load  # noqa: E402
 from trainer.data import DataError  # noqa: E402
@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
                  ranks_per_node=env.local_world_size)
         cfg = resolve(cfg, where=args.config, world_size=env.world_size)  # as config.yaml records it
         check_gpus(env.local_world_size)
+        check_gpu_memory(cfg, env.world_size, env.local_rank, env.local_world_size, where=args.config)
     except ConfigError as e:
         return fail(str(e))
 

@@ -34,7 +34,7 @@ def validate(cfg: Config, world_size: int, where: str = "config", overrides: lis
     """Raise ConfigError for the first problem found; `where` names the config file, `overrides`
     are the command line's key=value items: a value given there is blamed on the override. With
     `ranks_per_node`, what they need must fit this machine's memory (CPU training; a GPU's memory
-    is checked by the ranks, trainer.train: asking for it here would create a CUDA context)."""
+    is checked by each rank, check_gpu_memory: asking for it here would create a CUDA context)."""
 
     def fail(key: str, message: str):
         raise ConfigError(f"{source(key)}: {key}: {message}")
@@ -385,6 +385,26 @@ def main(argv: list[str] | None = None) -> int:
     if fit:
         print(fit)
     return 0
+
+
+def check_gpu_memory(cfg: Config, world_size: int, local_rank: int, local_world_size: int,
+                     where: str = "config") -> None:
+    """Each rank, before anything is written: the estimate must fit its own GPU (ConfigError with what
+    would make it fit). The ranks ask, not the launcher, because asking creates a CUDA context, and
+    `make run`, compose and sbatch starts have no `make check` before them. The estimate is a lower
+    bound (trainer/memory.py), so what it refuses could not have run."""
+    if not torch.cuda.is_available():
+        return
+    from trainer import memory
+
+    torch.cuda.set_device(local_rank)  # the context goes to this rank's own GPU
+    have = torch.cuda.get_device_properties(local_rank).total_memory
+    what = f"GPU {local_rank} ({torch.cuda.get_device_name(local_rank)})"
+    try:
+        memory.preflight(cfg, world_size, local_world_size, have, what, nodes=max(1, world_size // local_world_size),
+                         nodes_option="{} nodes")
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
 
 
 def gpu_target(gpu_mem_gb: str) -> tuple[int, str] | None:
