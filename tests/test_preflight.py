@@ -276,3 +276,17 @@ def test_a_rank_refuses_a_batch_its_gpu_cannot_hold_before_anything_is_written(t
     assert "than the 40.0 GB of GPU 0 (NVIDIA A100-SXM4-40GB); it would fit with " in lines[0], lines[0]
     assert re.search(r"train.micro_batch_size=\d \(", lines[0]), lines[0]
     assert not run_dir.exists()
+
+
+def test_the_estimate_is_within_its_tolerance_of_measured_cpu_peaks():
+    """bench/memory_calibration.py's CPU runs, for real: the trainer on 2 processes, 3 steps, peak RSS
+    with glibc's allocator made to give freed blocks back (see there), less the process's own
+    (a tiny model's run). Four configurations: FSDP full shard, with activation checkpointing, DDP,
+    and grad_op on a wider model."""
+    from bench import memory_calibration
+
+    results, baseline = memory_calibration.calibrate("cpu")
+    print({r["name"]: f"{r['error']:+.1%}" for r in results}, f"baseline {baseline / 1e9:.3f} GB")
+    assert len(results) == 5 and 0.2e9 < baseline < 2e9
+    off = {r["name"]: f"{r['error']:+.1%}" for r in results if abs(r["error"]) > memory_calibration.TOLERANCE}
+    assert not off, f"outside +-{memory_calibration.TOLERANCE:.0%}: {off}"

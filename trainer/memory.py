@@ -14,28 +14,32 @@ The estimate of one rank's peak, by part (`estimate`):
 * reduce buffers: the unsharded gradients of the largest unit before reduce-scatter (in the compute
   dtype, plus a copy in reduce_dtype when it differs); DDP's gradient buckets (a second copy of the
   gradients).
-* activations: what autograd saves for backward for one micro-batch, measured by running forward
-  and loss on the meta device in the compute dtype with saved-tensor hooks, attention counted as the
-  fused kernels (flash, memory-efficient, CPU flash) save it: q, k, v, output and log-sum-exp, not
-  the seq x seq scores the meta device's reference kernel would keep. With activation checkpointing:
-  the blocks' inputs, what lies outside the blocks, and one block's saved tensors (recomputed in
-  backward).
+* activations: the memory one micro-batch adds at the highest point of forward, loss and backward:
+  what autograd saves for backward, plus what backward holds at once beside it (the float32 gradient
+  of the logits at its start, the gradients flowing back through a block). Measured by running the
+  model on the meta device with every storage's bytes counted until it is freed, attention counted as
+  the fused kernels (flash, memory-efficient, CPU flash) keep it: q, k, v, output and log-sum-exp, not
+  the seq x seq scores. With activation checkpointing the blocks are wrapped as the trainer wraps
+  them, so their recomputation in backward is measured too. Compiled runs: COMPILED_ACTIVATIONS of it.
 * on a GPU only: the caching allocator's overhead, ALLOCATOR_OVERHEAD of the above, and the CUDA
   context with NCCL's buffers, CUDA_CONTEXT_BYTES (see there for where the numbers come from).
 
-Left out: temporaries inside one operation (the gradient of the logits at the start of backward, a
-matmul's workspace), DataLoader workers, pinned host buffers, torch.compile's caches. On the CPU the
-process itself (Python, torch, gloo: a few hundred MB) comes on top; bench/memory_calibration.py
-measures it and compares the rest with peak RSS.
+Left out: a kernel's workspace (cuBLAS, the optimizer's foreach temporaries), DataLoader workers,
+pinned host buffers, torch.compile's caches. On the CPU the process itself (Python, torch, gloo: a few
+hundred MB) comes on top; bench/memory_calibration.py measures it and compares the rest with peak RSS.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from trainer.parallel import DTYPES
 
@@ -51,6 +55,13 @@ ALLOCATOR_OVERHEAD = 0.10
 # NCCL's communicator buffers, outside torch's allocator: counted as 0.5 GB, the figure nvidia-smi
 # shows for a process that has only initialised CUDA and NCCL.
 CUDA_CONTEXT_BYTES = 500 * 2**20
+# torch.compile (parallel.compile=true) keeps fewer activations than eager: it fuses element-wise ops
+# and recomputes cheap ones in backward, and the compiled loss keeps no float32 copy of the logits.
+# Measured once: the 1b model, bf16, seq 2048, 16 sequences, compiled, on one H200 (2026-11-23,
+# bench/results/2026-11-23-h200-torchtitan.md) allocated at most 60.0 GB, 41.5 GB of it beyond the
+# 18.5 GB of state and gathered weights: 2.59 GB per sequence, 0.54 of the 4.79 GB `measure` finds for
+# eager. One point, one model: bench/memory_calibration.py --device cuda measures more where a GPU is.
+COMPILED_ACTIVATIONS = 0.54
 # Memory of the GPUs Slurm names in gres (gpu:<type>:<count>), in MiB as nvidia-smi reports it for
 # each card (what torch's total_memory says, divided by 2**20). Lower case; a site's own names need
 # GPU_MEM_GB (--gpu-mem-gb).
@@ -107,69 +118,86 @@ class Estimate:
 
 
 def measure(cfg) -> Profile:
-    """Build the model on the meta device and run forward and loss for 2 samples (BatchNorm refuses
-    one value per channel), counting what autograd saves."""
+    """Build the model on the meta device and count: its parameters and FSDP units, and the
+    activation memory of one sample (`_activation_peak`), without and with activation checkpointing."""
     from trainer import models, parallel
 
     with torch.device("meta"):
         model = models.build(cfg.model)
     batchnorm = parallel.has_batchnorm(model)
     dtype = torch.float32 if batchnorm else DTYPES[cfg.parallel.param_dtype]
-    model.to(dtype)
-    n = sum(p.numel() for p in model.parameters())
     units = parallel.wrap_units(model, cfg.parallel)
     in_units = {id(p) for u in units for p in u.parameters()}
-    unit_sizes = [sum(p.numel() for p in u.parameters()) for u in units]
-    blocks = models.blocks(model)
+    plain = _activation_peak(model.to(dtype), cfg.model, dtype)
+    with torch.device("meta"):
+        checkpointed = models.build(cfg.model).to(dtype)
+    fsdp = cfg.parallel.strategy == "fsdp"  # what trainer.parallel.apply checkpoints: units, else blocks
+    parallel._checkpoint(checkpointed, parallel.wrap_units(checkpointed, cfg.parallel) if fsdp else models.blocks(checkpointed))
+    return Profile(params=sum(p.numel() for p in model.parameters()),
+                   root_params=sum(p.numel() for p in model.parameters() if id(p) not in in_units),
+                   largest_unit=max((sum(p.numel() for p in u.parameters()) for u in units), default=0),
+                   activations=plain, activations_checkpointed=_activation_peak(checkpointed, cfg.model, dtype),
+                   compute_dtype=dtype)
 
-    saved: dict[int, tuple[int, int]] = {}  # storage -> (bytes, index of the block it was saved in; -1 outside)
-    block_inputs: dict[int, int] = {}  # storage -> bytes of a block's input
-    where = [-1]
+
+def _activation_peak(model, m, dtype: torch.dtype) -> int:
+    """Bytes per sample of the highest point, over forward, loss and backward, of the memory held
+    beside the parameters: what autograd saves plus what is alive at once in backward (the float32
+    gradient of the logits at its start, the gradients flowing back through a block). Measured on the
+    meta device, for 2 and for 4 samples (BatchNorm refuses one value per channel): the difference
+    is what samples add, without what any batch holds (the parameters' gradients)."""
+    from trainer import models
+
     params = {p.untyped_storage()._cdata for p in model.parameters()}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s._cdata not in params and s._cdata not in saved:
-            saved[s._cdata] = (s.nbytes(), where[0])
-        return t
-
-    def enter(i):
-        def hook(module, args):
-            where[0] = i
-            for t in _tensors(args):
-                block_inputs.setdefault(t.untyped_storage()._cdata, t.untyped_storage().nbytes())
-        return hook
-
-    def leave(module, args, output):
-        where[0] = -1
-
-    handles = [b.register_forward_pre_hook(enter(i)) for i, b in enumerate(blocks)]
-    handles += [b.register_forward_hook(leave) for b in blocks]
+    peaks = []
     real_sdpa = torch.nn.functional.scaled_dot_product_attention
     torch.nn.functional.scaled_dot_product_attention = _fused_attention
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            x, y = _inputs(cfg.model, dtype)
-            models.loss_fn(model(x), y)
+        for batch in (2, 4):
+            model.zero_grad(set_to_none=True)
+            x, y = _inputs(m, dtype, batch)
+            with _LiveBytes(params) as live:
+                models.loss_fn(model(x), y).backward()
+            peaks.append(live.peak)
     finally:
         torch.nn.functional.scaled_dot_product_attention = real_sdpa
-        for h in handles:
-            h.remove()
-    plain = sum(b for b, _ in saved.values())
-    outside = sum(b for b, i in saved.values() if i < 0)
-    inside = [sum(b for b, i in saved.values() if i == k) for k in range(len(blocks))]
-    checkpointed = outside + sum(block_inputs.values()) + max(inside, default=0) if blocks else plain
-    return Profile(params=n, root_params=sum(p.numel() for p in model.parameters() if id(p) not in in_units),
-                   largest_unit=max(unit_sizes, default=0), activations=plain // 2,
-                   activations_checkpointed=checkpointed // 2, compute_dtype=dtype)
+    model.zero_grad(set_to_none=True)
+    return max(0, (peaks[1] - peaks[0]) // 2)
 
 
-def _inputs(m, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+class _LiveBytes(TorchDispatchMode):
+    """Counts the bytes of the storages that operations create while it is active, until each is
+    freed (a weak reference's callback), and their highest total (`peak`); `skip`: storages not
+    to count (the parameters)."""
+
+    def __init__(self, skip: set[int]):
+        super().__init__()
+        self.skip, self.alive, self.live, self.peak = skip, {}, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = storage._cdata
+                if key not in self.skip and key not in self.alive:
+                    self.live += storage.nbytes()
+                    self.alive[key] = weakref.ref(storage, functools.partial(self._freed, key, storage.nbytes()))
+        self.peak = max(self.peak, self.live)
+        return out
+
+    def _freed(self, key: int, nbytes: int, _ref) -> None:
+        self.live -= nbytes
+        self.alive.pop(key, None)
+
+
+def _inputs(m, dtype: torch.dtype, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     if m.name == "transformer":
-        x = torch.zeros(2, m.seq_len, dtype=torch.long, device="meta")
+        x = torch.zeros(batch, m.seq_len, dtype=torch.long, device="meta")
         return x, x
     side, channels = (28, 1) if m.name == "mnist_cnn" else (m.image_size, 3)
-    return torch.zeros(2, channels, side, side, device="meta", dtype=dtype), torch.zeros(2, dtype=torch.long, device="meta")
+    return (torch.zeros(batch, channels, side, side, device="meta", dtype=dtype),
+            torch.zeros(batch, dtype=torch.long, device="meta"))
 
 
 class _FusedAttention(torch.autograd.Function):
@@ -182,8 +210,9 @@ class _FusedAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError("the memory estimate runs the model forward only, on the meta device")
+    def backward(ctx, grad):  # what the fused kernels' backward allocates: dq, dk, dv
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _fused_attention(q, k, v, *args, **kwargs):
@@ -192,14 +221,6 @@ def _fused_attention(q, k, v, *args, **kwargs):
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _tensors(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    return []
 
 
 def shard_count(cfg, world_size: int, ranks_per_node: int | None = None) -> int:
@@ -253,9 +274,12 @@ def estimate(cfg, world_size: int, micro_batch: int, ranks_per_node: int | None 
         reduce_buffers = 0
         notes["reduce_buffers"] = "none"
     per_sample = pr.activations_checkpointed if p.activation_checkpointing else pr.activations
+    if p.compile:
+        per_sample = int(per_sample * COMPILED_ACTIVATIONS)
     activations = per_sample * micro_batch
     notes["activations"] = (f"{micro_batch} sample(s) x {gb(per_sample)}, "
-                            f"{'with' if p.activation_checkpointing else 'without'} activation checkpointing")
+                            f"{'with' if p.activation_checkpointing else 'without'} activation checkpointing"
+                            f"{f', compiled ({COMPILED_ACTIVATIONS:.0%} of eager)' if p.compile else ''}")
     host = 0
     if gpu and fsdp and p.cpu_offload:
         host = parameters + gradients + optimizer
