@@ -14,7 +14,7 @@ On the CPU the runs set MALLOC_MMAP_THRESHOLD_: glibc then maps every block abov
 and unmaps it when freed, so peak RSS follows what is allocated (the CPU's max_memory_allocated).
 With glibc's default, a dynamic threshold, freed blocks stay in its heap and peak RSS is 20-25%
 higher than the same run's with it (measured 2026-11-24: 2.42 against 1.95 GB): memory the
-allocator keeps, which the estimate leaves to the caller like the CUDA allocator's overhead.
+allocator keeps, which the estimate counts in its overhead (trainer.memory.CPU_ALLOCATOR_OVERHEAD).
 """
 
 from __future__ import annotations
@@ -81,15 +81,16 @@ def calibrate(device: str) -> tuple[list[dict], float]:
     for name, overrides in (GPU_CONFIGS if gpu else CPU_CONFIGS):
         cfg = load(str(ROOT / "configs" / "default.yaml"), overrides)
         micro = cfg.train.global_batch_size // nproc
-        e = memory.estimate(cfg, nproc, micro, ranks_per_node=nproc, gpu=False)  # allocated: no allocator/context
+        e = memory.estimate(cfg, nproc, micro, ranks_per_node=nproc, gpu=False)
+        allocated = e.total - e.overhead  # what the runs' allocator hands out: without its own overhead
         started = time.perf_counter()
         measured = run(overrides, nproc, gpu)
         if name.startswith("baseline"):
-            baseline = measured - e.total
+            baseline = measured - allocated
         model_part = measured - baseline
-        results.append({"name": name, "overrides": overrides, "estimate": e.total, "measured": measured,
-                        "model_part": model_part, "error": e.total / model_part - 1, "seconds": time.perf_counter() - started})
-        print(f"{name}: estimate {e.total / 1e9:.3f} GB, measured {measured / 1e9:.3f} GB "
+        results.append({"name": name, "overrides": overrides, "estimate": allocated, "measured": measured,
+                        "model_part": model_part, "error": allocated / model_part - 1, "seconds": time.perf_counter() - started})
+        print(f"{name}: estimate {allocated / 1e9:.3f} GB, measured {measured / 1e9:.3f} GB "
               f"({'minus baseline ' + format(model_part / 1e9, '.3f') + ' GB, ' if not gpu else ''}"
               f"error {results[-1]['error']:+.1%})", flush=True)
     return results, baseline

@@ -37,7 +37,7 @@ def test_the_estimate_counts_each_part_by_strategy():
     assert hybrid.parameters == 2 * n  # sharded over the 2 ranks of a node only
     offload = memory.estimate(load(None, ["model.seq_len=32", "parallel.cpu_offload=true"]), 4, 2, gpu=True, profile=pr)
     assert (offload.parameters, offload.optimizer, offload.host) == (0, 0, 4 * n)
-    assert offload.overhead >= memory.CUDA_CONTEXT_BYTES and one.overhead == 0
+    assert offload.overhead >= memory.CUDA_CONTEXT_BYTES and one.overhead >= memory.CPU_PROCESS_BYTES
     assert one.activations == 2 * pr.activations > 2 * pr.activations_checkpointed > 0
 
 

@@ -174,17 +174,19 @@ def validate(cfg: Config, world_size: int, where: str = "config", overrides: lis
 
 
 def _check_memory(cfg: Config, world_size: int, ranks_per_node: int, fail) -> None:
-    """The ranks of this node must fit its memory (a lower bound: see trainer.memory)."""
+    """The ranks of this node must fit its memory (trainer.memory's estimate of a CPU rank)."""
     from trainer import memory
 
     have = memory.machine_bytes()
     per_rank = cfg.train.global_batch_size // world_size
     micro = cfg.train.micro_batch_size or per_rank
-    need = memory.estimate(cfg, world_size, micro)
+    profile = memory.measure(cfg)
+    need = memory.estimate(cfg, world_size, micro, profile=profile)
     if have is None or need.total * ranks_per_node <= have:
         return
     key = "train.micro_batch_size" if cfg.train.micro_batch_size else "train.global_batch_size"
-    fits = (have // ranks_per_node - (need.total - need.activations)) // need.activations_per_sample
+    one, two = (memory.estimate(cfg, world_size, n, profile=profile).total for n in (1, 2))  # linear in the micro-batch
+    fits = (have // ranks_per_node - (2 * one - two)) // (two - one) if two > one else 0
     todo = (f"set train.micro_batch_size to {fits} or less (the rest becomes gradient accumulation)" if fits >= 1
             else "use a smaller model, fewer ranks per node or more nodes")
     fail(key, f"one micro-batch of {micro} samples needs about {memory.gb(need.activations)} of activations per rank, "
