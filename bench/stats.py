@@ -45,10 +45,11 @@ def verdict(ci: list[float] | None, op: str | None, goal: float | None) -> str |
     raise ValueError(f"goal operator {op!r}: expected '<=' or '>='")
 
 
-def figure(rounds: list[float], op: str | None = None, goal: float | None = None) -> dict:
+def figure(rounds: list[float], op: str | None = None, goal: float | None = None, exact: bool = False) -> dict:
     """One figure as the results JSON keeps it: every round, their median, the 95% interval, the goal
-    and the verdict, so that a reader can check the claim without running anything."""
+    and the verdict, so that a reader can check the claim without running anything. `exact`: a
+    count, not a timing (e.g. bytes), the same in every round: its interval is the value itself."""
     rounds = [float(x) for x in rounds]
-    ci = interval(rounds)
+    ci = [min(rounds), max(rounds)] if exact and rounds else interval(rounds)
     return {"rounds": rounds, "median": median(rounds), "ci95": ci,
             "goal": None if goal is None else {"op": op, "value": goal}, "verdict": verdict(ci, op, goal)}

@@ -45,3 +45,8 @@ def test_figure_keeps_rounds_median_interval_goal_and_verdict():
     assert f["ci95"][0] <= 1.0 <= f["ci95"][1]
     assert f["goal"] == {"op": "<=", "value": 1.1}
     assert f["verdict"] == "met"
+
+
+def test_an_exact_figure_is_judged_by_its_value():
+    assert stats.figure([1.0], "<=", 1.05, exact=True)["verdict"] == "met"
+    assert stats.figure([1.2], "<=", 1.05)["verdict"] is None  # one timed round: no interval, no verdict
