@@ -75,6 +75,8 @@ def main() -> None:
     parser.add_argument("--async-rounds", type=int, default=0, help="rounds of sync save / async save")
     parser.add_argument("--step-size", default="small", help="the model that trains while the async save runs")
     parser.add_argument("--shard-size", default=None, help="also measure shard bytes (bench.shard_bytes) of this size")
+    parser.add_argument("--warmup", action="store_true",
+                        help="one untimed DCP save and load before the rounds: a process's first save pays one-time costs")
     parser.add_argument("--no-system-drop", action="store_true", help="evict only our files' pages, never the whole page cache")
     args = parser.parse_args()
 
@@ -125,6 +127,12 @@ def main() -> None:
 
     def dcp_save() -> None:
         ckpt.save(step, model, optimizer, scheduler, {"samples": 0}, blocking=True)
+
+    if args.warmup:
+        fresh_start()
+        step += 1
+        dcp_save()
+        ckpt.load(model, optimizer, scheduler)
 
     for _ in range(args.rounds):
         r = {}
@@ -208,7 +216,8 @@ def async_save(ckpt, step, model, optimizer, scheduler, small, small_stream, env
     """What an async save of the large state costs a small model's training loop, the Checkpointer
     used as `trainer.train` uses it: `save()` at the end of a step, then in each following step
     `wait_staged()` just before the optimizer step and `poll()` after it (which commits the save once
-    written); steps run until every rank has committed. Blocked: those three calls' seconds. Slowdown:
+    written); steps run until every rank has committed. The small model waits for the staging too,
+    as the trainer's loop must (there the model that steps is the one being saved). Blocked: those three calls' seconds. Slowdown:
     the steps that overlap the save, less their blocked seconds, against the median step before it
     (on a CPU the background copy and write share the cores with the training). Summed per rank,
     slowest rank reported."""
