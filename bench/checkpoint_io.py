@@ -1,18 +1,21 @@
-"""Checkpoint I/O, side by side in one run of N processes:
+"""Checkpoint I/O, side by side in one run of N processes, in rounds (every round: one value of each):
 
-* the trainer's DCP save and load (`trainer.checkpoint.Checkpointer`) against a raw sequential
-  write and read of the same byte count, fsync'd, on the same filesystem, caches dropped before each
-  (and the load once more with the files cached: the time DCP needs besides the disk's; once
-  with DCP's stock FileSystemReader in place of the trainer's ShardReader; and once without
-  checking the shard files' checksums);
+* the trainer's DCP save and load (`trainer.checkpoint.Checkpointer`) against the disk at the same
+  concurrency: each rank writes (reads) one raw file of the bytes its own DCP shard files hold, all
+  ranks at once, fsync'd, caches dropped before each; the single-stream figure beside it (rank 0
+  alone writes and reads all the bytes in one file);
+* the load once more with the files cached (DCP's own work, the floor under the load time), once with
+  DCP's stock FileSystemReader in place of the trainer's ShardReader, and once without checking the
+  shard files' checksums (checked and unchecked in alternating order from round to round);
 * the same DCP save against the tutorials' way: gather the full state dict, `torch.save` on rank 0;
-* what an async save blocks the training loop for (the trainer's Checkpointer used as
-  `trainer.train` uses it, real training steps between) against a synchronous save of the same state.
+* (with --async-rounds) an async save against a synchronous save of the same state, while a small
+  model keeps training (`--step-size`), so that the steps are much shorter than the save: what the
+  loop is blocked for plus how much slower the steps that overlap the save are.
 
     torchrun --standalone --nproc-per-node=2 -m bench.checkpoint_io --dir DIR --out result.json
 
-Rounds interleave the contenders (A B A B ...) and run.py takes medians. Rank 0 rewrites the result
-file after each phase, so a run stopped by its time limit keeps the figures it finished.
+Rank 0 rewrites the result file after each round, so a run stopped by its time limit keeps the
+rounds it finished.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import argparse
 import dataclasses
 import os
 import shutil
+import statistics
 import time
 from pathlib import Path
 
@@ -65,11 +69,15 @@ def rank0_full_save(model, optimizer, path: str, rank: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", required=True, help="scratch folder on the filesystem to measure")
-    parser.add_argument("--out", required=True, help="result JSON, rewritten after every phase so a killed run keeps what it measured")
-    parser.add_argument("--size", default="125m", help="transformer size (trainer.models.TRANSFORMER_SIZES)")
-    parser.add_argument("--rounds", type=int, default=1, help="rounds of save / raw write / full save / load / raw read")
-    parser.add_argument("--async-rounds", type=int, default=1, help="rounds of sync save / async save")
-    parser.add_argument("--shard-size", default="small", help="also measure shard bytes (bench.shard_bytes) of this size")
+    parser.add_argument("--out", required=True, help="result JSON, rewritten after every round so a killed run keeps what it measured")
+    parser.add_argument("--size", default="350m", help="model size: bench.common.SIZES or trainer.models.TRANSFORMER_SIZES")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of save / raw write / full save / loads / raw read")
+    parser.add_argument("--async-rounds", type=int, default=0, help="rounds of sync save / async save")
+    parser.add_argument("--step-size", default="small", help="the model that trains while the async save runs")
+    parser.add_argument("--shard-size", default=None, help="also measure shard bytes (bench.shard_bytes) of this size")
+    parser.add_argument("--warmup", action="store_true",
+                        help="one untimed DCP save and load before the rounds: a process's first save pays one-time costs")
+    parser.add_argument("--no-system-drop", action="store_true", help="evict only our files' pages, never the whole page cache")
     args = parser.parse_args()
 
     env, control = common.start()
@@ -81,74 +89,77 @@ def main() -> None:
         if rank == 0:
             common.write_result(args.out, result)
 
-    # Shard bytes on these N processes, here to save a launch.
-    result["shard_bytes"] = {"size": args.shard_size, "world_size": world,
-                             **{s: shard_bytes.measure(s, args.shard_size, env, control) for s in ("fsdp", "ddp")}}
-    publish()
-    cfg = common.make_config([f"model.size={args.size}", "model.seq_len=64", f"train.global_batch_size={world}",
+    if args.shard_size:  # shard bytes on these N processes, here to save a launch
+        result["shard_bytes"] = {"size": args.shard_size, "world_size": world,
+                                 **{s: shard_bytes.measure(s, args.shard_size, env, control) for s in ("fsdp", "ddp")}}
+        publish()
+    cfg = common.make_config([*common.size_overrides(args.size), "model.seq_len=64", f"train.global_batch_size={world}",
                               f"run_dir={args.dir}", "checkpoint.keep=0"])
     model, optimizer, scheduler = common.build(cfg, env)
     stream = common.batches(cfg, env)
     common.train_step(model, optimizer, scheduler, stream, env)  # creates AdamW's state
-    result["state_bytes"] = common.rank_sum(sum(common.local(t).numel() * t.element_size() for t in _state_tensors(model, optimizer)), control)
+    result["params"] = sum(p.numel() for p in model.parameters())
 
     ckpt = checkpoint.Checkpointer(cfg.checkpoint, args.dir, rank, world, io_group)
     stock = checkpoint.Checkpointer(cfg.checkpoint, args.dir, rank, world, io_group)
     stock.reader = lambda path, **_: FileSystemReader(path)  # the same load with DCP's own reader in place of the trainer's
-    raw_file = os.path.join(args.dir, "raw.bin")
+    raw_file = os.path.join(args.dir, f"raw_{rank}.bin")  # one per rank, as DCP's shard files
+    single_file = os.path.join(args.dir, "raw_single.bin")
     full_file = os.path.join(args.dir, "full_state.pt")
-    buffer = os.urandom(CHUNK) if rank == 0 else b""  # random: nothing below can compress it
+    buffer = os.urandom(CHUNK)  # random: nothing below can compress it
     step = 0
+
+    def drop() -> None:
+        """Write back and evict (rank 0 for all), then a common start."""
+        if rank == 0:
+            result["cache_drop"] = common.drop_caches([args.dir], system=not args.no_system_drop)
+        dist.barrier(group=control)
 
     def fresh_start() -> None:
         """Empty the scratch folder and write back everything dirty."""
         if rank == 0:
             for name in os.listdir(checkpoint.folder(args.dir)):
                 shutil.rmtree(os.path.join(checkpoint.folder(args.dir), name))
-            for file in (raw_file, full_file):
-                if os.path.exists(file):
-                    os.remove(file)
-            common.drop_caches([args.dir])
-        dist.barrier(group=control)
-
-    def drop() -> None:
-        if rank == 0:
-            common.drop_caches([args.dir])
-        dist.barrier(group=control)
+            for name in os.listdir(args.dir):
+                if name.endswith((".bin", ".pt")):
+                    os.remove(os.path.join(args.dir, name))
+        drop()
 
     def dcp_save() -> None:
         ckpt.save(step, model, optimizer, scheduler, {"samples": 0}, blocking=True)
 
-    for _ in range(args.rounds):
-        r = {}
-        result["rounds"].append(r)
+    if args.warmup:
         fresh_start()
         step += 1
-        r["dcp_save_rss_before"] = common.reset_peak_rss()
+        dcp_save()
+        ckpt.load(model, optimizer, scheduler)
+
+    for _ in range(args.rounds):
+        r = {}
+        fresh_start()
+        step += 1
         r["dcp_save_s"] = common.timed(dcp_save, control)
-        r["dcp_save_peak_rss"] = common.peak_rss_bytes()
-        nbytes = common.folder_bytes(checkpoint.step_path(args.dir, step)) if rank == 0 else 0
-        r["checkpoint_bytes"] = nbytes
+        folder = checkpoint.step_path(args.dir, step)
+        mine = sum(os.path.getsize(p) for p in Path(folder).glob(f"__{rank}_*.distcp"))  # this rank's shard files
+        r["shard_files"] = common.rank_sum(len(list(Path(folder).glob(f"__{rank}_*.distcp"))), control)
+        r["shard_bytes"] = common.rank_sum(mine, control)
+        r["checkpoint_bytes"] = common.folder_bytes(folder) if rank == 0 else 0
+
+        drop()  # the same bytes, each rank its own file, all at once
+        r["raw_write_s"] = common.timed(lambda: raw_write(raw_file, mine, buffer), control)
+        drop()  # the single stream: rank 0 alone, all of the bytes
+        r["raw_write_single_s"] = common.timed(lambda: raw_write(single_file, r["shard_bytes"], buffer) if rank == 0 else None, control)
 
         drop()
-        r["raw_write_s"] = common.timed(lambda: raw_write(raw_file, nbytes, buffer) if rank == 0 else None, control)
-        publish()
-
-        drop()
-        r["rank0_save_rss_before"] = common.reset_peak_rss()
         r["rank0_save_s"] = common.timed(lambda: rank0_full_save(model, optimizer, full_file, rank), control)
-        r["rank0_save_peak_rss"] = common.peak_rss_bytes()
         if rank == 0:
             os.remove(full_file)  # its space and its pages
-        publish()
 
-        records = [str(p) for p in Path(checkpoint.step_path(args.dir, step)).glob(f"*{checksums.SUFFIX}")]
+        records = [str(p) for p in Path(folder).glob(f"*{checksums.SUFFIX}")]
 
         def checked_load() -> None:
             drop()
-            meta = {}
-            r["dcp_load_s"] = common.timed(lambda: meta.update(ckpt.load(model, optimizer, scheduler)), control)
-            r["dcp_load_inner_s"] = meta["load_time_s"]
+            r["dcp_load_s"] = common.timed(lambda: ckpt.load(model, optimizer, scheduler), control)
             # Again with the files still in the page cache: DCP's own work, the floor under the load time.
             r["dcp_load_cached_s"] = common.timed(lambda: ckpt.load(model, optimizer, scheduler), control)
 
@@ -163,50 +174,53 @@ def main() -> None:
                     os.rename(path + ".aside", path)
             dist.barrier(group=control)
 
-        # Checked and unchecked loads in alternating order from round to round: neither goes first always.
-        for load in (checked_load, unchecked_load) if len(result["rounds"]) % 2 else (unchecked_load, checked_load):
+        for load in (checked_load, unchecked_load) if len(result["rounds"]) % 2 == 0 else (unchecked_load, checked_load):
             load()
 
         drop()
         r["stock_load_s"] = common.timed(lambda: stock.load(model, optimizer, scheduler), control)
 
         drop()
-        r["raw_read_s"] = common.timed(lambda: raw_read(raw_file) if rank == 0 else None, control)
+        r["raw_read_s"] = common.timed(lambda: raw_read(raw_file), control)
+        drop()
+        r["raw_read_single_s"] = common.timed(lambda: raw_read(single_file) if rank == 0 else None, control)
+        result["rounds"].append(r)
         publish()
 
-    # Async: the trainer's own Checkpointer with async_save (one stager for the whole run, as in
-    # trainer.train), between real training steps, against a synchronous save of the same state.
-    async_ckpt = checkpoint.Checkpointer(dataclasses.replace(cfg.checkpoint, async_save=True), args.dir, rank, world, io_group)
-    for _ in range(args.async_rounds):
-        r = {}
-        result["async_rounds"].append(r)
-        fresh_start()
-        step += 1
-        r["sync_save_s"] = common.timed(dcp_save, control)
-        publish()
-        fresh_start()
-        step += 1
-        r.update(async_save(async_ckpt, step, model, optimizer, scheduler, stream, env, control))
-        publish()
-    async_ckpt.close()
+    if args.async_rounds:
+        # A small model trains while the large state saves: steps much shorter than the save.
+        small_cfg = common.make_config([*common.size_overrides(args.step_size), "model.seq_len=64",
+                                        f"train.global_batch_size={2 * world}"])
+        small = common.build(small_cfg, env)
+        small_stream = common.batches(small_cfg, env)
+        for _ in range(3):
+            common.train_step(*small, small_stream, env)  # warm-up
+        async_ckpt = checkpoint.Checkpointer(dataclasses.replace(cfg.checkpoint, async_save=True), args.dir, rank, world, io_group)
+        for _ in range(args.async_rounds):
+            r = {}
+            fresh_start()
+            step += 1
+            r["sync_save_s"] = common.timed(dcp_save, control)
+            fresh_start()
+            step += 1
+            r.update(async_save(async_ckpt, step, model, optimizer, scheduler, small, small_stream, env, control))
+            result["async_rounds"].append(r)
+            publish()
+        async_ckpt.close()
     fresh_start()
     dist.barrier(group=control)
     distributed.shutdown()
 
 
-def async_save(ckpt, step, model, optimizer, scheduler, stream, env, control) -> dict:
-    """What an async save blocks the training loop for, as `trainer.train` uses the Checkpointer:
-    `save()` at the end of a step (it returns once the background copy has started), then in each
-    following step `wait_staged()` just before the optimizer step and `poll()` after it, which
-    commits the save once it is written. Steps run until every rank has committed. Blocked seconds
-    are summed per rank, slowest rank reported; step times before and during the save beside them,
-    since on a CPU the background copy and write share the cores with the training."""
-    def step_(wait=None) -> float:
-        started = time.perf_counter()
-        common.train_step(model, optimizer, scheduler, stream, env, before_step=wait)
-        return time.perf_counter() - started
-
-    steps_before = [step_() for _ in range(2)]  # no save in flight: the baseline
+def async_save(ckpt, step, model, optimizer, scheduler, small, small_stream, env, control) -> dict:
+    """What an async save of the large state costs a small model's training loop, the Checkpointer
+    used as `trainer.train` uses it: `save()` at the end of a step, then in each following step
+    `wait_staged()` just before the optimizer step and `poll()` after it (which commits the save once
+    written); steps run until every rank has committed. The small model waits for the staging too,
+    as the trainer's loop must (there the model that steps is the one being saved). Blocked: those three calls' seconds. Slowdown:
+    the steps that overlap the save, less their blocked seconds, against the median step before it
+    (on a CPU the background copy and write share the cores with the training). Summed per rank,
+    slowest rank reported."""
     blocked = {"save": 0.0, "wait_staged": 0.0, "poll": 0.0}
 
     def timed_into(key, fn) -> None:
@@ -214,28 +228,33 @@ def async_save(ckpt, step, model, optimizer, scheduler, stream, env, control) ->
         fn()
         blocked[key] += time.perf_counter() - started
 
+    def step_(wait=None) -> float:
+        started = time.perf_counter()
+        common.train_step(*small, small_stream, env, before_step=wait)
+        return time.perf_counter() - started
+
+    steps_before = [step_() for _ in range(10)]  # no save in flight: the baseline
+    baseline = statistics.median(steps_before)
     dist.barrier(group=control)
     started = time.perf_counter()
     timed_into("save", lambda: ckpt.save(step, model, optimizer, scheduler, {"samples": 0}))
     steps_during = []
     while _any(ckpt.pending is not None, control):
-        steps_during.append(step_(wait=lambda: timed_into("wait_staged", ckpt.wait_staged)))
+        waited = blocked["wait_staged"]
+        took = step_(wait=lambda: timed_into("wait_staged", ckpt.wait_staged))
+        steps_during.append(took - (blocked["wait_staged"] - waited))
         timed_into("poll", ckpt.poll)
     in_flight = time.perf_counter() - started
+    slowdown = sum(t - baseline for t in steps_during)
     return {
-        "async_stall_s": common.rank_max(sum(blocked.values()), control),
-        "async_blocked_s": {k: common.rank_max(v, control) for k, v in blocked.items()},
+        "async_blocked_s": common.rank_max(sum(blocked.values()), control),
+        "async_blocked_parts_s": {k: common.rank_max(v, control) for k, v in blocked.items()},
+        "async_slowdown_s": common.rank_max(slowdown, control),
+        "async_cost_s": common.rank_max(sum(blocked.values()) + slowdown, control),
         "async_in_flight_s": common.rank_max(in_flight, control),
         "steps_before_save_s": steps_before,
         "steps_during_save_s": steps_during,
     }
-
-
-def _state_tensors(model, optimizer) -> list[torch.Tensor]:
-    tensors = list(model.parameters())
-    for state in optimizer.state.values():
-        tensors += [t for t in state.values() if isinstance(t, torch.Tensor)]
-    return tensors
 
 
 def _any(flag: bool, group) -> bool:

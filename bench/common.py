@@ -24,6 +24,22 @@ def start() -> tuple[distributed.Env, dist.ProcessGroup]:
     return env, distributed.cpu_group(timeout_s=600)
 
 
+# Bench-only transformer shapes, as model.* overrides of the trainer's config, named by parameter
+# count. With AdamW a checkpoint holds 12 bytes per parameter: 0.72, 1.6 and 4.5 GB.
+SIZES = {
+    "60m": ["model.size=125m", "model.dim=512", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=8",
+            "model.ffn_dim=1536"],
+    "125m": ["model.size=125m"],
+    "350m": ["model.size=125m", "model.dim=1024", "model.n_layers=24", "model.n_heads=16", "model.n_kv_heads=16",
+             "model.ffn_dim=2816"],
+}
+
+
+def size_overrides(size: str) -> list[str]:
+    """The overrides of a bench size, or of one of trainer.models.TRANSFORMER_SIZES."""
+    return SIZES.get(size, [f"model.size={size}"])
+
+
 def make_config(overrides: list[str]) -> config.Config:
     return config.load(None, overrides)
 
@@ -102,12 +118,21 @@ def _status(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def drop_caches(paths: list[str]) -> None:
+def drop_caches(paths: list[str], system: bool = True) -> str:
     """Write back everything dirty, then evict the pages of the files under `paths`, so a read comes
-    from the disk and a write is not slowed by an earlier one's writeback. Only our files: the
-    machine is shared, and `echo 3 > /proc/sys/vm/drop_caches` would also evict everybody else's
-    (torch's own libraries included, which makes the next launch slow)."""
+    from the disk and a write is not slowed by an earlier one's writeback. With `system` and a
+    writable /proc/sys/vm/drop_caches, the whole page cache is dropped too (`echo 1`: on a shared
+    machine that evicts everybody's pages, which makes their next reads slower). Returns the way
+    used: "drop_caches" or "fadvise" (posix_fadvise DONTNEED on each of our files)."""
     os.sync()
+    method = "fadvise"
+    if system and os.access("/proc/sys/vm/drop_caches", os.W_OK):
+        try:
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("1")
+            method = "drop_caches"
+        except OSError:  # writable by mode, refused by the kernel (a container): our files only
+            pass
     files = [p for p in paths if os.path.isfile(p)]
     files += [os.path.join(d, f) for p in paths if os.path.isdir(p) for d, _, names in os.walk(p) for f in names]
     for file in files:
@@ -116,6 +141,7 @@ def drop_caches(paths: list[str]) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+    return method
 
 
 def folder_bytes(path: str) -> int:

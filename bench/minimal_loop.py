@@ -1,8 +1,9 @@
 """The yardstick for the trainer's step time: a minimal hand-written FSDP2 loop, as in the tutorials.
 
 Same model (`trainer.models`), batch and number of processes as the trainer run it is compared with;
-nothing else: random tokens, `fully_shard` on each block and the root, AdamW, gradient clipping, and
-one metrics row per step (the loss averaged over ranks, as the trainer logs it).
+nothing else: random tokens, `fully_shard` on each block and the root, AdamW, gradient clipping, a
+warm-up learning-rate schedule (LambdaLR, as the trainer's), and one metrics row per step (the loss
+averaged over ranks, as the trainer logs it).
 
     torchrun --standalone --nproc-per-node=2 -m bench.minimal_loop --out metrics.jsonl --size small \
         --seq-len 128 --batch 16 --steps 20
@@ -46,7 +47,8 @@ def main() -> None:
     fully_shard(model)
     model.to_empty(device=device)
     model.init_weights(seed=0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), fused=cuda)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0, fused=cuda)  # the trainer's
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 20))
     vocab, micro = model.shape.vocab_size, args.batch // world
     generator = torch.Generator().manual_seed(rank)
 
@@ -58,6 +60,7 @@ def main() -> None:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
+        scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         loss = loss.detach()
         dist.all_reduce(loss)
