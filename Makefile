@@ -60,7 +60,7 @@ test: venv ## run the whole test suite
 test-gpu: venv ## the CUDA-path tests on this machine's GPU (skipped without one; CI has none)
 	$(PY) -m pytest tests/test_gpu.py $(PYTEST_ARGS)
 
-bench: venv ## side-by-side performance report -> bench/results/<date>-<host>.md/.json (about 15-18 min on CPU)
+bench: venv ## side-by-side performance report -> bench/results/<date>-<host>.md/.json (about 20 min on CPU)
 	$(PY) bench/run.py $(BENCH_ARGS)
 
 image: ## build the image (CUDA torch from PyPI on Debian; runs on GPUs and CPUs): IMAGE=, IMAGE_ARGS="--build-arg ..."

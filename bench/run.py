@@ -58,6 +58,13 @@ GOALS = {
     "resume_build_s": ("resuming: seconds from the rendezvous to the checkpoint load (data, lease, model, optimizer)", None, None),
     "resume_load_s": ("resuming: seconds of the checkpoint load (Checkpointer.load)", None, None),
     "resume_first_step_s": ("resuming: seconds from the load to the first metrics row (the first step)", None, None),
+    "preempt_to_committed_s": ("preempted on the local Slurm cluster: seconds from the preempting job's submission to "
+                               "the committed checkpoint (Slurm's signal, the step in flight, the save)", None, None),
+    "preempt_to_requeued_s": ("preempted: seconds from the committed checkpoint to the job back in the queue (the "
+                              "launcher's exit, the requeue check, Slurm's requeue)", None, None),
+    "preempt_restart_s": ("preempted: seconds from the requeued job running again to its first step (batch script, "
+                          "srun, launcher, rendezvous, load, first step)", None, None),
+    "preempt_restart_vs_load": ("preempted: that restart / the checkpoint load alone (its log's 'loaded in')", None, None),
     "gpu_mfu": ("model FLOPs utilisation of a 1B bf16 torch.compile'd run on each GPU of this machine", ">=", 0.55),
     "gpu_tokens_per_s": ("tokens per second of that run, all GPUs", None, None),
     "gpu_peak_mem_gb": ("peak GPU memory allocated by that run, per GPU", None, None),
@@ -481,6 +488,43 @@ def throughput_scaling(ctx) -> tuple[dict, dict, dict]:
     return {}, {}, {"throughput_scaling": curve}
 
 
+def preemption(ctx) -> tuple[dict, dict, dict]:
+    """bench/preemption.py on the local Slurm cluster (make slurm-up); not measured without it."""
+    from bench import preemption as worker
+
+    keys = MEASURED_BY[preemption]
+    if not worker.cluster_up():
+        return (*not_measured(keys, "the local Slurm cluster is not up (make slurm-up)"), {})
+    out = ctx.scratch / "preemption.json"
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "bench.preemption", "--out", str(out), "--rounds", str(ctx.args.preempt_rounds),
+           "--size", ctx.args.step_size]
+    log = ctx.scratch / "preemption.log"
+    timeout = ctx.budget.need(60, "one preemption round")
+    with open(log, "w") as f:
+        try:
+            subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            print(f"bench: preemption: timed out after {timeout:.0f}s, keeping the rounds that finished", flush=True)
+    if not out.exists():
+        raise Failed(f"no round finished (log: {log.relative_to(ROOT)})")
+    rounds = json.loads(out.read_text())["rounds"]
+    part = lambda key: [r[key] for r in rounds]  # noqa: E731
+    figures = {"preempt_to_committed_s": figure("preempt_to_committed_s", part("request_to_committed_s")),
+               "preempt_to_requeued_s": figure("preempt_to_requeued_s", part("committed_to_requeued_s")),
+               "preempt_restart_s": figure("preempt_restart_s", part("running_to_first_step_s")),
+               "preempt_restart_vs_load": figure("preempt_restart_vs_load",
+                                                 [r["running_to_first_step_s"] / r["load_s"] for r in rounds])}
+    what = (f"{ctx.args.step_size} transformer, 2 nodes of the local cluster x 1 rank, preempted by an exclusive job of "
+            f"the urgent partition (GraceTime 15 s), {len(rounds)} round(s); Slurm's hold on a requeued job (~120 s) "
+            f"is cut to 2 s by the bench and not counted")
+    notes = {key: what for key in figures}
+    notes["preempt_to_committed_s"] += f"; the save itself (status.json save_s): median {median(part('save_s')):.2f}s"
+    notes["preempt_restart_vs_load"] += (f"; load {median(part('load_s')):.2f}s and first step "
+                                         f"{median(part('first_step_s')):.2f}s of the restart's {median(part('running_to_first_step_s')):.1f}s")
+    return figures, notes, {"preemption": rounds}
+
+
 def gpu(ctx) -> tuple[dict, dict, dict]:
     """MFU, tokens/s and peak memory of short bf16 runs of the 1b transformer on all local GPUs, with
     and without torch.compile; one micro-batch per step, as large as the GPU's memory comfortably takes."""
@@ -525,6 +569,7 @@ MEASUREMENTS = [
     (shard_bytes, ["shard_bytes_vs_ideal_n4"], 40),
     (trainer_runs, ["trainer_vs_minimal_step_time", *[f"resume_{p}_s" for p in RESUME_PARTS]], 3 * 30),
     (throughput_scaling, [], 30),
+    (preemption, ["preempt_to_committed_s", "preempt_to_requeued_s", "preempt_restart_s", "preempt_restart_vs_load"], 60),
     (gpu, ["gpu_mfu", "gpu_tokens_per_s", "gpu_peak_mem_gb", "gpu_mfu_eager"], 2 * 150),  # 0 without a GPU
 ]
 MEASURED_BY = {measure: keys for measure, keys, _ in MEASUREMENTS}
@@ -612,7 +657,7 @@ def markdown(info: dict, figures: dict, notes: dict, details: dict, sizes: str) 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--budget", type=float, default=1200, help="seconds for all measurements")
+    parser.add_argument("--budget", type=float, default=1400, help="seconds for all measurements")
     parser.add_argument("--scratch", default="runs/bench", help="scratch folder, on the filesystem checkpoints go to")
     parser.add_argument("--results", default="bench/results")
     parser.add_argument("--nproc", type=int, default=2, help="processes of the step-time, checkpoint and resume runs")
@@ -633,6 +678,7 @@ def main() -> int:
     parser.add_argument("--memory-rounds", type=int, default=3, help="rounds (a DCP and a rank-0 launch each) of it")
     parser.add_argument("--no-system-drop", action="store_true",
                         help="evict only the bench's own files' pages, never the whole page cache (shared machines)")
+    parser.add_argument("--preempt-rounds", type=int, default=5, help="preemptions on the local Slurm cluster (~40 s each)")
     parser.add_argument("--gpu-steps", type=int, default=30, help="steps of each GPU run")
     parser.add_argument("--only", nargs="+", choices=[m.__name__ for m, _, _ in MEASUREMENTS],
                         help="run only these measurements (the others are reported as not measured)")
