@@ -73,6 +73,8 @@ def main() -> None:
     parser.add_argument("--size", default="350m", help="model size: bench.common.SIZES or trainer.models.TRANSFORMER_SIZES")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of save / raw write / full save / loads / raw read")
     parser.add_argument("--async-rounds", type=int, default=0, help="rounds of sync save / async save")
+    parser.add_argument("--checksum-pairs", type=int, default=0,
+                        help="in the last round, this many more checked and unchecked loads (alternating order)")
     parser.add_argument("--step-size", default="small", help="the model that trains while the async save runs")
     parser.add_argument("--shard-size", default=None, help="also measure shard bytes (bench.shard_bytes) of this size")
     parser.add_argument("--warmup", action="store_true",
@@ -176,6 +178,13 @@ def main() -> None:
 
         for load in (checked_load, unchecked_load) if len(result["rounds"]) % 2 == 0 else (unchecked_load, checked_load):
             load()
+        if len(result["rounds"]) == args.rounds - 1:  # more checked/unchecked pairs: the disk's spread is wide
+            for i in range(args.checksum_pairs):
+                pair = {}
+                result.setdefault("checksum_pairs", []).append(pair)
+                for load in (checked_load, unchecked_load) if i % 2 else (unchecked_load, checked_load):
+                    load()
+                pair.update(dcp_load_s=r["dcp_load_s"], unverified_load_s=r["unverified_load_s"])
 
         drop()
         r["stock_load_s"] = common.timed(lambda: stock.load(model, optimizer, scheduler), control)

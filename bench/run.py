@@ -195,8 +195,9 @@ def checkpoint_io(ctx) -> tuple[dict, dict, dict]:
     """bench/checkpoint_io.py on N processes at the large size, with async rounds. It rewrites its
     result file after every round, so if it fails or runs out of time, the rounds it finished count."""
     a = ctx.args
-    r, stopped = ckpt_worker(ctx, a.nproc, a.ckpt_size, a.ckpt_rounds, a.ckpt_rounds, "checkpoint_io", shard_size=a.shard_size)
-    rounds, arounds = r["rounds"], r["async_rounds"]
+    r, stopped = ckpt_worker(ctx, a.nproc, a.ckpt_size, a.ckpt_rounds, a.ckpt_rounds, "checkpoint_io", shard_size=a.shard_size,
+                             checksum_pairs=a.checksum_pairs)
+    rounds, arounds, pairs = r["rounds"], r["async_rounds"], r.get("checksum_pairs", [])
     per = lambda num, den, rs=rounds: [x[num] / x[den] for x in rs if num in x and den in x]  # noqa: E731
     gb = (median(x["shard_bytes"] for x in rounds) or 0) / 1e9
     rate = lambda key, rs=rounds: gb / median(x[key] for x in rs)  # noqa: E731
@@ -206,7 +207,7 @@ def checkpoint_io(ctx) -> tuple[dict, dict, dict]:
         # throughput ratio = (bytes / DCP time) / (bytes / raw time), per round
         "dcp_save_vs_disk": figure("dcp_save_vs_disk", per("raw_write_s", "dcp_save_s")),
         "dcp_load_vs_disk": figure("dcp_load_vs_disk", per("raw_read_s", "dcp_load_s")),
-        "checksum_load_overhead": figure("checksum_load_overhead", per("dcp_load_s", "unverified_load_s")),
+        "checksum_load_overhead": figure("checksum_load_overhead", per("dcp_load_s", "unverified_load_s", rounds + pairs)),
         "dcp_vs_rank0_save_time": figure("dcp_vs_rank0_save_time", per("dcp_save_s", "rank0_save_s")),
         "async_cost_vs_sync": figure("async_cost_vs_sync", per("async_cost_s", "sync_save_s", arounds)),
     }
@@ -222,9 +223,11 @@ def checkpoint_io(ctx) -> tuple[dict, dict, dict]:
             f"one reader alone: {rate('raw_read_single_s'):.2f} GB/s; the load with the files cached (DCP's own work): "
             f"{median(x['dcp_load_cached_s'] for x in rounds):.2f}s; with DCP's stock FileSystemReader in place of the "
             f"trainer's ShardReader: {rate('stock_load_s'):.2f} GB/s")
+        both = rounds + pairs
         notes["checksum_load_overhead"] = (
-            f"{what}; {median(x['dcp_load_s'] for x in rounds):.2f}s checked vs "
-            f"{median(x['unverified_load_s'] for x in rounds):.2f}s unchecked (medians), in alternating order")
+            f"{what}; {len(rounds)} + {len(pairs)} more pairs of loads on the last round's checkpoint; "
+            f"{median(x['dcp_load_s'] for x in both):.2f}s checked vs "
+            f"{median(x['unverified_load_s'] for x in both):.2f}s unchecked (medians), in alternating order")
         notes["dcp_vs_rank0_save_time"] = (
             f"{what}; {median(x['dcp_save_s'] for x in rounds):.2f}s vs {median(x['rank0_save_s'] for x in rounds):.2f}s "
             f"(medians), both fsync'd")
@@ -252,14 +255,14 @@ def checkpoint_io(ctx) -> tuple[dict, dict, dict]:
 
 
 def ckpt_worker(ctx, nproc: int, size: str, rounds: int, async_rounds: int, name: str, shard_size: str | None = None,
-                warmup: bool = False):
+                warmup: bool = False, checksum_pairs: int = 0):
     """One run of bench/checkpoint_io.py: (its result, why it stopped early or None)."""
     a = ctx.args
     folder, out = ctx.scratch / name, ctx.scratch / f"{name}.json"
     shutil.rmtree(folder, ignore_errors=True)
     out.unlink(missing_ok=True)
     args = ["-m", "bench.checkpoint_io", "--dir", str(folder), "--out", str(out), "--size", size, "--rounds", str(rounds),
-            "--async-rounds", str(async_rounds), "--step-size", a.step_size_async]
+            "--async-rounds", str(async_rounds), "--step-size", a.step_size_async, "--checksum-pairs", str(checksum_pairs)]
     if shard_size:
         args += ["--shard-size", shard_size]
     if a.no_system_drop:
@@ -369,7 +372,9 @@ def trainer_runs(ctx) -> tuple[dict, dict, dict]:
     rounds T M (R): a round's figure is the trainer's median step over the minimal loop's. In the
     first --resume-rounds rounds, the trainer then resumes from the checkpoint its run just wrote,
     under bench/timed_trainer.py, which notes when each start-up phase ends (the fresh run's too).
-    A launch that fails or finds no time left ends the series; the rounds before it still count.
+    A round whose launch fails is left out (a gloo process group can abort at exit: "terminate called
+    without an active exception"); a second failure, or no time left, ends the series. The rounds
+    that finished count.
 
     Step time: seconds between consecutive metrics rows, seen from outside (the same clock for both)."""
     a = ctx.args
@@ -380,7 +385,7 @@ def trainer_runs(ctx) -> tuple[dict, dict, dict]:
                "--batch", str(a.batch), "--steps", str(steps)]
     per_run = {"trainer": [], "minimal": []}  # each run's median interval between metrics rows
     parts = {"fresh": [], "resumed": []}  # each run's start-up phases, seconds
-    stopped = None
+    stopped, failed = None, []  # why the series ended early; the rounds left out, and why
     for i in range(a.pairs):
         order = ("trainer", "minimal") if i % 2 == 0 else ("minimal", "trainer")
         if i < a.resume_rounds:
@@ -405,7 +410,9 @@ def trainer_runs(ctx) -> tuple[dict, dict, dict]:
                 if not rows:
                     raise Failed(f"the {who} run wrote no metrics rows ({metrics})")
             except Failed as e:
-                stopped = f"{who} run {i + 1}: {e}"
+                failed.append(f"{who} run {i + 1}: {e}")
+                if len(failed) > 1 or str(e).startswith("skipped"):
+                    stopped = failed[-1]
                 break
             if who != "minimal":
                 parts["resumed" if who == "resume" else "fresh"].append(phases(launched, json.loads(times.read_text())))
@@ -435,7 +442,7 @@ def trainer_runs(ctx) -> tuple[dict, dict, dict]:
             "stuck rank), the non-finite check, the full gradient norm in its row, and its data path (a DataLoader over "
             "indexed samples, resumable at any sample) where the minimal loop draws random tokens")
     else:
-        notes[key] = f"not measured: {stopped}"
+        notes[key] = f"not measured: {stopped or '; '.join(failed)}"
     if parts["resumed"]:
         for part in RESUME_PARTS:
             figures[f"resume_{part}_s"] = figure(f"resume_{part}_s", [p[part] for p in parts["resumed"]])
@@ -443,11 +450,14 @@ def trainer_runs(ctx) -> tuple[dict, dict, dict]:
             notes[f"resume_{part}_s"] = (f"{what}, {len(parts['resumed'])} resumed runs (bench/timed_trainer.py, rank 0); "
                                          + (f"the fresh runs': {fresh:.2f}s (median)" if fresh is not None else ""))
     else:
-        notes.update({f"resume_{p}_s": f"not measured: {stopped}" for p in RESUME_PARTS})
-    if stopped:
-        for k in figures:
+        notes.update({f"resume_{p}_s": f"not measured: {stopped or '; '.join(failed)}" for p in RESUME_PARTS})
+    for k in figures:
+        if failed:
+            notes[k] += f"; rounds left out: {'; '.join(failed)}"
+        if stopped:
             notes[k] += f"; the series stopped early ({stopped})"
-    return figures, notes, {"trainer_runs": {"per_run_step_s": per_run, "start_up_phases_s": parts, "stopped": stopped}}
+    return figures, notes, {"trainer_runs": {"per_run_step_s": per_run, "start_up_phases_s": parts, "stopped": stopped,
+                                             "failed": failed}}
 
 
 def common_size(size: str) -> list[str]:
@@ -671,6 +681,8 @@ def main() -> int:
     parser.add_argument("--shard-size", default="small", help="transformer size of the shard-bytes measurements")
     parser.add_argument("--ckpt-size", default="350m", help="size of the checkpoint runs (bench.common.SIZES: 4.5 GB)")
     parser.add_argument("--ckpt-rounds", type=int, default=5, help="interleaved rounds of each checkpoint comparison")
+    parser.add_argument("--checksum-pairs", type=int, default=10,
+                        help="more checked/unchecked load pairs for checksum_load_overhead (this VM's disk is bimodal)")
     parser.add_argument("--step-size-async", default="small", help="the model that trains during the async save")
     parser.add_argument("--scaling-sizes", nargs=3, default=["60m", "125m", "350m"], help="sizes of the checkpoint scaling curve")
     parser.add_argument("--scaling-rounds", type=int, default=1, help="rounds of each point of the checkpoint scaling curve")
