@@ -138,8 +138,7 @@ def measure(cfg) -> Profile:
     plain = _activation_peak(model.to(dtype), cfg.model, dtype)
     with torch.device("meta"):
         checkpointed = models.build(cfg.model).to(dtype)
-    fsdp = cfg.parallel.strategy == "fsdp"  # what trainer.parallel.apply checkpoints: units, else blocks
-    parallel._checkpoint(checkpointed, parallel.wrap_units(checkpointed, cfg.parallel) if fsdp else models.blocks(checkpointed))
+    parallel.checkpoint_units(checkpointed, parallel.units_of(checkpointed, cfg.parallel))
     return Profile(params=sum(p.numel() for p in model.parameters()),
                    root_params=sum(p.numel() for p in model.parameters() if id(p) not in in_units),
                    largest_unit=max((sum(p.numel() for p in u.parameters()) for u in units), default=0),

@@ -89,13 +89,19 @@ def wrap_units(model: nn.Module, args: ParallelArgs) -> list[nn.Module]:
     return units
 
 
-def apply(model: nn.Module, args: ParallelArgs, env: Env) -> nn.Module:
-    """Wrap `model` for the configured strategy; parameters end up on `env.device`."""
+def units_of(model: nn.Module, args: ParallelArgs) -> list[nn.Module]:
+    """What activation checkpointing and torch.compile wrap one by one: the FSDP units under FSDP,
+    else the model's blocks."""
     from trainer.models import blocks
 
-    units = wrap_units(model, args) if args.strategy == "fsdp" else blocks(model)
+    return wrap_units(model, args) if args.strategy == "fsdp" else blocks(model)
+
+
+def apply(model: nn.Module, args: ParallelArgs, env: Env) -> nn.Module:
+    """Wrap `model` for the configured strategy; parameters end up on `env.device`."""
+    units = units_of(model, args)
     if args.activation_checkpointing:
-        _checkpoint(model, units)
+        checkpoint_units(model, units)
     if args.compile:
         for unit in units:
             unit.compile()
@@ -159,7 +165,7 @@ def _on_meta(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
 
 
-def _checkpoint(model: nn.Module, units: list[nn.Module]) -> None:
+def checkpoint_units(model: nn.Module, units: list[nn.Module]) -> None:
     """Replace each unit by a checkpoint-wrapped one, in place in its parent."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
