@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
                  ranks_per_node=env.local_world_size)
         cfg = resolve(cfg, where=args.config, world_size=env.world_size)  # as config.yaml records it
         check_gpus(env.local_world_size)
-        check_gpu_memory(cfg, env.world_size, env.local_rank, env.local_world_size, where=args.config)
+        check_gpu_memory(cfg, env.world_size, env.device, env.local_world_size, where=args.config)
     except ConfigError as e:
         return fail(str(e))
 
