@@ -218,7 +218,6 @@ def main() -> None:
         async_ckpt.close()
     fresh_start()
     dist.barrier(group=control)
-    distributed.shutdown()
 
 
 def async_save(ckpt, step, model, optimizer, scheduler, small, small_stream, env, control) -> dict:
@@ -272,3 +271,4 @@ def _any(flag: bool, group) -> bool:
 
 if __name__ == "__main__":
     main()
+    distributed.exit_process(0)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 
+from trainer.dist import exit_process
 from trainer.models import ModelArgs, build
 
 
@@ -69,8 +70,8 @@ def main() -> None:
         if rank == 0:
             with open(args.out, "a") as f:
                 f.write(json.dumps({"step": step, "loss": loss_value, "step_time_s": elapsed}) + "\n")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    exit_process(0)  # destroys the process group; see there why the process ends this way

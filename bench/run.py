@@ -372,9 +372,8 @@ def trainer_runs(ctx) -> tuple[dict, dict, dict]:
     rounds T M (R): a round's figure is the trainer's median step over the minimal loop's. In the
     first --resume-rounds rounds, the trainer then resumes from the checkpoint its run just wrote,
     under bench/timed_trainer.py, which notes when each start-up phase ends (the fresh run's too).
-    A round whose launch fails is left out (a gloo process group can abort at exit: "terminate called
-    without an active exception"); a second failure, or no time left, ends the series. The rounds
-    that finished count.
+    A round whose launch fails is left out (its log stays in the scratch folder); a second
+    failure, or no time left, ends the series. The rounds that finished count.
 
     Step time: seconds between consecutive metrics rows, seen from outside (the same clock for both)."""
     a = ctx.args

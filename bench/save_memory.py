@@ -45,8 +45,8 @@ def main() -> None:
         common.write_result(args.out, {"contender": args.contender, "size": args.size, "world_size": env.world_size,
                                        "rss_before": before, "peak_rss": peak, "added": peak - before})
     dist.barrier(group=control)
-    distributed.shutdown()
 
 
 if __name__ == "__main__":
     main()
+    distributed.exit_process(0)

@@ -61,8 +61,8 @@ def main() -> None:
     if env.rank == 0:
         common.write_result(args.out, result)
     dist.barrier(group=control)
-    distributed.shutdown()
 
 
 if __name__ == "__main__":
     main()
+    distributed.exit_process(0)

@@ -50,4 +50,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from trainer.dist import exit_process
+
+    exit_process(main())

@@ -40,7 +40,7 @@ SCRIPT = textwrap.dedent("""
         print("differed", (before[0] - before[1]).abs().max().item())
         print("equal", torch.equal(after[0], after[1]), "mean", torch.allclose(after[0], (before[0] + before[1]) / 2))
         print("tracked", [c.item() for c in counts])
-    dist.destroy_process_group()
+    distributed.exit_process(0)
 """)
 
 

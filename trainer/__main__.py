@@ -17,7 +17,7 @@ from trainer.check import check_gpu_memory, check_gpus, resolve, validate  # noq
 from trainer.checkpoint import CheckpointError  # noqa: E402
 from trainer.config import ConfigError, load  # noqa: E402
 from trainer.data import DataError  # noqa: E402
-from trainer.dist import NodeError, read_env  # noqa: E402
+from trainer.dist import NodeError, exit_process, read_env  # noqa: E402
 from trainer.launch import mark_bad_input  # noqa: E402
 from trainer.lease import LeaseError  # noqa: E402
 from trainer.metrics import setup_logging  # noqa: E402
@@ -67,4 +67,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -7,12 +7,14 @@ gloo and the CPU otherwise.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sys
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -147,3 +149,22 @@ def free_port(host: str = "") -> int:
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_process(code: int) -> NoReturn:
+    """End a rank that has finished (everything written and closed) with `code`, skipping Python's
+    teardown of the interpreter.
+
+    The teardown races with gloo: a gloo worker thread drops the tensors of a collective just after
+    the collective has returned, and for a tensor Python also knows that takes the GIL. A thread that
+    asks for the GIL once the interpreter is finalizing is ended by Python in a way C++ cannot unwind
+    ("terminate called without an active exception", SIGABRT), and a rank that finished is reported
+    as failed (torch 2.15, ProcessGroupGloo's runLoop; one exit in two of a short 2-rank script on a
+    2-core machine). destroy_process_group does not stop those threads: the model's device mesh
+    still holds the group. So the process group goes, Python's buffers are flushed, and the process
+    ends here."""
+    shutdown()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
