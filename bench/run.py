@@ -44,8 +44,8 @@ GOALS = {
     "dcp_load_vs_disk": ("DCP load throughput / the disk's at the same concurrency: one raw reader per rank, caches "
                          "dropped before each", ">=", 0.9),
     "checksum_load_overhead": ("DCP load time checking the shard files' checksums / the same load without", "<=", 1.1),
-    "checksum_load_overhead_cached": ("the same with the shard files in the page cache: no disk for the hashing to hide "
-                                      "behind, so this bounds the figure above from above", "<=", 1.1),
+    "checksum_load_overhead_cached": ("the same two loads timed again right after, their files cached: the hashing's "
+                                      "cost where no disk wait hides it", None, None),
     "dcp_vs_rank0_save_time": ("DCP save time / full state dict gathered and torch.save'd on rank 0", "<=", 0.5),
     "dcp_vs_rank0_peak_mem": ("rank 0 memory added by the save (VmHWM, fresh process per save): DCP / full state dict on "
                               "rank 0", "<=", 0.5),
@@ -234,13 +234,13 @@ def checkpoint_io(ctx) -> tuple[dict, dict, dict]:
             f"{median(x['unverified_load_s'] for x in both):.2f}s unchecked (medians), in alternating order")
         if any("unverified_load_cached_s" in x for x in both):
             notes["checksum_load_overhead_cached"] = (
-                f"the same loads, each timed once more right after, its files still cached: "
+                f"Each load timed once more right after, its files still cached: "
                 f"{median(x['dcp_load_cached_s'] for x in both):.2f}s checked vs "
                 f"{median(x['unverified_load_cached_s'] for x in both if 'unverified_load_cached_s' in x):.2f}s "
                 f"unchecked (medians). The checked load reads the same bytes (its rank's whole shard file instead of "
-                f"the tensors in it: a few KB of zip headers more) and adds the hashing, which a cold load overlaps "
-                f"with the disk; so checked cold <= unchecked cold + the cached difference, and the cold ratio is "
-                f"at most this one")
+                f"the tensors in it: a few KB of zip headers more) and adds only the hashing (XXH3, in the read-ahead "
+                f"thread, GIL released), which a cold load can overlap with the disk: this is its cost where "
+                f"nothing hides it, all threads of all ranks on the machine's cores")
         notes["dcp_vs_rank0_save_time"] = (
             f"{what}; {median(x['dcp_save_s'] for x in rounds):.2f}s vs {median(x['rank0_save_s'] for x in rounds):.2f}s "
             f"(medians), both fsync'd")
