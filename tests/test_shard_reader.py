@@ -106,6 +106,38 @@ def test_read_ahead_stays_within_its_budget_and_stops_when_told(tmp_path):
     assert not ahead.thread.is_alive()
 
 
+def _recorded(path, size: int | None = None) -> None:
+    """Record the checksum of the file at `path` as a save does; `size` overrides the size."""
+    size_now, digest = checksums.checksum_file(str(path))
+    (path.parent / (path.name + checksums.SUFFIX)).write_text(
+        f'{{"size": {size if size is not None else size_now}, "xxh3_64": {digest}}}')
+
+
+def test_a_checked_file_is_hashed_within_the_budget_and_whole(tmp_path):
+    """A file with a checksum is hashed from a mapping of it, no further in front of the load than
+    the budget; leaving the block hashes the rest and the sum is the recorded one."""
+    data = tmp_path / "data"
+    data.write_bytes(os.urandom((3 << 20) + 123))
+    _recorded(data)
+    ahead = shard_reader._ReadAhead({str(data): [(0, 1 << 20)]}, check=[str(data)], ahead=1 << 20)
+    with ahead:
+        with ahead.cond:
+            assert ahead.cond.wait_for(lambda: ahead.waiting, timeout=10)
+        assert ahead.read == 1 << 20
+    assert ahead.sums[str(data)] == checksums.checksum_file(str(data))
+
+
+def test_bytes_past_the_recorded_size_fail_the_check(tmp_path):
+    data = tmp_path / "data"
+    data.write_bytes(os.urandom(1 << 20))
+    _recorded(data)
+    with open(data, "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(checksums.ChecksumError, match="data is damaged: 1048577 bytes"):
+        with shard_reader._ReadAhead({str(data): [(0, 1 << 20)]}, check=[str(data)]):
+            pass
+
+
 def _random_tensor(g: torch.Generator) -> torch.Tensor:
     """A tensor of a random dtype, shape and layout (views, strides, a negative view)."""
     dtype = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int8, torch.bool][

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
+import mmap
 import os
 import pickle
 import re
@@ -213,10 +214,12 @@ class _ReadAhead:
     keeps at most `ahead` bytes in front of the load: each tensor is then in the page cache when
     the load reaches it, and the disk works while the load's CPU does.
 
-    The files of `check` that have a recorded checksum (trainer/checksums.py) are read whole,
-    and their checksum is computed on the way, beside the load; leaving the block finishes them
-    and raises ChecksumError for one that is not what was written. Other files are only
-    warmed: the load reads everything itself, so an error there only costs speed."""
+    The files of `check` that have a recorded checksum (trainer/checksums.py) are hashed whole
+    from a read-only mapping of the file, beside the load: the pages the hash touches are the
+    page cache's own, so checking adds the hashing and no copy of the bytes. Leaving the block
+    finishes them and raises ChecksumError for one that is not what was written. Other files are
+    only warmed, read into a scratch block: the load reads everything itself, so an error there
+    only costs speed."""
 
     def __init__(self, spans: dict[str, list[tuple[int, int]]], check=(), ahead: int = _AHEAD_BYTES):
         self.verified = {path: checksums.record(path) for path in check}
@@ -261,37 +264,64 @@ class _ReadAhead:
         block = memoryview(bytearray(_BLOCK_BYTES))
         try:
             for path, spans in self.spans.items():
-                h = checksums.hasher() if path in self.verified else None
                 with open(path, "rb", buffering=0) as f:
-                    for offset, length in spans:
-                        if not self._read_span(f, offset, self.read + length, block, h):
+                    if path in self.verified:
+                        if not self._hash(path, f, self.read + spans[0][1]):
                             return
-                    if h is not None:
-                        h.update(f.read())  # what lies past the recorded size, for the size to differ
-                        self.sums[path] = (f.tell(), h.intdigest())
+                        continue
+                    for offset, length in spans:
+                        if not self._read_span(f, offset, self.read + length, block):
+                            return
         except OSError as e:
             self.error = e  # the load itself meets the same error and reports it
 
-    def _read_span(self, f, offset: int, end: int, block: memoryview, h) -> bool:
-        """Read from `offset` until `self.read` is `end`, within the budget, feeding the hasher `h`
-        unless None; False once told to stop."""
+    def _room(self, end: int) -> int:
+        """Wait until the budget allows reading on; how many bytes (0: told to stop)."""
+        with self.cond:
+            self.waiting = True
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: self.stop or self.read - self.done < self.ahead)
+            self.waiting = False
+            if self.stop:
+                return 0
+            return int(min(_BLOCK_BYTES, end - self.read, self.ahead - (self.read - self.done)))
+
+    def _read_span(self, f, offset: int, end: int, block: memoryview) -> bool:
+        """Read from `offset` until `self.read` is `end`, within the budget; False once told to stop."""
         f.seek(offset)
         while self.read < end:
-            with self.cond:
-                self.waiting = True
-                self.cond.notify_all()
-                self.cond.wait_for(lambda: self.stop or self.read - self.done < self.ahead)
-                self.waiting = False
-                if self.stop:
-                    return False
-                room = self.ahead - (self.read - self.done)
-            n = f.readinto(block[:int(min(_BLOCK_BYTES, end - self.read, room))])
+            room = self._room(end)
+            if not room:
+                return False
+            n = f.readinto(block[:room])
             if not n:
                 break
-            if h is not None:
-                h.update(block[:n])
             self.read += n
         self.read = end
+        return True
+
+    def _hash(self, path: str, f, end: int) -> bool:
+        """Hash the whole file `f` (also what lies past its recorded size, for the size to differ),
+        within the budget until `self.read` is `end`; False once told to stop."""
+        h, size = checksums.hasher(), os.fstat(f.fileno()).st_size
+        if size:
+            with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as m, memoryview(m) as view:
+                m.madvise(mmap.MADV_SEQUENTIAL)  # faults read ahead in large requests
+                pos = unmapped = 0
+                while pos < size:
+                    room = self._room(end) if self.read < end else _BLOCK_BYTES
+                    if not room:
+                        return False
+                    n = min(room, size - pos)
+                    h.update(view[pos:pos + n])
+                    self.read += n
+                    pos += n
+                    hashed = pos // mmap.PAGESIZE * mmap.PAGESIZE
+                    if hashed - unmapped >= _BLOCK_BYTES:  # out of this process's RSS (Slurm counts it), still cached
+                        m.madvise(mmap.MADV_DONTNEED, unmapped, hashed - unmapped)
+                        unmapped = hashed
+        self.read = max(self.read, end)
+        self.sums[path] = (size, h.intdigest())
         return True
 
 
