@@ -201,6 +201,22 @@ def test_differential_against_dcps_reader_on_random_layouts(tmp_path, seed):
             assert torch.equal(ours[k], state[k].resolve_neg()), f"seed {seed} trial {trial}: {k} is not what was saved"
 
 
+def test_a_save_without_zip_crcs_loads_through_both_readers(tmp_path):
+    """ChecksumWriter has torch.save skip the zip records' CRC-32 (nothing reads it; the file's
+    checksum covers every byte): both readers load it equal, and torch.save keeps its CRCs after."""
+    state = {"a": torch.randn(256, 64), "b": torch.arange(9).bfloat16(), "t": torch.randn(6, 4).t()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, storage_writer=checksums.ChecksumWriter(tmp_path), no_dist=True)
+    assert torch.serialization.get_crc32_options()
+    for reader in (FileSystemReader, ShardReader):
+        dest = blank(state)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(dest, storage_reader=reader(tmp_path), no_dist=True)
+        assert all(torch.equal(dest[k], state[k]) for k in state), reader
+
+
 def test_each_shard_file_is_checked_by_one_rank_its_writer(tmp_path, monkeypatch):
     """A rank that needs a few bytes of another rank's file (replicated state) reads those, not
     the whole file for its checksum: each file is checked once, by the rank that wrote it (or,
