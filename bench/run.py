@@ -237,10 +237,11 @@ def checkpoint_io(ctx) -> tuple[dict, dict, dict]:
                 f"Each load timed once more right after, its files still cached: "
                 f"{median(x['dcp_load_cached_s'] for x in both):.2f}s checked vs "
                 f"{median(x['unverified_load_cached_s'] for x in both if 'unverified_load_cached_s' in x):.2f}s "
-                f"unchecked (medians). The checked load reads the same bytes (its rank's whole shard file instead of "
-                f"the tensors in it: a few KB of zip headers more) and adds only the hashing (XXH3, in the read-ahead "
-                f"thread, GIL released), which a cold load can overlap with the disk: this is its cost where "
-                f"nothing hides it, all threads of all ranks on the machine's cores")
+                f"unchecked (medians). Both loads' read-ahead threads make one pass over the same bytes: the checked "
+                f"one hashes its rank's whole shard files (XXH3, a few KB of zip headers more) from a read-only mapping "
+                f"of the page cache, the unchecked one copies the tensors' bytes into a scratch block to warm the "
+                f"cache. This is the check's cost where no disk wait hides it, all threads of all ranks on the "
+                f"machine's cores")
         notes["dcp_vs_rank0_save_time"] = (
             f"{what}; {median(x['dcp_save_s'] for x in rounds):.2f}s vs {median(x['rank0_save_s'] for x in rounds):.2f}s "
             f"(medians), both fsync'd")
