@@ -1,6 +1,7 @@
 """The DCP reader that reads tensors straight into their shards: the same result as DCP's own
 reader for every kind of item, its fast path really taken, and the stock path for all it does not know."""
 
+import errno
 import os
 import threading
 import warnings
@@ -113,9 +114,15 @@ def _recorded(path, size: int | None = None) -> None:
         f'{{"size": {size if size is not None else size_now}, "xxh3_64": {digest}}}')
 
 
-def test_a_checked_file_is_hashed_within_the_budget_and_whole(tmp_path):
-    """A file with a checksum is hashed from a mapping of it, no further in front of the load than
-    the budget; leaving the block hashes the rest and the sum is the recorded one."""
+@pytest.mark.parametrize("mapped", [True, False])
+def test_a_checked_file_is_hashed_within_the_budget_and_whole(tmp_path, monkeypatch, mapped):
+    """A file with a checksum is hashed from a mapping of it (or read, where its filesystem cannot
+    map files), no further in front of the load than the budget; leaving the block hashes the rest
+    and the sum is the recorded one."""
+    if not mapped:
+        def unmappable(*args, **kwargs):
+            raise OSError(errno.ENODEV, "No such device")
+        monkeypatch.setattr(shard_reader.mmap, "mmap", unmappable)
     data = tmp_path / "data"
     data.write_bytes(os.urandom((3 << 20) + 123))
     _recorded(data)

@@ -21,6 +21,7 @@ ranks that file was read N times.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import math
@@ -216,7 +217,8 @@ class _ReadAhead:
 
     The files of `check` that have a recorded checksum (trainer/checksums.py) are hashed whole
     from a read-only mapping of the file, beside the load: the pages the hash touches are the
-    page cache's own, so checking adds the hashing and no copy of the bytes. Leaving the block
+    page cache's own, so checking adds the hashing and no copy of the bytes (where a filesystem
+    cannot map files, they are read and hashed instead). Leaving the block
     finishes them and raises ChecksumError for one that is not what was written. Other files are
     only warmed, read into a scratch block: the load reads everything itself, so an error there
     only costs speed."""
@@ -266,7 +268,7 @@ class _ReadAhead:
             for path, spans in self.spans.items():
                 with open(path, "rb", buffering=0) as f:
                     if path in self.verified:
-                        if not self._hash(path, f, self.read + spans[0][1]):
+                        if not self._hash(path, f, self.read + spans[0][1], block):
                             return
                         continue
                     for offset, length in spans:
@@ -300,28 +302,39 @@ class _ReadAhead:
         self.read = end
         return True
 
-    def _hash(self, path: str, f, end: int) -> bool:
+    def _hash(self, path: str, f, end: int, block: memoryview) -> bool:
         """Hash the whole file `f` (also what lies past its recorded size, for the size to differ),
-        within the budget until `self.read` is `end`; False once told to stop."""
+        within the budget until `self.read` is `end`; False once told to stop. From a read-only
+        mapping of it, or read into `block` where its filesystem cannot map files (some FUSE mounts)."""
         h, size = checksums.hasher(), os.fstat(f.fileno()).st_size
-        if size:
-            with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as m, memoryview(m) as view:
-                m.madvise(mmap.MADV_SEQUENTIAL)  # faults read ahead in large requests
-                pos = unmapped = 0
-                while pos < size:
-                    room = self._room(end) if self.read < end else _BLOCK_BYTES
-                    if not room:
-                        return False
-                    n = min(room, size - pos)
-                    h.update(view[pos:pos + n])
-                    self.read += n
-                    pos += n
-                    hashed = pos // mmap.PAGESIZE * mmap.PAGESIZE
-                    if hashed - unmapped >= _BLOCK_BYTES:  # out of this process's RSS (Slurm counts it), still cached
-                        m.madvise(mmap.MADV_DONTNEED, unmapped, hashed - unmapped)
-                        unmapped = hashed
+        with contextlib.ExitStack() as stack:
+            m = view = None
+            if size:
+                try:
+                    m = stack.enter_context(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ))
+                    view = stack.enter_context(memoryview(m))
+                    m.madvise(mmap.MADV_SEQUENTIAL)  # faults read ahead in large requests
+                except OSError:
+                    m = None
+            pos = unmapped = 0
+            while pos < size:
+                room = self._room(end) if self.read < end else _BLOCK_BYTES
+                if not room:
+                    return False
+                n = min(room, size - pos)
+                if m is None:
+                    n = f.readinto(block[:n])
+                    if not n:
+                        break
+                h.update(view[pos:pos + n] if m is not None else block[:n])
+                self.read += n
+                pos += n
+                hashed = pos // mmap.PAGESIZE * mmap.PAGESIZE
+                if m is not None and hashed - unmapped >= _BLOCK_BYTES:  # out of this process's RSS (Slurm counts it), still cached
+                    m.madvise(mmap.MADV_DONTNEED, unmapped, hashed - unmapped)
+                    unmapped = hashed
         self.read = max(self.read, end)
-        self.sums[path] = (size, h.intdigest())
+        self.sums[path] = (pos, h.intdigest())
         return True
 
 
