@@ -17,9 +17,18 @@ if ! command -v debootstrap >/dev/null 2>&1; then
     exit 1
 fi
 
-DIR=$(mktemp -d /tmp/debootstrap.XXXXXX)
+DIR=$(mktemp -d "${TMPDIR:-/tmp}/debootstrap.XXXXXX")
 chmod 755 "$DIR"  # it becomes the image's /: mktemp made it 700, which locks out non-root users
-trap 'rm -rf "$DIR"' EXIT
+cleanup() {
+    # A debootstrap that failed or was stopped half-way leaves the host's /proc, /sys (and on some
+    # hosts /dev) mounted inside DIR: unmount them, deepest first, before removing anything, and
+    # never let rm cross into another filesystem (it would delete the host's /dev through a bind).
+    awk -v dir="$DIR/" 'index($2, dir) == 1 {print $2}' /proc/mounts | sort -r | while read -r mount; do
+        umount "$mount" 2>/dev/null || umount -l "$mount"
+    done
+    rm -rf --one-file-system "$DIR"
+}
+trap cleanup EXIT
 debootstrap --variant=minbase bookworm "$DIR" "$MIRROR" >"$DIR.log" 2>&1 \
     || { echo "base-image: debootstrap failed; see $DIR.log" >&2; exit 1; }
 rm -f "$DIR.log"
