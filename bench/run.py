@@ -463,7 +463,8 @@ def trainer_runs(ctx) -> tuple[dict, dict, dict]:
             notes[f"resume_{part}_s"] = (f"{what}, {len(parts['resumed'])} resumed runs (bench/timed_trainer.py, rank 0); "
                                          + (f"the fresh runs': {fresh:.2f}s (median)" if fresh is not None else ""))
     else:
-        notes.update({f"resume_{p}_s": f"not measured: {stopped or '; '.join(failed)}" for p in RESUME_PARTS})
+        why = stopped or "; ".join(failed) or f"--resume-rounds {a.resume_rounds}"
+        notes.update({f"resume_{p}_s": f"not measured: {why}" for p in RESUME_PARTS})
     for k in figures:
         if failed:
             notes[k] += f"; rounds left out: {'; '.join(failed)}"
