@@ -17,7 +17,7 @@ from trainer.check import check_gpu_memory, check_gpus, resolve, validate  # noq
 from trainer.checkpoint import CheckpointError  # noqa: E402
 from trainer.config import ConfigError, load  # noqa: E402
 from trainer.data import DataError  # noqa: E402
-from trainer.dist import NodeError, exit_process, read_env  # noqa: E402
+from trainer.dist import NodeError, exit_process, read_env, shutdown  # noqa: E402
 from trainer.launch import mark_bad_input  # noqa: E402
 from trainer.lease import LeaseError  # noqa: E402
 from trainer.metrics import setup_logging  # noqa: E402
@@ -60,9 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
     finally:
-        from trainer.dist import shutdown
-
-        shutdown()
+        shutdown()  # for callers of main() in-process; exit_process below checks and skips it
     return 0
 
 
