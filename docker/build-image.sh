@@ -26,6 +26,12 @@ fi
 trap 'rm -f docker/ca-bundle.crt' EXIT
 
 started=$(date +%s)
+previous=$(docker image inspect -f '{{.Id}}' "$IMAGE" 2>/dev/null || true)
 docker build --network host --build-arg BASE_IMAGE="$BASE" -t "$IMAGE" "$@" .
+# The rebuild moves the tag and leaves the image it named before untagged: a full copy of torch
+# (6 GB under Docker's vfs driver) per build. Remove it; docker keeps it if a container uses it.
+if [ -n "$previous" ] && [ "$previous" != "$(docker image inspect -f '{{.Id}}' "$IMAGE")" ]; then
+    docker rmi "$previous" >/dev/null 2>&1 || true
+fi
 size=$(docker image inspect -f '{{.Size}}' "$IMAGE")
 echo "build-image: $IMAGE on $BASE: $((size / 1000000)) MB, built in $(( $(date +%s) - started )) s"

@@ -195,3 +195,21 @@ def test_up_stop_resume(image, run_dir):
     assert f"at step {saved}" in out.stdout, out.stdout[-4000:]
     assert _steps(run_dir) == list(range(1, total + 1))
     assert _checkpoints(run_dir)[-1] == total
+
+
+def test_a_rebuild_removes_the_image_its_tag_named_before(tmp_path):
+    """Each `make image` moves the tag; the image it named before must not stay behind untagged
+    (under vfs each is a 6 GB copy: a few rebuilds filled the CI machine's disk)."""
+    tag = f"fsdp-trainer-test-rebuild:{os.getpid()}"
+    dockerfile = tmp_path / "Dockerfile"
+    dockerfile.write_text("ARG BASE_IMAGE\nFROM ${BASE_IMAGE}\nARG STAMP\nRUN echo \"$STAMP\" > /stamp\n")
+    ids = []
+    try:
+        for stamp in ("first", "second"):
+            _sh(str(REPO / "docker" / "build-image.sh"), tag, "-f", str(dockerfile), "--build-arg", f"STAMP={stamp}", timeout=600)
+            ids.append(_sh("docker", "image", "inspect", "-f", "{{.Id}}", tag).stdout.strip())
+        assert ids[0] != ids[1]
+        assert subprocess.run(["docker", "image", "inspect", ids[0]], capture_output=True).returncode != 0, \
+            "the image the tag named before the rebuild is still there"
+    finally:
+        subprocess.run(["docker", "rmi", tag, *ids], capture_output=True)
