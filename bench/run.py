@@ -449,11 +449,11 @@ def trainer_runs(ctx) -> tuple[dict, dict, dict]:
             f"{what}, {len(per_run['trainer'])} rounds of one trainer and one minimal-loop run ({steps} steps each, {skip} "
             f"warm-up left out, order alternating), a round's value: the ratio of the two runs' median seconds between "
             f"metrics rows; medians {median(per_run['trainer']) * 1e3:.1f} vs {median(per_run['minimal']) * 1e3:.1f} ms. "
-            "Same work in both: model, fully_shard per block and root, AdamW, clipping, LambdaLR schedule, one loss "
-            "all-reduce and metrics row per step. The trainer's own per-step work is kept, as what the goal bounds: the "
-            "stop-flag all-reduce (a signal stops every rank at the same step), one store write of its step (names a "
-            "stuck rank), the non-finite check, the full gradient norm in its row, and its data path (a DataLoader over "
-            "indexed samples, resumable at any sample) where the minimal loop draws random tokens")
+            "Same work in both: model, fully_shard per block and root, AdamW, clipping, LambdaLR schedule, one "
+            "all-reduce and metrics row per step. The trainer's own per-step work is kept, as what the goal bounds: its "
+            "all-reduce also carries the stop flag (a signal stops every rank at the same step) and the non-finite "
+            "check, one store write of its step (names a stuck rank), the full gradient norm in its row, and its data "
+            "path (a DataLoader over indexed samples, resumable at any sample) where the minimal loop draws random tokens")
     else:
         notes[key] = f"not measured: {stopped or '; '.join(failed)}"
     if parts["resumed"]:

@@ -64,6 +64,40 @@ def test_signal_to_the_launcher_alone_saves_exits_0_and_resumes(tmp_path):
     assert layout.read_status(run_dir)["state"] == "finished"
 
 
+# A real SIGTERM, sent by one rank to itself the moment its first evaluation ends.
+SIGNAL_DURING_EVAL = """
+import os, runpy, signal
+import trainer.train
+
+evaluate = trainer.train.evaluate
+
+def evaluate_then_signal(*args):
+    result = evaluate(*args)
+    if os.environ["RANK"] == "1":
+        os.kill(os.getpid(), signal.SIGTERM)
+    return result
+
+trainer.train.evaluate = evaluate_then_signal
+runpy.run_module("trainer", run_name="__main__")
+"""
+
+
+def test_a_signal_during_an_evaluation_stops_every_rank_at_that_step(tmp_path):
+    """At a logged step the stop flag travels in the loss's all-reduce, before the evaluation: a
+    signal that comes during it must still stop the run at that step, not one step later."""
+    script = tmp_path / "signal_during_eval.py"
+    script.write_text(SIGNAL_DURING_EVAL)
+    run_dir = tmp_path / "run"
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node=2", str(script),
+           "--config", str(ROOT / "configs/default.yaml"), f"run_dir={run_dir}", *TINY, "train.steps=10",
+           "log.interval=1", "eval.interval=3", "eval.batches=1"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "stopped by signal after step 3; the checkpoint is saved" in proc.stdout + proc.stderr
+    assert layout.read_status(run_dir)["step"] == 3 and layout.latest_committed_step(run_dir) == 3
+    assert [r["step"] for r in rows(run_dir)] == [1, 2, 3]
+
+
 def test_a_failing_rank_is_one_launcher_line_and_exit_1(tmp_path):
     run_dir = tmp_path / "run"
     # metrics.jsonl as a folder is bad input now (issue 15, refused by the check); a file where the

@@ -1,7 +1,8 @@
 """Stop requests: SIGTERM (preemption, `docker stop`), SIGUSR1 (Slurm's time-limit warning), SIGINT.
 
-The handler only sets a flag. The training loop asks `requested()` at each step boundary, which
-all-reduces the flag so that every rank sees the same answer and they save and stop together.
+The handler only sets a flag. At each step boundary the training loop agrees on it across ranks, so
+that every rank sees the same answer and they save and stop together: at a logged step the flag rides
+in the loss's all-reduce (`pending()`), at any other step `StopFlag.requested()` all-reduces it alone.
 """
 
 from __future__ import annotations
@@ -65,6 +66,11 @@ def stop_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def pending() -> bool:
+    """Whether this process has received a stop signal: its own answer, before the ranks agree."""
+    return _received is not None
+
+
 class StopFlag:
     def __init__(self, group):
         self.group = group  # a gloo group: the check is a tiny CPU all-reduce, no device sync
@@ -74,6 +80,6 @@ class StopFlag:
         import torch
         import torch.distributed as dist
 
-        flag = torch.tensor([1 if _received is not None else 0])
+        flag = torch.tensor([int(pending())])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flag.item())

@@ -11,11 +11,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from trainer import checkpoint, data, dist as distributed, hf, layout, models, optim, parallel
+from trainer import checkpoint, data, dist as distributed, hf, layout, models, optim, parallel, signals
 from trainer.config import Config, dump, to_dict
 from trainer.lease import Lease, LeaseError
 from trainer.metrics import Reporter, peak_flops, peak_memory_gb
-from trainer.signals import StopFlag
 
 log = logging.getLogger("trainer")
 
@@ -180,7 +179,7 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, train_set, eval
     compute_dtype = parallel.autocast_dtype(model, cfg.parallel)
     ckpt = checkpoint.Checkpointer(cfg.checkpoint, run_dir, env.rank, env.world_size, io_group)
     reporter = Reporter(run_dir, cfg.log, cfg.train.steps, env.is_main)
-    stop = StopFlag(control)
+    stop = signals.StopFlag(control)
 
     step, samples = 0, 0
     meta = ckpt.load(model, optimizer, scheduler)
@@ -265,11 +264,17 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, train_set, eval
             bad |= ~torch.isfinite(_local(grad_norm))
         first_bad = torch.where(bad & (first_bad < 0), step, first_bad)
 
-        # log
+        # log: one all-reduce carries the loss, whether a rank diverged and whether a rank must stop
+        stopping = None  # not agreed yet at this step
         if step % cfg.log.interval == 0 or step == cfg.train.steps:
-            _stop_if_diverged(first_bad, ckpt)
-            dist.all_reduce(loss_sum)  # gloo has no AVG
-            loss = loss_sum.item() / env.world_size  # waits for the device: the timing below is real
+            agreed = torch.stack([loss_sum.float(), (first_bad >= 0).float(),
+                                  torch.full((), float(signals.pending()), device=env.device)])
+            dist.all_reduce(agreed)  # sums (gloo has no AVG)
+            loss_total, diverged, stops = agreed.tolist()  # waits for the device: the timing below is real
+            if diverged:
+                _raise_diverged(first_bad, ckpt)
+            stopping = stops > 0
+            loss = loss_total / env.world_size
             elapsed = (time.perf_counter() - window_start) / window_steps
             row = {"step": step, "loss": loss, "lr": lr, "world_size": env.world_size,
                    "samples_per_s": B / elapsed, "step_time_s": elapsed, "peak_mem_gb": peak_memory_gb(env.device)}
@@ -289,9 +294,11 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, train_set, eval
             result = evaluate(model, cfg, env, eval_set, compute_dtype)
             reporter.message(f"eval at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
             reporter.write({"step": step, **result})
+            stopping = None  # a signal may have come during the evaluation: ask again
 
         # save
-        stopping = stop.requested()
+        if stopping is None:
+            stopping = stop.requested()
         ckpt.poll()
         interval = cfg.checkpoint.interval
         due = interval != "auto" and interval and step % interval == 0
@@ -351,16 +358,19 @@ class Diverged(Exception):
     """The loss or the gradient norm became NaN or infinite; the message says where and what to do."""
 
 
-def _stop_if_diverged(first_bad: torch.Tensor, ckpt: checkpoint.Checkpointer, model=None) -> None:
+def _stop_if_diverged(first_bad: torch.Tensor, ckpt: checkpoint.Checkpointer, model) -> None:
     """Raise Diverged on every rank if any rank saw a non-finite loss or gradient norm (or, before a
     save, holds a non-finite weight). The save in flight, started from finite weights, is committed."""
     bad = first_bad.clone().float()
-    if model is not None:
-        finite = torch.stack([torch.isfinite(_local(p)).all() for p in model.parameters()]).all()
-        bad = torch.where(finite | (bad >= 0), bad, torch.full_like(bad, 1e30))
+    finite = torch.stack([torch.isfinite(_local(p)).all() for p in model.parameters()]).all()
+    bad = torch.where(finite | (bad >= 0), bad, torch.full_like(bad, 1e30))
     dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-    if bad.item() < 0:
-        return
+    if bad.item() >= 0:
+        _raise_diverged(first_bad, ckpt)
+
+
+def _raise_diverged(first_bad: torch.Tensor, ckpt: checkpoint.Checkpointer) -> None:
+    """Raise Diverged once the ranks agree that one of them diverged (`first_bad`: this rank's step)."""
     ckpt.close()
     where = f"at step {int(first_bad.item())}" if first_bad.item() >= 0 else "on another rank"
     last = f"step {ckpt.last_saved}" if ckpt.last_saved is not None else "none"
