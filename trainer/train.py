@@ -44,8 +44,12 @@ def _autocast(env: distributed.Env, dtype: torch.dtype | None):
     return torch.autocast(env.device.type, dtype=dtype) if dtype else contextlib.nullcontext()
 
 
-def _no_sync(model, cfg: Config, last_micro: bool):
-    """Skip the gradient reduction on all but the last micro-batch of an accumulation."""
+def _no_sync(model, cfg: Config, micro: int, accum: int):
+    """Skip the gradient reduction on all but the last micro-batch of an accumulation. Without one
+    there is nothing to do: the reduction is on by default (FSDP's setter walks every module)."""
+    if accum == 1:
+        return contextlib.nullcontext()
+    last_micro = micro == accum - 1
     if cfg.parallel.strategy == "fsdp":
         model.set_requires_gradient_sync(last_micro)
     elif cfg.parallel.strategy == "ddp" and not last_micro:
@@ -233,7 +237,7 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, train_set, eval
             if trace:
                 trace.write(f"{step} {' '.join(map(str, index.tolist()))}\n")
             x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
-            with _no_sync(model, cfg, last_micro=i == accum - 1), _autocast(env, compute_dtype):
+            with _no_sync(model, cfg, i, accum), _autocast(env, compute_dtype):
                 loss = loss_fn(model(x), y) / accum
             # sum: the sum over the micro-batch's samples (tokens), as the tutorial's reduction="sum"
             grad_loss = loss * (y.numel() * accum) if cfg.train.loss_reduction == "sum" else loss
@@ -359,8 +363,8 @@ class Diverged(Exception):
 
 
 def _stop_if_diverged(first_bad: torch.Tensor, ckpt: checkpoint.Checkpointer, model) -> None:
-    """Raise Diverged on every rank if any rank saw a non-finite loss or gradient norm (or, before a
-    save, holds a non-finite weight). The save in flight, started from finite weights, is committed."""
+    """Before a save: raise Diverged on every rank if any rank saw a non-finite loss or gradient norm
+    or holds a non-finite weight. The save in flight, started from finite weights, is committed."""
     bad = first_bad.clone().float()
     finite = torch.stack([torch.isfinite(_local(p)).all() for p in model.parameters()]).all()
     bad = torch.where(finite | (bad >= 0), bad, torch.full_like(bad, 1e30))
