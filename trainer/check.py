@@ -19,6 +19,7 @@ import torch
 
 from trainer.config import Config, ConfigError, load
 from trainer.data import token_file_problem
+from trainer.optim import schedule_warning
 from trainer.models import TRANSFORMER_SIZES, resolve as resolve_model
 
 LM_DATA = ("synthetic", "tokens")
@@ -78,6 +79,8 @@ def validate(cfg: Config, world_size: int, where: str = "config", overrides: lis
         positive["train.rank_batch_size"] = cfg.train.rank_batch_size
     if cfg.parallel.shard_size is not None:
         positive["parallel.shard_size"] = cfg.parallel.shard_size
+    if cfg.optim.decay_steps is not None:
+        positive["optim.decay_steps"] = cfg.optim.decay_steps
     for key, value in positive.items():
         if value < 1:
             fail(key, f"is {value}; it must be at least 1")
@@ -384,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"config OK: {args.config}: {cfg.model.name} on {world} processes, run_dir {cfg.run_dir}")
+    warning = schedule_warning(cfg.optim, cfg.train.steps)
+    if warning:
+        print(f"warning: {warning}")
     if fit:
         print(fit)
     return 0

@@ -20,6 +20,9 @@ class OptimArgs:
     # every step_size steps (the tutorials' StepLR); constant: lr throughout.
     schedule: Literal["warmup_cosine", "step", "constant"] = "warmup_cosine"
     warmup_steps: int = 20  # linear warmup length, in optimizer steps
+    # Optimizer step at which the cosine decay reaches min_lr_ratio·lr (the lr stays there after it);
+    # null: train.steps. Set it to keep a run's decay horizon when train.steps is raised to continue it.
+    decay_steps: int | None = None
     min_lr_ratio: float = 0.1  # final lr of the cosine schedule, as a fraction of lr; in [0, 1]
     step_size: int = 1  # StepLR period, in optimizer steps
     gamma: float = 0.7  # StepLR decay factor; in (0, 1]
@@ -45,9 +48,51 @@ def lr_factor(args: OptimArgs, total_steps: int, step: int) -> float:
         return args.gamma ** (step // args.step_size)
     if step < args.warmup_steps:
         return (step + 1) / args.warmup_steps
-    decay_steps = max(1, total_steps - args.warmup_steps)
+    decay_steps = max(1, horizon(args, total_steps) - args.warmup_steps)
     progress = min(1.0, (step - args.warmup_steps) / decay_steps)
     return args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def horizon(args: OptimArgs, total_steps: int) -> int:
+    """The step at which the cosine decay ends: optim.decay_steps, else train.steps."""
+    return args.decay_steps or total_steps
+
+
+def schedule_warning(args: OptimArgs, total_steps: int) -> str | None:
+    """A line for a schedule that does not do what its numbers suggest, or None."""
+    if args.schedule == "warmup_cosine" and total_steps < args.warmup_steps:
+        return (f"train.steps={total_steps} ends inside the warm-up (optim.warmup_steps={args.warmup_steps}): the lr "
+                f"never reaches its peak {args.lr:g}; lower optim.warmup_steps or raise train.steps")
+    return None
+
+
+def schedule_change(saved: dict, args: OptimArgs, total_steps: int, step: int) -> str | None:
+    """On a resume at `step`: what happens to the lr when train.steps or the schedule differ from the
+    run's saved config (`saved`, the checkpoint's config as a dict); None when the schedule is the same."""
+    saved_optim, saved_steps = saved.get("optim", {}), saved.get("train", {}).get("steps", total_steps)
+    keys = ("schedule", "warmup_steps", "decay_steps", "min_lr_ratio", "step_size", "gamma")
+    changed = [f"optim.{k} {saved_optim[k]} -> {getattr(args, k)}" for k in keys
+               if k in saved_optim and saved_optim[k] != getattr(args, k)]
+    old_horizon = saved_optim.get("decay_steps") or saved_steps
+    if args.schedule == "warmup_cosine" and old_horizon != horizon(args, total_steps):
+        changed.insert(0, f"train.steps {saved_steps} -> {total_steps}" if saved_steps != total_steps else
+                       f"the decay's end {old_horizon} -> {horizon(args, total_steps)}")
+    if not changed:
+        return None
+    before = _saved_args(saved_optim, args)
+    was = args.lr * lr_factor(before, saved_steps, step)
+    now = args.lr * lr_factor(args, total_steps, step)
+    line = f"the lr schedule changed ({', '.join(changed)}): the lr at step {step + 1} is {now:.4g} (it would have been {was:.4g})"
+    if args.schedule == "warmup_cosine" and args.decay_steps is None and saved_steps != total_steps:
+        line += (f"; the cosine decay now ends at step {total_steps} instead of {old_horizon}: to keep the original "
+                 f"decay, set optim.decay_steps={old_horizon}")
+    return line
+
+
+def _saved_args(saved_optim: dict, args: OptimArgs) -> OptimArgs:
+    """OptimArgs as the saved run had them (its schedule keys; the rest as now)."""
+    known = {k: v for k, v in saved_optim.items() if k in OptimArgs.__dataclass_fields__ and k != "betas"}
+    return OptimArgs(**{**args.__dict__, **known})
 
 
 def scheduler(optimizer: torch.optim.Optimizer, args: OptimArgs, total_steps: int):

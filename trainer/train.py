@@ -193,6 +193,9 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, train_set, eval
         if saved_lr != cfg.optim.lr:
             reporter.message(f"optim.lr is {cfg.optim.lr:g}, the checkpoint's was {saved_lr:g}: the schedule goes on from "
                              f"step {step} with the new peak")
+        change = optim.schedule_change(meta.get("config", {}), cfg.optim, cfg.train.steps, step)
+        if change:
+            reporter.message(change)
         optim.set_peak_lr(scheduler, cfg.optim, cfg.train.steps)
         reporter.message(f"resumed from {meta['path']} at step {step} (saved by {meta['world_size']} processes, loaded in {meta['load_time_s']:.2f}s)")
         if cfg.model.init_from:
@@ -207,6 +210,9 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, train_set, eval
     if env.is_main:  # the start is accepted: only now the run dir's config and status change
         dump(cfg, os.path.join(run_dir, "config.yaml"))
         layout.write_status(run_dir, state="running", steps=cfg.train.steps, step=step)
+    warning = optim.schedule_warning(cfg.optim, cfg.train.steps)
+    if warning:
+        reporter.message(f"warning: {warning}")
     if step >= cfg.train.steps:
         reporter.message(f"nothing to do: step {step} reached train.steps={cfg.train.steps}; raise train.steps to continue")
         if env.is_main:

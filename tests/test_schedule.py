@@ -1,0 +1,47 @@
+"""The lr schedule across a resume that raises train.steps: said in one line, and keepable."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import TINY, rows, train
+from trainer.optim import OptimArgs, lr_factor, schedule_change, schedule_warning
+
+
+def test_decay_steps_ends_the_cosine_there_and_holds_the_floor():
+    args = OptimArgs(warmup_steps=2, decay_steps=6, min_lr_ratio=0.1)
+    assert lr_factor(args, 100, 5) > 0.1
+    assert [lr_factor(args, 100, s) for s in (6, 7, 50)] == pytest.approx([0.1, 0.1, 0.1])
+    # without it the horizon is train.steps, as before
+    assert lr_factor(OptimArgs(warmup_steps=2), 10, 6) == lr_factor(OptimArgs(warmup_steps=2, decay_steps=10), 80, 6)
+
+
+def test_a_schedule_that_is_unchanged_says_nothing():
+    saved = {"train": {"steps": 50}, "optim": {"schedule": "warmup_cosine", "warmup_steps": 2, "decay_steps": None}}
+    assert schedule_change(saved, OptimArgs(warmup_steps=2), 50, 50) is None
+
+
+def test_a_run_that_ends_inside_the_warmup_warns():
+    assert "ends inside the warm-up" in schedule_warning(OptimArgs(warmup_steps=20), 6)
+    assert schedule_warning(OptimArgs(warmup_steps=2), 6) is None
+    assert schedule_warning(OptimArgs(schedule="constant", warmup_steps=20), 6) is None
+
+
+def test_raising_train_steps_says_what_happens_to_the_lr_and_decay_steps_keeps_the_horizon(tmp_path):
+    """The report: a cosine run that ended at step 6 at its minimum lr jumped back up when continued
+    to 10, without a word. Now a resume says so, and optim.decay_steps=6 keeps the floor."""
+    first = [*TINY, "optim.schedule=warmup_cosine"]
+    train(tmp_path / "a", 1, *first)
+    ended = rows(tmp_path / "a")[-1]["lr"]
+    out = train(tmp_path / "a", 1, *first, "train.steps=10").stdout
+    line = next((l for l in out.splitlines() if "the lr schedule changed" in l), None)
+    assert line is not None, out
+    assert "train.steps 6 -> 10" in line and "set optim.decay_steps=6" in line
+    continued = [r["lr"] for r in rows(tmp_path / "a") if r["step"] > 6]
+    assert max(continued) > ended * 1.5  # what the line warns of: the decay was stretched
+
+    train(tmp_path / "b", 1, *first)
+    out = train(tmp_path / "b", 1, *first, "train.steps=10", "optim.decay_steps=6").stdout
+    assert "the lr schedule changed (the decay's end 6 -> 6" not in out
+    floor = 3e-3 * 0.1
+    assert [r["lr"] for r in rows(tmp_path / "b") if r["step"] > 6] == pytest.approx([floor] * 4)
