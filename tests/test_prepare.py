@@ -110,3 +110,33 @@ def test_the_sidecar_of_the_same_file_spares_the_id_scan(tmp_path):
     (tmp_path / "tokens.bin.json").write_text(json.dumps({**sidecar, "tokens": 8}))
     with pytest.raises(DataError, match=r"token 3 \(byte offset 6\) is id 99, not below model.vocab_size=50"):
         TokenFile(str(path), "uint16", 4, vocab_size=50)
+
+
+def test_a_folder_an_eval_split_and_the_vocabulary_from_the_sidecar(inputs, tmp_path):
+    """A folder is every file below it (not "not found"); --eval-fraction holds documents out into
+    the eval file; a run that sets no model.vocab_size takes the tokenizer's from the sidecar."""
+    folder, docs, tok = inputs
+    src = tmp_path / "docs"
+    (src / "sub").mkdir(parents=True)
+    for name in ("a.jsonl", "b.jsonl"):
+        (src / name).write_text((folder / name).read_text())
+    (src / "sub" / "c.txt").write_text((folder / "c.txt").read_text())
+    (src / ".hidden").write_text("never read")
+    out = tmp_path / "train.bin"
+    proc = prepare(src, "--tokenizer", folder, "--out", out, "--eval-fraction", "0.1", "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    held = tmp_path / "train.eval.bin"
+    assert f"set data.eval_path={held}" in proc.stdout
+    eos_id = tok.token_to_id(EOS)
+    train_ids, eval_ids = (np.fromfile(f, dtype=np.uint16).tolist() for f in (out, held))
+    from trainer.prepare import held_out
+
+    encode = [[*tok.encode(d, add_special_tokens=False).ids, eos_id] for d in docs]
+    assert train_ids == [i for n, ids in enumerate(encode) if not held_out(n, 0.1) for i in ids]
+    assert eval_ids == [i for n, ids in enumerate(encode) if held_out(n, 0.1) for i in ids]
+    n_eval = json.loads((tmp_path / "train.eval.bin.json").read_text())["documents"]
+    assert 75 <= n_eval <= 225 and json.loads((tmp_path / "train.bin.json").read_text())["documents"] == 1500 - n_eval
+
+    train(tmp_path / "run", 1, *TINY, "data.name=tokens", f"data.path={out}", f"data.eval_path={held}",
+          "train.steps=2", "eval.interval=2", "eval.batches=1")
+    assert f"vocab_size: {tok.get_vocab_size()}" in (tmp_path / "run" / "config.yaml").read_text()

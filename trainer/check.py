@@ -217,7 +217,21 @@ def resolve(cfg: Config, where: str = "config", world_size: int = 1) -> Config:
             model = hf.model_args(model.init_from, model)
         except hf.HFError as e:
             raise ConfigError(f"{where}: model.init_from: {e}") from None
+    if cfg.data.name == "tokens" and model.vocab_size is None and not model.init_from:
+        model = dataclasses.replace(model, vocab_size=_sidecar_vocab(cfg.data.path))
     return dataclasses.replace(cfg, model=resolve_model(model))
+
+
+def _sidecar_vocab(path: str | None) -> int | None:
+    """The vocabulary size trainer.prepare recorded beside the token file at `path`, or None."""
+    from trainer.prepare import read_sidecar
+
+    try:
+        info = read_sidecar(path) if path and os.path.isfile(path) else None
+    except (OSError, ValueError):
+        return None  # the check names an unreadable sidecar
+    vocab = info.get("vocab_size") if isinstance(info, dict) else None
+    return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab >= 2 else None
 
 
 def _check_sidecar(key: str, path: str, dtype: str, vocab_size: int, fail) -> None:

@@ -1,7 +1,7 @@
 """Tokenize text into the token file the trainer reads (data.name=tokens).
 
     python -m trainer.prepare --tokenizer PATH --out data/train.bin [--workers N] [--eos TOKEN]
-                              [--text-key text] FILE [FILE ...]
+                              [--text-key text] [--eval-fraction F] FILE_OR_FOLDER [...]
 
 PATH is a `tokenizer.json` (the Hugging Face `tokenizers` format) or an HF model folder holding
 one. A `.jsonl` file holds one document per line (a JSON object, the text under --text-key); any
@@ -9,12 +9,19 @@ other file is one document of plain text. The documents are tokenized in paralle
 processes and written in order as one flat array of token ids, uint16 when the vocabulary fits,
 else uint32, with the end-of-document token after each document. Beside it, `<out>.json` records
 the tokenizer, vocabulary size, dtype, token count and largest id; the trainer checks it before
-start (trainer/check.py).
+start (trainer/check.py), and takes model.vocab_size from it where the config does not set one.
+
+A folder stands for every file below it (hidden ones and those in hidden folders left out), in name
+order. `--eval-fraction F` holds out about F of the documents, chosen by a hash of each
+document's index (the same split every time), into `<out stem>.eval<suffix>` with its own sidecar:
+the file for data.eval_path.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import json
 import multiprocessing
 import os
@@ -44,6 +51,41 @@ def read_sidecar(token_file: str) -> dict | None:
         return None
     with open(path) as f:
         return json.load(f)
+
+
+def input_files(paths: list[str]) -> list[str]:
+    """The files to tokenize: each file given, and every file below each folder given, in name order."""
+    files = []
+    for path in paths:
+        if os.path.isdir(path):
+            found = []
+            for root, dirs, names in os.walk(path):
+                dirs[:] = [d for d in dirs if not d.startswith(".")]
+                found += [os.path.join(root, n) for n in names if not n.startswith(".")]
+            if not found:
+                raise PrepareError(f"input folder {path} holds no files; give text or .jsonl files, or folders of them")
+            files += sorted(f for f in found if os.path.isfile(f))
+        elif os.path.isfile(path):
+            files.append(path)
+        elif os.path.exists(path):
+            raise PrepareError(f"input {path} is neither a file nor a folder; give text or .jsonl files, or folders of them")
+        else:
+            raise PrepareError(f"input file {path} not found")
+    return files
+
+
+def eval_path(out: str) -> str:
+    """Where --eval-fraction's held-out documents go: data/train.bin -> data/train.eval.bin."""
+    stem, suffix = os.path.splitext(out)
+    return f"{stem}.eval{suffix}"
+
+
+def held_out(index: int, fraction: float) -> bool:
+    """Whether document `index` is held out for evaluation: a hash of the index below `fraction`."""
+    if fraction <= 0:
+        return False
+    digest = hashlib.blake2b(index.to_bytes(8, "little"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") < fraction * 2**64
 
 
 def tokenizer_file(path: str) -> str:
@@ -100,17 +142,18 @@ def _file_documents(file: str, text_key: str):
         yield text, len(text.encode())
 
 
-def chunks(docs, limit: int = CHUNK_BYTES):
-    """Lists of documents of about `limit` bytes: (texts, bytes)."""
-    texts, size = [], 0
-    for text, nbytes in docs:
+def chunks(docs, limit: int = CHUNK_BYTES, eval_fraction: float = 0.0):
+    """Lists of documents of about `limit` bytes: (texts, held-out flags, bytes)."""
+    texts, flags, size = [], [], 0
+    for index, (text, nbytes) in enumerate(docs):
         texts.append(text)
+        flags.append(held_out(index, eval_fraction))
         size += nbytes
         if size >= limit:
-            yield texts, size
-            texts, size = [], 0
+            yield texts, flags, size
+            texts, flags, size = [], [], 0
     if texts:
-        yield texts, size
+        yield texts, flags, size
 
 
 _worker = {}
@@ -122,54 +165,88 @@ def _init_worker(file: str, eos_id: int, dtype: str) -> None:
     _worker.update(tokenizer=Tokenizer.from_file(file), eos_id=eos_id, dtype=dtype)
 
 
-def _encode(task: tuple[list[str], int]) -> tuple[np.ndarray, int, int]:
-    """(token ids with the end-of-document token after each document, documents, bytes)."""
-    texts, nbytes = task
-    ids = []
-    for encoding in _worker["tokenizer"].encode_batch(texts, add_special_tokens=False):
-        ids.extend(encoding.ids)
-        ids.append(_worker["eos_id"])
-    return np.asarray(ids, dtype=_worker["dtype"]), len(texts), nbytes
+def _encode(task: tuple[list[str], list[bool], int]) -> tuple[np.ndarray, np.ndarray, int, int, int]:
+    """(training ids, held-out ids, training documents, held-out documents, bytes), the end-of-document
+    token after each document."""
+    texts, flags, nbytes = task
+    ids: tuple[list[int], list[int]] = ([], [])
+    for encoding, held in zip(_worker["tokenizer"].encode_batch(texts, add_special_tokens=False), flags):
+        ids[held].extend(encoding.ids)
+        ids[held].append(_worker["eos_id"])
+    held = sum(flags)
+    return (*(np.asarray(i, dtype=_worker["dtype"]) for i in ids), len(texts) - held, held, nbytes)
+
+
+class _Output:
+    """One token file being written (under a temporary name) and what its sidecar will say."""
+
+    def __init__(self, out: str):
+        self.out, self.tmp = out, out + ".tmp"
+        self.file = open(self.tmp, "wb")
+        self.tokens, self.docs, self.max_id = 0, 0, -1
+
+    def write(self, ids: np.ndarray, docs: int) -> None:
+        self.file.write(ids.tobytes())
+        self.tokens, self.docs = self.tokens + len(ids), self.docs + docs
+        self.max_id = max(self.max_id, int(ids.max()) if len(ids) else -1)
+
+    def commit(self, sidecar: dict) -> dict:
+        self.file.close()
+        os.replace(self.tmp, self.out)
+        sidecar = {**sidecar, "tokens": self.tokens, "max_id": self.max_id, "documents": self.docs}
+        with open(sidecar_path(self.out), "w") as f:
+            json.dump(sidecar, f, indent=1)
+        return sidecar
+
+    def discard(self) -> None:
+        self.file.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.tmp)
 
 
 def prepare(files: list[str], tokenizer: str, out: str, workers: int = 1, eos: str | None = None,
-            text_key: str = "text", progress: bool = True) -> dict:
-    """Tokenize `files` into `out` and its sidecar; returns the sidecar's content."""
+            text_key: str = "text", progress: bool = True, eval_fraction: float = 0.0) -> dict:
+    """Tokenize `files` (files or folders) into `out` and its sidecar, and with `eval_fraction` the
+    held-out documents into eval_path(out); returns the sidecar's content (the eval file's under "eval")."""
     from tokenizers import Tokenizer
 
-    for file in files:
-        if not os.path.isfile(file):
-            raise PrepareError(f"input file {file} not found")
+    if not 0 <= eval_fraction < 1:
+        raise PrepareError(f"--eval-fraction is {eval_fraction}; give a fraction in [0, 1), e.g. 0.01")
+    files = input_files(files)
     file = tokenizer_file(tokenizer)
     tok = Tokenizer.from_file(file)
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     eos_name, eos_id = eos_token(tokenizer, tok, eos)
     dtype = "uint16" if vocab_size <= 2**16 else "uint32"
     total_bytes = sum(os.path.getsize(f) for f in files) or 1
-    tokens, docs, done, max_id, started = 0, 0, 0, -1, time.monotonic()
-    tmp = out + ".tmp"
+    done, started = 0, time.monotonic()
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    outputs = [_Output(out)] + ([_Output(eval_path(out))] if eval_fraction else [])
     try:
-        with open(tmp, "wb") as f, multiprocessing.get_context("spawn").Pool(
-                workers, initializer=_init_worker, initargs=(file, eos_id, dtype)) as pool:
-            for ids, n_docs, nbytes in pool.imap(_encode, chunks(documents(files, text_key))):
-                f.write(ids.tobytes())
-                tokens, docs, done = tokens + len(ids), docs + n_docs, done + nbytes
-                max_id = max(max_id, int(ids.max()) if len(ids) else -1)
+        with multiprocessing.get_context("spawn").Pool(workers, initializer=_init_worker,
+                                                       initargs=(file, eos_id, dtype)) as pool:
+            for train_ids, eval_ids, train_docs, eval_docs, nbytes in pool.imap(
+                    _encode, chunks(documents(files, text_key), eval_fraction=eval_fraction)):
+                outputs[0].write(train_ids, train_docs)
+                if eval_fraction:
+                    outputs[1].write(eval_ids, eval_docs)
+                done += nbytes
                 if progress:
-                    _bar(done / total_bytes, tokens, docs, time.monotonic() - started)
+                    _bar(done / total_bytes, sum(o.tokens for o in outputs), sum(o.docs for o in outputs),
+                         time.monotonic() - started)
     except BaseException:
-        os.remove(tmp)  # nothing half-written is left under --out's name, nor beside it
+        for output in outputs:  # nothing half-written is left under --out's name, nor beside it
+            output.discard()
         raise
     if progress:
         print(file=sys.stderr)
-    os.replace(tmp, out)
-    sidecar = {"tokenizer": os.path.abspath(file), "vocab_size": vocab_size, "dtype": dtype, "tokens": tokens,
-               "max_id": max_id, "eos_token": eos_name, "eos_id": eos_id, "documents": docs,
-               "files": [os.path.abspath(f) for f in files]}
-    with open(sidecar_path(out), "w") as f:
-        json.dump(sidecar, f, indent=1)
-    return sidecar
+    sidecar = {"tokenizer": os.path.abspath(file), "vocab_size": vocab_size, "dtype": dtype, "eos_token": eos_name,
+               "eos_id": eos_id, "files": [os.path.abspath(f) for f in files]}
+    if eval_fraction:
+        held = outputs[1].commit({**sidecar, "split": f"eval, {eval_fraction:g} of the documents"})
+        return {**outputs[0].commit({**sidecar, "split": "train", "eval_file": os.path.abspath(eval_path(out))}),
+                "eval": held}
+    return outputs[0].commit(sidecar)
 
 
 def _bar(fraction: float, tokens: int, docs: int, seconds: float, width: int = 30) -> None:
@@ -180,24 +257,32 @@ def _bar(fraction: float, tokens: int, docs: int, seconds: float, width: int = 3
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.prepare", description=__doc__.split("\n")[0])
-    parser.add_argument("files", nargs="+", help="input files: .jsonl (one JSON document per line) or plain text")
+    parser.add_argument("files", nargs="+", help="input files: .jsonl (one JSON document per line) or plain text; "
+                        "a folder stands for every file below it")
     parser.add_argument("--tokenizer", required=True, help="a tokenizer.json, or a Hugging Face model folder with one")
     parser.add_argument("--out", required=True, help="the token file to write; <out>.json is its sidecar")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizing processes")
     parser.add_argument("--eos", help="end-of-document token; default: the tokenizer's (tokenizer_config.json or a usual name)")
     parser.add_argument("--text-key", default="text", help="key of the text in .jsonl lines")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.add_argument("--eval-fraction", type=float, default=0.0,
+                        help="hold out about this fraction of the documents into <out stem>.eval<suffix> (data.eval_path)")
     args = parser.parse_args(argv)
     if args.workers < 1:
         print(f"error: --workers is {args.workers}; it must be at least 1", file=sys.stderr)
         return 2
     try:
-        result = prepare(args.files, args.tokenizer, args.out, args.workers, args.eos, args.text_key, not args.no_progress)
+        result = prepare(args.files, args.tokenizer, args.out, args.workers, args.eos, args.text_key, not args.no_progress,
+                         args.eval_fraction)
     except PrepareError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {result['tokens']:,} tokens of {result['documents']:,} documents to {args.out} ({result['dtype']}, "
           f"largest id {result['max_id']}, vocabulary {result['vocab_size']})")
+    if "eval" in result:
+        held = result["eval"]
+        print(f"held out {held['tokens']:,} tokens of {held['documents']:,} documents in {eval_path(args.out)}: "
+              f"set data.eval_path={eval_path(args.out)}")
     return 0
 
 
