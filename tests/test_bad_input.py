@@ -323,7 +323,9 @@ def test_mnist_offline_is_one_line_from_two_ranks(tmp_path):
                   config=str(ROOT / "configs" / "mnist.yaml"), extra_env=offline)
     line = one_line(proc)
     assert line.startswith(f"error: could not download MNIST into {root} (") and line.endswith(
-        f"; without internet, copy the MNIST files to {root}/MNIST/raw"), line
+        f"; without internet, copy the MNIST files to {root}/MNIST/raw (train-images-idx3-ubyte, train-labels-idx1-ubyte, "
+        f"t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte, uncompressed; or try generated digits: python -m trainer.data "
+        f"fake-mnist {root})"), line
     assert not run_dir.exists()
 
 

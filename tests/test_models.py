@@ -1,6 +1,7 @@
 """Each model builds and takes a real optimizer step; the datasets read real files made here."""
 
 import struct
+import subprocess
 
 import numpy as np
 import pytest
@@ -89,13 +90,24 @@ def test_rank_slices_tile_each_global_batch():
 
 
 def write_mnist(root, n: int) -> None:
-    raw = root / "MNIST" / "raw"
-    raw.mkdir(parents=True)
-    images = np.random.default_rng(0).integers(0, 255, (n, 28, 28), dtype=np.uint8)
-    labels = np.arange(n, dtype=np.uint8) % 10
-    for prefix in ("train", "t10k"):
-        (raw / f"{prefix}-images-idx3-ubyte").write_bytes(struct.pack(">IIII", 2051, n, 28, 28) + images.tobytes())
-        (raw / f"{prefix}-labels-idx1-ubyte").write_bytes(struct.pack(">II", 2049, n) + labels.tobytes())
+    data.write_fake_mnist(str(root), n)
+
+
+def test_fake_mnist_is_the_idx_format_the_reader_takes(tmp_path):
+    """The command a user without internet runs: its files are what torchvision's MNIST reads."""
+    from conftest import PYTHON, ROOT, env
+
+    proc = subprocess.run([PYTHON, "-m", "trainer.data", "fake-mnist", str(tmp_path), "--samples", "12"], cwd=ROOT,
+                          env=env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    raw = tmp_path / "MNIST" / "raw"
+    assert sorted(p.name for p in raw.iterdir()) == sorted(data.MNIST_FILES)
+    assert (raw / "t10k-labels-idx1-ubyte").read_bytes()[:8] == struct.pack(">II", 2049, 12)
+    ds = data.mnist(str(tmp_path), train=False, download=False)
+    assert len(ds) == 12 and ds[7][1] == 7
+    again = subprocess.run([PYTHON, "-m", "trainer.data", "fake-mnist", str(tmp_path)], cwd=ROOT, env=env(),
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2 and "never overwrites" in again.stderr
 
 
 def test_mnist_reads_the_idx_files(tmp_path):
@@ -116,6 +128,12 @@ def test_mnist_download_failure_says_what_to_do(tmp_path, monkeypatch):
     monkeypatch.setattr(datasets.MNIST, "mirrors", ["http://127.0.0.1:9/"])  # nothing listens there
     with pytest.raises(data.DataError, match=f"could not download MNIST into {tmp_path} .*copy the MNIST files to {tmp_path}/MNIST/raw"):
         data.mnist(str(tmp_path), train=True, download=True)
+    root = tmp_path / "data" / "mnist"  # not there yet: a failed download creates nothing
+    with pytest.raises(data.DataError, match="train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, "
+                                             "t10k-labels-idx1-ubyte") as e:
+        data.mnist(str(root), train=True, download=True)
+    assert f"python -m trainer.data fake-mnist {root}" in str(e.value)
+    assert not (tmp_path / "data").exists()
 
 
 def test_image_folder(tmp_path):

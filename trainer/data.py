@@ -150,17 +150,55 @@ class SyntheticImages(Dataset):
         return image, label
 
 
+# The four files torchvision's MNIST reads from <root>/MNIST/raw (uncompressed), with their idx magic.
+MNIST_FILES = {"train-images-idx3-ubyte": 2051, "train-labels-idx1-ubyte": 2049,
+               "t10k-images-idx3-ubyte": 2051, "t10k-labels-idx1-ubyte": 2049}
+
+
 def mnist(root: str, train: bool, download: bool) -> Dataset:
     from torchvision import datasets, transforms
 
     transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))])
+    raw = os.path.join(root, "MNIST", "raw")
+    made, folder = [], os.path.abspath(raw)  # the folders a download creates, deepest first
+    while not os.path.lexists(folder):
+        made.append(folder)
+        folder = os.path.dirname(folder)
     try:
         return datasets.MNIST(root, train=train, download=download, transform=transform)
     except (RuntimeError, OSError) as e:  # "Dataset not found", or every download mirror failed
+        for folder in made:  # a failed download leaves nothing behind (empty folders only)
+            try:
+                os.rmdir(folder)
+            except OSError:
+                break
         why = " ".join(str(e).split())  # torchvision's message spans lines
+        files = ", ".join(MNIST_FILES)
         if download:
-            raise DataError(f"could not download MNIST into {root} ({why}); without internet, copy the MNIST files to {root}/MNIST/raw") from None
-        raise DataError(f"MNIST not found under {root}/MNIST/raw ({why}); set data.download=true or copy the files there") from None
+            raise DataError(f"could not download MNIST into {root} ({why}); without internet, copy the MNIST files to "
+                            f"{raw} ({files}, uncompressed; or try generated digits: python -m trainer.data "
+                            f"fake-mnist {root})") from None
+        raise DataError(f"MNIST not found under {raw} ({why}); set data.download=true or copy the files there "
+                        f"({files}, uncompressed)") from None
+
+
+def write_fake_mnist(root: str, samples: int, seed: int = 0) -> str:
+    """Generated images and labels in the four MNIST files' format under <root>/MNIST/raw (for trying
+    the MNIST configs without the data set: the labels are i mod 10, the images noise)."""
+    import struct
+
+    raw = os.path.join(root, "MNIST", "raw")
+    os.makedirs(raw, exist_ok=True)
+    images = np.random.default_rng(seed).integers(0, 255, (samples, 28, 28), dtype=np.uint8)
+    labels = (np.arange(samples) % 10).astype(np.uint8)
+    for name, magic in MNIST_FILES.items():
+        path = os.path.join(raw, name)
+        if os.path.lexists(path):
+            raise DataError(f"{path} exists; fake-mnist never overwrites files: use an empty root")
+        header = struct.pack(">IIII", magic, samples, 28, 28) if magic == 2051 else struct.pack(">II", magic, samples)
+        with open(path, "xb") as f:
+            f.write(header + (images if magic == 2051 else labels).tobytes())
+    return raw
 
 
 def image_folder(root: str, size: int, num_classes: int) -> Dataset:
@@ -272,3 +310,30 @@ def loader(dataset: Dataset, args: DataArgs, seed: int, start: int, global_batch
             persistent_workers=args.num_workers > 0,
         )
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m trainer.data", description="Data helpers.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    fake = sub.add_parser("fake-mnist", help="write generated digits in MNIST's file format to ROOT/MNIST/raw")
+    fake.add_argument("root", help="the data.path of the MNIST config, e.g. data/mnist")
+    fake.add_argument("--samples", type=int, default=1000, help="images in each of the train and test files")
+    args = parser.parse_args(argv)
+    if args.samples < 1:
+        print(f"error: --samples is {args.samples}; it must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        raw = write_fake_mnist(args.root, args.samples)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.samples} generated images per split to {raw} ({', '.join(MNIST_FILES)}); "
+          f"train with data.path={args.root} data.download=false")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
