@@ -15,7 +15,7 @@ signals.stop_with_launcher()  # a rank whose launcher died (kill -9) saves and s
 
 from trainer.check import check_gpu_memory, check_gpus, resolve, validate  # noqa: E402
 from trainer.checkpoint import CheckpointError  # noqa: E402
-from trainer.config import ConfigError, load  # noqa: E402
+from trainer.config import ConfigError, load_run  # noqa: E402
 from trainer.data import DataError  # noqa: E402
 from trainer.dist import NodeError, exit_process, read_env, shutdown  # noqa: E402
 from trainer.launch import mark_bad_input  # noqa: E402
@@ -39,14 +39,16 @@ def main(argv: list[str] | None = None) -> int:
         return code
 
     try:  # all of this before any process group or file exists
-        cfg = load(args.config, args.overrides)
-        validate(cfg, env.world_size, where=args.config, overrides=args.overrides,
-                 ranks_per_node=env.local_world_size)
-        cfg = resolve(cfg, where=args.config, world_size=env.world_size)  # as config.yaml records it
+        cfg, where, notes = load_run(args.config, args.overrides)  # a run dir's own run is the base
+        validate(cfg, env.world_size, where=where, overrides=args.overrides, ranks_per_node=env.local_world_size)
+        cfg = resolve(cfg, where=where, world_size=env.world_size)  # as config.yaml records it
         check_gpus(env.local_world_size)
-        check_gpu_memory(cfg, env.world_size, env.device, env.local_world_size, where=args.config)
+        check_gpu_memory(cfg, env.world_size, env.device, env.local_world_size, where=where)
     except ConfigError as e:
         return fail(str(e))
+    if env.rank == 0:
+        for line in notes:
+            print(line, flush=True)
 
     from trainer.train import Diverged, StuckRank, train  # torch.distributed set-up lives there
 

@@ -17,7 +17,7 @@ import tempfile
 
 import torch
 
-from trainer.config import Config, ConfigError, load
+from trainer.config import Config, ConfigError, load_run
 from trainer.data import token_file_problem
 from trainer.optim import schedule_warning
 from trainer.models import TRANSFORMER_SIZES, resolve as resolve_model
@@ -386,20 +386,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     args = parser.parse_intermixed_args(argv)  # overrides may come before --config too
     try:
-        cfg = load(args.config, args.overrides)
+        cfg, where, notes = load_run(args.config, args.overrides)
         if args.nproc is not None:
             check_devices(args.nproc)
         if args.nnodes < 1:
             raise ConfigError(f"the number of nodes is {args.nnodes}; it must be at least 1")
         world = (args.nproc or 1) * args.nnodes
         # A GPU target (GPU_MEM_GB) is checked below; this machine's RAM only for CPU training here.
-        validate(cfg, world, where=args.config, overrides=args.overrides,
+        validate(cfg, world, where=where, overrides=args.overrides,
                  ranks_per_node=None if args.gpu_mem_gb else args.nproc or 1)
-        cfg = resolve(cfg, where=args.config, world_size=world)
-        fit = gpu_preflight(cfg, world, args.nproc or 1, args.nnodes, args.gpu_mem_gb, where=args.config)
+        cfg = resolve(cfg, where=where, world_size=world)
+        fit = gpu_preflight(cfg, world, args.nproc or 1, args.nnodes, args.gpu_mem_gb, where=where)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    for line in notes:
+        print(line)
     print(f"config OK: {args.config}: {cfg.model.name} on {world} processes, run_dir {cfg.run_dir}")
     warning = schedule_warning(cfg.optim, cfg.train.steps)
     if warning:

@@ -70,6 +70,12 @@ def load(path: str | None, overrides: list[str] = ()) -> Config:
     if path is not None:
         raw = _read_yaml(path)
     sources = {key: path or "defaults" for key in _flatten(raw)}
+    _apply_overrides(raw, overrides, sources)
+    return _build(Config, raw, prefix="", sources=sources, default_source=path or "defaults")
+
+
+def _apply_overrides(raw: dict, overrides: list[str], sources: dict) -> None:
+    """Set each `key.sub=value` of `overrides` in `raw`, recording where each value came from."""
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key:
@@ -83,7 +89,67 @@ def load(path: str | None, overrides: list[str] = ()) -> Config:
             node = child
         node[parts[-1]] = yaml.safe_load(text) if text else None
         sources[key] = f"override {item!r}"
-    return _build(Config, raw, prefix="", sources=sources, default_source=path or "defaults")
+
+
+SAVED = "config.yaml"  # the resolved config a run writes into its run dir at every start
+
+
+def load_run(path: str | None, overrides: list[str] = ()) -> tuple[Config, str, list[str]]:
+    """The config of a start in a run dir: (config, where its values come from, lines to show).
+
+    A run dir that holds a saved run (its config.yaml) continues that run: the saved config is the
+    base, the command line's overrides apply on top. The --config file only names the run dir and
+    fills keys the saved config lacks (written by an older trainer); a value it sets that differs
+    from the run's is not used, and one of the lines says so. A new run dir: `load(path, overrides)`."""
+    cfg = load(path, overrides)
+    saved = os.path.join(cfg.run_dir, SAVED)
+    if not os.path.isfile(saved):
+        return cfg, path or "defaults", []
+    saved_raw = _read_yaml(saved)
+    file_raw = _read_yaml(path) if path is not None else {}
+    raw = _merge(file_raw, {**saved_raw, "run_dir": cfg.run_dir})
+    given = {item.partition("=")[0] for item in overrides}
+    if given & {"model.size", "model.init_from"} and isinstance(raw.get("model"), dict):
+        # The saved shape was resolved from the old size (or folder): the new one resolves it anew,
+        # except for the keys given here too.
+        from trainer.models import SHAPE_KEYS
+
+        raw["model"] = {k: v for k, v in raw["model"].items() if k not in SHAPE_KEYS or f"model.{k}" in given}
+    sources = {key: saved for key in _flatten(raw)}
+    _apply_overrides(raw, overrides, sources)
+    result = _build(Config, raw, prefix="", sources=sources, default_source=saved)
+    run = _leaves(to_dict(from_dict({**_merge(file_raw, saved_raw), "run_dir": cfg.run_dir}, saved)))
+    now, from_file = _leaves(to_dict(result)), _leaves(to_dict(cfg))
+    lines = []
+    changed = [f"{k} {run[k]!r} -> {now[k]!r}" for k in now if k != "run_dir" and now[k] != run.get(k)]
+    if changed:
+        lines.append(f"{cfg.run_dir}: continuing the run saved in {saved}, changed on the command line: {', '.join(changed)}")
+    ignored = [f"{k} ({from_file[k]!r}; the run has {now[k]!r})" for k in _leaves(file_raw)
+               if k in now and k not in given and k != "run_dir" and _leaves(file_raw)[k] is not None
+               and from_file[k] != now[k]]
+    if ignored:
+        lines.append(f"{path} differs from the run saved in {saved} in {', '.join(ignored)}: the run's values are "
+                     f"used; to change one, give key=value on the command line")
+    return result, saved, lines
+
+
+def _merge(base: dict, top: dict) -> dict:
+    """`base` with `top`'s values put over it, section by section."""
+    merged = dict(base)
+    for key, value in top.items():
+        merged[key] = _merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+    return merged
+
+
+def _leaves(d: dict, prefix: str = "") -> dict:
+    """{dotted key: value} of every value of `d` that is not a section."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_leaves(v, f"{prefix}{k}."))
+        else:
+            out[prefix + str(k)] = v
+    return out
 
 
 class _DuplicateKey(Exception):

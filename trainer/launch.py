@@ -182,10 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     # (its devices, checked first) is said by that node, with its name.
     first = a.node_rank == 0
     from trainer.check import check_devices, check_gpus, validate
-    from trainer.config import ConfigError, load
+    from trainer.config import ConfigError, load_run
 
     try:
-        cfg = load(a.config, a.overrides)
+        cfg, where, _ = load_run(a.config, a.overrides)  # the ranks say what differs from a saved run
         nproc = _nproc(a.nproc_per_node)
     except ConfigError as e:
         if first:
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {where}{e}", file=sys.stderr, flush=True)
         return BAD_INPUT
     try:
-        validate(cfg, nproc * a.nnodes, where=a.config, overrides=a.overrides, ranks_per_node=nproc)
+        validate(cfg, nproc * a.nnodes, where=where, overrides=a.overrides, ranks_per_node=nproc)
     except ConfigError as e:
         if first:
             print(f"error: {e}", file=sys.stderr, flush=True)
