@@ -31,14 +31,24 @@ ASSUMED_SAVE_GB_PER_S_PER_NODE = 1.0
 
 
 def validate(cfg: Config, world_size: int, where: str = "config", overrides: list[str] = (),
-             ranks_per_node: int | None = None) -> None:
+             ranks_per_node: int | None = None, planning: bool = False) -> list[str]:
     """Raise ConfigError for the first problem found; `where` names the config file, `overrides`
     are the command line's key=value items: a value given there is blamed on the override. With
     `ranks_per_node`, what they need must fit this machine's memory (CPU training; a GPU's memory
-    is checked by each rank, check_gpu_memory: asking for it here would create a CUDA context)."""
+    is checked by each rank, check_gpu_memory: asking for it here would create a CUDA context).
+    `planning`: the run is for another machine (a GPU target, a dry run from a login node), so the
+    data files and the run dir this one cannot see are returned as warnings instead of raised."""
+    warnings: list[str] = []
 
     def fail(key: str, message: str):
         raise ConfigError(f"{source(key)}: {key}: {message}")
+
+    def elsewhere(key: str, message: str):
+        """A problem of a path that the target machine, not this one, must have."""
+        if not planning:
+            fail(key, message)
+        warnings.append(f"{source(key)}: {key}: {message} (not an error when planning for another machine: it must "
+                        f"hold there)")
 
     def source(key: str) -> str:
         field = key.split("[")[0]  # optim.betas[1] was given as optim.betas
@@ -130,18 +140,9 @@ def validate(cfg: Config, world_size: int, where: str = "config", overrides: lis
         if not d.path:
             fail("data.path", f"is not set; data.name={d.name} needs it")
         for key, path in (("data.path", d.path), ("data.eval_path", d.eval_path)):
-            if not path:
-                continue
-            if d.name == "tokens":
-                problem = token_file_problem(path, d.token_dtype, m.seq_len)
-                if problem:
-                    fail(key, problem)
-            if d.name == "imagefolder" and not os.path.isdir(path):
-                fail(key, f"folder {path} does not exist; point it at a folder of class subfolders")
-            if d.name == "imagefolder" and not any(e.is_dir() for e in os.scandir(path)):
-                fail(key, f"{path} has no class folders; put the images in one subfolder per class ({path}/<class>/<image>)")
-            if d.name == "mnist" and not d.download and not os.path.isdir(os.path.join(path, "MNIST", "raw")):
-                fail(key, f"{path}/MNIST/raw does not exist; set data.download=true or copy the MNIST files there")
+            problem = _data_problem(d, path, m.seq_len) if path else None
+            if problem:
+                (elsewhere if not os.path.exists(path) else fail)(key, problem)
 
     # batch arithmetic
     t = resolve_batch(cfg, world_size).train
@@ -173,7 +174,26 @@ def validate(cfg: Config, world_size: int, where: str = "config", overrides: lis
              f"run_dir/checkpoints/step_00000100")
     if c.resume_from is not None and not os.path.isdir(c.resume_from):
         fail("checkpoint.resume_from", f"{c.resume_from} does not exist; give a checkpoint folder such as run_dir/checkpoints/step_00000100")
-    _check_writable(cfg.run_dir, source("run_dir"))
+    try:
+        _check_writable(cfg.run_dir, source("run_dir"))
+    except ConfigError as e:
+        if not planning:
+            raise
+        warnings.append(f"{e} (not an error when planning for another machine: it must hold there)")
+    return warnings
+
+
+def _data_problem(d, path: str, seq_len: int) -> str | None:
+    """What is wrong with the data file or folder at `path`, or None."""
+    if d.name == "tokens":
+        return token_file_problem(path, d.token_dtype, seq_len)
+    if d.name == "imagefolder" and not os.path.isdir(path):
+        return f"folder {path} does not exist; point it at a folder of class subfolders"
+    if d.name == "imagefolder" and not any(e.is_dir() for e in os.scandir(path)):
+        return f"{path} has no class folders; put the images in one subfolder per class ({path}/<class>/<image>)"
+    if d.name == "mnist" and not d.download and not os.path.isdir(os.path.join(path, "MNIST", "raw")):
+        return f"{path}/MNIST/raw does not exist; set data.download=true or copy the MNIST files there"
+    return None
 
 
 def _check_memory(cfg: Config, world_size: int, ranks_per_node: int, fail) -> None:
@@ -387,22 +407,33 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)  # overrides may come before --config too
     try:
         cfg, where, notes = load_run(args.config, args.overrides)
+        planning = bool(args.gpu_mem_gb)  # a GPU target: this machine is not the one that trains
+        warnings = []
         if args.nproc is not None:
-            check_devices(args.nproc)
+            try:
+                check_devices(args.nproc)
+            except ConfigError as e:
+                if not planning or args.nproc < 1:
+                    raise
+                warnings.append(f"{e} (not an error when planning for GPU_MEM_GB={args.gpu_mem_gb})")
         if args.nnodes < 1:
             raise ConfigError(f"the number of nodes is {args.nnodes}; it must be at least 1")
         world = (args.nproc or 1) * args.nnodes
         # A GPU target (GPU_MEM_GB) is checked below; this machine's RAM only for CPU training here.
-        validate(cfg, world, where=where, overrides=args.overrides,
-                 ranks_per_node=None if args.gpu_mem_gb else args.nproc or 1)
+        warnings += validate(cfg, world, where=where, overrides=args.overrides,
+                             ranks_per_node=None if planning else args.nproc or 1, planning=planning)
         cfg = resolve(cfg, where=where, world_size=world)
         fit = gpu_preflight(cfg, world, args.nproc or 1, args.nnodes, args.gpu_mem_gb, where=where)
+        if fit is None:  # no GPU to check against: what one CPU process of this machine needs
+            fit = cpu_memory_line(cfg, world)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    print(f"config OK: {args.config}: {cfg.model.name} on {world} processes, run_dir {cfg.run_dir}")
     for line in notes:
         print(line)
-    print(f"config OK: {args.config}: {cfg.model.name} on {world} processes, run_dir {cfg.run_dir}")
+    for line in warnings:
+        print(f"warning: {line}")
     warning = schedule_warning(cfg.optim, cfg.train.steps)
     if warning:
         print(f"warning: {warning}")
@@ -429,6 +460,23 @@ def check_gpu_memory(cfg: Config, world_size: int, device: torch.device, local_w
                          nodes_option="{} nodes")
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
+
+
+def cpu_memory_line(cfg: Config, world: int) -> str:
+    """The estimated peak of one CPU process, against this machine's memory."""
+    from trainer import memory
+
+    per_rank = cfg.train.global_batch_size // world
+    need = memory.estimate(cfg, world, cfg.train.micro_batch_size or per_rank)
+    have = memory.machine_bytes()
+    of = f", of the {memory.gb(have)} of this machine" if have else ""
+    return (f"memory: about {memory.gb(need.total)} per process estimated on the CPU{of} (give GPU_MEM_GB= to check "
+            f"a GPU instead)\n{need.breakdown()}")
+
+
+# An estimate within this fraction of the target's memory is refused by nothing but warned about:
+# the estimate is calibrated within a few percent on CPUs, not yet on GPUs (trainer/memory.py).
+HEADROOM = 0.10
 
 
 def gpu_target(gpu_mem_gb: str) -> tuple[int, str] | None:
@@ -462,8 +510,13 @@ def gpu_preflight(cfg: Config, world: int, ranks_per_node: int, nnodes: int, gpu
         need = memory.preflight(cfg, world, ranks_per_node, have, what, nodes=nnodes, nodes_option="--nnodes {}")
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
-    return (f"memory: about {memory.gb(need.total)} per GPU estimated, of the {memory.gb(have)} of {what} "
+    line = (f"memory: about {memory.gb(need.total)} per GPU estimated, of the {memory.gb(have)} of {what} "
             f"({need.total / have:.0%})\n{need.breakdown()}")
+    if need.total > (1 - HEADROOM) * have:
+        line += (f"\nwarning: less than {HEADROOM:.0%} headroom ({memory.gb(have - need.total)} left of {memory.gb(have)}): "
+                 f"fragmentation or a longer sequence can run out of memory; consider a smaller train.micro_batch_size "
+                 f"or parallel.activation_checkpointing=true")
+    return line
 
 
 if __name__ == "__main__":
