@@ -1,8 +1,8 @@
 """The container path against a real Docker engine: the image, compose up, stop, resume, non-root.
 
-Skipped with one line when no engine answers, except the tests of docker/up.sh's choice of user,
-which run it against a stub `docker`. Skipped with one line when no engine answers (.ci/run and `make docker-engine` start one; the
-tests never install or start anything). The image is built once per module by
+Skipped with one line when no engine answers (.ci/run and `make docker-engine` start one; the
+tests never install or start anything), except the test of docker/up.sh's choice of user, which
+runs it against a stub `docker`. The image is built once per module by
 docker/build-image.sh, exactly as `make image`: the CUDA build of torch from PyPI, which also runs on
 the CPU here. It is removed at the end if this module made it. Every compose project, container and
 run dir made here is removed too.
@@ -251,11 +251,11 @@ def test_up_as_root_runs_as_the_invoking_user_and_changes_no_owner(tmp_path):
         return out, [c for c in after[len(before):] if " up " in c]
 
     out, ups = up(run_dir, SUDO_UID="4242", SUDO_GID="4243")  # sudo make up: the user who ran sudo
-    assert out.returncode == 0 and ups == ["compose --profile cpu up --exit-code-from train-cpu train-cpu user=4242:4243"], \
-        out.stderr
+    assert out.returncode == 0, out.stderr
+    assert ups == ["compose --profile cpu up --exit-code-from train-cpu train-cpu user=4242:4243"]
     out, ups = up(run_dir)  # root without sudo: the run dir's owner
     assert out.returncode == 0 and ups[0].endswith(" user=4343:4343"), out.stderr
-    assert (theirs.stat().st_uid, theirs.stat().st_gid) == (5555, 5556), "up.sh changed the owner of a file in the run dir"
+    assert (theirs.stat().st_uid, theirs.stat().st_gid) == (5555, 5556), "up.sh changed a file's owner"
     assert (run_dir.stat().st_uid, run_dir.stat().st_gid) == (4343, 4343)
 
     new = tmp_path / "new" / "run"

@@ -480,8 +480,8 @@ def describe(job: Job, partition: Partition) -> str:
         ("checkpoint save", job.reasons.get("save", "not estimated"), ""),
         ("network", job.net_if or "NCCL's and gloo's own choice", "NET_IF" if job.net_if else "no NET_IF given"),
         ("container", f"{job.container} ({job.runtime})" if job.container else "none: this checkout and venv", ""),
-        ("run dir", str(job.run_dir), f"{job.reasons.get('run_dir', 'given')}; must be on a filesystem every node sees; "
-                                      f"checked on the nodes at start"),
+        ("run dir", str(job.run_dir), f"{job.reasons.get('run_dir', 'given')}; must be on a filesystem every node "
+                                      f"sees; checked on the nodes at start"),
     ]
     width = max(len(r[0]) for r in rows)
     return "\n".join(f"  {name:<{width}}  {value}" + (f"   [{why}]" if why else "") for name, value, why in rows)
