@@ -1,7 +1,8 @@
 """The container path against a real Docker engine: the image, compose up, stop, resume, non-root.
 
 Skipped with one line when no engine answers (.ci/run and `make docker-engine` start one; the
-tests never install or start anything). The image is built once per module by
+tests never install or start anything), except the test of docker/up.sh's choice of user, which
+runs it against a stub `docker`. The image is built once per module by
 docker/build-image.sh, exactly as `make image`: the CUDA build of torch from PyPI, which also runs on
 the CPU here. It is removed at the end if this module made it. Every compose project, container and
 run dir made here is removed too.
@@ -43,7 +44,7 @@ def _engine() -> str | None:
 
 
 _why_not = _engine()
-pytestmark = pytest.mark.skipif(_why_not is not None, reason=f"no Docker engine: {_why_not}")
+engine = pytest.mark.skipif(_why_not is not None, reason=f"no Docker engine: {_why_not}")
 
 
 def _compose() -> list[str]:
@@ -75,8 +76,10 @@ def run_dir():
 
 
 def _env(run_dir: Path, args: str) -> dict[str, str]:
+    # As root (CI) the trainer's user is named: up.sh has no sudo user or run dir owner to go by.
+    as_root = {"TRAINER_UID": "1000", "TRAINER_GID": "1000"} if os.getuid() == 0 else {}
     return {**os.environ, "COMPOSE_PROJECT_NAME": PROJECT, "COMPOSE_HTTP_TIMEOUT": "300", "IMAGE": IMAGE, "RUN_DIR": str(run_dir),
-            "NPROC": "2", "ARGS": args}
+            "NPROC": "2", "ARGS": args, **as_root}
 
 
 def _steps(run_dir: Path) -> list[int]:
@@ -96,6 +99,7 @@ def _checkpoints(run_dir: Path) -> list[int]:
 # ---- lint ---------------------------------------------------------------------------------------
 
 
+@engine
 def test_compose_file_is_valid():
     for profile in ([], ["--profile", "cpu"]):
         out = _sh(*_compose(), *profile, "config", env={**os.environ, "ARGS": "train.steps=3 log.interval=1"})
@@ -105,6 +109,7 @@ def test_compose_file_is_valid():
     assert "--nproc-per-node=auto" in out.stdout  # one rank per visible GPU
 
 
+@engine
 def test_dockerfile_passes_hadolint():
     beside_python = Path(sys.executable).parent / "hadolint"  # the venv's, from the test extras
     hadolint = str(beside_python) if beside_python.exists() else shutil.which("hadolint")
@@ -121,6 +126,7 @@ def _pinned(name: str) -> str:
     return re.search(rf"^ARG {name}=(\S+)$", (REPO / "Dockerfile").read_text(), re.M).group(1)
 
 
+@engine
 def test_image_has_what_a_gpu_cluster_needs(image, tmp_path):
     """One container (each costs a full copy of the image under vfs), as a cluster runs it: a
     non-root user and a home bind-mounted from the host whose ~/.local shadows yaml and torch."""
@@ -157,6 +163,7 @@ print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda, "nccl"
     assert got["check"][0] == 0, got["check"][1]
 
 
+@engine
 def test_up_stop_resume(image, run_dir):
     """`make up CPU=1` trains with 2 processes into the host dir; `down` saves; `up` resumes."""
     total = 40
@@ -197,6 +204,7 @@ def test_up_stop_resume(image, run_dir):
     assert _checkpoints(run_dir)[-1] == total
 
 
+@engine
 def test_a_rebuild_removes_the_image_its_tag_named_before(tmp_path):
     """Each `make image` moves the tag; the image it named before must not stay behind untagged
     (under vfs each is a 6 GB copy: a few rebuilds filled the CI machine's disk)."""
@@ -213,3 +221,53 @@ def test_a_rebuild_removes_the_image_its_tag_named_before(tmp_path):
             "the image the tag named before the rebuild is still there"
     finally:
         subprocess.run(["docker", "rmi", tag, *ids], capture_output=True)
+
+
+# ---- docker/up.sh's user, against a stub `docker` (no engine) ----------------------------------
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="up.sh's root path, with files of other users: needs root")
+def test_up_as_root_runs_as_the_invoking_user_and_changes_no_owner(tmp_path):
+    """As root, up.sh runs the trainer as sudo's user, else as the run dir's owner, else as
+    TRAINER_UID, and refuses when none says who; it never changes the owner of a file it did not make."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "docker.log"
+    bin_dir.mkdir()
+    (bin_dir / "docker").write_text(f'#!/bin/bash\necho "$* user=$TRAINER_UID:$TRAINER_GID" >> "{calls}"\n')
+    (bin_dir / "docker").chmod(0o755)
+    run_dir = tmp_path / "run"
+    theirs = run_dir / "checkpoints" / "theirs"
+    theirs.parent.mkdir(parents=True)
+    theirs.write_text("someone else's")
+    os.chown(run_dir, 4343, 4343)
+    os.chown(theirs, 5555, 5556)
+    clean = {k: v for k, v in os.environ.items() if k not in ("SUDO_UID", "SUDO_GID", "TRAINER_UID", "TRAINER_GID")}
+
+    def up(run: Path, **env: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+        before = calls.read_text().splitlines() if calls.exists() else []
+        out = subprocess.run([str(REPO / "docker" / "up.sh"), "cpu"], capture_output=True, text=True, timeout=60,
+                             env={**clean, "PATH": f"{bin_dir}:{clean['PATH']}", "RUN_DIR": str(run),
+                                  "DATA_DIR": str(tmp_path / "data"), **env})
+        after = calls.read_text().splitlines() if calls.exists() else []
+        return out, [c for c in after[len(before):] if " up " in c]
+
+    out, ups = up(run_dir, SUDO_UID="4242", SUDO_GID="4243")  # sudo make up: the user who ran sudo
+    assert out.returncode == 0, out.stderr
+    assert ups == ["compose --profile cpu up --exit-code-from train-cpu train-cpu user=4242:4243"]
+    out, ups = up(run_dir)  # root without sudo: the run dir's owner
+    assert out.returncode == 0 and ups[0].endswith(" user=4343:4343"), out.stderr
+    assert (theirs.stat().st_uid, theirs.stat().st_gid) == (5555, 5556), "up.sh changed a file's owner"
+    assert (run_dir.stat().st_uid, run_dir.stat().st_gid) == (4343, 4343)
+
+    new = tmp_path / "new" / "run"
+    out, ups = up(new)  # root, a new run dir, nobody named: refused before anything is made
+    assert out.returncode == 2 and ups == [] and not new.parent.exists()
+    assert out.stderr == ("docker/up.sh: error: as root, the trainer needs a user to run as (never root): run "
+                          "`make up` as your user or with sudo, or set TRAINER_UID= and TRAINER_GID=, or give a "
+                          f"RUN_DIR that user owns (RUN_DIR={new} does not exist yet)\n")
+    out, ups = up(new, TRAINER_UID="4444", TRAINER_GID="4445")  # named: the folders up.sh makes are that user's
+    assert out.returncode == 0 and ups[0].endswith(" user=4444:4445"), out.stderr
+    assert [(p.stat().st_uid, p.stat().st_gid) for p in (new, new.parent)] == [(4444, 4445)] * 2
+    assert tmp_path.stat().st_uid == 0
+    out, ups = up(run_dir, TRAINER_UID="0")
+    assert out.returncode == 2 and ups == [] and out.stderr == (
+        "docker/up.sh: error: TRAINER_UID=0: the trainer never runs as root; give a user's uid\n")

@@ -396,3 +396,143 @@ def test_gres_gpu_counts():
     assert submit.gres_gpus("gpu:a100:4(S:0-1),gpu:h100:4") == 8
     assert submit.gres_gpus("gpu:2,mps:100") == 2
     assert submit.gres_gpus("(null)") == 0
+
+
+# ---- values reach the batch script's shell as data, never as code ------------------------------
+
+
+def _sbatch_argument(line: str) -> str:
+    """The first argument of an #SBATCH line as sbatch reads it (Slurm's _get_argument): blanks end
+    it unless inside double quotes, an unescaped '#' ends the line, a backslash escapes what follows."""
+    text, out, quoted, escaped = line.split("#SBATCH", 1)[1].lstrip(), [], False, False
+    for ch in text:
+        if escaped:
+            out.append(ch)
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif ch == '"':
+            quoted = not quoted
+        elif ch == "#" or (ch.isspace() and not quoted):
+            break
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def _stub(folder: Path, name: str, body: str) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text(f"#!{sys.executable}\nimport json, os, sys\n{body}")
+    (folder / name).chmod(0o755)
+
+
+def test_rendered_script_passes_odd_paths_as_data(tmp_path):
+    """A run dir, repository and Python with blanks, quotes and $(...) in their names: the rendered
+    script runs (stub srun/scontrol/python that record their argv) without running any of it, the
+    trainer and the requeue check get the same run dir, and sbatch reads the log path whole."""
+    marker = tmp_path / "INJECTED"
+    run_dir = tmp_path / f"run $(touch {marker}) `touch {marker}` \"q\" 'q' #x"
+    repo = tmp_path / "repo $(touch INJECTED)"
+    repo.mkdir()
+    record = tmp_path / "argv.jsonl"
+    bin_dir = tmp_path / "bin"
+    pybin = tmp_path / "py $(touch INJECTED)"
+    log = f"open({str(record)!r}, 'a').write(json.dumps(sys.argv) + '\\n')\n"
+    _stub(pybin, "python", "if sys.argv[1] == '-c':\n    print(29500)\n    sys.exit(0)\n" + log)
+    _stub(bin_dir, "scontrol", log + "print('n1')\n")
+    _stub(bin_dir, "srun", log + "cmd = sys.argv[1:]\nwhile cmd[0].startswith('--'):\n    cmd.pop(0)\n"
+                          "os.execvpe(cmd[0], cmd, {**os.environ, 'SLURM_NODEID': '0'})\n")
+    job = submit.Job(nodes=1, gpus_per_node=0, cpus_per_node=2, config=tmp_path / "cfg $(touch INJECTED).yaml",
+                     run_dir=run_dir, overrides=["train.steps=3", "data.path=/d/$HOME/`x`"], time=None,
+                     partition=None, container=None, runtime=None, net_if=None, warn_seconds=120, max_attempts=3)
+    script = tmp_path / "train.sbatch"
+    script.write_text(submit.render_sbatch(job, repo_dir=repo, python=str(pybin / "python")))
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "77", "SLURM_JOB_NUM_NODES": "1",
+           "SLURM_JOB_NODELIST": "n1"}
+    out = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert not marker.exists() and not (repo / "INJECTED").exists() and not (tmp_path / "INJECTED").exists()
+    assert out.returncode == 0, out.stdout + out.stderr
+    calls = [json.loads(line) for line in record.read_text().splitlines()]
+    launch = next(c for c in calls if c[1:3] == ["-m", "trainer.launch"])
+    requeue = next(c for c in calls if c[1:3] == ["-m", "trainer.requeue"])
+    assert f"run_dir={run_dir}" in launch and launch.count(f"run_dir={run_dir}") == 1, launch
+    assert requeue[requeue.index("--run-dir") + 1] == str(run_dir), requeue
+    assert launch[launch.index("--config") + 1] == str(job.config)
+    assert "data.path=/d/$HOME/`x`" in launch and "--node-rank=0" in launch, launch
+    sbatch = dict(_sbatch_argument(line).partition("=")[::2] for line in script.read_text().splitlines()
+                  if line.startswith("#SBATCH"))
+    assert sbatch["--output"] == f"{run_dir}/slurm/%j.out"
+    assert sbatch["--job-name"] == f"train-{run_dir.name}"
+
+
+# ---- `python -m trainer.submit --dry-run` against a stub cluster --------------------------------
+
+
+@pytest.fixture
+def stub_cluster(tmp_path, monkeypatch):
+    """sinfo and scontrol on PATH that describe one partition `main` of CPU nodes (2 CPUs each)."""
+    bin_dir = tmp_path / "stub-bin"
+    _stub(bin_dir, "sinfo", "print('main*' if '%P' in sys.argv else 'n1 (null) 2\\nn2 (null) 2')\n")
+    _stub(bin_dir, "scontrol", "print('PartitionName=main PreemptMode=OFF')\n")
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    return tmp_path
+
+
+def _dry_run(capsys, *args: str) -> tuple[int, str, str]:
+    code = submit.main(["--dry-run", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _run_dir_of(script: str) -> str:
+    """The run dir the dry run's trainer and requeue check get, which must be one."""
+    script = script[script.index("#!/bin/bash"):]
+    requeue = re.search(r"-m trainer\.requeue --run-dir (\S+)", script).group(1)
+    given = re.findall(r"run_dir=(\S+)", script)
+    assert given == [requeue], (given, requeue)
+    return requeue
+
+
+def test_dry_run_run_dir_from_run_dir_args_or_config_else_dated(stub_cluster, capsys, monkeypatch):
+    """RUN_DIR, ARGS run_dir= or the config's run_dir names the run dir, so the same command again
+    resumes the same run; only a config that names none gets a dated folder."""
+    monkeypatch.chdir(REPO)
+    config = stub_cluster / "named.yaml"
+    named = stub_cluster / "named-run"
+    config.write_text((REPO / "configs/default.yaml").read_text().replace("run_dir: runs/default", f"run_dir: {named}"))
+    for _ in range(2):  # the same command twice: the same run
+        code, out, err = _dry_run(capsys, "--config", str(config))
+        assert code == 0, err
+        assert _run_dir_of(out) == str(named) and re.search(rf"run dir +{re.escape(str(named))} ", out)
+    other = stub_cluster / "from-args"
+    code, out, err = _dry_run(capsys, "--config", str(config), "--", f"run_dir={other}", "train.steps=5")
+    assert code == 0, err
+    assert _run_dir_of(out) == str(other) and "train.steps=5" in out
+    code, out, err = _dry_run(capsys, "--config", str(config), "--run-dir", str(named), "--", f"run_dir={other}")
+    assert code == 2 and err == (f"submit: error: RUN_DIR={named} and ARGS run_dir={other} name different run "
+                                 f"directories; give one of them\n")
+    unnamed = stub_cluster / "unnamed.yaml"
+    unnamed.write_text((REPO / "configs/default.yaml").read_text().replace("run_dir: runs/default\n", ""))
+    code, out, err = _dry_run(capsys, "--config", str(unnamed))
+    assert code == 0, err
+    assert re.fullmatch(rf"{re.escape(str(REPO))}/runs/unnamed-\d{{8}}-\d{{6}}", _run_dir_of(out))
+
+
+@pytest.mark.parametrize("run_dir, launcher, message", [
+    ("/shared/run\nrm -rf ~", "sbatch", "RUN_DIR='/shared/run\\nrm -rf ~': a control character ('\\n')"),
+    ("/shared/100%x", "sbatch", "RUN_DIR='/shared/100%x': a '%', which Slurm's log file name"),
+    ("/shared/a\\b", "sbatch", "RUN_DIR='/shared/a\\\\b': a backslash, which Slurm's log file name"),
+    ("/shared/my run", "submitit", "RUN_DIR='/shared/my run': submitit writes it into #SBATCH lines"),
+])
+def test_a_run_dir_the_script_cannot_hold_is_one_line(stub_cluster, capsys, run_dir, launcher, message):
+    code, out, err = _dry_run(capsys, "--run-dir", run_dir, "--launcher", launcher)
+    assert code == 2 and out == "" and err.count("\n") == 1 and err.startswith("submit: error: "), err
+    assert message in err, err
+
+
+def test_a_run_dir_that_would_split_the_container_mounts_is_one_line(stub_cluster, capsys):
+    image = stub_cluster / "trainer.sif"
+    image.write_text("")
+    code, out, err = _dry_run(capsys, "--run-dir", "/shared/a,b", "--container", str(image))
+    assert code == 2 and err == ("submit: error: RUN_DIR /shared/a,b: ',' and ':' separate the container's mounts "
+                                 "(--container-mounts, --bind); choose a folder without them\n"), err

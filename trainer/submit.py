@@ -207,6 +207,46 @@ def container_image(text: str, runtime: str | None) -> tuple[str, str]:
     return text, runtime
 
 
+def choose_run_dir(given: str, from_args: list[str], config: Path) -> tuple[Path, str]:
+    """(run dir, where it came from): RUN_DIR, else ARGS run_dir=, else the config's run_dir (a
+    relative one from the current folder, as `make run` reads it), else runs/<config>-<date> in the
+    repository. All but the last name the same folder each time: the same command again resumes."""
+    from trainer.config import ConfigError, _read_yaml
+
+    asked = ([f"RUN_DIR={given}"] if given else []) + [f"ARGS run_dir={p}" for p in from_args]
+    named = {Path(p).expanduser().resolve() for p in ([given] if given else []) + from_args}
+    if len(named) > 1:
+        raise SubmitError(f"{' and '.join(asked)} name different run directories; give one of them")
+    if named:
+        return named.pop(), " and ".join(a.split("=", 1)[0] + "=" for a in asked)
+    try:
+        in_config = _read_yaml(str(config)).get("run_dir")
+    except ConfigError as e:
+        raise SubmitError(str(e)) from None
+    if in_config:
+        return Path(str(in_config)).expanduser().resolve(), f"run_dir in {config.name}"
+    return ((REPO_DIR / "runs" / f"{config.stem}-{time.strftime('%Y%m%d-%H%M%S')}").resolve(),
+            "a new folder: neither RUN_DIR, ARGS run_dir= nor the config names one")
+
+
+def check_run_dir_text(run_dir: Path, launcher: str) -> None:
+    """Refuse a run dir that the batch script's #SBATCH --output line cannot hold as it is: sbatch
+    cannot escape a line break, and Slurm reads '%' and '\\' in a log file name as its own patterns.
+    submitit quotes its #SBATCH lines the shell's way, which sbatch does not read: there only the
+    characters that need no quoting pass."""
+    text = str(run_dir)
+    if bad := re.search(r"[\x00-\x1f\x7f]", text):
+        raise SubmitError(f"RUN_DIR={text!r}: a control character ({bad.group()!r}) cannot stand in the batch "
+                          f"script's #SBATCH lines; choose a folder name without one")
+    for char, name in (("%", "a '%'"), ("\\", "a backslash")):
+        if char in text:
+            raise SubmitError(f"RUN_DIR={text!r}: {name}, which Slurm's log file name (#SBATCH --output) reads as "
+                              f"a pattern; choose a folder name without one")
+    if launcher == "submitit" and re.search(r"[^\w@+=:,./-]", text):
+        raise SubmitError(f"RUN_DIR={text!r}: submitit writes it into #SBATCH lines quoted for the shell, which "
+                          f"sbatch does not read; use letters, digits and @+=:,./- only, or LAUNCHER=sbatch")
+
+
 def parse_job(args: argparse.Namespace, partition: Partition) -> Job:
     """Check every input that can be checked on the login node; raise SubmitError."""
     def number(name: str, text: str, minimum: int) -> int:
@@ -239,17 +279,17 @@ def parse_job(args: argparse.Namespace, partition: Partition) -> Job:
     config = Path(args.config).resolve()
     if not config.is_file():
         raise SubmitError(f"CONFIG={args.config}: no such file")
+    overrides, args_run_dirs = [], []
     for item in args.overrides:
-        if "=" not in item:
+        key, sep, value = item.partition("=")
+        if not sep:
             raise SubmitError(f"ARGS: {item!r} is not key=value")
-        if item.split("=", 1)[0] == "run_dir":
-            raise SubmitError("ARGS: set the run directory with RUN_DIR=..., not run_dir=")
-        if re.search(r"[\"$`\\]", item):
-            raise SubmitError(f"ARGS: {item!r} contains one of \" $ ` \\ which the batch script cannot pass on")
-    if args.run_dir:
-        run_dir = Path(args.run_dir).expanduser().resolve()
-    else:
-        run_dir = (REPO_DIR / "runs" / f"{config.stem}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+        if key != "run_dir":
+            overrides.append(item)
+        elif value:
+            args_run_dirs.append(value)
+    run_dir, reasons["run_dir"] = choose_run_dir(args.run_dir, args_run_dirs, config)
+    check_run_dir_text(run_dir, args.launcher)
     check_shared(run_dir, nodes)
     time_limit = args.time or None
     if time_limit is not None:
@@ -262,6 +302,10 @@ def parse_job(args: argparse.Namespace, partition: Partition) -> Job:
         container, runtime = container_image(args.container, args.container_runtime or None)
         if runtime == "apptainer" and args.launcher == "submitit":
             raise SubmitError("CONTAINER is supported by the sbatch launcher only (LAUNCHER=sbatch)")
+        for path, what in ((run_dir, "RUN_DIR"), (REPO_DIR, "the repository")):
+            if re.search(r"[,:]", str(path)):
+                raise SubmitError(f"{what} {path}: ',' and ':' separate the container's mounts (--container-mounts, "
+                                  f"--bind); choose a folder without them")
     else:  # the nodes run this checkout and this interpreter: say so if they look out of their reach
         for path, what in ((REPO_DIR, "the repository"), (Path(sys.executable).parent, "the Python environment")):
             try:
@@ -271,7 +315,7 @@ def parse_job(args: argparse.Namespace, partition: Partition) -> Job:
     if args.net_if and not re.fullmatch(r"[\w.\-:^,]+", args.net_if):
         raise SubmitError(f"NET_IF={args.net_if!r}: not an interface name (e.g. ib0, or ^docker,lo to exclude)")
     return Job(nodes=nodes, gpus_per_node=gpus, cpus_per_node=cpus, config=config, run_dir=run_dir,
-               overrides=list(args.overrides), time=time_limit, partition=args.partition or None,
+               overrides=overrides, time=time_limit, partition=args.partition or None,
                container=container, runtime=runtime, net_if=args.net_if or None, warn_seconds=warn,
                max_attempts=max_attempts, reasons=reasons, gpu_mem_gb=args.gpu_mem_gb)
 
@@ -349,21 +393,43 @@ def check_config(job: Job, partition: Partition | None = None) -> float:
 # ---- sbatch launcher ----------------------------------------------------------------------------
 
 
+def sbatch_quote(value: str) -> str:
+    """value as one argument of an #SBATCH line. sbatch splits those lines at blanks, ends them at an
+    unescaped '#', toggles quoting at '"', and takes a backslash to escape the next character
+    (Slurm's _get_argument); a line break cannot be escaped, and parse_job refuses one."""
+    if re.search(r"[\x00-\x1f\x7f]", value):
+        raise ValueError(f"{value!r}: a control character cannot stand in an #SBATCH line")
+    return re.sub(r'([\s"#\\])', r"\\\1", value)
+
+
 def render_sbatch(job: Job, repo_dir: Path = REPO_DIR, python: str = sys.executable,
                   host_python: str = "python3") -> str:
-    """The batch script for job. Lines whose only placeholder is empty are left out."""
+    """The batch script for job. Lines whose only placeholder is empty are left out.
+
+    Every value is quoted for where it lands: on #SBATCH lines as sbatch reads them, elsewhere as a
+    bash word (shlex.quote). The placeholders that stand for several words (CONTAINER_OPTIONS,
+    CONTAINER_EXEC, NET_EXPORT, TRAIN_ARGS) are built here from words quoted one by one."""
+    q = shlex.quote
     if job.runtime == "apptainer":
-        nv = "--nv " if job.gpus_per_node else ""
-        container_options, container_exec = "", f"apptainer exec {nv}--bind {repo_dir},{job.run_dir} --pwd {repo_dir} {job.container}"
+        nv = ["--nv"] if job.gpus_per_node else []
+        container_options = ""
+        container_exec = " ".join(["apptainer", "exec", *nv, "--bind", q(f"{repo_dir},{job.run_dir}"),
+                                   "--pwd", q(str(repo_dir)), q(job.container)])
     elif job.runtime == "pyxis":
-        container_options = (f"--container-image={job.container} "
-                             f"--container-mounts={repo_dir}:{repo_dir},{job.run_dir}:{job.run_dir} "
-                             f"--container-workdir={repo_dir}")
+        container_options = (f"--container-image={q(job.container)} "
+                             f"--container-mounts={q(f'{repo_dir}:{repo_dir},{job.run_dir}:{job.run_dir}')} "
+                             f"--container-workdir={q(str(repo_dir))}")
         container_exec = ""
     else:
         container_options = container_exec = ""
-    net = f"NCCL_SOCKET_IFNAME={job.net_if} GLOO_SOCKET_IFNAME={job.net_if}" if job.net_if else ""
-    values = {
+    net = f"NCCL_SOCKET_IFNAME={q(job.net_if)} GLOO_SOCKET_IFNAME={q(job.net_if)}" if job.net_if else ""
+    words = {  # already bash words
+        "NET_EXPORT": f"export {net}" if net else "",
+        "CONTAINER_OPTIONS": container_options,
+        "CONTAINER_EXEC": container_exec,
+        "TRAIN_ARGS": " ".join(q(a) for a in job.train_args()),
+    }
+    values = {  # quoted below for the line they land in
         "JOB_NAME": f"train-{job.run_dir.name}",
         "NODES": str(job.nodes),
         "GPUS_PER_NODE": str(job.gpus_per_node) if job.gpus_per_node else "",
@@ -373,24 +439,25 @@ def render_sbatch(job: Job, repo_dir: Path = REPO_DIR, python: str = sys.executa
         "RUN_DIR": str(job.run_dir),
         "WARN_SECONDS": str(job.warn_seconds),
         "REPO_DIR": str(repo_dir),
-        "NET_EXPORT": f"export {net}" if net else "",
-        "CONTAINER_OPTIONS": container_options,
-        "CONTAINER_EXEC": container_exec,
         # Inside a container the image's python trains; the requeue check runs on the host.
         "TRAIN_PYTHON": "python3" if job.container else python,
         "HOST_PYTHON": host_python if job.container else python,
         "NPROC_PER_NODE": str(job.nproc_per_node),
-        "TRAIN_ARGS": " ".join(shlex.quote(a) for a in job.train_args()),
         "MAX_ATTEMPTS": str(job.max_attempts),
     }
     lines = []
     for line in TEMPLATE.read_text().splitlines():
         names = re.findall(r"\{\{(\w+)\}\}", line)
-        if names and all(values[n] == "" for n in names) and re.fullmatch(
+        text = {n: words[n] if n in words else values[n] for n in names}
+        if names and all(text[n] == "" for n in names) and re.fullmatch(
                 r"\s*(#SBATCH --[\w-]+=)?(\{\{\w+\}\}\s*)+\\?", line):
             continue
+        sbatch_line = line.startswith("#SBATCH")
         for n in names:
-            line = line.replace("{{" + n + "}}", values[n])
+            if n in words and sbatch_line:
+                raise ValueError(f"{TEMPLATE}: {{{{{n}}}}} stands for shell words; it cannot be on an #SBATCH line")
+            value = words[n] if n in words else sbatch_quote(values[n]) if sbatch_line else q(values[n])
+            line = line.replace("{{" + n + "}}", value)
         lines.append(re.sub(r"\s+\\$", lambda _: " \\", line.rstrip()))
     return "\n".join(lines) + "\n"
 
@@ -413,7 +480,8 @@ def describe(job: Job, partition: Partition) -> str:
         ("checkpoint save", job.reasons.get("save", "not estimated"), ""),
         ("network", job.net_if or "NCCL's and gloo's own choice", "NET_IF" if job.net_if else "no NET_IF given"),
         ("container", f"{job.container} ({job.runtime})" if job.container else "none: this checkout and venv", ""),
-        ("run dir", str(job.run_dir), "must be on a filesystem every node sees; checked on the nodes at start"),
+        ("run dir", str(job.run_dir), f"{job.reasons.get('run_dir', 'given')}; must be on a filesystem every node "
+                                      f"sees; checked on the nodes at start"),
     ]
     width = max(len(r[0]) for r in rows)
     return "\n".join(f"  {name:<{width}}  {value}" + (f"   [{why}]" if why else "") for name, value, why in rows)
@@ -516,7 +584,8 @@ def submit_submitit(job: Job) -> str:
     if job.partition:
         params["slurm_partition"] = job.partition
     if job.net_if:
-        params["slurm_setup"] = [f"export NCCL_SOCKET_IFNAME={job.net_if} GLOO_SOCKET_IFNAME={job.net_if}"]
+        net_if = shlex.quote(job.net_if)  # submitit writes these lines into its batch script as they are
+        params["slurm_setup"] = [f"export NCCL_SOCKET_IFNAME={net_if} GLOO_SOCKET_IFNAME={net_if}"]
     executor.update_parameters(**params)
     submitted = executor.submit(LaunchTask(job))
     print(f"submitted job {submitted.job_id} (submitit): {job.nodes} node(s) x {job.nproc_per_node} process(es)")
