@@ -17,7 +17,7 @@ CPU     ?=
 IMAGE      ?= fsdp-trainer:latest
 IMAGE_ARGS ?=
 # Slurm (make submit): empty values mean "not set": GPUS_PER_NODE and CPUS_PER_NODE then come from
-# the partition's nodes (gres), an empty RUN_DIR makes runs/<config>-<date>. DRY_RUN=1 prints the
+# the partition's nodes (gres); an empty RUN_DIR takes ARGS' run_dir=, else the config's, else runs/<config>-<date>. DRY_RUN=1 prints the
 # resources with the reason for each, and the batch script, and submits nothing.
 NODES         ?= 1
 GPUS_PER_NODE ?=

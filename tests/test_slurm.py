@@ -536,3 +536,16 @@ def test_a_run_dir_that_would_split_the_container_mounts_is_one_line(stub_cluste
     code, out, err = _dry_run(capsys, "--run-dir", "/shared/a,b", "--container", str(image))
     assert code == 2 and err == ("submit: error: RUN_DIR /shared/a,b: ',' and ':' separate the container's mounts "
                                  "(--container-mounts, --bind); choose a folder without them\n"), err
+
+
+def test_a_dry_run_plans_with_data_this_machine_cannot_see(stub_cluster, capsys, monkeypatch):
+    """DRY_RUN=1 from a login node: a data file only the cluster has is a warning, not a refusal."""
+    monkeypatch.chdir(REPO)
+    code, out, err = _dry_run(capsys, "--config", str(REPO / "configs/default.yaml"), "--run-dir",
+                              str(stub_cluster / "r"), "--", "data.name=tokens", "data.path=/cluster/only/train.bin")
+    assert code == 0, err
+    assert "warning: override 'data.path=/cluster/only/train.bin': data.path: token file /cluster/only/train.bin " \
+           "does not exist" in out
+    code, out, err = submit.main(["--config", str(REPO / "configs/default.yaml"), "--run-dir", str(stub_cluster / "r"),
+                                  "--", "data.name=tokens", "data.path=/cluster/only/train.bin"]), *capsys.readouterr()
+    assert code == 2 and "data.path: token file /cluster/only/train.bin does not exist" in err  # a real submit refuses

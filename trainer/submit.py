@@ -364,18 +364,21 @@ def _check_gpu_memory(job: Job, partition: Partition, cfg, world: int) -> None:
     job.memory = need.breakdown("    ")
 
 
-def check_config(job: Job, partition: Partition | None = None) -> float:
+def check_config(job: Job, partition: Partition | None = None, planning: bool = False) -> float:
     """Validate the config for the job's shape (not this machine's devices), and that it fits the
     GPUs' memory (with `partition`); return the estimated seconds of one save, and refuse a warning
-    too short for it."""
+    too short for it. A run dir that holds a run is continued with its own config (config.load_run);
+    `planning` (a dry run): data files and a run dir this machine cannot see are warnings."""
     from trainer.check import save_seconds, validate
-    from trainer.config import ConfigError, load
+    from trainer.config import ConfigError, load_run
 
     world = job.nodes * job.nproc_per_node
     try:
         overrides = [f"run_dir={job.run_dir}", *job.overrides]
-        cfg = load(str(job.config), overrides)
-        validate(cfg, world, where=str(job.config), overrides=overrides)
+        cfg, where, notes = load_run(str(job.config), overrides)
+        warnings = validate(cfg, world, where=where, overrides=overrides, planning=planning)
+        for line in [*notes, *(f"warning: {w}" for w in warnings)]:
+            print(line)
         if job.gpus_per_node and partition is not None:
             _check_gpu_memory(job, partition, cfg, world)
     except ConfigError as e:
@@ -624,7 +627,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         partition = query_partition(args.partition or None)
         job = parse_job(args, partition)
-        check_config(job, partition)
+        check_config(job, partition, planning=args.dry_run)
         if job.runtime == "pyxis" and not args.dry_run and not has_pyxis():
             raise SubmitError(f"CONTAINER={args.container}: this cluster's srun has no Pyxis plugin "
                               f"(--container-image); use an Apptainer .sif, or no container")
