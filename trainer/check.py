@@ -144,6 +144,13 @@ def validate(cfg: Config, world_size: int, where: str = "config", overrides: lis
             if problem:
                 (elsewhere if not os.path.exists(path) else fail)(key, problem)
 
+    from trainer.trackers import PACKAGES, missing_package
+
+    for name in PACKAGES:
+        problem = getattr(cfg.log, name) and missing_package(name)
+        if problem:
+            fail(f"log.{name}", problem)
+
     # batch arithmetic
     t = resolve_batch(cfg, world_size).train
     if t.global_batch_size % world_size:

@@ -20,6 +20,10 @@ log = logging.getLogger("trainer")
 class LogArgs:
     interval: int = 10  # optimizer steps between metric rows
     progress: bool = True  # live progress line on a terminal (rank 0 only)
+    tensorboard: bool = False  # also write TensorBoard event files to <run_dir>/tensorboard (trainer/trackers.py)
+    wandb: bool = False  # also log to a Weights & Biases run, the same one after each restart
+    mlflow: bool = False  # also log to an MLflow run at MLFLOW_TRACKING_URI, the same one after each restart
+    project: str | None = None  # W&B project / MLflow experiment; None: the run dir's name
 
 
 # Dense bf16 peak FLOP/s by device name, from the vendors' data sheets. The first key found in the
@@ -71,12 +75,15 @@ class Reporter:
         self.live = is_main and args.progress and sys.stdout.isatty()
         self.started = time.perf_counter()
         self.first_step: int | None = None
+        self.trackers = None  # trainer.trackers.Trackers on rank 0 when any is configured
 
     def write(self, values: dict) -> None:
-        """Append one row to metrics.jsonl."""
+        """Append one row to metrics.jsonl (and hand it to the trackers)."""
         if self.is_main:
             with open(self.path, "a") as f:
                 f.write(json.dumps(finite_or_null(values), allow_nan=False) + "\n")
+            if self.trackers:
+                self.trackers.log(values)
 
     def row(self, values: dict) -> None:
         """Append a training row and refresh the progress line."""

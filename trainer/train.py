@@ -210,6 +210,10 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, train_set, eval
     if env.is_main:  # the start is accepted: only now the run dir's config and status change
         dump(cfg, os.path.join(run_dir, "config.yaml"))
         layout.write_status(run_dir, state="running", steps=cfg.train.steps, step=step)
+        if cfg.log.tensorboard or cfg.log.wandb or cfg.log.mlflow:
+            from trainer.trackers import Trackers
+
+            reporter.trackers = Trackers(run_dir, cfg.log, to_dict(cfg), meta["step"] if meta else None)
     warning = optim.schedule_warning(cfg.optim, cfg.train.steps)
     if warning:
         reporter.message(f"warning: {warning}")
@@ -217,6 +221,8 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, train_set, eval
         reporter.message(f"nothing to do: step {step} reached train.steps={cfg.train.steps}; raise train.steps to continue")
         if env.is_main:
             layout.write_status(run_dir, state="finished")
+        if reporter.trackers:
+            reporter.trackers.close()
         return
 
     batches = data.loader(train_set, cfg.data, cfg.train.seed, samples, B, micro, env.rank, env.world_size)
@@ -339,6 +345,8 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, train_set, eval
             break
 
     ckpt.close()
+    if reporter.trackers:
+        reporter.trackers.close()
     if trace:
         trace.close()
     if env.is_main:
