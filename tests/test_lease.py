@@ -107,39 +107,66 @@ def test_takeover_when_a_second_starter_completes_between_the_read_and_the_takeo
     assert os.listdir(tmp_path) == [], "no lock, temporary or stale file left behind"
 
 
-def _race(run_dir: str, start_line, done_line, results) -> None:
-    mine = Lease(run_dir)
-    start_line.wait()
-    try:
-        mine.acquire()
-        results.put(("won", os.getpid(), mine.me["token"]))
-    except LeaseError:
-        results.put(("refused", os.getpid(), None))
-    except Exception as e:  # noqa: BLE001 - a crash is an outcome too
-        results.put((f"crashed: {type(e).__name__}: {e}", os.getpid(), None))
-    done_line.wait()  # the winner holds the lease until every racer has tried
-    mine._stop.set()
+def _racer(k: int, run_dirs: list[str], barriers: list, done_line, results) -> None:
+    """Racer k: in each trial it takes part in, wait for the others, then try to take the lease.
+    It stays alive to the end, so that a lease it won names a live process. Each read of the lease
+    file is followed by a random pause of up to 2 ms (this process only): more interleavings."""
+    rng = random.Random(k)
+    for name in ("_read", "_read_raw"):
+        original = getattr(lease_module, name, None)
+        if original is not None:
+            def slowed(*args, _original=original, **kw):
+                result = _original(*args, **kw)
+                time.sleep(rng.uniform(0, 0.002))
+                return result
+
+            setattr(lease_module, name, slowed)
+    for trial, (run_dir, start_line) in enumerate(zip(run_dirs, barriers)):
+        if k >= start_line.parties:
+            continue
+        mine = Lease(run_dir)
+        start_line.wait()
+        try:
+            mine.acquire()
+            results.put((trial, "won", mine.me["token"]))
+        except LeaseError:
+            results.put((trial, "refused", None))
+        except Exception as e:  # noqa: BLE001 - a crash is an outcome too
+            results.put((trial, f"crashed: {type(e).__name__}: {e}", None))
+        mine._stop.set()
+    done_line.wait()  # the last trial's winner lives until every racer has tried
     results.close()
     results.join_thread()  # what was put reaches the parent before the exit below
     os._exit(0)
 
 
 def test_exactly_one_of_many_starters_takes_over_a_dead_owners_lease(tmp_path):
+    """40 trials of 2 to 4 processes starting at once against a dead owner's lease."""
     ctx = multiprocessing.get_context("fork")
     rng = random.Random(27)
-    for trial in range(40):
+    sizes = [rng.randint(2, 4) for _ in range(40)]
+    run_dirs = []
+    for trial in range(len(sizes)):
         run_dir = tmp_path / f"t{trial}"
         run_dir.mkdir()
         _write(run_dir, pid=_dead_pid(), renewed=time.time() - STALE_S - 1)
-        n = rng.randint(2, 4)
-        start_line, done_line, results = ctx.Barrier(n), ctx.Barrier(n), ctx.Queue()
-        racers = [ctx.Process(target=_race, args=(str(run_dir), start_line, done_line, results)) for _ in range(n)]
-        for p in racers:
-            p.start()
-        outcomes = [results.get(timeout=30) for _ in racers]
+        run_dirs.append(str(run_dir))
+    barriers, done_line, results = [ctx.Barrier(n) for n in sizes], ctx.Barrier(max(sizes)), ctx.Queue()
+    racers = [ctx.Process(target=_racer, args=(k, run_dirs, barriers, done_line, results))
+              for k in range(max(sizes))]
+    for p in racers:
+        p.start()
+    try:
+        outcomes: dict[int, list] = {trial: [] for trial in range(len(sizes))}
+        for _ in range(sum(sizes)):
+            trial, outcome, token = results.get(timeout=60)
+            outcomes[trial].append((outcome, token))
+    finally:
         for p in racers:
             p.join(timeout=60)
-        winners = [o for o in outcomes if o[0] == "won"]
-        assert len(winners) == 1, f"trial {trial}: {n} starters, outcomes {outcomes}"
-        assert _token(run_dir) == winners[0][2]
-        assert sorted(os.listdir(run_dir)) == ["lease.json"], f"trial {trial}: {os.listdir(run_dir)}"
+            p.kill()
+    for trial, n in enumerate(sizes):
+        winners = [token for outcome, token in outcomes[trial] if outcome == "won"]
+        assert len(winners) == 1, f"trial {trial}: {n} starters, outcomes {outcomes[trial]}"
+        assert _token(Path(run_dirs[trial])) == winners[0]
+        assert os.listdir(run_dirs[trial]) == ["lease.json"], f"trial {trial}: {os.listdir(run_dirs[trial])}"
