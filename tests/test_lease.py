@@ -170,3 +170,64 @@ def test_exactly_one_of_many_starters_takes_over_a_dead_owners_lease(tmp_path):
         assert len(winners) == 1, f"trial {trial}: {n} starters, outcomes {outcomes[trial]}"
         assert _token(Path(run_dirs[trial])) == winners[0]
         assert os.listdir(run_dirs[trial]) == ["lease.json"], f"trial {trial}: {os.listdir(run_dirs[trial])}"
+
+
+def _unshare_works() -> bool:
+    try:
+        return subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True).returncode == 0
+    except FileNotFoundError:
+        return False
+
+
+def _folders(run_dir: Path) -> set[str]:
+    return {name for name in os.listdir(run_dir / "checkpoints") if name.startswith("step_")}
+
+
+@pytest.mark.skipif(not _unshare_works(), reason="needs unshare --pid (root, util-linux)")
+def test_a_run_in_another_pid_namespace_is_refused_and_a_run_that_loses_its_lease_stops_at_once(tmp_path):
+    """One run (2 ranks, a save at every step: each commits and deletes, so a late one would show).
+    1. A second run started under `unshare --pid --fork --mount-proc` (same hostname, its own pids) is
+       refused with exit 2 and one line naming the owner; the first goes on (the issue: it judged the
+       live owner gone, took the run dir, and each run deleted the other's checkpoints).
+    2. lease.json then overwritten by another run: no checkpoint is committed or deleted after it,
+       every rank stops within a step or two, one line names the new owner, and the launcher exits
+       with requeue.LEASE_LOST (not 0, a clean stop; not 2, bad input)."""
+    from test_launch import launch
+    from trainer.requeue import LEASE_LOST
+
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "train.steps=100000", "checkpoint.interval=1", "checkpoint.keep=2")
+    try:
+        wait_for(lambda: (layout.latest_committed_step(run_dir) or 0) >= 2, 120, "the run to save")
+        owner = json.loads((run_dir / "lease.json").read_text())
+        second = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", PYTHON, "-m", "trainer", "--config",
+                                 str(ROOT / "configs/default.yaml"), f"run_dir={run_dir}", *TINY, "train.steps=100000"],
+                                cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60)
+        assert second.returncode == 2, second.stderr[-3000:]
+        errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and errors[0].startswith(f"error: run_dir {run_dir} is in use by process "
+                                                         f"{owner['pid']} on {owner['host']} (lease renewed "), second.stderr[-3000:]
+        assert json.loads((run_dir / "lease.json").read_text())["token"] == owner["token"]
+        saved = layout.latest_committed_step(run_dir)
+        wait_for(lambda: (layout.latest_committed_step(run_dir) or 0) > saved + 1, 60, "the first run to go on saving")
+
+        before = _folders(run_dir)
+        other = {"host": "elsewhere", "pid": 4242, "slurm_job": "77", "token": uuid.uuid4().hex, "renewed": time.time()}
+        tmp = run_dir / "lease.json.other"
+        tmp.write_text(json.dumps(other))
+        os.replace(tmp, run_dir / "lease.json")  # as a takeover does
+        time.sleep(0.5)  # a few saves at this pace, had the run gone on
+        after = _folders(run_dir)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == LEASE_LOST, err[-3000:]
+    assert len(before ^ after) <= 2, f"more than the commit and deletion in flight: {before} -> {after}"
+    assert _folders(run_dir) == after, "nothing committed or deleted after the lease was lost"
+    newest = max(int(name.split("_")[1]) for name in after)
+    assert max(r["step"] for r in rows(run_dir)) <= newest + 3, "stopped within a step or two"
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: lost the lease of run_dir {run_dir} to process 4242 on "
+                                                     f"elsewhere, Slurm job 77 at step "), err[-3000:]
+    assert "launch: rank" not in err and "Traceback" not in err, err[-3000:]
+    assert json.loads((run_dir / "lease.json").read_text()) == other, "the new owner's lease is left alone"
