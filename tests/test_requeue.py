@@ -58,6 +58,8 @@ def test_requeue_check_with_the_standard_library_only(tmp_path, scontrol):
     assert calls.read_text().count("requeue 7") == 3
     out = requeue(run_dir, 2, "9", bin_dir)  # bad input: requeueing cannot help
     assert out.returncode == 2 and "stopped on bad input" in out.stderr
+    out = requeue(run_dir, 3, "10", bin_dir)  # the run dir's lease was lost to another live run
+    assert out.returncode == 3 and "NOT requeued: another run took over the run dir's lease" in out.stderr
     (run_dir / "checkpoints" / ".tmp_step_00000020").mkdir()  # a save in progress: not a checkpoint
     (run_dir / "checkpoints" / "step_00000015").mkdir()  # a step folder without its files: not either
     out = requeue(run_dir, 0, "8", bin_dir)

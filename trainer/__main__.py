@@ -19,8 +19,9 @@ from trainer.config import ConfigError, load_run  # noqa: E402
 from trainer.data import DataError  # noqa: E402
 from trainer.dist import NodeError, exit_process, read_env, shutdown  # noqa: E402
 from trainer.launch import mark_bad_input  # noqa: E402
-from trainer.lease import LeaseError  # noqa: E402
+from trainer.lease import LeaseError, LeaseLost  # noqa: E402
 from trainer.metrics import setup_logging  # noqa: E402
+from trainer.requeue import LEASE_LOST  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         train(cfg)
     except (CheckpointError, DataError, NodeError, LeaseError) as e:
         return fail(str(e))
+    except LeaseLost as e:  # another run has the run dir now: neither a success nor bad input, not requeued
+        return fail(str(e), code=LEASE_LOST)
     except Diverged as e:
         return fail(str(e), code=1)  # not bad input: the run itself failed
     except StuckRank as e:  # said by every rank that saw it: the stuck one may be rank 0

@@ -27,7 +27,7 @@ import uuid
 import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 import torch.distributed as dist
@@ -228,6 +228,9 @@ def _stager() -> dict:
 
 class Checkpointer:
     reader = ShardReader  # the DCP StorageReader loads read with (the bench swaps in DCP's own to compare)
+    # Asked by rank 0 right before it commits or deletes a checkpoint; False: this run lost the run
+    # dir to another run (trainer/lease.py), so it leaves the folders alone. None: always go on.
+    still_owner: Callable[[], bool] | None = None
 
     def __init__(self, args: CheckpointArgs, run_dir: str, rank: int, world_size: int, group: dist.ProcessGroup):
         self.args, self.run_dir, self.rank, self.world_size, self.group = args, run_dir, rank, world_size, group
@@ -404,7 +407,7 @@ class Checkpointer:
     def _commit(self, step: int, tmp: str, meta: dict) -> None:
         # DCP's save returns on a rank only after the coordinator wrote .metadata, which it does only
         # after every rank reported its shards (and its rng file, written before) as done.
-        if self.rank != 0:
+        if self.rank != 0 or (self.still_owner and not self.still_owner()):
             return
         meta_file = os.path.join(tmp, "meta.json")
         with open(meta_file, "w") as f:
@@ -429,4 +432,6 @@ class Checkpointer:
         for step in steps:
             if step in newest or (self.args.keep_every and step % self.args.keep_every == 0):
                 continue
+            if self.still_owner and not self.still_owner():
+                return
             discard(step_path(self.run_dir, step))

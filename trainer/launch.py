@@ -14,7 +14,8 @@
   forwarded to every rank and a shutdown budget derived from the grace time (signals.shutdown_budget):
   under Slurm this process is the job step's task, the process a proctrack/cgroup site signals;
 * maps the outcome to exit codes: 0 finished or stopped cleanly (the checkpoint is saved),
-  2 bad input (the rank's one line is above), anything else a failure.
+  2 bad input (the rank's one line is above), 3 the run dir's lease was lost to another run (not
+  requeued), anything else a failure.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import tempfile
 import time
 
 from trainer import layout, signals
+from trainer.requeue import LEASE_LOST
 
 # A signal before torchrun's agent takes over (imports, validation, rendezvous) ends the launch
 # cleanly instead of killing it: remembered here (main() listens first thing), acted on once the
@@ -237,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
             codes = {f.exitcode for f in e.failures.values()}
             if os.path.exists(bad_input) or (BAD_INPUT in codes and all(c == BAD_INPUT or c < 0 for c in codes)):
                 return BAD_INPUT  # the rank said what is wrong, in one line
+            if LEASE_LOST in codes and all(c == LEASE_LOST or c < 0 for c in codes):
+                return LEASE_LOST  # another run took the run dir: rank 0 said which, in one line
             rank, failure = min(e.failures.items())
             _say(f"rank {rank} failed with exit code {failure.exitcode} ({failure.signal_name() if failure.exitcode < 0 else 'see its error above'})")
             return 1

@@ -20,6 +20,9 @@ from trainer import layout
 
 # Exit code of the training step that means bad input (trainer/launch.py): requeueing cannot help.
 BAD_INPUT = 2
+# Exit code of a training step whose run dir was taken over by another run (trainer/lease.py): that
+# run goes on in it; a requeued attempt would be refused, or worse, start over its checkpoints.
+LEASE_LOST = 3
 
 
 def cancelled(job_id):
@@ -63,6 +66,10 @@ def requeue_check(run_dir, exit_code, max_attempts, job_id):
               "what); fix it and submit again with the same RUN_DIR ({})".format(prefix, where),
               file=sys.stderr, flush=True)
         return BAD_INPUT
+    if exit_code == LEASE_LOST:
+        print("{} NOT requeued: another run took over the run dir's lease (exit code 3, the line above says "
+              "which); two runs must not share a RUN_DIR ({})".format(prefix, run_dir), file=sys.stderr, flush=True)
+        return LEASE_LOST
 
     state_file = os.path.join(run_dir, "slurm", "requeue.json")
     try:

@@ -2,7 +2,8 @@
 
 The handler only sets a flag. At each step boundary the training loop agrees on it across ranks, so
 that every rank sees the same answer and they save and stop together: at a logged step the flag rides
-in the loss's all-reduce (`pending()`), at any other step `StopFlag.requested()` all-reduces it alone.
+in the loss's all-reduce (`pending()`), at any other step a tiny CPU all-reduce carries it (with
+whether rank 0 lost the run dir's lease: trainer/train.py).
 """
 
 from __future__ import annotations
@@ -70,16 +71,3 @@ def pending() -> bool:
     """Whether this process has received a stop signal: its own answer, before the ranks agree."""
     return _received is not None
 
-
-class StopFlag:
-    def __init__(self, group):
-        self.group = group  # a gloo group: the check is a tiny CPU all-reduce, no device sync
-
-    def requested(self) -> bool:
-        """True on every rank as soon as any rank has received a stop signal (collective)."""
-        import torch
-        import torch.distributed as dist
-
-        flag = torch.tensor([int(pending())])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flag.item())

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from trainer import checkpoint, data, dist as distributed, hf, layout, models, optim, parallel, signals
 from trainer.config import Config, dump, to_dict
-from trainer.lease import Lease, LeaseError
+from trainer.lease import Lease, LeaseError, LeaseLost
 from trainer.metrics import Reporter, peak_flops, peak_memory_gb
 
 log = logging.getLogger("trainer")
@@ -90,7 +90,7 @@ def train(cfg: Config) -> None:
     distributed.check_nodes(run_dir, control)
     lease = _take_lease(run_dir, env, control)  # before anything in the run dir changes
     try:
-        _train(cfg, env, control, io_group, *datasets)
+        _train(cfg, env, control, io_group, lease, *datasets)
     except RuntimeError as e:  # torch.distributed.DistBackendError is one
         if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
             raise
@@ -170,7 +170,7 @@ def _datasets(cfg: Config, env: distributed.Env, group) -> tuple:
     return sets
 
 
-def _train(cfg: Config, env: distributed.Env, control, io_group, train_set, eval_set) -> None:
+def _train(cfg: Config, env: distributed.Env, control, io_group, lease: Lease | None, train_set, eval_set) -> None:
     run_dir = cfg.run_dir
     micro, accum = batch_plan(cfg, env.world_size)
     B = cfg.train.global_batch_size
@@ -182,8 +182,9 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, train_set, eval
     scaler = _grad_scaler(cfg, env)
     compute_dtype = parallel.autocast_dtype(model, cfg.parallel)
     ckpt = checkpoint.Checkpointer(cfg.checkpoint, run_dir, env.rank, env.world_size, io_group)
+    if lease:  # rank 0 reads the lease again right before it commits or deletes a checkpoint
+        ckpt.still_owner = lease.check
     reporter = Reporter(run_dir, cfg.log, cfg.train.steps, env.is_main)
-    stop = signals.StopFlag(control)
 
     step, samples = 0, 0
     meta = ckpt.load(model, optimizer, scheduler)
@@ -280,13 +281,17 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, train_set, eval
             bad |= ~torch.isfinite(_local(grad_norm))
         first_bad = torch.where(bad & (first_bad < 0), step, first_bad)
 
-        # log: one all-reduce carries the loss, whether a rank diverged and whether a rank must stop
+        # log: one all-reduce carries the loss, whether a rank diverged, whether a rank must stop and
+        # whether rank 0 lost the run dir's lease (its renewal thread or a commit found another owner)
         stopping = None  # not agreed yet at this step
         if step % cfg.log.interval == 0 or step == cfg.train.steps:
             agreed = torch.stack([loss_sum.float(), (first_bad >= 0).float(),
-                                  torch.full((), float(signals.pending()), device=env.device)])
+                                  torch.full((), float(signals.pending()), device=env.device),
+                                  torch.full((), float(bool(lease and lease.lost)), device=env.device)])
             dist.all_reduce(agreed)  # sums (gloo has no AVG)
-            loss_total, diverged, stops = agreed.tolist()  # waits for the device: the timing below is real
+            loss_total, diverged, stops, lost = agreed.tolist()  # waits for the device: the timing below is real
+            if lost:
+                _raise_lease_lost(lease, run_dir, step, ckpt)
             if diverged:
                 _raise_diverged(first_bad, ckpt)
             stopping = stops > 0
@@ -313,8 +318,11 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, train_set, eval
             stopping = None  # a signal may have come during the evaluation: ask again
 
         # save
-        if stopping is None:
-            stopping = stop.requested()
+        if stopping is None:  # the stop flag and the lease, agreed in one tiny CPU all-reduce
+            stops, lost = _agreed_max(control, float(signals.pending()), float(bool(lease and lease.lost)))
+            if lost:
+                _raise_lease_lost(lease, run_dir, step, ckpt)
+            stopping = stops > 0
         ckpt.poll()
         interval = cfg.checkpoint.interval
         due = interval != "auto" and interval and step % interval == 0
@@ -332,7 +340,7 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, train_set, eval
             started = time.perf_counter()
             ckpt.save(step, model, optimizer, scheduler, {"samples": samples, "config": to_dict(cfg)}, blocking=blocking)
             save_s = time.perf_counter() - started  # what the save blocked training (all of it, unless async)
-            if blocking and env.is_main:  # what a stop costs: make submit sizes the warning with it
+            if blocking and env.is_main and not lease.lost:  # what a stop costs: make submit sizes the warning with it
                 layout.write_status(run_dir, save_s=round(save_s, 3))
             if auto is not None and segment[1] and step < cfg.train.steps and not stopping:
                 save_s, step_s = _agreed_max(control, save_s, segment[0] / segment[1])  # every rank the same
@@ -349,6 +357,8 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, train_set, eval
         reporter.trackers.close()
     if trace:
         trace.close()
+    if _agreed_max(control, float(bool(lease and lease.lost)))[0]:  # lost at the last save: say so, not finished
+        _raise_lease_lost(lease, run_dir, step, ckpt)
     if env.is_main:
         layout.write_status(run_dir, state="stopped" if step < cfg.train.steps else "finished", step=step)
     dist.barrier(group=control)
@@ -395,6 +405,17 @@ def _raise_diverged(first_bad: torch.Tensor, ckpt: checkpoint.Checkpointer) -> N
     raise Diverged(f"training diverged: the loss or gradient norm became NaN or infinite ({where}); nothing after "
                    f"it was saved (newest checkpoint: {last}). Lower optim.lr or set train.grad_clip, then resume "
                    f"with checkpoint.resume_from=<an earlier checkpoint> in a new run_dir")
+
+
+def _raise_lease_lost(lease: Lease | None, run_dir: str, step: int, ckpt: checkpoint.Checkpointer) -> None:
+    """Raise LeaseLost on every rank once they agree that rank 0 lost the run dir's lease. The save in
+    flight is finished but not committed (rank 0's commit checks the lease first)."""
+    ckpt.close()
+    if lease is None:
+        raise LeaseLost(f"lost the lease of run_dir {run_dir} (rank 0 says to whom)")
+    raise LeaseLost(f"lost the lease of run_dir {run_dir} {lease.lost} at step {step}: this run stopped, and nothing "
+                    f"was committed or deleted after the loss; two runs must not share a run dir: let that run go on, "
+                    f"or stop it and start this one again")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
