@@ -459,3 +459,68 @@ def test_memory_estimate_parts():
     assert one.activations == 4 * one.activations_per_sample > 0
     checkpointed = memory.estimate(load(None, ["model.seq_len=32", "parallel.activation_checkpointing=true"]), 1, 4)
     assert checkpointed.activations < one.activations
+
+
+# ---------------------------------------------------------------------------------------------------
+# Inputs that ended in a traceback, or in a wrong message (issue 27, items 6 and 8)
+
+
+def alias_bomb(levels: int = 9) -> str:
+    """Billion laughs in 700 bytes: each level a mapping of 9 aliases of the one before, 9**9 values."""
+    lines = ["l0: &l0 {" + ", ".join(f"k{i}: x" for i in range(9)) + "}"]
+    lines += [f"l{n}: &l{n} {{" + ", ".join(f"k{i}: *l{n - 1}" for i in range(9)) + "}" for n in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("a: " + "[" * 5000 + "\n",
+     "{p}:1: nested more than 32 levels deep; a config needs 3 (section, key, list): write it flatter"),
+    (alias_bomb(), "{p}:4: more than 10000 values once aliases are expanded; a config holds a few hundred: write "
+                   "the values out instead of nesting aliases"),
+    ("train: &t\n  steps: 3\n  again: *t\n",
+     "{p}:3: an alias inside the value it names (a loop); remove it"),
+], ids=["deep", "alias_bomb", "alias_loop"])
+def test_yaml_that_exhausts_the_stack_or_memory(capsys, tmp_path, text, message):
+    """Refused as the file is read, in well under a second: the bomb took 21.7 GB before."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    assert refused(capsys, tmp_path / "run", config=str(path)) == "error: " + message.format(p=path)
+
+
+def test_a_merge_of_an_anchor_is_accepted(capsys, tmp_path):
+    """Aliases are bounded, not banned: `<<: *anchor` merges still work."""
+    path = tmp_path / "c.yaml"
+    path.write_text("log: &every {interval: 5}\neval:\n  <<: *every\n  batches: 2\n")
+    accepted(capsys, tmp_path / "run", config=str(path))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.steps=[4", "invalid YAML (expected ',' or ']', but got '<stream end>'); fix the value"),
+    ("train.seed=99999999999999999999999",
+     "train.seed: is 99999999999999999999999; it must be in [0, 4294967295] (numpy's and torch's generators)"),
+    ("train.seed=-1", "train.seed: is -1; it must be in [0, 4294967295] (numpy's and torch's generators)"),
+    ("parallel.timeout_s=100000000000000", "parallel.timeout_s: is 100000000000000; it must be at most 604800 (7 days)"),
+    ("checkpoint.timeout_s=100000000000000",
+     "checkpoint.timeout_s: is 100000000000000; it must be at most 604800 (7 days)"),
+    ("run_dir=''", "run_dir: is empty; give the run's folder, e.g. runs/default"),
+], ids=["yaml", "seed_big", "seed_negative", "parallel_timeout", "checkpoint_timeout", "run_dir_empty"])
+def test_overrides_that_passed_the_check_and_failed_in_the_ranks(capsys, tmp_path, override, message):
+    assert refused(capsys, tmp_path / "run", override) == f"error: override {override!r}: {message}"
+
+
+def test_the_edges_of_seed_and_timeouts_are_accepted(capsys, tmp_path):
+    accepted(capsys, tmp_path / "run", "train.seed=0", "train.seed=4294967295", "parallel.timeout_s=604800",
+             "checkpoint.timeout_s=604800")
+
+
+def test_a_fifo_as_config_or_token_file_is_named_and_never_opened(capsys, tmp_path):
+    """Opening a FIFO for reading blocks until a writer comes: this test would hang."""
+    import os
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    assert refused(capsys, tmp_path / "run", config=str(fifo)) == (
+        f"error: {fifo}: is a FIFO (named pipe), not a regular file; pass a YAML file with --config")
+    assert refused(capsys, tmp_path / "run", "data.name=tokens", f"data.path={fifo}") == (
+        f"error: override 'data.path={fifo}': data.path: {fifo} is a FIFO (named pipe), not a regular file; give a "
+        f"token file (a flat uint16 array of token ids)")
