@@ -223,6 +223,7 @@ def resolve(cfg: Config, where: str = "config", world_size: int = 1) -> Config:
 
         try:
             model = hf.model_args(model.init_from, model)
+            hf.weight_files(model.init_from)  # the index and the weights' headers, read before anything starts
         except hf.HFError as e:
             raise ConfigError(f"{where}: model.init_from: {e}") from None
     return dataclasses.replace(cfg, model=resolve_model(model))
