@@ -461,3 +461,153 @@ def test_memory_estimate_parts():
     assert one.activations == 4 * one.activations_per_sample > 0
     checkpointed = memory.estimate(load(None, ["model.seq_len=32", "parallel.activation_checkpointing=true"]), 1, 4)
     assert checkpointed.activations < one.activations
+
+
+# ---------------------------------------------------------------------------------------------------
+# Inputs that ended in a traceback, or in a wrong message (issue 27, items 6 and 8)
+
+
+def alias_bomb(levels: int = 9) -> str:
+    """Billion laughs in 640 bytes: each level a mapping of 9 aliases of the one before, 9**9 values."""
+    lines = ["l0: &l0 {" + ", ".join(f"k{i}: x" for i in range(9)) + "}"]
+    lines += [f"l{n}: &l{n} {{" + ", ".join(f"k{i}: *l{n - 1}" for i in range(9)) + "}" for n in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("a: " + "[" * 5000 + "\n",
+     "{p}:1: nested more than 32 levels deep; a config needs 3 (section, key, list): write it flatter"),
+    (alias_bomb(), ("{p}:4: more than 10000 values once aliases are expanded; a config holds a few hundred: write "
+                    "the values out instead of nesting aliases")),
+    ("train: &t\n  steps: 3\n  again: *t\n",
+     "{p}:3: an alias inside the value it names (a loop); remove it"),
+], ids=["deep", "alias_bomb", "alias_loop"])
+def test_yaml_that_exhausts_the_stack_or_memory(capsys, tmp_path, text, message):
+    """Refused as the file is read, in well under a second: the bomb took 21.7 GB before."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    assert refused(capsys, tmp_path / "run", config=str(path)) == "error: " + message.format(p=path)
+
+
+def test_a_merge_of_an_anchor_is_accepted(capsys, tmp_path):
+    """Aliases are bounded, not banned: `<<: *anchor` merges still work."""
+    path = tmp_path / "c.yaml"
+    path.write_text("log: &every {interval: 5}\neval:\n  <<: *every\n  batches: 2\n")
+    accepted(capsys, tmp_path / "run", config=str(path))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.steps=[4", "invalid YAML (expected ',' or ']', but got '<stream end>'); fix the value"),
+    ("train.seed=99999999999999999999999",
+     "train.seed: is 99999999999999999999999; it must be in [0, 4294967295] (numpy's and torch's generators)"),
+    ("train.seed=-1", "train.seed: is -1; it must be in [0, 4294967295] (numpy's and torch's generators)"),
+    ("parallel.timeout_s=100000000000000", "parallel.timeout_s: is 100000000000000; it must be at most 604800 (7 days)"),
+    ("checkpoint.timeout_s=100000000000000",
+     "checkpoint.timeout_s: is 100000000000000; it must be at most 604800 (7 days)"),
+    ("run_dir=''", "run_dir: is empty; give the run's folder, e.g. runs/default"),
+], ids=["yaml", "seed_big", "seed_negative", "parallel_timeout", "checkpoint_timeout", "run_dir_empty"])
+def test_overrides_that_passed_the_check_and_failed_in_the_ranks(capsys, tmp_path, override, message):
+    assert refused(capsys, tmp_path / "run", override) == f"error: override {override!r}: {message}"
+
+
+def test_the_edges_of_seed_and_timeouts_are_accepted(capsys, tmp_path):
+    accepted(capsys, tmp_path / "run", "train.seed=0", "train.seed=4294967295", "parallel.timeout_s=604800",
+             "checkpoint.timeout_s=604800")
+
+
+def test_a_fifo_as_config_or_token_file_is_named_and_never_opened(capsys, tmp_path):
+    """Opening a FIFO for reading blocks until a writer comes: this test would hang."""
+    import os
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    assert refused(capsys, tmp_path / "run", config=str(fifo)) == (
+        f"error: {fifo}: is a FIFO (named pipe), not a regular file; pass a YAML file with --config")
+    assert refused(capsys, tmp_path / "run", "data.name=tokens", f"data.path={fifo}") == (
+        f"error: override 'data.path={fifo}': data.path: {fifo} is a FIFO (named pipe), not a regular file; give a "
+        f"token file (a flat uint16 array of token ids)")
+
+
+HF_CONFIG = {"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
+             "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128}
+
+
+def hf_folder(tmp_path, config=HF_CONFIG, index: str | None = None) -> Path:
+    """A Hugging Face folder as trainer.check reads it: config.json and a safetensors file (its header
+    is read, not its names), with `index` as model.safetensors.index.json if given."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "hf"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file({"model.norm.weight": torch.ones(32)}, str(folder / "model.safetensors"))
+    if index is not None:
+        (folder / "model.safetensors.index.json").write_text(index)
+    return folder
+
+
+def test_a_good_hf_folder_is_accepted(capsys, tmp_path):
+    accepted(capsys, tmp_path / "run", f"model.init_from={hf_folder(tmp_path)}")
+    index = '{"weight_map": {"model.norm.weight": "model.safetensors"}}'
+    accepted(capsys, tmp_path / "run", f"model.init_from={hf_folder(tmp_path / 'sharded', index=index)}")
+
+
+@pytest.mark.parametrize("config, message", [
+    ({**HF_CONFIG, "hidden_size": "64"}, "hidden_size is '64'; it must be a whole number of at least 1"),
+    ({**HF_CONFIG, "num_attention_heads": 0}, "num_attention_heads is 0; it must be a whole number of at least 1"),
+    ({**HF_CONFIG, "rms_norm_eps": "small"}, "rms_norm_eps is 'small'; it must be a number"),
+    ([HF_CONFIG], "holds a JSON list, not a mapping of settings; replace it with the model's config.json"),
+], ids=["str", "zero_heads", "str_float", "list"])
+def test_init_from_with_a_bad_config_json(capsys, tmp_path, config, message):
+    folder = hf_folder(tmp_path, config)
+    assert refused(capsys, tmp_path / "run", f"model.init_from={folder}") == (
+        f"error: {DEFAULT}: model.init_from: {folder}/config.json: {message}")
+
+
+@pytest.mark.parametrize("case", ["truncated", "invalid_index", "index_without_map", "index_names_parent",
+                                  "index_names_absolute", "index_names_missing", "link_out", "index_names_link_out"])
+def test_init_from_with_bad_weights_or_index(capsys, tmp_path, case):
+    """The weights' headers and the index are read by the check (and the launcher, and each rank before
+    it writes anything): a broken file, or one outside the folder, is one line."""
+    import torch
+    from safetensors.torch import save_file
+
+    outside = tmp_path / "elsewhere.safetensors"  # readable weights: the old code read them
+    save_file({"model.norm.weight": torch.ones(32)}, str(outside))
+    indexes = {"invalid_index": '{"weight_map": {', "index_without_map": '["model.safetensors"]',
+               "index_names_parent": '{"weight_map": {"model.norm.weight": "../elsewhere.safetensors"}}',
+               "index_names_absolute": f'{{"weight_map": {{"model.norm.weight": "{outside}"}}}}',
+               "index_names_missing": '{"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}',
+               "index_names_link_out": '{"weight_map": {"model.norm.weight": "linked.safetensors"}}'}
+    folder = hf_folder(tmp_path, index=indexes.get(case))
+    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
+    if case == "truncated":
+        single.write_bytes(single.read_bytes()[:-1])
+    if case == "link_out":
+        single.unlink()
+        single.symlink_to(outside)
+    if case == "index_names_link_out":
+        (folder / "linked.safetensors").symlink_to(outside)
+    messages = {
+        "truncated": f"{single} is not a readable safetensors file (Error while deserializing header: incomplete "
+                     f"metadata, file not fully covered); download it again, it may be cut short",
+        "invalid_index": f"{index} is not readable JSON (Expecting property name enclosed in double quotes: line 1 "
+                         f"column 17 (char 16)); replace it with the model's model.safetensors.index.json",
+        "index_without_map": f"{index} has no weight_map of parameter names to file names; replace it with the "
+                             f"model's model.safetensors.index.json",
+        "index_names_parent": f"{index} names '../elsewhere.safetensors', outside {folder}; an index may name only "
+                              f"files in its own folder",
+        "index_names_absolute": f"{index} names '{outside}', outside {folder}; an index may name only files in its "
+                                f"own folder",
+        "index_names_missing": f"{index} names 'model-00002-of-00002.safetensors', which {folder} lacks; download "
+                               f"the whole model folder again",
+        "link_out": f"{single} is a link to {outside}, outside {folder}; copy the file itself into the folder "
+                    f"(hf download --local-dir makes such a folder)",
+        "index_names_link_out": f"{folder}/linked.safetensors is a link to {outside}, outside {folder}; copy the "
+                                f"file itself into the folder (hf download --local-dir makes such a folder)",
+    }
+    assert refused(capsys, tmp_path / "run", f"model.init_from={folder}") == (
+        f"error: {DEFAULT}: model.init_from: {messages[case]}")

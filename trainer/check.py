@@ -28,6 +28,11 @@ CHECKPOINT_BYTES_PER_PARAM = {"adamw": 12, "adam": 12, "adadelta": 12, "sgd": 8}
 # Write speed of one node assumed until a save of the run was measured: cautious for NFS/Lustre
 # (bench/results has this machine's figures; a parallel filesystem often does several GB/s).
 ASSUMED_SAVE_GB_PER_S_PER_NODE = 1.0
+# Largest train.seed: numpy's legacy seed limit; (seed x 1_000_003 + 2**32) stays within torch's 2**64.
+MAX_SEED = 2**32 - 1
+# Largest parallel.timeout_s and checkpoint.timeout_s in seconds: a week. timedelta ends at 8.6e13 s,
+# c10d's clocks (int64 nanoseconds) at 9.2e9 s; a collective that waits a week is lost anyway.
+MAX_TIMEOUT_S = 7 * 24 * 3600
 
 
 def validate(cfg: Config, world_size: int, where: str = "config", overrides: list[str] = (),
@@ -94,6 +99,12 @@ def validate(cfg: Config, world_size: int, where: str = "config", overrides: lis
     for key, value in positive.items():
         if value < 1:
             fail(key, f"is {value}; it must be at least 1")
+    # What the ranks' libraries take: numpy's and torch's generators, timedelta and c10d's clocks.
+    if not 0 <= cfg.train.seed <= MAX_SEED:
+        fail("train.seed", f"is {cfg.train.seed}; it must be in [0, {MAX_SEED}] (numpy's and torch's generators)")
+    for key in ("parallel.timeout_s", "checkpoint.timeout_s"):
+        if positive[key] > MAX_TIMEOUT_S:
+            fail(key, f"is {positive[key]}; it must be at most {MAX_TIMEOUT_S} (7 days)")
     if cfg.checkpoint.mtbf_hours is not None and not cfg.checkpoint.mtbf_hours > 0:
         fail("checkpoint.mtbf_hours", f"is {cfg.checkpoint.mtbf_hours}; give the hours between interruptions (> 0), "
              f"or null for the Llama 3 report's rate")
@@ -242,6 +253,7 @@ def resolve(cfg: Config, where: str = "config", world_size: int = 1) -> Config:
 
         try:
             model = hf.model_args(model.init_from, model)
+            hf.weight_files(model.init_from)  # the index and the weights' headers, read before anything starts
         except hf.HFError as e:
             raise ConfigError(f"{where}: model.init_from: {e}") from None
     if cfg.data.name == "tokens" and model.vocab_size is None and not model.init_from:
@@ -347,6 +359,8 @@ def _check_writable(run_dir: str, where: str) -> None:
     read-only mounts and /proc answer os.access wrongly). A probe folder with a fresh name is made
     in the run dir, or in the nearest folder that exists above it, and removed at once, so ranks
     checking at the same time do not disturb each other and nothing is left behind."""
+    if not run_dir:  # abspath('') is the current folder, but the ranks' makedirs('') fails
+        raise ConfigError(f"{where}: run_dir: is empty; give the run's folder, e.g. runs/default")
     path = os.path.abspath(run_dir)
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"{where}: run_dir: {run_dir} is a file, not a folder; choose another run_dir")

@@ -18,7 +18,7 @@ from typing import Any, Literal
 import yaml
 
 from trainer.checkpoint import CheckpointArgs
-from trainer.data import DataArgs
+from trainer.data import DataArgs, special_file
 from trainer.metrics import LogArgs
 from trainer.models import ModelArgs
 from trainer.optim import OptimArgs
@@ -41,7 +41,7 @@ class TrainArgs:
     # gradients are averaged over the ranks either way; the logged loss is the mean in both cases.
     loss_reduction: Literal["mean", "sum"] = "mean"
     micro_batch_size: int | None = None  # samples per forward/backward on one rank; None: all at once
-    seed: int = 0  # seeds the weights and the order of the data
+    seed: int = 0  # seeds the weights and the order of the data; in [0, 2**32 - 1]
     grad_clip: float | None = 1.0  # max global gradient norm, > 0; None disables clipping
 
 
@@ -87,7 +87,7 @@ def _apply_overrides(raw: dict, overrides: list[str], sources: dict) -> None:
             if not isinstance(child, dict):
                 raise ConfigError(f"override {item!r}: {part} is not a section")
             node = child
-        node[parts[-1]] = yaml.safe_load(text) if text else None
+        node[parts[-1]] = _parse(text, f"override {item!r}") if text else None
         sources[key] = f"override {item!r}"
 
 
@@ -152,14 +152,57 @@ def _leaves(d: dict, prefix: str = "") -> dict:
     return out
 
 
-class _DuplicateKey(Exception):
-    def __init__(self, key, first: int, second: int):
-        self.key, self.first, self.second = key, first, second
+# Bounds on what a YAML text may hold: a config nests 3 levels (section, key, list) and holds a few
+# hundred values. Aliases are kept (`<<: *anchor` merges work) but counted as what they expand to,
+# so that a few hundred bytes of nested aliases (billion laughs) are refused, not built.
+MAX_DEPTH = 32  # nesting levels
+MAX_VALUES = 10_000  # nodes (keys, values, lists, mappings) with every alias expanded
+_TOO_DEEP = f"nested more than {MAX_DEPTH} levels deep; a config needs 3 (section, key, list): write it flatter"
+
+
+class _Refused(Exception):
+    """A YAML text refused as it is read: `problem` at line `line` (1-based)."""
+
+    def __init__(self, line: int, problem: str):
+        self.line, self.problem = line, problem
 
 
 class _StrictLoader(yaml.SafeLoader):
     """PyYAML's SafeLoader, except that a key given twice in one mapping is an error (SafeLoader
-    silently keeps the last value)."""
+    silently keeps the last value), and that nesting, aliases that expand beyond MAX_VALUES and
+    an alias inside the node it names (a loop) are refused while the text is composed: before
+    anything is built, and before Python's recursion limit."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._depth = 0  # nodes being composed around the next one
+        self._sizes: dict = {}  # composed node -> (nodes, levels) it expands to; absent while being composed
+
+    def compose_node(self, parent, index):
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent):
+            target = self.anchors.get(event.anchor)
+            if target is not None and target not in self._sizes:
+                raise _Refused(event.start_mark.line + 1, "an alias inside the value it names (a loop); remove it")
+        elif self._depth == MAX_DEPTH:  # before PyYAML's recursion goes deeper
+            raise _Refused(event.start_mark.line + 1, _TOO_DEEP)
+        self._depth += 1
+        try:
+            node = super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+        if node not in self._sizes:  # a new node, its children counted (an alias returns a counted one)
+            children = [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else (
+                node.value if isinstance(node, yaml.SequenceNode) else [])
+            sizes = [self._sizes[child] for child in children]
+            self._sizes[node] = count, levels = 1 + sum(n for n, _ in sizes), 1 + max((d for _, d in sizes), default=0)
+            if levels > MAX_DEPTH:  # aliases nested in aliases
+                raise _Refused(node.start_mark.line + 1, _TOO_DEEP)
+            if count > MAX_VALUES:
+                raise _Refused(node.start_mark.line + 1, f"more than {MAX_VALUES} values once aliases are expanded; a "
+                                                         f"config holds a few hundred: write the values out instead of "
+                                                         f"nesting aliases")
+        return node
 
     def construct_mapping(self, node, deep=False):
         lines: dict = {}
@@ -169,16 +212,34 @@ class _StrictLoader(yaml.SafeLoader):
             key = self.construct_object(key_node, deep=True)
             line = key_node.start_mark.line + 1
             if isinstance(key, typing.Hashable) and key in lines:
-                raise _DuplicateKey(key, lines[key], line)
+                raise _Refused(line, f"{key}: given twice (lines {lines[key]} and {line}); keep one of them")
             lines[key] = line
         return super().construct_mapping(node, deep)
 
+
+def _parse(text: str, where: str, lines: bool = False) -> Any:
+    """The value of the YAML `text`; any problem is a ConfigError that starts with `where` (and the
+    line, with `lines`: a file's, not an override's)."""
+    try:
+        return yaml.load(text, Loader=_StrictLoader)
+    except _Refused as e:
+        at = f"{where}:{e.line}" if lines else where
+        raise ConfigError(f"{at}: {e.problem}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f"{where}:{mark.line + 1}" if mark and lines else where
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        todo = "fix the syntax" if lines else "fix the value"
+        raise ConfigError(f"{at}: invalid YAML ({problem}); {todo}") from None
 
 
 def _read_yaml(path: str) -> dict:
     """The top-level mapping of the YAML file at `path`; every problem with the file is a ConfigError."""
     if os.path.isdir(path):
         raise ConfigError(f"{path}: is a folder; pass a YAML file with --config")
+    kind = special_file(path)
+    if kind:  # never opened: reading a FIFO waits for a writer
+        raise ConfigError(f"{path}: is {kind}, not a regular file; pass a YAML file with --config")
     if not os.path.isfile(path):
         raise ConfigError(f"{path}: config file not found; pass an existing file with --config")
     try:
@@ -190,16 +251,7 @@ def _read_yaml(path: str) -> dict:
                           f"save the file as UTF-8") from None
     except OSError as e:
         raise ConfigError(f"{path}: cannot read the config file ({e.strerror}); check its permissions") from None
-    try:
-        raw = yaml.load(text, Loader=_StrictLoader)
-    except _DuplicateKey as e:
-        raise ConfigError(f"{path}:{e.second}: {e.key}: given twice (lines {e.first} and {e.second}); "
-                          f"keep one of them") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark else path
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"{where}: invalid YAML ({problem}); fix the syntax") from None
+    raw = _parse(text, path, lines=True)
     if raw is None:
         raise ConfigError(f"{path}: the file is empty (no settings, only blanks or comments); write settings "
                           f"into it (configs/default.yaml is an example)")

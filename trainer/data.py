@@ -9,6 +9,7 @@ the number of samples consumed to resume the exact stream on any number of proce
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 from typing import Iterator, Literal
 
@@ -66,10 +67,27 @@ class SyntheticLM(Dataset):
         return tokens[:-1], tokens[1:]
 
 
+def special_file(path: str) -> str | None:
+    """What `path` is when it is neither a regular file, a folder nor missing ("a FIFO (named pipe)",
+    ...), told by stat alone: opening a FIFO to read waits for a writer."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    for test, what in ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return what
+    return None
+
+
 def token_file_problem(path: str, dtype: str, seq_len: int) -> str | None:
     """What is wrong with a token file that its size tells (the ids are checked as the ranks read it)."""
     if os.path.isdir(path):
         return f"{path} is a folder; give a token file (a flat {dtype} array of token ids)"
+    kind = special_file(path)
+    if kind:
+        return f"{path} is {kind}, not a regular file; give a token file (a flat {dtype} array of token ids)"
     if not os.path.isfile(path):
         return f"token file {path} does not exist; point it at a flat {dtype} token file"
     size, itemsize = os.path.getsize(path), np.dtype(dtype).itemsize

@@ -16,6 +16,7 @@ import dataclasses
 import glob
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -66,24 +67,47 @@ def hf_name(name: str) -> str:
 
 
 def read_config(folder: str) -> dict:
-    path = os.path.join(folder, CONFIG)
     if not os.path.isdir(folder):
         raise HFError(f"{folder} is not a folder; model.init_from needs a local Hugging Face model folder")
-    if not os.path.isfile(path):
+    path = os.path.join(folder, CONFIG)
+    if not os.path.lexists(path):
         raise HFError(f"{path} not found; model.init_from needs a Hugging Face folder with config.json and *.safetensors")
+    path = _inside(folder, CONFIG)
     try:
         with open(path) as f:
-            return json.load(f)
+            config = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise HFError(f"{path} is not readable JSON ({e}); replace it with the model's config.json") from None
+    if not isinstance(config, dict):
+        raise HFError(f"{path}: holds a JSON {type(config).__name__}, not a mapping of settings; replace it with the "
+                      f"model's config.json")
+    return config
+
+
+def _whole(config: dict, key: str, where: str) -> int:
+    value = config[key]
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise HFError(f"{where}: {key} is {value!r}; it must be a whole number of at least 1")
+    return value
+
+
+def _number(config: dict, key: str, where: str, default: float) -> float:
+    value = config.get(key, default)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise HFError(f"{where}: {key} is {value!r}; it must be a number")
+    return float(value)
 
 
 def shape_from_config(config: dict, where: str) -> dict:
-    """ModelArgs shape keys (and max_position_embeddings) from a LlamaConfig mapping."""
+    """ModelArgs shape keys (and max_position_embeddings) from a LlamaConfig mapping; a value of the
+    wrong type or range is an HFError naming the key (the shape itself is checked by trainer.check)."""
     def need(key):
         if key not in config:
             raise HFError(f"{where}: '{key}' is missing; is this a Llama config.json?")
-        return config[key]
+        return _whole(config, key, where)
+
+    def optional(key):
+        return None if config.get(key) is None else _whole(config, key, where)
 
     if config.get("model_type", "llama") != "llama":
         raise HFError(f"{where}: model_type is {config['model_type']!r}; only Llama models (model_type llama) can be loaded")
@@ -95,25 +119,28 @@ def shape_from_config(config: dict, where: str) -> dict:
         raise HFError(f"{where}: head_dim is {config['head_dim']}, not hidden_size / num_attention_heads = {dim // heads}; "
                       f"this trainer's Llama supports only that")
     # transformers 5 writes rope_parameters (theta included); earlier ones rope_theta and rope_scaling
-    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    rope_key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
+    rope = config.get(rope_key) or {}
+    if not isinstance(rope, dict):
+        raise HFError(f"{where}: {rope_key} is {rope!r}; it must be a mapping, or null")
+    theta = _number(rope, "rope_theta", where, _number(config, "rope_theta", where, 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type == "llama3":
         fields = [f.name for f in dataclasses.fields(RopeScaling) if f.name != "rope_type"]
         missing = [k for k in fields if k not in rope]
         if missing:
             raise HFError(f"{where}: rope_scaling of type llama3 lacks {', '.join(missing)}")
-        scaling = RopeScaling(**{k: type(getattr(RopeScaling, k))(rope[k]) for k in fields})
+        scaling = RopeScaling(**{k: type(getattr(RopeScaling, k))(_number(rope, k, where, 0.0)) for k in fields})
     elif rope_type == "default":
         scaling = RopeScaling(rope_type="none")
     else:
         raise HFError(f"{where}: rope type {rope_type!r} is not supported; only llama3 scaling or none")
     return {
         "vocab_size": need("vocab_size"), "dim": dim, "n_layers": need("num_hidden_layers"), "n_heads": heads,
-        "n_kv_heads": config.get("num_key_value_heads") or heads, "ffn_dim": need("intermediate_size"),
-        "norm_eps": float(config.get("rms_norm_eps", 1e-6)), "rope_theta": float(theta), "rope_scaling": scaling,
+        "n_kv_heads": optional("num_key_value_heads") or heads, "ffn_dim": need("intermediate_size"),
+        "norm_eps": _number(config, "rms_norm_eps", where, 1e-6), "rope_theta": theta, "rope_scaling": scaling,
         "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
-        "max_position_embeddings": config.get("max_position_embeddings"),
+        "max_position_embeddings": optional("max_position_embeddings"),
     }
 
 
@@ -162,23 +189,60 @@ def config_for(shape: TransformerShape, max_position_embeddings: int, dtype: tor
 # -- weights --------------------------------------------------------------------------------------
 
 
-def weight_files(folder: str) -> dict[str, str]:
-    """HF parameter name -> the safetensors file in `folder` that holds it."""
-    from safetensors import safe_open
+def _inside(folder: str, name: str, index: str | None = None) -> str:
+    """The path of the file `name` in `folder`, where it stays inside it: an HFError for a name that
+    leads out (`index` names the file that gave it), a link leading out (the folder's files are
+    read as they are, never through a link to elsewhere), a missing file or one that is not regular."""
+    path = os.path.normpath(os.path.join(folder, name))  # an absolute name replaces the folder
+    if index is not None and os.path.relpath(path, folder).split(os.sep)[0] == os.pardir:
+        raise HFError(f"{index} names {name!r}, outside {folder}; an index may name only files in its own folder")
+    real = os.path.realpath(path)
+    if os.path.relpath(real, os.path.realpath(folder)).split(os.sep)[0] == os.pardir:
+        raise HFError(f"{path} is a link to {real}, outside {folder}; copy the file itself into the folder "
+                      f"(hf download --local-dir makes such a folder)")
+    if not os.path.lexists(path):
+        raise HFError(f"{index} names {name!r}, which {folder} lacks; download the whole model folder again")
+    if not os.path.isfile(path):
+        raise HFError(f"{path} is not a regular file; replace it with the model's {name}")
+    return path
 
+
+def weight_files(folder: str) -> dict[str, str]:
+    """HF parameter name -> the safetensors file in `folder` that holds it. Every file is opened and
+    its header checked (a file cut short is found here); no tensor is read."""
     index = os.path.join(folder, INDEX)
-    if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        return {name: os.path.join(folder, file) for name, file in weight_map.items()}
-    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
-    if not files:
-        raise HFError(f"{folder} holds no *.safetensors file; model.init_from needs the weights in safetensors format")
-    found = {}
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            found.update((name, file) for name in f.keys())
-    return found
+    if os.path.lexists(index):
+        index = _inside(folder, INDEX)
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise HFError(f"{index} is not readable JSON ({e}); replace it with the model's {INDEX}") from None
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise HFError(f"{index} has no weight_map of parameter names to file names; replace it with the model's {INDEX}")
+        files = {name: _inside(folder, file, index) for name, file in weight_map.items()}
+    else:
+        files = {}
+        for path in sorted(glob.glob(os.path.join(glob.escape(folder), "*.safetensors"))):
+            files.update((name, path) for name in _header(_inside(folder, os.path.basename(path))))
+        if not files:
+            raise HFError(f"{folder} holds no *.safetensors file; model.init_from needs the weights in safetensors format")
+        return files
+    for path in set(files.values()):
+        _header(path)
+    return files
+
+
+def _header(path: str) -> list[str]:
+    """The tensor names of the safetensors file at `path`; an HFError where its header is unreadable."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            return list(f.keys())
+    except (OSError, SafetensorError) as e:
+        raise HFError(f"{path} is not a readable safetensors file ({e}); download it again, it may be cut short") from None
 
 
 @torch.no_grad()
@@ -273,11 +337,14 @@ def save(state: dict[str, torch.Tensor], args: ModelArgs, out: str, max_shard_by
     copied = []
     source = args.init_from
     if source and os.path.isfile(os.path.join(source, CONFIG)):
-        config.update({k: v for k, v in read_config(source).items() if k in TOKEN_ID_KEYS})
-        for name in TOKENIZER_FILES:
-            if os.path.isfile(os.path.join(source, name)):
-                shutil.copyfile(os.path.join(source, name), os.path.join(out, name))
-                copied.append(name)
+        try:  # read as model.init_from reads it: nothing through a link that leads out of the folder
+            config.update({k: v for k, v in read_config(source).items() if k in TOKEN_ID_KEYS})
+            for name in TOKENIZER_FILES:
+                if os.path.lexists(os.path.join(source, name)):
+                    shutil.copyfile(_inside(source, name), os.path.join(out, name))
+                    copied.append(name)
+        except HFError as e:
+            log.warning("%s; the export lacks some of its tokenizer files or token ids", e)
     with open(os.path.join(out, CONFIG), "w") as f:
         json.dump(config, f, indent=2)
     return [CONFIG, *names, *copied]
