@@ -17,6 +17,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 tokenizers = pytest.importorskip("tokenizers")
 
 from conftest import PYTHON, ROOT, TINY, env, train  # noqa: E402
+from trainer import generate as gen, models  # noqa: E402
 
 EOS = "<|endoftext|>"
 PROMPT = "the cat sees"
@@ -99,3 +100,79 @@ def test_export_copies_the_tokenizer_of_the_token_file(run, tmp_path):
     loaded = tokenizers.Tokenizer.from_file(str(tmp_path / "hf" / "tokenizer.json"))
     assert loaded.encode(PROMPT).ids == tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json")).encode(PROMPT).ids
     assert not (tmp_path / "hf" / "special_tokens_map.json").exists()  # not beside the tokenizer: not made up
+
+
+def generated(capsys, *args) -> str:
+    """What trainer.generate prints (in this process), its exit code checked."""
+    code = gen.main([*map(str, args)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return out.rstrip("\n")
+
+
+def test_greedy_output_is_transformers_greedy_generate(run, tmp_path, capsys):
+    """Token for token what LlamaForCausalLM.generate(do_sample=False) gives on the exported folder,
+    from a checkpoint saved by 2 processes; and as text, what the run's tokenizer decodes."""
+    transformers = pytest.importorskip("transformers")
+    run_dir, folder = run
+    export_hf(run_dir, tmp_path / "hf", 0o022)
+    capsys.readouterr()
+    tok = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    prompt = tok.encode(PROMPT, add_special_tokens=False).ids
+    reference = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    expected = reference.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20, attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                  pad_token_id=0)[0, len(prompt):].tolist()
+    assert len(expected) == 20 and len(set(expected)) > 1  # not a constant: the comparison can fail
+    ours = generated(capsys, run_dir, "--ids", "--prompt", " ".join(map(str, prompt)), "--max-new-tokens", 20, "--greedy")
+    assert list(map(int, ours.split())) == expected
+    assert generated(capsys, run_dir, "--prompt", PROMPT, "--max-new-tokens", 20, "--temperature", 0) == tok.decode(expected, skip_special_tokens=False)
+
+
+def test_bad_input_is_one_line_exit_2(run, capsys):
+    run_dir, _ = run
+    for args, message in [
+        (["--prompt", "", "--max-new-tokens", 3], "error: --prompt is empty; give at least one token"),
+        (["--ids", "--prompt", "1 x", "--max-new-tokens", 3], "error: --prompt '1 x': this run's prompt is token ids"),
+        (["--ids", "--prompt", "1 999", "--max-new-tokens", 3], "error: --prompt: token id 999 is not in the vocabulary 0.."),
+        (["--prompt", "a", "--max-new-tokens", 0], "error: --max-new-tokens is 0; give at least 1"),
+        (["--prompt", "a", "--max-new-tokens", 2, "--top-k", 0], "error: --top-k is 0; give at least 1"),
+        (["--prompt", "a", "--max-new-tokens", 2, "--step", 2], f"error: {run_dir} has no complete checkpoint for step 2"),
+    ]:
+        assert gen.main([str(run_dir), *map(str, args)]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.splitlines()) == 1 and err.startswith(message), err
+
+
+def tiny_transformer(seq_len: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = models.build(models.ModelArgs(name="transformer", size="tiny", seq_len=seq_len))
+    model.init_weights(0)
+    return model.eval()
+
+
+def test_sampling_is_seeded_and_top_k_1_is_greedy():
+    model = tiny_transformer(32)
+    prompt = [5, 9, 2]
+    greedy = gen.sample(model, prompt, 12)
+
+    def drawn(seed, **kw):
+        return gen.sample(model, prompt, 12, temperature=1.0, generator=torch.Generator().manual_seed(seed), **kw)
+
+    assert drawn(0) == drawn(0) and drawn(0) != drawn(1) and drawn(0) != greedy
+    assert drawn(0, top_k=1) == drawn(1, top_k=1) == greedy
+    pair = drawn(3, top_k=2)
+    assert pair != greedy  # the second most likely token was drawn at least once
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + pair]))[0, len(prompt) - 1 : -1]
+    top2 = torch.topk(logits, 2).indices.tolist()
+    assert all(token in top for token, top in zip(pair, top2))
+
+
+def test_the_context_is_cropped_to_seq_len():
+    """Past model.seq_len the model sees the last seq_len tokens (its RoPE tables end there)."""
+    model = tiny_transformer(8)
+    prompt = list(range(10, 22))  # 12 tokens
+    new = gen.sample(model, prompt, 5)
+    assert new[0] == gen.sample(model, prompt[-8:], 1)[0]
+    assert new[1] == gen.sample(model, [*prompt[-7:], new[0]], 1)[0]
+    assert len(new) == 5
