@@ -7,6 +7,7 @@ Every mistake becomes a `ConfigError` whose message says what, where and what to
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import types
@@ -70,6 +71,12 @@ def load(path: str | None, overrides: list[str] = ()) -> Config:
     if path is not None:
         raw = _read_yaml(path)
     sources = {key: path or "defaults" for key in _flatten(raw)}
+    _override(raw, overrides, sources)
+    return _build(Config, raw, prefix="", sources=sources, default_source=path or "defaults")
+
+
+def _override(raw: dict, overrides: list[str], sources: dict) -> None:
+    """Apply `key=value` items to the nested mapping `raw`, noting in `sources` where each came from."""
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key:
@@ -83,7 +90,6 @@ def load(path: str | None, overrides: list[str] = ()) -> Config:
             node = child
         node[parts[-1]] = yaml.safe_load(text) if text else None
         sources[key] = f"override {item!r}"
-    return _build(Config, raw, prefix="", sources=sources, default_source=path or "defaults")
 
 
 class _DuplicateKey(Exception):
@@ -142,9 +148,12 @@ def _read_yaml(path: str) -> dict:
     return raw
 
 
-def from_dict(raw: dict, where: str) -> Config:
-    """A Config from a mapping such as to_dict's (a checkpoint's saved config); `where` names it."""
-    return _build(Config, raw, prefix="", sources={}, default_source=where)
+def from_dict(raw: dict, where: str, overrides: list[str] = ()) -> Config:
+    """A Config from a mapping such as to_dict's (a checkpoint's saved config), then `key=value`
+    overrides; `where` names the mapping in messages."""
+    raw, sources = copy.deepcopy(raw), {}
+    _override(raw, overrides, sources)
+    return _build(Config, raw, prefix="", sources=sources, default_source=where)
 
 
 def _flatten(d: dict, prefix: str = "") -> list[str]:
