@@ -33,7 +33,7 @@ DRY_RUN       ?=
 # (check), the partition's GPU type from gres (submit).
 GPU_MEM_GB    ?=
 
-.PHONY: help venv run check test test-gpu bench image up docker-engine submit slurm-up slurm-down clean
+.PHONY: help venv run check evaluate test test-gpu bench image up docker-engine submit slurm-up slurm-down clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^[^:]*:([a-z-]+):.*## /\1\t/; s/^([a-z-]+):.*## /\1\t/'
@@ -53,6 +53,10 @@ check: venv ## validate CONFIG (+ARGS) for NPROC processes on this machine; memo
 
 run: venv ## train CONFIG on NPROC local processes (RUN_DIR=, ARGS="k=v ..."); checks the config first
 	$(PY) -m trainer.launch --nproc-per-node=$(NPROC) --config $(CONFIG) $(OVERRIDES)
+
+evaluate: venv ## evaluate RUN_DIR's newest checkpoint without training (ARGS="--step N eval.batches=64"): one JSON row
+	@test -n "$(RUN_DIR)" || { echo "error: give the run to evaluate: make evaluate RUN_DIR=runs/..." >&2; exit 2; }
+	$(PY) -m trainer.evaluate $(RUN_DIR) $(ARGS)
 
 test: venv ## run the whole test suite
 	$(PY) -m pytest tests $(PYTEST_ARGS)

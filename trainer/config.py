@@ -7,6 +7,7 @@ Every mistake becomes a `ConfigError` whose message says what, where and what to
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import types
@@ -260,9 +261,12 @@ def _read_yaml(path: str) -> dict:
     return raw
 
 
-def from_dict(raw: dict, where: str) -> Config:
-    """A Config from a mapping such as to_dict's (a checkpoint's saved config); `where` names it."""
-    return _build(Config, raw, prefix="", sources={}, default_source=where)
+def from_dict(raw: dict, where: str, overrides: list[str] = ()) -> Config:
+    """A Config from a mapping such as to_dict's (a checkpoint's saved config), then `key=value`
+    overrides; `where` names the mapping in messages."""
+    raw, sources = copy.deepcopy(raw), {}
+    _apply_overrides(raw, overrides, sources)
+    return _build(Config, raw, prefix="", sources=sources, default_source=where)
 
 
 def _flatten(d: dict, prefix: str = "") -> list[str]:

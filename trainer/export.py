@@ -9,13 +9,15 @@ model: `model.load_state_dict(torch.load("model.pt", weights_only=True))`. A `.p
 is written by torch.save, a `.safetensors` name in that format; any other suffix is refused, like an
 --out that is a folder or in a folder that is missing. `--format hf` (transformers only) writes
 config.json and safetensors shards with HF's names (trainer/hf.py) into a new or empty folder,
-which `LlamaForCausalLM.from_pretrained(DIR)` loads.
+which `LlamaForCausalLM.from_pretrained(DIR)` loads, with the tokenizer the run's token file was made
+with (its sidecar names it). Every file written gets the mode the umask gives (0644 under 022).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 import warnings
@@ -66,6 +68,52 @@ def _config(run_dir: str, path: str):
     if not os.path.isfile(config_file):
         raise ConfigError(f"{run_dir} has no config.yaml: is it a run_dir of this trainer?")
     return load(config_file)
+
+
+def tokenizer_of(cfg) -> str | None:
+    """The tokenizer.json the run's token file was made with, as its sidecar (trainer.prepare) names
+    it; None for other data, or where the sidecar names none."""
+    from trainer.prepare import read_sidecar
+
+    if cfg.data.name != "tokens" or not cfg.data.path:
+        return None
+    try:
+        return (read_sidecar(cfg.data.path) or {}).get("tokenizer")
+    except (OSError, ValueError):  # an unreadable sidecar: the trainer's own check speaks of it
+        return None
+
+
+# Beside a tokenizer.json, what tells transformers how to use it (special tokens, the eos token).
+TOKENIZER_SIBLINGS = ("tokenizer_config.json", "special_tokens_map.json")
+
+
+def copy_tokenizer(cfg, out: str) -> list[str]:
+    """Copy the run's tokenizer (tokenizer_of) into the HF folder `out` as tokenizer.json, with the
+    siblings found beside it; the files copied. It replaces one taken from model.init_from: the token
+    ids the model learned are this tokenizer's."""
+    source = tokenizer_of(cfg)
+    if not source:
+        return []
+    if not os.path.isfile(source):
+        print(f"note: {source}, the tokenizer {cfg.data.path} was made with, is gone; {out} has no tokenizer.json: "
+              f"copy it there yourself", file=sys.stderr)
+        return []
+    folder = os.path.dirname(source)
+    copied = []
+    for path, name in [(source, "tokenizer.json"), *((os.path.join(folder, n), n) for n in TOKENIZER_SIBLINGS)]:
+        if os.path.isfile(path):
+            shutil.copyfile(path, os.path.join(out, name))
+            copied.append(name)
+    return copied
+
+
+def follow_umask(paths: list[str]) -> None:
+    """Give the files written the mode open() gives a new file (0666 less the umask): safetensors
+    creates its files 0600 whatever the umask, which a serving account cannot read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in paths:
+        os.chmod(path, 0o666 & ~umask)
 
 
 SUFFIXES = (".pt", ".pth", ".safetensors")
@@ -122,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError as e:
                 raise ConfigError(f"--max-shard-size: {e}") from None
             files = hf.save(state, cfg.model, args.out, max_bytes, getattr(torch, args.dtype))
+            files += [name for name in copy_tokenizer(cfg, args.out) if name not in files]
+            follow_umask([os.path.join(args.out, name) for name in files])
             print(f"exported {path} as a Hugging Face folder to {args.out}: {', '.join(files)}")
             return 0
         if args.out.endswith(".safetensors"):
@@ -130,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             save_file({k: v.contiguous() for k, v in state.items()}, args.out)
         else:
             torch.save(state, args.out)
+        follow_umask([args.out])
     except (ConfigError, checkpoint.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,102 @@
+"""Evaluate a checkpoint without training: the training loop's evaluation, on demand.
+
+    python -m trainer.evaluate RUN_DIR [--step N] [eval.batches=32 data.eval_path=... ...]
+
+The checkpoint (the newest complete one by default) is evaluated with the config it was saved with,
+changed by the overrides given (eval.*, data.* and parallel.* keys only: the model is the
+checkpoint's). The numbers are trainer.train.evaluate's, on the same evaluation samples: the
+training loop's evaluation at that step gives the same eval_loss. The result is one JSON line on
+stdout, `{"step", "eval_loss", "eval_accuracy" (classifiers), "eval_batches", "time" (unix seconds),
+"source": "trainer.evaluate"}`, also appended to RUN_DIR/metrics.jsonl as an evaluation row.
+
+One process is enough whatever number of processes trained; under torchrun each rank reads the
+whole model and the ranks share the batches, as in training. (With train.micro_batch_size set, the
+evaluation samples depend on the number of processes, as the training loop's do: run as many as
+trained to see its very samples.) The run's lease is not taken: this reads the checkpoint and writes
+nothing but the one metrics row (one append), so it may run beside the training of the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import torch
+
+from trainer import checkpoint, data, dist as distributed, models, parallel
+from trainer.config import ConfigError, from_dict, to_dict
+from trainer.export import _config, consolidate
+from trainer.metrics import finite_or_null
+
+# What may change for an evaluation; the rest (the model above all) is the checkpoint's.
+SECTIONS = ("eval", "data", "parallel")
+
+
+def config(run_dir: str, path: str, overrides: list[str]):
+    """The config the checkpoint at `path` was saved with, then the overrides (ConfigError if bad)."""
+    for item in overrides:
+        if item.partition("=")[0].split(".")[0] not in SECTIONS:
+            raise ConfigError(f"override {item!r}: trainer.evaluate changes {', '.join(s + '.*' for s in SECTIONS)} "
+                              f"keys only; the model and the rest are the checkpoint's")
+    cfg = from_dict(to_dict(_config(run_dir, path)), where=f"{path}/meta.json", overrides=overrides)
+    if cfg.eval.batches < 1:
+        raise ConfigError(f"eval.batches is {cfg.eval.batches}; give 1 or more micro-batches per rank")
+    # How the weights are spread does not change the numbers; a hybrid mesh of the training's
+    # shape may not fit this number of processes. Mixed precision (the numbers) stays.
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(
+        cfg.parallel, sharding="full", shard_size=None, activation_checkpointing=False, cpu_offload=False))
+
+
+def append_row(run_dir: str, row: dict) -> None:
+    """Append `row` to RUN_DIR/metrics.jsonl in one write (O_APPEND: beside a training that writes too)."""
+    line = (json.dumps(finite_or_null(row), allow_nan=False) + "\n").encode()
+    fd = os.open(os.path.join(run_dir, "metrics.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer.evaluate", description=__doc__.split("\n")[0])
+    parser.add_argument("run_dir")
+    parser.add_argument("--step", type=int, help="checkpoint step; default: the newest complete one")
+    parser.add_argument("overrides", nargs="*", help="eval.*, data.*, parallel.* key=value, e.g. eval.batches=32")
+    args = parser.parse_intermixed_args(argv)
+    env = distributed.read_env()
+    try:  # everything that can be wrong, before a process group exists
+        state, path = consolidate(args.run_dir, args.step)
+        cfg = config(args.run_dir, path, args.overrides)
+        eval_set = data.build(cfg.data, cfg.model, cfg.train.seed, train=False)
+        if cfg.train.global_batch_size % env.world_size:
+            raise ConfigError(f"train.global_batch_size={cfg.train.global_batch_size} does not divide over "
+                              f"{env.world_size} processes; evaluate on a number of processes that divides it")
+    except (ConfigError, checkpoint.CheckpointError, data.DataError) as e:
+        if env.is_main:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    from trainer.train import evaluate
+
+    try:
+        env = distributed.init(timeout_s=cfg.parallel.timeout_s)
+        model = models.build(cfg.model)
+        model.load_state_dict(state)
+        del state
+        model = parallel.apply(model, cfg.parallel, env)  # the training's wrapping: its mixed precision
+        result = evaluate(model, cfg, env, eval_set, parallel.autocast_dtype(model, cfg.parallel))
+    finally:
+        distributed.shutdown()
+    if env.is_main:
+        row = {"step": checkpoint.read_meta(path)["step"], **result, "eval_batches": cfg.eval.batches,
+               "time": time.time(), "source": "trainer.evaluate"}
+        append_row(args.run_dir, row)
+        print(json.dumps(finite_or_null(row), allow_nan=False), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    distributed.exit_process(main())

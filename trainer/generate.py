@@ -1,0 +1,151 @@
+"""Sample from a trained transformer: the continuation of a prompt, from a checkpoint of a run.
+
+    python -m trainer.generate RUN_DIR [--step N] --prompt TEXT --max-new-tokens N
+                               [--temperature T | --greedy] [--top-k K] [--seed S] [--tokenizer PATH] [--ids]
+
+Reads the checkpoint in one process whatever number of processes saved it (trainer.export's
+consolidate) and runs on the machine's device (cuda where there is one, else the CPU). The prompt is
+encoded with the tokenizer the run's token file was made with (its sidecar names it), or the
+tokenizer.json of model.init_from's folder, or --tokenizer; a run on generated data (data.name=
+synthetic), or --ids, takes the prompt as space-separated token ids and prints ids. Exactly
+--max-new-tokens tokens are generated; an end-of-document token is printed like any other. Greedy
+decoding (--greedy or --temperature 0) gives what `transformers`' greedy `generate` gives on the
+exported model (trainer.export --format hf). Each token recomputes the whole context (no KV cache),
+cropped to the model's last model.seq_len tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+from trainer import checkpoint, models
+from trainer.config import ConfigError
+from trainer.dist import read_env
+from trainer.export import _config, consolidate, tokenizer_of
+
+
+@torch.no_grad()
+def sample(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
+           top_k: int | None = None, generator: torch.Generator | None = None) -> list[int]:
+    """The `max_new_tokens` token ids that follow `prompt`: the most likely one each time when
+    temperature is 0, else drawn from softmax(logits / temperature) over the top_k most likely (all
+    when None), with `generator` (a CPU one: the same seed draws the same tokens on any device)."""
+    device = next(model.parameters()).device
+    tokens = torch.tensor(prompt, dtype=torch.long, device=device)
+    for _ in range(max_new_tokens):
+        logits = model(tokens[-model.seq_len:][None])[0, -1].float()
+        if temperature == 0:
+            token = logits.argmax()
+        else:
+            logits = logits / temperature
+            if top_k is not None and top_k < logits.numel():
+                kth = torch.topk(logits, top_k).values[-1]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            token = torch.multinomial(torch.softmax(logits, -1).cpu(), 1, generator=generator)[0].to(device)
+        tokens = torch.cat([tokens, token.view(1)])
+    return tokens[len(prompt):].tolist()
+
+
+def load(run_dir: str, step: int | None, device: torch.device):
+    """(the plain model in eval mode on `device`, its config) of a run's checkpoint."""
+    state, path = consolidate(run_dir, step)
+    cfg = _config(run_dir, path)
+    if cfg.model.name != "transformer":
+        raise ConfigError(f"{path} holds a {cfg.model.name}; trainer.generate samples from a transformer run only")
+    with torch.device(device):
+        model = models.build(cfg.model)
+    model.load_state_dict(state)
+    return model.eval(), cfg
+
+
+def find_tokenizer(cfg, explicit: str | None) -> str | None:
+    """The tokenizer.json to use: --tokenizer, else the run's token file's, else model.init_from's;
+    None for generated data (token ids in and out)."""
+    from trainer.prepare import PrepareError, tokenizer_file
+
+    if explicit:
+        try:
+            return tokenizer_file(explicit)
+        except PrepareError as e:
+            raise ConfigError(f"--tokenizer: {e}") from None
+    if cfg.data.name == "tokens":
+        source = tokenizer_of(cfg)
+        if not source:
+            raise ConfigError(f"{cfg.data.path} has no sidecar naming its tokenizer (it was not made by trainer.prepare); "
+                              f"give --tokenizer, or --ids to work in token ids")
+        if not os.path.isfile(source):
+            raise ConfigError(f"{source}, the tokenizer {cfg.data.path} was made with, is gone; give --tokenizer, or "
+                              f"--ids to work in token ids")
+        return source
+    if cfg.model.init_from and os.path.isfile(os.path.join(cfg.model.init_from, "tokenizer.json")):
+        return os.path.join(cfg.model.init_from, "tokenizer.json")
+    return None
+
+
+def parse_ids(text: str, vocab_size: int) -> list[int]:
+    """Space-separated token ids, each below the vocabulary."""
+    try:
+        ids = [int(word) for word in text.split()]
+    except ValueError:
+        raise ConfigError(f"--prompt {text!r}: this run's prompt is token ids; give them separated by spaces, "
+                          f"e.g. --prompt '3 17 42'") from None
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ConfigError(f"--prompt: token id {bad[0]} is not in the vocabulary 0..{vocab_size - 1}")
+    return ids
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer.generate", description=__doc__.split("\n")[0])
+    parser.add_argument("run_dir")
+    parser.add_argument("--step", type=int, help="checkpoint step; default: the newest complete one")
+    parser.add_argument("--prompt", required=True, help="text; token ids separated by spaces for --ids or generated data")
+    parser.add_argument("--max-new-tokens", type=int, required=True, help="tokens to generate")
+    parser.add_argument("--temperature", type=float, default=1.0, help="divides the logits; 0: the most likely token (greedy)")
+    parser.add_argument("--greedy", action="store_true", help="the most likely token each time (as --temperature 0)")
+    parser.add_argument("--top-k", type=int, help="draw from the k most likely tokens only; default: from all")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the draws")
+    parser.add_argument("--tokenizer", help="a tokenizer.json or a folder with one; default: the one the run's data was made with")
+    parser.add_argument("--ids", action="store_true", help="the prompt and the output are token ids, not text")
+    args = parser.parse_args(argv)
+    try:
+        if args.max_new_tokens < 1:
+            raise ConfigError(f"--max-new-tokens is {args.max_new_tokens}; give at least 1")
+        if args.temperature < 0:
+            raise ConfigError(f"--temperature is {args.temperature:g}; give 0 (greedy) or more")
+        if args.top_k is not None and args.top_k < 1:
+            raise ConfigError(f"--top-k is {args.top_k}; give at least 1, or leave it out to draw from all tokens")
+        model, cfg = load(args.run_dir, args.step, read_env().device)
+        tokenizer = None
+        if not args.ids:
+            path = find_tokenizer(cfg, args.tokenizer)
+            if path:
+                from tokenizers import Tokenizer
+
+                tokenizer = Tokenizer.from_file(path)
+        vocab_size = model.shape.vocab_size
+        if tokenizer:
+            prompt = tokenizer.encode(args.prompt, add_special_tokens=False).ids
+            if prompt and max(prompt) >= vocab_size:
+                raise ConfigError(f"--prompt: the tokenizer gives id {max(prompt)}, not below model.vocab_size={vocab_size}; "
+                                  f"give the tokenizer the run's data was made with (--tokenizer)")
+        else:
+            prompt = parse_ids(args.prompt, vocab_size)
+        if not prompt:
+            raise ConfigError("--prompt is empty; give at least one token")
+    except (ConfigError, checkpoint.CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    temperature = 0.0 if args.greedy else args.temperature
+    generator = torch.Generator().manual_seed(args.seed)
+    new = sample(model, prompt, args.max_new_tokens, temperature, args.top_k, generator)
+    print(tokenizer.decode(new, skip_special_tokens=False) if tokenizer else " ".join(map(str, new)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
