@@ -6,12 +6,18 @@ Layout of `<run_dir>/checkpoints/`:
         .metadata, *.distcp   DCP: model and optimizer, each rank writing its own shards
         meta.json         step, samples consumed, scheduler, world size, parameter shapes
         rng/rank_00000.pt each rank's random number generator states
+        manifest.json     size and checksum of every file above (trainer/checksums.py)
     .tmp_step_00000200/   a save in progress (or killed): never read, removed on the next start
 
 A save writes into the temporary folder; once every rank's shards are on disk (DCP's coordinator
-has written `.metadata`), rank 0 writes meta.json, fsyncs and renames the folder to its final name.
-Only rank 0 creates, renames, lists and deletes folders, and it tells the other ranks which
-checkpoint to load, so no rank acts on a stale view of an NFS or Lustre directory.
+has written `.metadata`), rank 0 writes meta.json and manifest.json, fsyncs and renames the folder
+to its final name. Only rank 0 creates, renames, lists and deletes folders, and it tells the other
+ranks which checkpoint to load, so no rank acts on a stale view of an NFS or Lustre directory.
+
+A checkpoint may come from elsewhere (checkpoint.resume_from, a copied run dir): loading or listing
+one never runs code it carries (trainer/shard_reader.py), listing reads its manifest and no pickle,
+a symbolic link in checkpoints/ is never written or deleted through, and a checkpoint with any file
+not as its commit wrote it is skipped like an unreadable one (docs/security.md).
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import logging
 import math
 import os
 import shutil
+import stat
+import sys
 import time
 import uuid
 import warnings
@@ -35,10 +43,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from trainer import layout
+from trainer import checksums, layout
 from trainer.checksums import ChecksumWriter
 from trainer.layout import read_meta, step_path
-from trainer.shard_reader import ShardReader
+from trainer.shard_reader import Refused, ShardReader, load_metadata
 
 log = logging.getLogger("trainer")
 
@@ -109,17 +117,21 @@ folder = layout.checkpoints_dir
 
 def problem(path: str) -> str | None:
     """Why `path` is not a usable checkpoint, or None if it looks complete: the files a commit
-    leaves (trainer/layout.py), then every shard file as long as DCP's metadata says."""
+    leaves (trainer/layout.py), then every file as large as its manifest says, or for a checkpoint
+    saved before manifests, every shard file as long as DCP's metadata says."""
     why = layout.files_problem(path)
     if why:
         return why
+    if os.path.exists(os.path.join(path, checksums.MANIFEST)):
+        return checksums.manifest_problem(path)
     try:
-        storage = dcp.FileSystemReader(path).read_metadata().storage_data
+        needed: dict[str, int] = {}
+        for info in load_metadata(os.path.join(path, ".metadata")).storage_data.values():
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    except Refused as e:
+        return str(e)
     except Exception as e:  # noqa: BLE001 - any unreadable file makes it unusable
         return f"unreadable metadata ({type(e).__name__}: {e})"
-    needed: dict[str, int] = {}
-    for info in storage.values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
     for name, size in needed.items():
         file = os.path.join(path, name)
         if not os.path.isfile(file) or os.path.getsize(file) < size:
@@ -127,11 +139,29 @@ def problem(path: str) -> str | None:
     return None
 
 
+def unusable(path: str) -> str | None:
+    """Why the checkpoint at `path` cannot be loaded, or None: `problem`, then closer, as rank 0
+    does before any rank reads it: the checksum of every file the load does not check as it reads
+    (all but the shards), and DCP's metadata unpickled with nothing but its own classes."""
+    why = problem(path) or checksums.manifest_problem(path, deep=True)
+    if why:
+        return why
+    try:
+        load_metadata(os.path.join(path, ".metadata"))
+    except Refused as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001 - any unreadable file makes it unusable
+        return f"unreadable metadata ({type(e).__name__}: {e})"
+    return None
+
+
 def complete(run_dir: str) -> list[tuple[int, str]]:
-    """Complete checkpoints in `run_dir`, oldest first; broken ones are skipped with a warning."""
+    """Complete checkpoints in `run_dir`, oldest first; broken ones are skipped with a warning.
+    Nothing is unpickled for those with a manifest (trainer/checksums.py)."""
     found = []
     for step, path in layout.step_folders(run_dir):
-        why = problem(path)
+        why = ("a symbolic link, not a folder this run saved; give it as checkpoint.resume_from instead"
+               if os.path.islink(path) else problem(path))
         if why:
             log.warning("skipping checkpoint %s: %s", path, why)
         else:
@@ -194,7 +224,46 @@ def discard(path: str) -> None:
     whatever leftovers exist), then removed. A kill in between leaves a .trash_* for the next start."""
     trash = os.path.join(os.path.dirname(path), f".trash_{os.path.basename(path)}_{uuid.uuid4().hex[:8]}")
     os.rename(path, trash)
-    shutil.rmtree(trash, ignore_errors=True)
+    remove(trash)
+
+
+def remove(path: str) -> bool:
+    """Delete `path` without following a symbolic link: a link is unlinked (what it points to is
+    left alone), a folder removed with what it holds. What cannot be removed is logged; False then."""
+    if not os.path.isdir(path) or os.path.islink(path):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.warning("could not remove %s: %s", path, e.strerror or e)
+            return False
+        return True
+    failed: list[str] = []
+
+    def said(function, name, error) -> None:
+        error = error if isinstance(error, BaseException) else error[1]  # onexc gives it, onerror a tuple
+        failed.append(f"{getattr(error, 'strerror', None) or error} ({getattr(error, 'filename', None) or name})")
+
+    shutil.rmtree(path, **{"onexc" if sys.version_info >= (3, 12) else "onerror": said})
+    if failed:
+        log.warning("could not remove %s: %s", path, "; ".join(failed[:3]))
+    return not failed
+
+
+def _warn_if_others_can_write(path: str) -> None:
+    """One line for the checkpoint folder `path`, and one for the folder holding it (unless sticky,
+    as /tmp), if users other than its owner can write there: they can change what a run loads."""
+    for folder in (path, os.path.dirname(os.path.abspath(path))):
+        try:
+            mode = os.stat(folder).st_mode
+        except OSError:
+            continue
+        if not mode & (stat.S_IWGRP | stat.S_IWOTH) or (folder != path and mode & stat.S_ISVTX):
+            continue
+        what = "checkpoint folder" if folder == path else f"folder holding checkpoint {os.path.basename(path)},"
+        log.warning("%s %s can be written by users other than its owner (mode %04o): they can change what this run "
+                    "loads; chmod go-w %s", what, folder, stat.S_IMODE(mode), folder)
 
 
 def _fsync(path: str) -> None:
@@ -242,19 +311,29 @@ class Checkpointer:
             os.makedirs(folder(run_dir), exist_ok=True)
             for name in os.listdir(folder(run_dir)):
                 if name.startswith((".tmp_", ".trash_")):  # leftovers of a killed save or delete
-                    log.info("removing unfinished %s", os.path.join(folder(run_dir), name))
-                    shutil.rmtree(os.path.join(folder(run_dir), name), ignore_errors=True)
+                    if remove(os.path.join(folder(run_dir), name)):
+                        log.info("removed unfinished %s", os.path.join(folder(run_dir), name))
         dist.barrier(group=group)
 
     # -- load ---------------------------------------------------------------------------------------
 
     def choose(self, unreadable: tuple[str, ...] = ()) -> str | None:
         """The checkpoint to resume from, decided by rank 0 and told to all: the run's newest complete
-        one not found `unreadable`, else checkpoint.resume_from for a run without its own."""
+        one not found `unreadable` (by the load, or by `unusable` here, newest first: only the one
+        chosen is read), else checkpoint.resume_from for a run without its own."""
         choice = [None]
         if self.rank == 0:
             listed = complete(self.run_dir)
-            found = [(step, path) for step, path in listed if path not in unreadable]
+            found = []
+            for step, path in reversed(listed):
+                if path in unreadable:
+                    continue
+                why = unusable(path)
+                if why is None:
+                    found = [(step, path)]
+                    break
+                log.warning("skipping checkpoint %s: %s", path, why)
+                unreadable += (path,)
             # Checkpoints damaged after their commit (DCP's .metadata is there, a shard is not whole),
             # found out when listed or when read: with none readable left the run does not silently
             # start over in their place. A step folder without .metadata was never a checkpoint.
@@ -269,8 +348,10 @@ class Checkpointer:
                 choice = [("error", f"no readable checkpoint is left in {self.run_dir} (unreadable: {', '.join(unreadable)}); "
                                     f"move them away to start from scratch")]
             elif self.args.resume_from:
-                why = problem(self.args.resume_from)
+                why = unusable(self.args.resume_from)
                 choice = [("error", f"checkpoint.resume_from={self.args.resume_from} is not a usable checkpoint: {why}")] if why else [self.args.resume_from]
+        if self.rank == 0 and isinstance(choice[0], str):
+            _warn_if_others_can_write(choice[0])
         dist.broadcast_object_list(choice, src=0, group=self.group)
         if isinstance(choice[0], tuple):
             raise CheckpointError(choice[0][1])
@@ -294,7 +375,9 @@ class Checkpointer:
                                       f"new run_dir")
             started = time.perf_counter()
             state = {"model": model_state, "optim": optim_state}
-            why = self._read_shards(path, state)
+            rng_file = os.path.join(path, "rng", f"rank_{self.rank:05d}.pt")
+            same_ranks = meta["world_size"] == self.world_size and os.path.isfile(rng_file)
+            why, rng = self._read_shards(path, state, rng_file if same_ranks else None)
             if why is None:
                 break
             if path == self.args.resume_from:
@@ -303,9 +386,7 @@ class Checkpointer:
             unreadable += (path,)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         scheduler.load_state_dict(meta["scheduler"])
-        rng_file = os.path.join(path, "rng", f"rank_{self.rank:05d}.pt")
-        if meta["world_size"] == self.world_size and os.path.isfile(rng_file):
-            rng = torch.load(rng_file, weights_only=True)
+        if rng is not None:
             torch.set_rng_state(rng["torch"])
             if "cuda" in rng and torch.cuda.is_available():
                 torch.cuda.set_rng_state(rng["cuda"])
@@ -314,32 +395,42 @@ class Checkpointer:
         self.last_saved = meta["step"]
         return meta
 
-    def _read_shards(self, path: str, state: dict) -> str | None:
-        """Fill `state`'s tensors (this rank's shards) from the checkpoint at `path`; None, or on every
-        rank why some rank could not (the tensors may then be partly overwritten: load them again).
+    def _read_shards(self, path: str, state: dict, rng_file: str | None) -> tuple[str | None, dict | None]:
+        """Fill `state`'s tensors (this rank's shards) from the checkpoint at `path`, and read this
+        rank's random states from `rng_file` (None: none to read); (None, the random states), or on
+        every rank (why some rank could not, None) (the tensors may then be partly overwritten: load
+        them again). A random state file is read here so that one torch.load cannot read makes the
+        checkpoint unreadable like a shard, instead of failing the start.
 
         Each rank plans its own reads (`no_dist`): DCP's default load plan needs no coordination (its
         global step hands every rank its own plan back), and routing the plans through rank 0 took
         0.3 s of a 1 s load (125m, 2 processes, cache warm; more with more ranks). What the collective
         gave, every rank failing with the error of any, is done here with one small all-gather.
         The reading itself is `self.reader`'s: `ShardReader` (shard_reader.py)."""
-        error = None
+        error = rng = None
+        what = "its shards"
         try:
             with warnings.catch_warnings():  # no_dist warns that it assumes one process; it is each rank alone
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.load(state, storage_reader=self.reader(path, rank=self.rank, world_size=self.world_size), no_dist=True)
+            if rng_file:
+                what = os.path.relpath(rng_file, path)
+                rng = torch.load(rng_file, weights_only=True)
+                if not (isinstance(rng, dict) and torch.is_tensor(rng.get("torch"))
+                        and rng["torch"].shape == torch.get_rng_state().shape):
+                    raise ValueError("not the random states a save writes")
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - any failure stops every rank, with its cause
             cause = e.failures[min(e.failures)][0] if isinstance(e, CheckpointException) and e.failures else e
             log.warning("rank %d: reading checkpoint %s failed: %s: %s", self.rank, path, type(cause).__name__, cause)
             first_line = (str(cause).strip().splitlines() or [""])[0]
-            error = f"{type(cause).__name__}: {first_line[:160]}"
+            error = f"{what} ({type(cause).__name__}: {first_line[:160]})"
         errors: list[str | None] = [None] * self.world_size
         dist.all_gather_object(errors, error, group=self.group)
         failed = next(((rank, e) for rank, e in enumerate(errors) if e), None)
         if failed:
             rank, e = failed
-            return f"rank {rank} could not read its shards ({e})"
-        return None
+            return f"rank {rank} could not read {e}", None
+        return None, rng
 
     # -- save ---------------------------------------------------------------------------------------
 
@@ -349,9 +440,10 @@ class Checkpointer:
             return  # already on disk (e.g. stopped right after resuming)
         self.wait()  # at most one save in flight
         tmp = os.path.join(folder(self.run_dir), f".tmp_step_{step:08d}")
-        if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(os.path.join(tmp, "rng"))
+        if self.rank == 0:  # made here, never through a link someone else placed: mkdir fails on any leftover
+            remove(tmp)
+            os.mkdir(tmp)
+            os.mkdir(os.path.join(tmp, "rng"))
         dist.barrier(group=self.group)
         torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{self.rank:05d}.pt"))
         model_state, optim_state = get_state_dict(model, optimizer)
@@ -414,9 +506,10 @@ class Checkpointer:
             json.dump(meta, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
+        checksums.write_manifest(tmp)
         _fsync(tmp)
         final = step_path(self.run_dir, step)
-        if os.path.exists(final):  # a broken folder of the same name (skipped when listing)
+        if os.path.lexists(final):  # a broken folder of the same name (skipped when listing), or a link
             discard(final)
         os.rename(tmp, final)
         _fsync(folder(self.run_dir))

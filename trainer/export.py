@@ -41,6 +41,9 @@ def consolidate(run_dir: str, step: int | None = None) -> tuple[dict[str, torch.
     if step not in found:
         raise ConfigError(f"{run_dir} has no complete checkpoint for step {step}; it has steps {sorted(found)}")
     path = found[step]
+    why = checkpoint.unusable(path)  # every file as written, and nothing in it that would run code
+    if why:
+        raise checkpoint.CheckpointError(f"checkpoint {path} is unusable: {why}; export an older one with --step")
     cfg = _config(run_dir, path)
     with torch.device("meta"):
         model = models.build(cfg.model)

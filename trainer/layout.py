@@ -69,9 +69,10 @@ def files_problem(path):
 
 
 def latest_committed_step(run_dir):
-    """Step of the newest folder that passes files_problem, or None."""
+    """Step of the newest folder that passes files_problem, or None. A step_N that is a symbolic
+    link is not the run's: the trainer never loads it (trainer/checkpoint.py)."""
     for step, path in reversed(step_folders(run_dir)):
-        if files_problem(path) is None:
+        if not os.path.islink(path) and files_problem(path) is None:
             return step
     return None
 

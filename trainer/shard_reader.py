@@ -9,14 +9,20 @@ while the disk waits. On a 2-core VM that CPU work took about 40% of the disk's 
 hundred bytes of pickle, parsed without building any object) and `readinto`s the destination
 itself, while a thread reads ahead so the disk never waits for the CPU. Any tensor it does not
 recognise as a plain contiguous one that fills its destination whole (a resharded slice, another
-dtype, strides, compression, storage transforms, bytes items) goes to the stock reader unchanged,
-so the result is always what `FileSystemReader` would have produced.
+dtype, strides, compression, storage transforms) goes to the stock reader unchanged, so the
+result is always what `FileSystemReader` would have produced.
 
 Every shard file with a recorded checksum is checked by exactly one rank, the one that wrote it
 when that rank is loading (files of ranks beyond the world are dealt out by the writer's number):
 the others read only the parts they need. With every rank hashing every file it touched, a rank
 that needs a few hundred bytes of replicated state from rank 0's file read all of it, and at N
 ranks that file was read N times.
+
+Nothing read here runs code a checkpoint carries (issue 27): DCP's own reader unpickles `.metadata`
+with `pickle.load` and its planner the pickled (bytes) items with `torch.load(weights_only=False)`,
+so a file made for it runs anything on every rank that loads it. Here `.metadata` is unpickled
+with nothing but the classes DCP's metadata is made of (`load_metadata`), and a bytes item must
+load with `torch.load(weights_only=True)` before DCP's planner gets it.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import io
 import math
 import mmap
 import os
+import pathlib
 import pickle
 import re
 import struct
@@ -38,6 +45,8 @@ from concurrent.futures import Future
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from trainer import checksums
@@ -65,13 +74,26 @@ class _Stored:
     shape: tuple[int, ...]
 
 
+class Refused(pickle.UnpicklingError):
+    """A checkpoint file that names something its kind of file never holds: it is not read."""
+
+
 class ShardReader(FileSystemReader):
     """`FileSystemReader` that reads plain tensors into their destination without `torch.load`,
-    and checks the checksums of the shard files that are `rank`'s of `world_size` to check."""
+    checks the checksums of the shard files that are `rank`'s of `world_size` to check, and never
+    runs code from the checkpoint. `_extension_registry`: DCP's, for checkpoints written with its
+    storage extensions (compression); None: DCP's default registry."""
 
-    def __init__(self, path: str | os.PathLike, rank: int = 0, world_size: int = 1):
-        super().__init__(path)
+    def __init__(self, path: str | os.PathLike, _extension_registry=None, *, rank: int = 0, world_size: int = 1):
+        super().__init__(path, _extension_registry=_extension_registry)
         self.share = (rank, world_size)  # not self.rank: DCP sets that in set_up_storage_reader
+
+    def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
+        metadata = load_metadata(self._get_metadata_path(kwargs.get("rank")))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
     def checked_here(self) -> list[str]:
         """The shard files (relative paths) this rank checks: `__<writer>_<n>.distcp` by rank
@@ -99,7 +121,7 @@ class ShardReader(FileSystemReader):
                         if not self._read_direct(f, item, planner):
                             rest.append(item)
                         ahead.consumed(self.storage_data[item.storage_index].length)
-        return super().read_data(dataclasses.replace(plan, items=rest), planner)
+        return super().read_data(dataclasses.replace(plan, items=rest), _PlainBytes(planner, self.storage_data))
 
     def _read_direct(self, f, item: ReadItem, planner: LoadPlanner) -> bool:
         """Read `item` straight into its destination; False if it needs the stock reader."""
@@ -125,6 +147,86 @@ class ShardReader(FileSystemReader):
             target.copy_(dest)
         planner.commit_tensor(item, target)
         return True
+
+
+def _layout(name: str) -> torch.layout:
+    """torch.serialization._get_layout's answer, without its reach into all of torch: a layout by name."""
+    found = {str(value): value for value in vars(torch).values() if isinstance(value, torch.layout)}
+    if name not in found:
+        raise Refused(f"unknown layout {name!r}")
+    return found[name]
+
+
+# Everything DCP's .metadata is made of (torch 2.x): its dataclasses, torch.Size, dtypes and layouts
+# (torch.layout pickles through torch.serialization._get_layout) and the checkpoint's path.
+_METADATA_CLASSES = {
+    **{("torch.distributed.checkpoint.metadata", name): getattr(dcp_metadata, name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
+        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")},
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+    ("torch", "Size"): torch.Size,
+    ("torch.serialization", "_get_layout"): _layout,
+    **{(module, name): getattr(pathlib, name) for module in ("pathlib", "pathlib._local")
+       for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")},
+}
+
+
+class _MetadataPickle(pickle.Unpickler):
+    """Unpickles DCP's metadata and nothing else: a name outside _METADATA_CLASSES and torch's
+    dtypes is refused before anything is imported or called."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _METADATA_CLASSES:
+            return _METADATA_CLASSES[module, name]
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise Refused(f"it names {module}.{name}")
+
+    def persistent_load(self, pid):
+        raise Refused("it names a persistent object")
+
+
+def load_metadata(path: str | os.PathLike) -> dcp_metadata.Metadata:
+    """DCP's metadata from the file at `path` (a checkpoint's `.metadata`), unpickled with nothing
+    but the classes it is made of. Refused (one line naming the file) if it names anything else."""
+    with open(path, "rb") as f:
+        try:
+            metadata = _MetadataPickle(f).load()
+        except Refused as e:
+            raise Refused(f"{os.path.basename(path)} is refused: {e}, which is not part of DCP's checkpoint metadata; "
+                          f"load it only if you trust where it came from") from None
+    if not isinstance(metadata, dcp_metadata.Metadata) or not isinstance(metadata.storage_data, dict):
+        raise Refused(f"{os.path.basename(path)} is refused: it holds a {type(metadata).__name__}, not DCP's checkpoint metadata")
+    for info in metadata.storage_data.values():  # DCP's shard files lie in the checkpoint folder itself
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
+            raise Refused(f"{os.path.basename(path)} is refused: it names shard file {name!r}, not a file of its folder")
+    return metadata
+
+
+class _PlainBytes:
+    """`planner` for the stock reader, except that a pickled (bytes) item must load with
+    weights_only=True (plain data and tensors only); the planner gets a torch.save of what that
+    gave. DCP's planner loads what it gets with weights_only=False, which runs whatever it names.
+    `storage_data`: the reader's, to name the file an item was refused from."""
+
+    def __init__(self, planner: LoadPlanner, storage_data: dict):
+        self.planner, self.storage_data = planner, storage_data
+
+    def __getattr__(self, name: str):
+        return getattr(self.planner, name)
+
+    def load_bytes(self, item: ReadItem, value: io.BytesIO) -> None:
+        try:
+            plain = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            named = re.search(r"GLOBAL (\S+) was not an allowed global", str(e))
+            raise Refused(f"{self.storage_data[item.storage_index].relative_path}: item {item.dest_index.fqn} is refused: "
+                          f"{f'it names {named.group(1)}' if named else 'it is not plain data'}, which plain data never does") from None
+        value = io.BytesIO()
+        torch.save(plain, value)
+        value.seek(0)
+        self.planner.load_bytes(item, value)
 
 
 def _checker(name: str, index: int, world_size: int) -> int:

@@ -1,0 +1,378 @@
+"""Checkpoints from an untrusted place (issue 27): loading or listing one never runs code it carries,
+never writes or deletes through a symbolic link, and a damaged file of any kind makes the
+checkpoint unreadable, named, skipped for the next older one. Most of it in this process (one
+gloo process group of one); the payloads that ran on every rank before also through the trainer."""
+
+import dataclasses
+import io
+import json
+import logging
+import os
+import pickle
+import stat
+import warnings
+import zlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension, ZStandard
+from torch.distributed.checkpoint.api import CheckpointException
+
+from conftest import TINY, losses, train
+from trainer import checkpoint, checksums
+from trainer.shard_reader import ShardReader
+
+
+class Payload:
+    """Unpickled, it creates the file `path` (what any code could do in its place)."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def said(caplog) -> str:
+    """What the trainer logged (DCP's own debug records left out)."""
+    return "\n".join(r.getMessage() for r in caplog.records if r.name == "trainer")
+
+
+def _load_metadata(folder):
+    with open(os.path.join(folder, ".metadata"), "rb") as f:
+        return pickle.load(f)  # only ever a file this test wrote or is about to tamper with
+
+
+def _rerecord(folder) -> None:
+    """Record the folder's files again, as someone who tampers with a checkpoint would: the
+    checksums then agree, and only the reader's own care stands in the way."""
+    for name in os.listdir(folder):
+        if name.endswith(checksums.SUFFIX):
+            shard = os.path.join(folder, name[: -len(checksums.SUFFIX)])
+            size, digest = checksums.checksum_file(shard)
+            with open(shard + checksums.SUFFIX, "w") as f:
+                json.dump({"size": size, "xxh3_64": digest}, f)
+    if os.path.exists(os.path.join(folder, "manifest.json")):  # checkpoints saved since issue 27
+        checksums.write_manifest(str(folder))
+
+
+def plant_metadata(folder, marker) -> None:
+    """DCP's .metadata of `folder`, still good for DCP, now also creating `marker` when unpickled."""
+    metadata = _load_metadata(folder)
+    metadata.storage_meta.modules = [Payload(marker)]
+    with open(os.path.join(folder, ".metadata"), "wb") as f:
+        pickle.dump(metadata, f)
+    _rerecord(folder)
+
+
+def plant_bytes_item(folder, marker, suffix: str) -> None:
+    """The first pickled (bytes) item whose name ends with `suffix` pointed at a torch.save of the
+    payload appended to its shard file, .metadata and checksums rewritten to match."""
+    metadata = _load_metadata(folder)
+    index, info = next((i, s) for i, s in sorted(metadata.storage_data.items(), key=lambda e: e[0].fqn)
+                       if i.fqn.endswith(suffix))
+    payload = io.BytesIO()
+    torch.save(Payload(marker), payload)
+    shard = os.path.join(folder, info.relative_path)
+    offset = os.path.getsize(shard)
+    with open(shard, "ab") as f:
+        f.write(payload.getvalue())
+    metadata.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(payload.getvalue()))
+    with open(os.path.join(folder, ".metadata"), "wb") as f:
+        pickle.dump(metadata, f)
+    _rerecord(folder)
+
+
+# -- in this process: a process group of one, a tiny model ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def _parts(seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    return model, optimizer, scheduler
+
+
+def _step(model, optimizer, scheduler) -> None:
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    scheduler.step()
+
+
+def saved_run(run_dir, group, steps=(1, 2), **args) -> dict[int, dict[str, torch.Tensor]]:
+    """Checkpoints of `steps` in `run_dir`, saved by the trainer's Checkpointer; the model's weights by step."""
+    ckpt = checkpoint.Checkpointer(checkpoint.CheckpointArgs(keep=0, **args), str(run_dir), 0, 1, group)
+    model, optimizer, scheduler = _parts(0)
+    weights = {}
+    for step in range(1, max(steps) + 1):
+        _step(model, optimizer, scheduler)
+        if step in steps:
+            ckpt.save(step, model, optimizer, scheduler, {"samples": step * 3}, blocking=True)
+            weights[step] = {k: v.clone() for k, v in model.state_dict().items()}
+    return weights
+
+
+def resumed(run_dir, group, **args) -> tuple[dict | None, dict]:
+    """What a restart in `run_dir` loads: its meta and the model's weights."""
+    ckpt = checkpoint.Checkpointer(checkpoint.CheckpointArgs(keep=0, **args), str(run_dir), 0, 1, group)
+    model, optimizer, scheduler = _parts(1)
+    meta = ckpt.load(model, optimizer, scheduler)
+    return meta, model.state_dict()
+
+
+def test_a_metadata_payload_never_runs_when_listing_or_loading(tmp_path, group, caplog):
+    """A .metadata that creates a file when unpickled, in the newest checkpoint and an older one
+    (with the checksums rewritten to match): listing never creates it, the restart skips both with
+    a line naming the file and loads the good one; the same without manifest.json (a checkpoint
+    saved before it existed, listed through its .metadata)."""
+    marker = tmp_path / "marker"
+    weights = saved_run(tmp_path / "run", group, steps=(1, 2, 3))
+    step1, step2, step3 = (checkpoint.step_path(tmp_path / "run", s) for s in (1, 2, 3))
+    plant_metadata(step2, marker)
+    plant_metadata(step3, marker)
+    caplog.set_level(logging.INFO, "trainer")
+    checkpoint.complete(str(tmp_path / "run"))
+    assert not marker.exists(), "listing unpickled a .metadata"
+    meta, state = resumed(tmp_path / "run", group)
+    assert not marker.exists(), "loading unpickled a .metadata"
+    assert meta["step"] == 1 and all(torch.equal(state[k], weights[1][k]) for k in state)
+    for step in (step2, step3):
+        assert (f"skipping checkpoint {step}: .metadata is refused: it names io.open, which is not part of "
+                f"DCP's checkpoint metadata") in said(caplog), said(caplog)
+    for step in (step2, step3):  # as saved before issue 27: without a manifest
+        os.remove(os.path.join(step, "manifest.json"))
+    caplog.clear()
+    assert [step for step, _ in checkpoint.complete(str(tmp_path / "run"))] == [1]
+    assert not marker.exists()
+    assert f"skipping checkpoint {step3}: .metadata is refused: it names io.open" in said(caplog)
+
+
+def test_a_bytes_item_payload_is_refused_not_run(tmp_path):
+    """A pickled (bytes) item of a DCP checkpoint pointed at a payload: DCP's planner reads it with
+    torch.load(weights_only=False); the reader refuses it naming the item and the file."""
+    marker = tmp_path / "marker"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({"w": torch.randn(3), "extra": {"epoch": 3}}, checkpoint_id=tmp_path / "c", no_dist=True)
+        plant_bytes_item(tmp_path / "c", marker, "extra.epoch")
+        with pytest.raises(CheckpointException) as failed:
+            dcp.load({"w": torch.zeros(3), "extra": {"epoch": 0}}, storage_reader=ShardReader(tmp_path / "c"), no_dist=True)
+    assert not marker.exists()
+    cause = failed.value.failures[0][0]
+    assert str(cause).startswith("__0_0.distcp: item extra.epoch is refused: it names io.open"), cause
+
+
+def _flip(path) -> None:
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0x01
+    open(path, "wb").write(bytes(data))
+
+
+def _change_a_shape(path) -> None:  # still valid JSON: only a checksum tells
+    meta = json.load(open(path))
+    meta["shapes"]["0.weight"][0] += 1
+    json.dump(meta, open(path, "w"), indent=1)
+
+
+def _rename_a_tensor(path) -> None:  # still a valid pickle of the same size
+    data = open(path, "rb").read()
+    open(path, "wb").write(data.replace(b"1.weight", b"1.weighT", 1))
+
+
+@pytest.mark.parametrize("name, damage", [("rng/rank_00000.pt", _flip), ("meta.json", _change_a_shape),
+                                          (".metadata", _rename_a_tensor)])
+def test_any_damaged_file_makes_the_checkpoint_unreadable(tmp_path, group, caplog, name, damage):
+    weights = saved_run(tmp_path, group)
+    newest = checkpoint.step_path(tmp_path, 2)
+    damage(os.path.join(newest, name))
+    caplog.set_level(logging.INFO, "trainer")
+    meta, state = resumed(tmp_path, group)
+    assert f"skipping checkpoint {newest}: {name} is damaged" in said(caplog), said(caplog)
+    assert meta["step"] == 1 and all(torch.equal(state[k], weights[1][k]) for k in state)
+    manifest = json.load(open(os.path.join(newest, "manifest.json")))["files"]
+    assert {".metadata", "meta.json", "rng/rank_00000.pt", "__0_0.distcp", "__0_0.distcp.xxh3"} <= set(manifest)
+
+
+def test_a_truncated_rng_file_of_an_old_checkpoint_is_skipped_not_a_crash(tmp_path, group, caplog):
+    """A checkpoint saved before manifests (no checksum of its rng files): an rng file torch.load
+    cannot read makes it unreadable like a shard it cannot read."""
+    saved_run(tmp_path, group)
+    newest = checkpoint.step_path(tmp_path, 2)
+    os.remove(os.path.join(newest, "manifest.json"))
+    rng = os.path.join(newest, "rng", "rank_00000.pt")
+    open(rng, "r+b").truncate(os.path.getsize(rng) // 2)
+    caplog.set_level(logging.INFO, "trainer")
+    meta, _ = resumed(tmp_path, group)
+    assert meta["step"] == 1 and f"skipping checkpoint {newest}: rank 0 could not read rng/rank_00000.pt" in said(caplog)
+
+
+def test_symbolic_links_in_checkpoints_are_never_followed(tmp_path, group, caplog):
+    """.tmp_/.trash_ links to an outside folder: removed, the folder untouched, at the start and when
+    a save finds one; a step_N link is neither listed nor loaded nor deleted."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("mine")
+    run = tmp_path / "run"
+    ckpts = run / "checkpoints"
+    saved_run(run, group, steps=(1,))
+    other = tmp_path / "other"
+    saved_run(other, group, steps=(5,))
+    for name in (".tmp_step_00000001", ".trash_step_00000009_0"):
+        (ckpts / name).symlink_to(outside, target_is_directory=True)
+    (ckpts / "step_00000005").symlink_to(checkpoint.step_path(other, 5), target_is_directory=True)
+    ckpt = checkpoint.Checkpointer(checkpoint.CheckpointArgs(keep=1), str(run), 0, 1, group)
+    assert sorted(os.listdir(ckpts)) == ["step_00000001", "step_00000005"]
+    (ckpts / ".tmp_step_00000002").symlink_to(outside, target_is_directory=True)  # appears after the start
+    caplog.set_level(logging.INFO, "trainer")
+    model, optimizer, scheduler = _parts(0)
+    assert ckpt.load(model, optimizer, scheduler)["step"] == 1  # the linked step 5 is not this run's
+    ckpt.save(2, model, optimizer, scheduler, {"samples": 6}, blocking=True)
+    assert sorted(os.listdir(outside)) == ["keep"] and (outside / "keep").read_text() == "mine"
+    assert sorted(os.listdir(ckpts)) == ["step_00000002", "step_00000005"]
+    assert (ckpts / "step_00000005").is_symlink() and os.listdir(checkpoint.step_path(other, 5))
+    assert f"skipping checkpoint {ckpts / 'step_00000005'}: a symbolic link" in said(caplog)
+
+
+def test_what_could_not_be_removed_is_said(tmp_path, group, caplog, monkeypatch):
+    ckpts = tmp_path / "checkpoints"
+    (ckpts / ".trash_step_00000001_0" / "x").mkdir(parents=True)
+    rmdir = os.rmdir
+
+    def refuse(path, *args, **kwargs):
+        if "trash" in str(path):
+            raise PermissionError(13, "Permission denied", str(path))
+        return rmdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rmdir", refuse)
+    caplog.set_level(logging.INFO, "trainer")
+    checkpoint.Checkpointer(checkpoint.CheckpointArgs(), str(tmp_path), 0, 1, group)
+    assert f"could not remove {ckpts / '.trash_step_00000001_0'}" in said(caplog) and "Permission denied" in said(caplog)
+
+
+def test_resuming_from_a_folder_others_can_write_warns(tmp_path, group, caplog):
+    saved_run(tmp_path, group, steps=(1,))
+    step = checkpoint.step_path(tmp_path, 1)
+    os.chmod(step, 0o775)
+    caplog.set_level(logging.INFO, "trainer")
+    meta, _ = resumed(tmp_path, group)
+    assert meta["step"] == 1
+    assert (f"checkpoint folder {step} can be written by users other than its owner (mode 0775): they can change "
+            f"what this run loads; chmod go-w {step}") in said(caplog), said(caplog)
+    os.chmod(step, 0o755)
+    caplog.clear()
+    resumed(tmp_path, group)
+    assert "other than its owner" not in said(caplog)
+
+
+# -- DCP's storage extensions -------------------------------------------------------------------
+
+
+class Zlib(StreamTransformExtension):
+    """A stream transform of DCP's extension API, with the standard library's zlib."""
+
+    @staticmethod
+    def registry_name():
+        return "stream.test-zlib"
+
+    @staticmethod
+    def from_descriptor(version):
+        return Zlib()
+
+    def get_descriptor(self):
+        return f"{self.registry_name()}/1"
+
+    def transform_to(self, output):
+        class Writer(io.RawIOBase):
+            def __init__(self):
+                self.z = zlib.compressobj()
+
+            def writable(self):
+                return True
+
+            def write(self, b):
+                output.write(self.z.compress(bytes(b)))
+                return len(b)
+
+            def close(self):
+                output.write(self.z.flush())
+                super().close()
+
+        return Writer()
+
+    def transform_from(self, input):
+        return io.BytesIO(zlib.decompress(input.read()))
+
+
+@pytest.mark.parametrize("kind", ["zlib", "zstd"])
+def test_a_compressed_checkpoint_loads_as_through_dcps_reader(tmp_path, kind):
+    """Written with one of DCP's storage extensions (zstd: DCP's own, in its default registry; zlib:
+    one of the test's, in a registry given as DCP's readers take it): loads through ShardReader."""
+    if kind == "zstd":
+        if not ZStandard.is_available():
+            pytest.skip("DCP's ZStandard extension needs the zstandard or pyzstd package")
+        extension, registry = ZStandard(), None
+    else:
+        extension, registry = Zlib(), ExtensionRegistry()
+        registry.register(Zlib)
+    state = {"a": torch.randn(64, 8), "b": torch.arange(5), "extra": {"epoch": 3}}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, storage_writer=FileSystemWriter(tmp_path, _extensions=[extension]), no_dist=True)
+        for reader in (FileSystemReader(tmp_path, _extension_registry=registry),
+                       ShardReader(tmp_path, _extension_registry=registry)):
+            dest = {"a": torch.zeros(64, 8), "b": torch.zeros(5, dtype=torch.int64), "extra": {"epoch": 0}}
+            dcp.load(dest, storage_reader=reader, no_dist=True)
+            assert torch.equal(dest["a"], state["a"]) and torch.equal(dest["b"], state["b"]), type(reader)
+            assert dest["extra"] == {"epoch": 3}
+
+
+# -- through the trainer: 2 ranks, both routes the report took ---------------------------------
+
+
+SAVING = [*TINY, "checkpoint.interval=3", "log.interval=3", "checkpoint.keep=0"]
+
+
+def test_payloads_never_run_on_resume_resume_from_or_export(tmp_path):
+    """The report's payloads on 2 ranks: .metadata payloads in steps 6 and 9 (the restart skips
+    both, naming them, and resumes at 3; export refuses the newest); an optimizer bytes item
+    pointed at a payload in a copy of step 3 given as checkpoint.resume_from (refused)."""
+    from trainer.export import main as export
+    import shutil
+
+    marker = tmp_path / "marker"
+    run = tmp_path / "run"
+    train(run, 2, *SAVING, "train.steps=9")
+    step3, step6, step9 = (checkpoint.step_path(run, s) for s in (3, 6, 9))
+    source = tmp_path / "source"
+    shutil.copytree(step3, source)
+    plant_bytes_item(source, marker, ".lr")
+    plant_metadata(step6, marker)
+    plant_metadata(step9, marker)
+
+    assert export([str(run), "--out", str(tmp_path / "m.pt")]) == 2
+    assert not marker.exists() and not (tmp_path / "m.pt").exists()
+
+    out = train(run, 2, *SAVING, "train.steps=12")
+    text = out.stdout + out.stderr
+    assert not marker.exists(), text[-3000:]
+    for step in (step9, step6):
+        assert f"skipping checkpoint {step}: .metadata is refused: it names io.open" in text, text[-3000:]
+    assert "at step 3" in text and sorted(losses(run))[-1] == 12
+
+    proc = train(tmp_path / "new", 2, *SAVING, "train.steps=6", f"checkpoint.resume_from={source}", expect=1)
+    assert not marker.exists()
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: checkpoint.resume_from={source} is unreadable: rank "), proc.stderr[-3000:]
+    assert ".distcp: item optim.param_groups" in errors[0] and "is refused: it names io.open" in errors[0], errors[0]
