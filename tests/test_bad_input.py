@@ -555,6 +555,25 @@ def test_a_good_hf_folder_is_accepted(capsys, tmp_path):
     accepted(capsys, tmp_path / "run", f"model.init_from={hf_folder(tmp_path / 'sharded', index=index)}")
 
 
+def test_a_hub_cache_snapshot_is_accepted_and_its_links_stay_in_its_blobs(capsys, tmp_path):
+    """The hub cache keeps a revision as links into the repository's blobs/: those are its own files.
+    A link from a snapshot to anywhere else is still refused."""
+    plain = hf_folder(tmp_path / "plain")
+    repo = tmp_path / "cache" / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors"):
+        (repo / "blobs" / f"blob-{name}").write_bytes((plain / name).read_bytes())
+        (snapshot / name).symlink_to(f"../../blobs/blob-{name}")
+    accepted(capsys, tmp_path / "run", f"model.init_from={snapshot}")
+    (snapshot / "model.safetensors").unlink()
+    (snapshot / "model.safetensors").symlink_to(plain / "model.safetensors")
+    assert refused(capsys, tmp_path / "run", f"model.init_from={snapshot}").endswith(
+        f"{snapshot}/model.safetensors is a link to {plain}/model.safetensors, outside {snapshot}; copy the file itself "
+        f"into the folder (hf download --local-dir makes such a folder)")
+
+
 @pytest.mark.parametrize("config, message", [
     ({**HF_CONFIG, "hidden_size": "64"}, "hidden_size is '64'; it must be a whole number of at least 1"),
     ({**HF_CONFIG, "num_attention_heads": 0}, "num_attention_heads is 0; it must be a whole number of at least 1"),

@@ -189,6 +189,18 @@ def config_for(shape: TransformerShape, max_position_embeddings: int, dtype: tor
 # -- weights --------------------------------------------------------------------------------------
 
 
+def _roots(folder: str) -> list[str]:
+    """Where the files of `folder` may really lie: in it, and for a hub cache snapshot
+    (<cache>/models--org--name/snapshots/<revision>, links into that repository's blobs/) in blobs/."""
+    real = os.path.realpath(folder)
+    roots = [real]
+    if os.path.basename(os.path.dirname(real)) == "snapshots":
+        blobs = os.path.join(os.path.dirname(os.path.dirname(real)), "blobs")
+        if os.path.isdir(blobs) and not os.path.islink(blobs):
+            roots.append(blobs)
+    return roots
+
+
 def _inside(folder: str, name: str, index: str | None = None) -> str:
     """The path of the file `name` in `folder`, where it stays inside it: an HFError for a name that
     leads out (`index` names the file that gave it), a link leading out (the folder's files are
@@ -197,7 +209,7 @@ def _inside(folder: str, name: str, index: str | None = None) -> str:
     if index is not None and os.path.relpath(path, folder).split(os.sep)[0] == os.pardir:
         raise HFError(f"{index} names {name!r}, outside {folder}; an index may name only files in its own folder")
     real = os.path.realpath(path)
-    if os.path.relpath(real, os.path.realpath(folder)).split(os.sep)[0] == os.pardir:
+    if not any(os.path.relpath(real, root).split(os.sep)[0] != os.pardir for root in _roots(folder)):
         raise HFError(f"{path} is a link to {real}, outside {folder}; copy the file itself into the folder "
                       f"(hf download --local-dir makes such a folder)")
     if not os.path.lexists(path):
