@@ -58,6 +58,9 @@ evaluate: venv ## evaluate RUN_DIR's newest checkpoint without training (ARGS="-
 	@test -n "$(RUN_DIR)" || { echo "error: give the run to evaluate: make evaluate RUN_DIR=runs/..." >&2; exit 2; }
 	$(PY) -m trainer.evaluate $(RUN_DIR) $(ARGS)
 
+plot: venv ## summarise runs and plot their loss: make plot RUN_DIR="runs/a runs/b" [PLOT=loss.png]
+	$(PY) -m trainer.metrics $(RUN_DIR) --plot $(or $(PLOT),$(firstword $(RUN_DIR))/loss.png)
+
 test: venv ## run the whole test suite
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 

@@ -128,3 +128,131 @@ def _duration(seconds: float) -> str:
         return "?"
     seconds = int(seconds)
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+# -- reading a run's metrics: python -m trainer.metrics RUN_DIR [RUN_DIR ...] [--plot FILE.png] ------
+
+
+def read_rows(path: str) -> list[dict]:
+    """The rows of a metrics.jsonl file (a missing file has none; a torn last line is left out)."""
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return []
+    rows = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a row cut short by a kill
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def summary(run_dir: str) -> dict:
+    """What a run did, from its metrics.jsonl (and metrics.superseded.jsonl, the rows a restart redid)."""
+    rows = read_rows(os.path.join(run_dir, "metrics.jsonl"))
+    superseded = read_rows(os.path.join(run_dir, "metrics.superseded.jsonl"))
+    train = [r for r in rows if isinstance(r.get("loss"), (int, float))]
+    evals = [r for r in rows if isinstance(r.get("eval_loss"), (int, float))]
+    restarts = [i for i, r in enumerate(rows) if r.get("event") in ("resume", "restart")]
+    lost = 0.0
+    for i in restarts:  # from the last row written before the restart to the first step after it
+        before = [r["time"] for r in rows[:i] + superseded if isinstance(r.get("time"), (int, float))
+                  and r["time"] <= rows[i].get("time", float("inf"))]
+        after = next((r["time"] for r in rows[i + 1:] if "loss" in r and isinstance(r.get("time"), (int, float))), None)
+        if before and after is not None:
+            lost += after - max(before)
+    best = min(train, key=lambda r: r["loss"]) if train else None
+    speed = "tokens_per_s" if any("tokens_per_s" in r for r in train) else "samples_per_s"
+    speeds = sorted(r[speed] for r in train if isinstance(r.get(speed), (int, float)))
+    return {
+        "run_dir": run_dir,
+        "steps": train[-1]["step"] if train else 0,
+        "last_loss": train[-1]["loss"] if train else None,
+        "best_loss": best["loss"] if best else None,
+        "best_step": best["step"] if best else None,
+        "last_eval": {k: v for k, v in evals[-1].items() if k.startswith("eval_") or k == "step"} if evals else None,
+        f"median_{speed}": speeds[len(speeds) // 2] if speeds else None,
+        "restarts": len(restarts),
+        "restart_time_s": round(lost, 1),
+    }
+
+
+def _line(s: dict) -> str:
+    def num(v, fmt=".4f"):
+        return "-" if v is None else format(v, fmt)
+
+    speed = next(k for k in s if k.startswith("median_"))
+    text = (f"{s['run_dir']}: {s['steps']} steps, loss {num(s['last_loss'])} (best {num(s['best_loss'])} at step "
+            f"{s['best_step'] if s['best_step'] is not None else '-'})")
+    if s["last_eval"]:
+        text += ", eval at step {step}: ".format(**s["last_eval"]) + ", ".join(
+            f"{k} {v:.4f}" for k, v in s["last_eval"].items() if k != "step" and isinstance(v, (int, float)))
+    text += f", median {num(s[speed], '.1f')} {speed[len('median_'):].replace('_per_s', '/s')}"
+    text += f", {s['restarts']} restart(s) costing {s['restart_time_s']:.1f} s of wall time"
+    return text
+
+
+def plot(run_dirs: list[str], out: str) -> list[str]:
+    """Loss (lines) and eval loss (dashed, dots) against step for each run, in one PNG; returns the
+    labels drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
+    labels = []
+    for i, run_dir in enumerate(run_dirs):
+        rows = read_rows(os.path.join(run_dir, "metrics.jsonl"))
+        name = os.path.basename(os.path.normpath(run_dir))
+        color = f"C{i % 10}"
+        train = [(r["step"], r["loss"]) for r in rows if isinstance(r.get("loss"), (int, float))]
+        evals = [(r["step"], r["eval_loss"]) for r in rows if isinstance(r.get("eval_loss"), (int, float))]
+        if train:
+            ax.plot(*zip(*train), color=color, label=f"{name} loss")
+            labels.append(f"{name} loss")
+        if evals:
+            ax.plot(*zip(*evals), color=color, linestyle="--", marker="o", label=f"{name} eval loss")
+            labels.append(f"{name} eval loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    if labels:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return labels
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m trainer.metrics",
+                                     description="Summarise runs from their metrics.jsonl, and plot them.")
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    parser.add_argument("--plot", metavar="FILE.png", help="plot loss and eval loss against step into this PNG")
+    parser.add_argument("--json", action="store_true", help="one JSON object per run instead of a line")
+    args = parser.parse_args(argv)
+    missing = [d for d in args.run_dirs if not os.path.isfile(os.path.join(d, "metrics.jsonl"))]
+    if missing:
+        print(f"error: {missing[0]}: no metrics.jsonl (is it a run dir?)", file=sys.stderr)
+        return 2
+    if args.plot and not args.plot.endswith(".png"):
+        print(f"error: --plot {args.plot}: name a .png file", file=sys.stderr)
+        return 2
+    for run_dir in args.run_dirs:
+        s = summary(run_dir)
+        print(json.dumps(s) if args.json else _line(s))
+    if args.plot:
+        plot(args.run_dirs, args.plot)
+        print(f"plotted {len(args.run_dirs)} run(s) to {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

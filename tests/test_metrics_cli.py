@@ -1,0 +1,68 @@
+"""python -m trainer.metrics: a summary per run and a plot of several runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import numpy as np
+
+from conftest import PYTHON, ROOT, env
+from trainer import metrics
+
+
+def _write(run_dir, rows, superseded=()):
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if superseded:
+        (run_dir / "metrics.superseded.jsonl").write_text("".join(json.dumps(r) + "\n" for r in superseded))
+
+
+def _run(tmp_path):
+    """Steps 1-4 at one second each, a crash after step 5 (its row superseded), 30 s down, resumed
+    from step 4; an eval at 4 and 6."""
+    rows = [{"step": s, "loss": 5.0 - s * 0.5, "samples_per_s": 100.0 + s, "time": 1000.0 + s} for s in range(1, 5)]
+    rows.append({"step": 4, "eval_loss": 3.5, "time": 1004.5})
+    rows.append({"event": "resume", "step": 4, "world_size": 2, "checkpoint": "x", "time": 1035.0})
+    rows += [{"step": s, "loss": 5.0 - s * 0.5 - 0.1, "samples_per_s": 90.0, "time": 1036.0 + s} for s in (5, 6)]
+    rows.append({"step": 6, "eval_loss": 2.25, "eval_accuracy": 0.5, "time": 1043.0})
+    _write(tmp_path / "a", rows, superseded=[{"step": 5, "loss": 2.6, "samples_per_s": 99.0, "time": 1005.0}])
+    _write(tmp_path / "b", [{"step": s, "loss": 4.0 / s, "samples_per_s": 50.0, "time": 2000.0 + s} for s in (1, 2, 3)])
+    return tmp_path / "a", tmp_path / "b"
+
+
+def test_the_summary_matches_the_file(tmp_path):
+    a, b = _run(tmp_path)
+    s = metrics.summary(str(a))
+    assert s["steps"] == 6 and s["last_loss"] == 5.0 - 3.0 - 0.1 and s["best_loss"] == s["last_loss"]
+    assert s["last_eval"] == {"step": 6, "eval_loss": 2.25, "eval_accuracy": 0.5}
+    assert s["median_samples_per_s"] == sorted([101.0, 102.0, 103.0, 104.0, 90.0, 90.0])[3]
+    # from the last row before the crash (the superseded step 5 at 1005) to step 5 redone at 1041
+    assert s["restarts"] == 1 and s["restart_time_s"] == 36.0
+    assert metrics.summary(str(b))["restarts"] == 0
+
+
+def test_the_command_prints_a_line_per_run_and_plots_each_run(tmp_path):
+    a, b = _run(tmp_path)
+    png = tmp_path / "loss.png"
+    proc = subprocess.run([PYTHON, "-m", "trainer.metrics", str(a), str(b), "--plot", str(png)], cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith(f"{a}: 6 steps, loss 1.9000 (best 1.9000 at step 6), eval at step 6: eval_loss 2.2500")
+    assert lines[0].endswith("1 restart(s) costing 36.0 s of wall time")
+    assert lines[1].startswith(f"{b}: 3 steps") and lines[2] == f"plotted 2 run(s) to {png}"
+    import matplotlib.image
+
+    image = matplotlib.image.imread(png)[..., :3]
+    assert image.shape[:2] == (500, 800)
+    for color in ("#1f77b4", "#ff7f0e"):  # each run's colour (C0, C1) is drawn
+        rgb = np.array([int(color[i:i + 2], 16) / 255 for i in (1, 3, 5)])
+        assert (np.abs(image - rgb).sum(-1) < 0.05).sum() > 100, color
+    assert metrics.plot([str(a), str(b)], str(tmp_path / "again.png")) == ["a loss", "a eval loss", "b loss"]
+
+
+def test_a_folder_without_metrics_is_one_line(tmp_path):
+    proc = subprocess.run([PYTHON, "-m", "trainer.metrics", str(tmp_path)], cwd=ROOT, env=env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr == f"error: {tmp_path}: no metrics.jsonl (is it a run dir?)\n"
