@@ -75,9 +75,9 @@ lint: venv ## ruff check and ruff format --check over trainer, tests and bench; 
 	    echo "lint: each noqa above needs its reason on its line: # noqa: E402 - why" >&2; status=1; fi; \
 	exit $$status
 
-format: venv ## rewrite trainer, tests and bench into ruff's format, and apply ruff's safe fixes
+format: venv ## apply ruff's safe fixes and its format to trainer, tests and bench (make lint: what is left)
+	$(VENV)/bin/ruff check --fix-only $(LINT_PATHS)
 	$(VENV)/bin/ruff format $(LINT_PATHS)
-	$(VENV)/bin/ruff check --fix $(LINT_PATHS)
 
 bench: venv ## side-by-side performance report -> bench/results/<date>-<host>.md/.json (about 20 min on CPU)
 	$(PY) bench/run.py $(BENCH_ARGS)
