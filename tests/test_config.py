@@ -199,6 +199,7 @@ def test_make_run_validates_before_launch(tmp_path):
     assert not run_dir.exists()
 
 
+@pytest.mark.slow
 def test_resolved_config_is_written(tmp_path):
     from conftest import TINY, train
 

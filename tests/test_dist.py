@@ -141,6 +141,7 @@ FINISH = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_ranks_that_finished_exit_0_with_all_they_printed(tmp_path):
     """A gloo worker thread may still be dropping its last collective's tensors when the interpreter
     is torn down; it then needs the GIL, Python ends it, and C++ aborts (SIGABRT, "terminate called

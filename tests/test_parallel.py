@@ -6,6 +6,8 @@ import pytest
 
 from conftest import TINY, assert_same_losses, assert_same_weights, losses, rows, train, weights
 
+pytestmark = pytest.mark.slow  # every test trains, most on 2 to 4 processes
+
 
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory):
