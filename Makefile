@@ -33,7 +33,7 @@ DRY_RUN       ?=
 # (check), the partition's GPU type from gres (submit).
 GPU_MEM_GB    ?=
 
-.PHONY: help venv run check evaluate test test-gpu bench image up docker-engine submit slurm-up slurm-down clean
+.PHONY: help venv run check evaluate plot test test-fast test-gpu lint format bench image up docker-engine submit slurm-up slurm-down clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^[^:]*:([a-z-]+):.*## /\1\t/; s/^([a-z-]+):.*## /\1\t/'
@@ -61,11 +61,30 @@ evaluate: venv ## evaluate RUN_DIR's newest checkpoint without training (ARGS="-
 plot: venv ## summarise runs and plot their loss: make plot RUN_DIR="runs/a runs/b" [PLOT=loss.png]
 	$(PY) -m trainer.metrics $(RUN_DIR) --plot $(or $(PLOT),$(firstword $(RUN_DIR))/loss.png)
 
-test: venv ## run the whole test suite
+test: venv ## run the whole test suite (what CI runs; about 30 min on 2 cores)
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+test-fast: venv ## the unit-level tests, without the modules marked slow (about 2 min): the edit-test loop
+	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
 
 test-gpu: venv ## the CUDA-path tests on this machine's GPU (skipped without one; CI has none)
 	$(PY) -m pytest tests/test_gpu.py $(PYTEST_ARGS)
+
+# What lint checks: ruff's rules and format (pyproject.toml), and that every noqa says why on its line.
+LINT_PATHS := trainer tests bench
+NOQA_WITHOUT_REASON := \#[[:space:]]*noqa(:[[:space:]]*[A-Z]+[0-9]+([[:space:]]*,[[:space:]]*[A-Z]+[0-9]+)*)?[[:space:]]*$$
+
+lint: venv ## ruff check and ruff format --check over trainer, tests and bench; a noqa needs its reason
+	@status=0; \
+	$(VENV)/bin/ruff check $(LINT_PATHS) || status=1; \
+	$(VENV)/bin/ruff format --check $(LINT_PATHS) || status=1; \
+	if grep -rnE --include='*.py' '$(NOQA_WITHOUT_REASON)' $(LINT_PATHS); then \
+	    echo "lint: each noqa above needs its reason on its line: # noqa: E402 - why" >&2; status=1; fi; \
+	exit $$status
+
+format: venv ## apply ruff's safe fixes and its format to trainer, tests and bench (make lint: what is left)
+	$(VENV)/bin/ruff check --fix-only $(LINT_PATHS)
+	$(VENV)/bin/ruff format $(LINT_PATHS)
 
 bench: venv ## side-by-side performance report -> bench/results/<date>-<host>.md/.json (about 20 min on CPU)
 	$(PY) bench/run.py $(BENCH_ARGS)

@@ -301,6 +301,7 @@ def launch(run_dir: Path, *overrides: str, config: str = DEFAULT, extra_env: dic
                           timeout=timeout)
 
 
+@pytest.mark.slow
 def test_token_ids_out_of_vocabulary_through_the_launcher(tmp_path):
     """Found by the ranks: one line (rank 0's), exit 2, the run dir never created."""
     ids = np.ones(1000, dtype=np.uint16)
@@ -314,6 +315,7 @@ def test_token_ids_out_of_vocabulary_through_the_launcher(tmp_path):
     assert not run_dir.exists()
 
 
+@pytest.mark.slow
 def test_mnist_offline_is_one_line_from_two_ranks(tmp_path):
     """Rank 0 fails to download; rank 1 must not add a gloo traceback."""
     run_dir, root = tmp_path / "run", tmp_path / "mnist"

@@ -18,7 +18,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting needs root")
+pytestmark = [pytest.mark.slow,  # runs the base image's build script as root, with mounts
+              pytest.mark.skipif(os.geteuid() != 0, reason="mounting needs root")]
 
 FAKE_DEBOOTSTRAP = """#!/bin/sh
 # debootstrap --variant=minbase SUITE TARGET MIRROR: mount like the real one, then fail.

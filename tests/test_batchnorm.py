@@ -4,9 +4,12 @@ saving, so neither depends on the rank (each rank's own statistics follow its ow
 import subprocess
 import textwrap
 
+import pytest
 import torch
 
 from conftest import ROOT, TORCHRUN, env, train, weights
+
+pytestmark = pytest.mark.slow  # every test trains on 2 processes
 
 RESNET = ["model.name=resnet18", "model.num_classes=4", "model.image_size=32", "data.name=synthetic_images",
           "train.global_batch_size=8", "log.interval=1", "log.progress=false", "checkpoint.interval=0",

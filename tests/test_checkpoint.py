@@ -19,6 +19,8 @@ from conftest import (
 from trainer import checkpoint
 from trainer.data import SyntheticLM
 
+pytestmark = pytest.mark.slow  # every test trains in real processes (save, kill, resume)
+
 B = 12  # global batch of TINY
 RESUMABLE = [*TINY, "train.steps=8", "checkpoint.interval=4", "checkpoint.keep=0", "data.trace=true"]
 

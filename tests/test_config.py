@@ -2,13 +2,16 @@
 code 2, no traceback, nothing written."""
 
 import os
+import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import yaml
 
 from conftest import ROOT, env
+from trainer import check
 from trainer.check import check_devices, resolve, validate
 from trainer.config import Config, ConfigError, load
 
@@ -36,6 +39,59 @@ def test_every_shipped_config_is_valid():
         cfg = load(path)
         if cfg.data.name in ("synthetic", "synthetic_images"):
             validate(cfg, world_size=2, where=path)
+
+
+# The scale each shipped config is written for: (nodes, GPUs per node), checked against 80 GB GPUs.
+SHIPPED_SCALE = {"default.yaml": (1, 2), "mnist.yaml": (1, 2), "llama-1b.yaml": (1, 8), "llama-8b.yaml": (4, 8),
+                 "resnet50.yaml": (1, 8)}
+
+
+def stand_in_data(cfg, tmp_path) -> list[str]:
+    """Overrides pointing a config's data at the smallest files of the same kind (none for generated or
+    downloaded data): a token file of seq_len+1 tokens of its dtype, image folders with one class."""
+    d, overrides = cfg.data, []
+    for key, path in (("data.path", d.path), ("data.eval_path", d.eval_path)):
+        if not path or d.name not in ("tokens", "imagefolder"):
+            continue
+        stand_in = tmp_path / key
+        if d.name == "tokens":
+            np.zeros(cfg.model.seq_len + 1, dtype=d.token_dtype).tofile(stand_in)
+        else:
+            (stand_in / "class0").mkdir(parents=True)
+        overrides.append(f"{key}={stand_in}")
+    return overrides
+
+
+@pytest.mark.parametrize("name", sorted(os.listdir(ROOT / "configs")))
+def test_every_shipped_config_passes_the_check_at_its_scale(tmp_path, monkeypatch, capsys, name):
+    """`python -m trainer.check` on each shipped config at the scale it is written for. As shipped, the
+    only error allowed is its data missing on this machine; with stand-in data every check passes,
+    the memory preflight against 80 GB GPUs included. Only the count of local devices is mocked."""
+    assert name in SHIPPED_SCALE, f"configs/{name}: add the scale it is written for to SHIPPED_SCALE"
+    nodes, gpus = SHIPPED_SCALE[name]
+    monkeypatch.chdir(ROOT)  # the configs' relative paths (data/mnist, runs/...) as make check sees them
+    monkeypatch.setattr(check, "check_devices", lambda nproc: None)  # this machine has no GPU, CI neither
+    path = f"configs/{name}"
+    cfg = load(path)
+    args = ["--config", path, "--nproc", str(gpus), "--nnodes", str(nodes), "--gpu-mem-gb", "80",
+            f"run_dir={tmp_path / 'run'}"]
+    missing = [p for p in (cfg.data.path, cfg.data.eval_path)
+               if p and cfg.data.name in ("tokens", "imagefolder") and not os.path.exists(p)]
+
+    code = check.main(args)
+    out, err = capsys.readouterr()
+    if missing:
+        assert code == 2 and err.startswith(f"error: {path}: data.path: ") and err.count("\n") == 1, err
+        assert f"{missing[0]} does not exist" in err, err
+    else:
+        assert code == 0 and out.startswith(f"config OK: {path}: "), err
+
+    code = check.main(args + stand_in_data(cfg, tmp_path))
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert out.startswith(f"config OK: {path}: {cfg.model.name} on {nodes * gpus} processes"), out
+    assert re.search(r"^memory: about [\d.]+ GB per GPU estimated, of the 80.0 GB", out, re.MULTILINE), out
+    assert not (tmp_path / "run").exists()  # a check writes nothing
 
 
 @pytest.mark.parametrize(
@@ -143,6 +199,7 @@ def test_make_run_validates_before_launch(tmp_path):
     assert not run_dir.exists()
 
 
+@pytest.mark.slow
 def test_resolved_config_is_written(tmp_path):
     from conftest import TINY, train
 

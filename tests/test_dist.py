@@ -78,11 +78,16 @@ def test_cpu_gives_gloo(clean_env):
         clean_env.setenv(name, "")
         clean_env.delenv(name)
     clean_env.setattr(torch.cuda, "is_available", lambda: False)
-    chosen = {}
-    clean_env.setattr(torch.distributed, "init_process_group",
-                      lambda backend, timeout, device_id: chosen.update(backend=backend, device_id=device_id))
-    env = dist.init(timeout_s=60)
-    assert env.device == torch.device("cpu") and chosen == {"backend": "gloo", "device_id": None}
+    env = dist.init(timeout_s=60)  # a real one-process gloo group, as `python -m trainer` starts
+    try:
+        group = torch.distributed.group.WORLD
+        assert env.device == torch.device("cpu") and torch.distributed.get_backend() == "gloo"
+        assert group.bound_device_id is None and torch.distributed.get_world_size() == 1
+        total = torch.tensor([2.0])
+        torch.distributed.all_reduce(total)  # a CPU collective runs on it
+        assert total.item() == 2.0
+    finally:
+        torch.distributed.destroy_process_group()
 
 
 @pytest.mark.parametrize("name, flops", [("NVIDIA H200", 989e12), ("NVIDIA H100 80GB HBM3", 989e12),
@@ -136,6 +141,7 @@ FINISH = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_ranks_that_finished_exit_0_with_all_they_printed(tmp_path):
     """A gloo worker thread may still be dropping its last collective's tensors when the interpreter
     is torn down; it then needs the GIL, Python ends it, and C++ aborts (SIGABRT, "terminate called

@@ -44,7 +44,12 @@ def _engine() -> str | None:
 
 
 _why_not = _engine()
+<<<<<<< HEAD
 engine = pytest.mark.skipif(_why_not is not None, reason=f"no Docker engine: {_why_not}")
+=======
+pytestmark = [pytest.mark.slow,  # builds the image and trains in containers
+              pytest.mark.skipif(_why_not is not None, reason=f"no Docker engine: {_why_not}")]
+>>>>>>> lint-tier
 
 
 def _compose() -> list[str]:

@@ -9,7 +9,8 @@ import torch
 
 from conftest import TINY, assert_same_losses, assert_same_weights, losses, rows, train, weights
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run `make test-gpu` on one)")
+pytestmark = [pytest.mark.slow,  # trains on the GPU (make test-gpu)
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run `make test-gpu` on one)")]
 
 RESUMABLE = [*TINY, "train.steps=8", "checkpoint.interval=4", "checkpoint.keep=0"]
 

@@ -100,6 +100,7 @@ def test_8b_is_llama_3_1_8b():
     torch.testing.assert_close(models.rope_frequencies(128, 500000.0, shape.rope_scaling), inv_freq.float())
 
 
+@pytest.mark.slow
 def test_rope_settings_are_recorded_in_the_run_config(tmp_path):
     train(tmp_path, 1, *TINY, "train.steps=1", "model.rope_theta=500000", "model.rope_scaling.factor=2",
           "model.rope_scaling.original_max_position_embeddings=16", "model.tie_embeddings=true")
@@ -138,6 +139,7 @@ def sharded_llama(tmp_path_factory):
     return folder
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc, overrides", [
     (1, []), (2, []), (3, []),
     (2, ["parallel.sharding=hybrid", "parallel.shard_size=1", "parallel.activation_checkpointing=true"]),
@@ -152,6 +154,7 @@ def test_init_from_loads_the_same_weights_on_any_number_of_processes(tmp_path, s
         assert torch.equal(got[name], expected[name]), name
 
 
+@pytest.mark.slow
 def test_the_run_dirs_own_checkpoints_win_over_init_from(tmp_path, sharded_llama):
     train(tmp_path, 1, *UNCHANGED, f"model.init_from={sharded_llama}")
     proc = train(tmp_path, 1, *TINY, "train.steps=2", f"model.init_from={sharded_llama}")
@@ -166,6 +169,7 @@ def export_hf(run_dir, out, *options) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_export_loads_in_transformers_with_the_same_logits(tmp_path, tied):
     """Start from HF, train 3 steps on 2 processes, export in shards: transformers' logits are ours."""
@@ -191,6 +195,7 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, tied):
         torch.testing.assert_close(theirs(TOKENS).logits, ours.eval()(TOKENS), atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_export_refuses_a_bad_shard_size(tmp_path):
     train(tmp_path / "run", 1, *TINY, "train.steps=1")
     proc = subprocess.run([PYTHON, "-m", "trainer.export", str(tmp_path / "run"), "--format", "hf", "--out",

@@ -15,6 +15,8 @@ import torch
 from conftest import TINY, kill_group, losses, rows, start, train, wait_for, weights
 from trainer import checkpoint, layout
 
+pytestmark = pytest.mark.slow  # every test trains in real processes (damaged checkpoints, the kill -9 soak)
+
 SAVING = [*TINY, "checkpoint.interval=5", "log.interval=5"]
 
 

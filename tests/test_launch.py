@@ -19,6 +19,8 @@ from conftest import ROOT, TINY, env, losses, rows, wait_for
 from trainer import layout, signals
 from trainer.launch import interface_address
 
+pytestmark = pytest.mark.slow  # every test starts the launcher with 2 ranks
+
 
 def launch(run_dir, *args: str, extra_env: dict | None = None, **kw) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "trainer.launch", "--nproc-per-node=2", "--config", str(ROOT / "configs/default.yaml"),

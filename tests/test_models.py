@@ -148,6 +148,7 @@ def test_image_folder(tmp_path):
     assert len(ds) == 6 and x.shape == (3, 32, 32) and y == 1
 
 
+@pytest.mark.slow
 def test_trainer_on_mnist_files(tmp_path):
     """configs/mnist.yaml (the tutorial's setup) on MNIST files made here, 2 processes."""
     from conftest import rows, train
@@ -163,6 +164,7 @@ def test_trainer_on_mnist_files(tmp_path):
     assert evals and 0 <= evals[0]["eval_accuracy"] <= 1
 
 
+@pytest.mark.slow
 def test_trainer_on_image_folder(tmp_path):
     """A torchvision model on an ImageFolder, 2 processes, bf16."""
     from conftest import rows, train
@@ -178,6 +180,7 @@ def test_trainer_on_image_folder(tmp_path):
     assert [r["step"] for r in rows(tmp_path / "run")] == [1, 2]
 
 
+@pytest.mark.slow
 def test_mnist_config_takes_the_tutorials_step(tmp_path):
     """configs/mnist.yaml on 2 processes does what the FSDP tutorial's program does: each rank sums
     the NLL loss over its own 64 samples, the gradients are averaged over the ranks, Adadelta (lr

@@ -150,6 +150,7 @@ def test_interval_refuses_other_words():
         load(None, ["checkpoint.interval=often"])
 
 
+@pytest.mark.slow
 def test_a_run_with_auto_interval_logs_its_choice_and_saves_at_it(tmp_path):
     from conftest import TINY, train
 
@@ -217,6 +218,7 @@ def submit_dry_run(tmp_path, environ, *args):
                           capture_output=True, text=True, cwd=ROOT, env=environ, timeout=120)
 
 
+@pytest.mark.slow
 def test_submit_dry_run_prints_the_estimate_beside_the_partitions_gpus(tmp_path):
     out = submit_dry_run(tmp_path, _fake_slurm(tmp_path, "gpu:h100:8(S:0-1)"))
     assert out.returncode == 0, out.stderr
@@ -226,6 +228,7 @@ def test_submit_dry_run_prints_the_estimate_beside_the_partitions_gpus(tmp_path)
     assert not _shared_run_dir().exists()
 
 
+@pytest.mark.slow
 def test_submit_refuses_a_job_that_cannot_fit_in_one_line(tmp_path):
     out = submit_dry_run(tmp_path, _fake_slurm(tmp_path, "gpu:a100:8"), "parallel.activation_checkpointing=false",
                          "train.micro_batch_size=4", "train.global_batch_size=128")
@@ -236,6 +239,7 @@ def test_submit_refuses_a_job_that_cannot_fit_in_one_line(tmp_path):
                         r"parallel.activation_checkpointing=true \([\d.]+ GB\).*", lines[0]), lines[0]
 
 
+@pytest.mark.slow
 def test_submit_checks_an_unknown_gpu_type_with_gpu_mem_gb(tmp_path):
     environ = _fake_slurm(tmp_path, "gpu:mi300x:8")
     out = submit_dry_run(tmp_path, environ)
@@ -247,6 +251,7 @@ def test_submit_checks_an_unknown_gpu_type_with_gpu_mem_gb(tmp_path):
     assert out.returncode == 2 and "than the 20.0 GB of GPU_MEM_GB=20" in out.stderr, out.stderr
 
 
+@pytest.mark.slow
 def test_a_rank_refuses_a_batch_its_gpu_cannot_hold_before_anything_is_written(tmp_path):
     """`make run`, compose and sbatch have no `make check` before them: each rank checks its own
     GPU (the launcher must not create a CUDA context). The real entry point, in its own process,
@@ -278,6 +283,7 @@ def test_a_rank_refuses_a_batch_its_gpu_cannot_hold_before_anything_is_written(t
     assert not run_dir.exists()
 
 
+@pytest.mark.slow
 def test_the_estimate_is_within_its_tolerance_of_measured_cpu_peaks():
     """bench/memory_calibration.py's CPU runs, for real: the trainer on 2 processes, 3 steps, peak RSS
     with glibc's allocator made to give freed blocks back (see there), less the process's own

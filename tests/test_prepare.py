@@ -63,6 +63,7 @@ def test_tokens_in_order_with_an_end_of_document_token_between(inputs, tmp_path)
     assert sidecar["eos_token"] == EOS and sidecar["tokenizer"] == str(folder / "tokenizer.json")
 
 
+@pytest.mark.slow
 def test_prepare_then_train_loss_falls_and_a_misfit_model_is_refused(inputs, tmp_path):
     folder, _, tok = inputs
     tokens = tmp_path / "train.bin"

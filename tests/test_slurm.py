@@ -37,7 +37,12 @@ def _cluster_up() -> bool:
     return out.returncode == 0 and len(re.findall(r" (idle|mix|alloc)", out.stdout)) >= 4
 
 
-cluster = pytest.mark.skipif(not _cluster_up(), reason="local Slurm cluster is not up (make slurm-up)")
+_no_cluster = pytest.mark.skipif(not _cluster_up(), reason="local Slurm cluster is not up (make slurm-up)")
+
+
+def cluster(test):
+    """Needs the local Slurm cluster (skipped without it); slow: each such test runs jobs or submits."""
+    return pytest.mark.slow(_no_cluster(test))
 
 
 @pytest.fixture(scope="module")

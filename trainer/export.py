@@ -145,7 +145,7 @@ def check_out(out: str, fmt: str = "file") -> None:
         raise ConfigError(f"--out {out}: cannot write to {parent} ({e.strerror}); write elsewhere") from None
     if suffix == ".safetensors":
         try:
-            import safetensors.torch  # noqa: F401
+            import safetensors.torch  # noqa: F401 - whether it imports, before anything is written
         except ImportError:
             raise ConfigError("writing .safetensors needs the safetensors package: pip install safetensors") from None
 
