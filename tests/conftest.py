@@ -39,17 +39,18 @@ def env(gpu: bool = False) -> dict:
     return e
 
 
-def command(run_dir, nproc: int, overrides, config: str = "configs/default.yaml") -> list[str]:
-    args = ["-m", "trainer", "--config", str(ROOT / config), f"run_dir={run_dir}", *overrides]
+def command(run_dir, nproc: int, overrides, config: str = "configs/default.yaml", module: str = "trainer") -> list[str]:
+    args = ["-m", module, "--config", str(ROOT / config), f"run_dir={run_dir}", *overrides]
     if nproc == 1:
         return [PYTHON, *args]
     return [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", *args]
 
 
 def train(run_dir, nproc: int = 1, *overrides, config: str = "configs/default.yaml", expect: int = 0,
-          timeout: float = 300, gpu: bool = False) -> subprocess.CompletedProcess:
-    """Run the trainer to the end; fail the test with its output if the exit code is not `expect`."""
-    proc = subprocess.run(command(run_dir, nproc, overrides, config), cwd=ROOT, env=env(gpu), capture_output=True,
+          timeout: float = 300, gpu: bool = False, module: str = "trainer") -> subprocess.CompletedProcess:
+    """Run the trainer to the end; fail the test with its output if the exit code is not `expect`.
+    `module`: what `python -m` runs (a test's own entry point into the trainer)."""
+    proc = subprocess.run(command(run_dir, nproc, overrides, config, module), cwd=ROOT, env=env(gpu), capture_output=True,
                           text=True, timeout=timeout)
     if proc.returncode != expect:
         pytest.fail(f"trainer exited {proc.returncode}, expected {expect}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")

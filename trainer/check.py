@@ -19,10 +19,9 @@ import torch
 
 from trainer.config import Config, ConfigError, load_run
 from trainer.data import token_file_problem
+from trainer.models import choices as model_choices, find as find_family, resolve as resolve_model
 from trainer.optim import schedule_warning
-from trainer.models import TRANSFORMER_SIZES, resolve as resolve_model
 
-LM_DATA = ("synthetic", "tokens")
 # Bytes a checkpoint holds per parameter: the float32 weight and the optimizer's float32 state.
 CHECKPOINT_BYTES_PER_PARAM = {"adamw": 12, "adam": 12, "adadelta": 12, "sgd": 8}
 # Write speed of one node assumed until a save of the run was measured: cautious for NFS/Lustre
@@ -117,36 +116,17 @@ def validate(cfg: Config, world_size: int, where: str = "config", overrides: lis
 
     # model and data
     m, d = cfg.model, cfg.data
-    if m.name == "transformer":
-        if m.size not in TRANSFORMER_SIZES:
-            fail("model.size", f"is {m.size!r}; choose one of {', '.join(TRANSFORMER_SIZES)}")
-        if m.vocab_size is not None and m.vocab_size < 2:
-            fail("model.vocab_size", f"is {m.vocab_size}; it must be at least 2")
-        if d.name not in LM_DATA:
-            fail("data.name", f"is {d.name!r} but the transformer needs token data; use synthetic or tokens")
-        model = resolve(cfg, where).model
-        _check_shape(model, fail)
-        if d.name == "tokens":
-            for key, path in (("data.path", d.path), ("data.eval_path", d.eval_path)):
-                if path and os.path.isfile(path):
-                    _check_sidecar(key, path, d.token_dtype, model.vocab_size, fail)
-    else:
-        if m.init_from:
-            fail("model.init_from", f"applies to the transformer only (model.name is {m.name!r}); remove it")
-        if m.name != "mnist_cnn" and m.name not in _torchvision_names():
-            fail("model.name", f"is {m.name!r}; use mnist_cnn, transformer or a torchvision classification model (e.g. resnet18)")
-        if m.name != "mnist_cnn":
-            from trainer.models import torchvision_problem
-
-            problem = torchvision_problem(m)
-            if problem:
-                fail("model.image_size", problem)
-        if d.name in LM_DATA:
-            fail("data.name", f"is {d.name!r} but {m.name} classifies images; use mnist, imagefolder or synthetic_images")
-        if m.num_classes < 2:
-            fail("model.num_classes", f"is {m.num_classes}; it must be at least 2")
-        if (d.name == "mnist") != (m.name == "mnist_cnn") and d.name != "synthetic_images":
-            fail("data.name", f"{d.name!r} does not fit model {m.name!r}: MNIST goes with mnist_cnn, imagefolder with torchvision models")
+    family = find_family(m.name)
+    if m.init_from and (family is None or family.hf_args is None):
+        fail("model.init_from", f"applies to the transformer only (model.name is {m.name!r}); remove it")
+    if family is None:
+        fail("model.name", f"is {m.name!r}; use {model_choices()}")
+    family.check(m, d, fail, lambda: resolve(cfg, where).model)
+    if d.name == "tokens":  # the family takes token data: the files must fit its vocabulary
+        vocab_size = resolve(cfg, where).model.vocab_size
+        for key, path in (("data.path", d.path), ("data.eval_path", d.eval_path)):
+            if path and os.path.isfile(path):
+                _check_sidecar(key, path, d.token_dtype, vocab_size, fail)
     if d.name in ("tokens", "imagefolder", "mnist"):
         if not d.path:
             fail("data.path", f"is not set; data.name={d.name} needs it")
@@ -248,11 +228,12 @@ def resolve(cfg: Config, where: str = "config", world_size: int = 1) -> Config:
     must agree with it) or else from model.size."""
     cfg = resolve_batch(cfg, world_size)
     model = cfg.model
-    if model.name == "transformer" and model.init_from:
+    family = find_family(model.name)
+    if model.init_from and family is not None and family.hf_args is not None:
         from trainer import hf
 
         try:
-            model = hf.model_args(model.init_from, model)
+            model = family.hf_args(model.init_from, model)
             hf.weight_files(model.init_from)  # the index and the weights' headers, read before anything starts
         except hf.HFError as e:
             raise ConfigError(f"{where}: model.init_from: {e}") from None
@@ -289,28 +270,6 @@ def _check_sidecar(key: str, path: str, dtype: str, vocab_size: int, fail) -> No
     if info.get("vocab_size", 0) > vocab_size or info.get("max_id", -1) >= vocab_size:
         fail("model.vocab_size", f"is {vocab_size} but {what}, vocabulary {info.get('vocab_size')}, largest id "
              f"{info.get('max_id')}; set model.vocab_size={info.get('vocab_size')} or more")
-
-
-def _check_shape(m, fail) -> None:
-    """The resolved transformer shape must be buildable."""
-    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
-        if getattr(m, key) < 1:
-            fail(f"model.{key}", f"is {getattr(m, key)}; it must be at least 1")
-    if m.dim % m.n_heads or (m.dim // m.n_heads) % 2:
-        fail("model.n_heads", f"{m.n_heads} heads do not split model.dim={m.dim} into heads of an even size; "
-             f"choose a divisor of {m.dim} that leaves an even head size")
-    if m.n_heads % m.n_kv_heads:
-        fail("model.n_kv_heads", f"{m.n_kv_heads} does not divide model.n_heads={m.n_heads}; choose a divisor")
-    for key in ("norm_eps", "rope_theta"):
-        if getattr(m, key) <= 0:
-            fail(f"model.{key}", f"is {getattr(m, key)}; it must be positive")
-    s = m.rope_scaling
-    if s is not None and s.rope_type == "llama3":
-        if s.factor <= 0 or s.original_max_position_embeddings < 1:
-            fail("model.rope_scaling", "factor and original_max_position_embeddings must be positive")
-        if not 0 < s.low_freq_factor < s.high_freq_factor:
-            fail("model.rope_scaling", f"needs 0 < low_freq_factor < high_freq_factor (they are {s.low_freq_factor} "
-                 f"and {s.high_freq_factor})")
 
 
 def _floats(section, prefix: str = ""):
@@ -386,12 +345,6 @@ def _check_writable(run_dir: str, where: str) -> None:
         except OSError as e:
             raise ConfigError(f"{where}: run_dir: cannot write to {folder} ({e.strerror}); choose a writable "
                               f"run_dir") from None
-
-
-def _torchvision_names() -> list[str]:
-    from trainer.models import torchvision_names
-
-    return torchvision_names()
 
 
 def check_devices(nproc: int) -> None:

@@ -257,7 +257,9 @@ def build(args: DataArgs, model_args, seed: int, train: bool) -> Dataset:
         return mnist(path, train=train, download=args.download)
     if args.name == "imagefolder":
         return image_folder(path, model_args.image_size, model_args.num_classes)
-    channels, size = (1, 28) if model_args.name == "mnist_cnn" else (3, model_args.image_size)
+    from trainer.models import spec
+
+    channels, size, _ = spec(model_args).input_shape(model_args)
     return SyntheticImages(model_args.num_classes, channels, size, seed)
 
 

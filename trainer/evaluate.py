@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         model = models.build(cfg.model)
         model.load_state_dict(state)
         del state
-        model = parallel.apply(model, cfg.parallel, env)  # the training's wrapping: its mixed precision
+        model = parallel.apply(model, cfg.parallel, env, models.spec(cfg.model).blocks)  # its mixed precision
         result = evaluate(model, cfg, env, eval_set, parallel.autocast_dtype(model, cfg.parallel))
     finally:
         distributed.shutdown()

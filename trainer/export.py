@@ -166,13 +166,14 @@ def main(argv: list[str] | None = None) -> int:
         state, path = consolidate(args.run_dir, args.step)
         if args.format == "hf":
             cfg = _config(args.run_dir, path)
-            if cfg.model.name != "transformer":
+            hf_save = models.spec(cfg.model).hf_save
+            if hf_save is None:
                 raise ConfigError(f"{path} holds a {cfg.model.name}; --format hf exports the transformer (a Llama) only")
             try:
                 max_bytes = hf.parse_size(args.max_shard_size)
             except ValueError as e:
                 raise ConfigError(f"--max-shard-size: {e}") from None
-            files = hf.save(state, cfg.model, args.out, max_bytes, getattr(torch, args.dtype))
+            files = hf_save(state, cfg.model, args.out, max_bytes, getattr(torch, args.dtype))
             files += [name for name in copy_tokenizer(cfg, args.out) if name not in files]
             follow_umask([os.path.join(args.out, name) for name in files])
             print(f"exported {path} as a Hugging Face folder to {args.out}: {', '.join(files)}")

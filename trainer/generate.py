@@ -54,8 +54,8 @@ def load(run_dir: str, step: int | None, device: torch.device):
     """(the plain model in eval mode on `device`, its config) of a run's checkpoint."""
     state, path = consolidate(run_dir, step)
     cfg = _config(run_dir, path)
-    if cfg.model.name != "transformer":
-        raise ConfigError(f"{path} holds a {cfg.model.name}; trainer.generate samples from a transformer run only")
+    if models.spec(cfg.model).kind != "lm":
+        raise ConfigError(f"{path} holds a {cfg.model.name}; trainer.generate samples from a language model run only")
     with torch.device(device):
         model = models.build(cfg.model)
     model.load_state_dict(state)

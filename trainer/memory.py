@@ -129,16 +129,17 @@ def measure(cfg) -> Profile:
     activation memory of one sample (`_activation_peak`), without and with activation checkpointing."""
     from trainer import models, parallel
 
+    family = models.spec(cfg.model)
     with torch.device("meta"):
-        model = models.build(cfg.model)
+        model = family.build(cfg.model)
     batchnorm = parallel.has_batchnorm(model)
     dtype = torch.float32 if batchnorm else DTYPES[cfg.parallel.param_dtype]
-    units = parallel.wrap_units(model, cfg.parallel)
+    units = parallel.wrap_units(model, cfg.parallel, family.blocks)
     in_units = {id(p) for u in units for p in u.parameters()}
     plain = _activation_peak(model.to(dtype), cfg.model, dtype)
     with torch.device("meta"):
-        checkpointed = models.build(cfg.model).to(dtype)
-    parallel.checkpoint_units(checkpointed, parallel.units_of(checkpointed, cfg.parallel))
+        checkpointed = family.build(cfg.model).to(dtype)
+    parallel.checkpoint_units(checkpointed, parallel.units_of(checkpointed, cfg.parallel, family.blocks))
     return Profile(params=sum(p.numel() for p in model.parameters()),
                    root_params=sum(p.numel() for p in model.parameters() if id(p) not in in_units),
                    largest_unit=max((sum(p.numel() for p in u.parameters()) for u in units), default=0),
@@ -154,6 +155,7 @@ def _activation_peak(model, m, dtype: torch.dtype) -> int:
     is what samples add, without what any batch holds (the parameters' gradients)."""
     from trainer import models
 
+    loss = models.spec(m).loss
     params = {p.untyped_storage()._cdata for p in model.parameters()}
     peaks = []
     real_sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -163,7 +165,7 @@ def _activation_peak(model, m, dtype: torch.dtype) -> int:
             model.zero_grad(set_to_none=True)
             x, y = _inputs(m, dtype, batch)
             with _LiveBytes(params) as live:
-                models.loss_fn(model(x), y).backward()
+                loss(model(x), y).backward()
             peaks.append(live.peak)
     finally:
         torch.nn.functional.scaled_dot_product_attention = real_sdpa
@@ -198,11 +200,13 @@ class _LiveBytes(TorchDispatchMode):
 
 
 def _inputs(m, dtype: torch.dtype, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if m.name == "transformer":
-        x = torch.zeros(batch, m.seq_len, dtype=torch.long, device="meta")
+    from trainer import models
+
+    family = models.spec(m)
+    if family.kind == "lm":
+        x = torch.zeros(batch, *family.input_shape(m), dtype=torch.long, device="meta")
         return x, x
-    side, channels = (28, 1) if m.name == "mnist_cnn" else (m.image_size, 3)
-    return (torch.zeros(batch, channels, side, side, device="meta", dtype=dtype),
+    return (torch.zeros(batch, *family.input_shape(m), device="meta", dtype=dtype),
             torch.zeros(batch, dtype=torch.long, device="meta"))
 
 

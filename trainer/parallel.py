@@ -8,7 +8,7 @@ onto `fully_shard` arguments here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 import torch.distributed as dist
@@ -67,10 +67,12 @@ def mesh_for(args: ParallelArgs, env: Env) -> DeviceMesh:
     return init_device_mesh(device_type, (env.world_size,), mesh_dim_names=("dp",))
 
 
-def wrap_units(model: nn.Module, args: ParallelArgs) -> list[nn.Module]:
-    """The submodules that become their own FSDP unit (the root is always one more)."""
-    from trainer.models import blocks
+# A model family's repeated units of a built model (trainer.models.Family.blocks).
+Blocks = Callable[[nn.Module], list[nn.Module]]
 
+
+def wrap_units(model: nn.Module, args: ParallelArgs, blocks: Blocks) -> list[nn.Module]:
+    """The submodules that become their own FSDP unit (the root is always one more)."""
     if args.wrap == "block":
         return blocks(model)
     # Size policy, like size_based_auto_wrap_policy: post-order, wrap a module once the
@@ -89,17 +91,16 @@ def wrap_units(model: nn.Module, args: ParallelArgs) -> list[nn.Module]:
     return units
 
 
-def units_of(model: nn.Module, args: ParallelArgs) -> list[nn.Module]:
+def units_of(model: nn.Module, args: ParallelArgs, blocks: Blocks) -> list[nn.Module]:
     """What activation checkpointing and torch.compile wrap one by one: the FSDP units under FSDP,
     else the model's blocks."""
-    from trainer.models import blocks
-
-    return wrap_units(model, args) if args.strategy == "fsdp" else blocks(model)
+    return wrap_units(model, args, blocks) if args.strategy == "fsdp" else blocks(model)
 
 
-def apply(model: nn.Module, args: ParallelArgs, env: Env) -> nn.Module:
-    """Wrap `model` for the configured strategy; parameters end up on `env.device`."""
-    units = units_of(model, args)
+def apply(model: nn.Module, args: ParallelArgs, env: Env, blocks: Blocks) -> nn.Module:
+    """Wrap `model` for the configured strategy; parameters end up on `env.device`. `blocks`: the
+    model family's repeated units (per-block wrapping, activation checkpointing, compile)."""
+    units = units_of(model, args, blocks)
     if args.activation_checkpointing:
         checkpoint_units(model, units)
     if args.compile:

@@ -28,15 +28,17 @@ def batch_plan(cfg: Config, world_size: int) -> tuple[int, int]:
 
 def build_model(cfg: Config, env: distributed.Env) -> torch.nn.Module:
     """The model, wrapped for the configured strategy, with the same initial weights on any number
-    of processes. The transformer is built on the meta device and initialised shard by shard."""
+    of processes. A family with its own init_weights (the transformer) is built on the meta device
+    and initialised shard by shard."""
     torch.manual_seed(cfg.train.seed)
-    if cfg.model.name == "transformer":
+    family = models.spec(cfg.model)
+    if family.init_weights:
         with torch.device("meta"):
-            model = models.build(cfg.model)
-        model = parallel.apply(model, cfg.parallel, env)
-        parallel.unwrap(model).init_weights(cfg.train.seed)
+            model = family.build(cfg.model)
+        model = parallel.apply(model, cfg.parallel, env, family.blocks)
+        family.init_weights(parallel.unwrap(model), cfg.train.seed)
         return model
-    return parallel.apply(models.build(cfg.model), cfg.parallel, env)
+    return parallel.apply(family.build(cfg.model), cfg.parallel, env, family.blocks)
 
 
 def _autocast(env: distributed.Env, dtype: torch.dtype | None):
@@ -65,18 +67,19 @@ def evaluate(model, cfg: Config, env: distributed.Env, dataset, compute_dtype) -
     start = 2**61 if len(dataset) >= 2**62 else 0  # generated data: a range training never reaches
     batches = data.loader(dataset, cfg.data, cfg.train.seed, start, micro * env.world_size, micro, env.rank, env.world_size)
     totals = torch.zeros(3, dtype=torch.float64, device=env.device)  # loss sum, correct, count
+    family = models.spec(cfg.model)
     for _ in range(cfg.eval.batches):
         x, y, _ = next(batches)
         x, y = x.to(env.device), y.to(env.device)
         with _autocast(env, compute_dtype):
             logits = model(x)
-        totals[0] += models.loss_fn(logits, y).double() * y.numel()
+        totals[0] += family.loss(logits, y).double() * y.numel()
         totals[1] += (logits.argmax(-1) == y).sum()
         totals[2] += y.numel()
     dist.all_reduce(totals)
     model.train()
     result = {"eval_loss": (totals[0] / totals[2]).item()}
-    if cfg.model.name != "transformer":
+    if family.kind == "classifier":
         result["eval_accuracy"] = (totals[1] / totals[2]).item()
     return result
 
@@ -204,7 +207,7 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, lease: Lease | 
     elif cfg.model.init_from:  # a new run from a Hugging Face folder: its weights, step 0
         started = time.perf_counter()
         try:
-            hf.load_weights(parallel.unwrap(model), cfg.model.init_from)
+            models.spec(cfg.model).hf_load(parallel.unwrap(model), cfg.model.init_from)
         except hf.HFError as e:
             raise checkpoint.CheckpointError(f"model.init_from: {e}") from None
         reporter.message(f"initialised from {cfg.model.init_from} in {time.perf_counter() - started:.2f}s")
@@ -228,7 +231,8 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, lease: Lease | 
 
     batches = data.loader(train_set, cfg.data, cfg.train.seed, samples, B, micro, env.rank, env.world_size)
     trace = _open_trace(run_dir, env.rank) if cfg.data.trace else None
-    flops_per_token = parallel.unwrap(model).flops_per_token() if cfg.model.name == "transformer" else None
+    count_flops = models.spec(cfg.model).flops_per_token
+    flops_per_token = count_flops(parallel.unwrap(model)) if count_flops else None
     peak = peak_flops(env.device)
     n_params = sum(p.numel() for p in model.parameters())  # sharded: numel() is the global size
     reporter.message(f"training {cfg.model.name} ({n_params / 1e6:.2f}M params) on {env.world_size} x {env.device.type}, "
@@ -426,7 +430,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _loss_fn(cfg: Config):
     """The training loss, compiled with the model: then the float32 copy of the logits is never
     stored (at 1B parameters, 32k tokens and a 32k vocabulary that is 4 GB less, and faster)."""
-    return torch.compile(models.loss_fn) if cfg.parallel.compile else models.loss_fn
+    loss = models.spec(cfg.model).loss
+    return torch.compile(loss) if cfg.parallel.compile else loss
 
 
 def _open_trace(run_dir: str, rank: int):

@@ -1,7 +1,5 @@
-"""The models: the tutorials' MNIST CNN, a decoder-only transformer LM, and torchvision classifiers.
-
-Each model exposes `blocks()`: the repeated units that per-block wrapping, activation checkpointing
-and compilation act on.
+"""The transformer family: a decoder-only LM (pre-norm blocks with RMSNorm, rotary embeddings,
+grouped-query attention, SwiGLU), Hugging Face's Llama under other names (trainer/hf.py maps them).
 """
 
 from __future__ import annotations
@@ -10,11 +8,16 @@ import dataclasses
 import math
 import zlib
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from trainer.models.family import Family
+
+if TYPE_CHECKING:
+    from trainer.models import ModelArgs
 
 
 @dataclass(frozen=True)
@@ -28,35 +31,6 @@ class RopeScaling:
     low_freq_factor: float = 1.0  # wavelengths above original_max_position_embeddings / this are scaled fully
     high_freq_factor: float = 4.0  # wavelengths below original_max_position_embeddings / this are not scaled
     original_max_position_embeddings: int = 8192  # context length in tokens the model was pretrained with
-
-
-@dataclass
-class ModelArgs:
-    name: str = "transformer"  # mnist_cnn, transformer, or a torchvision classification model name
-    size: str = "tiny"  # transformer size: one of TRANSFORMER_SIZES; the keys below set each part of it
-    # A local Hugging Face Llama folder (config.json + *.safetensors) a new run starts from: its
-    # config.json gives the transformer's shape (keys set here must agree), its weights the first
-    # step's. Once run_dir has checkpoints of its own, they win.
-    init_from: str | None = None
-    # The transformer's shape. None: the size's value (with init_from: config.json's), written into
-    # the run's config.yaml resolved.
-    vocab_size: int | None = None  # vocabulary, in tokens
-    dim: int | None = None  # hidden size (HF hidden_size)
-    n_layers: int | None = None  # transformer blocks
-    n_heads: int | None = None  # query heads; must divide dim
-    n_kv_heads: int | None = None  # key/value heads (grouped-query attention); must divide n_heads
-    ffn_dim: int | None = None  # SwiGLU hidden size (HF intermediate_size)
-    norm_eps: float | None = None  # RMSNorm epsilon
-    rope_theta: float | None = None  # RoPE base period (10000 for Llama 2, 500000 for Llama 3)
-    rope_scaling: RopeScaling | None = None  # Llama 3 RoPE scaling; rope_type none turns a size's off
-    tie_embeddings: bool | None = None  # the output head is the token embedding matrix (Llama 3.2 1B/3B)
-    # Context length in tokens an HF export advertises (its max_position_embeddings); None: seq_len,
-    # with init_from: config.json's (a model trained on shorter sequences keeps its long context).
-    max_position_embeddings: int | None = None
-    seq_len: int = 128  # transformer context length in tokens
-    num_classes: int = 10  # classes of the image classifiers
-    image_size: int = 224  # side in pixels that torchvision models see (MNIST is always 28)
-    dropout: float = 0.0  # MNIST CNN dropout after the convolutions, in [0, 0.5); after fc1 twice it (tutorial: 0.25)
 
 
 @dataclass(frozen=True)
@@ -85,31 +59,6 @@ TRANSFORMER_SIZES = {
     "8b": TransformerShape(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256,
                            rope_theta=500000.0, rope_scaling=RopeScaling()),
 }
-
-
-# ---------------------------------------------------------------------------------------------------
-# MNIST CNN (the FSDP tutorial's network)
-
-
-class MnistCNN(nn.Module):
-    def __init__(self, num_classes: int = 10, dropout: float = 0.0):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 32, 3, 1)
-        self.conv2 = nn.Conv2d(32, 64, 3, 1)
-        self.dropout1 = nn.Dropout(dropout)
-        self.dropout2 = nn.Dropout(2 * dropout)
-        self.fc1 = nn.Linear(9216, 128)
-        self.fc2 = nn.Linear(128, num_classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.relu(self.conv1(x))
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        x = torch.flatten(self.dropout1(x), 1)
-        x = self.dropout2(F.relu(self.fc1(x)))
-        return self.fc2(x)
-
-    def blocks(self) -> list[nn.Module]:
-        return [self.conv1, self.conv2, self.fc1, self.fc2]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -263,46 +212,6 @@ def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
         param.copy_(full)
 
 
-# ---------------------------------------------------------------------------------------------------
-
-
-def build(args: ModelArgs) -> nn.Module:
-    """Build the model on the current default device (the caller may choose 'meta')."""
-    if args.name == "mnist_cnn":
-        return MnistCNN(args.num_classes, args.dropout)
-    if args.name == "transformer":
-        shape = transformer_shape(args)
-        return Transformer(shape, args.seq_len)
-    import torchvision  # imported here: only image models need it
-
-    return torchvision.models.get_model(args.name, num_classes=args.num_classes, **torchvision_options(args))
-
-
-def torchvision_options(args: ModelArgs) -> dict:
-    """What some torchvision models must be told to train here: a ViT is built for one input side
-    (its position embeddings), GoogLeNet and Inception v3 return auxiliary logits in a tuple unless
-    told not to (the trainer's loss takes one tensor)."""
-    if args.name.startswith("vit_"):
-        return {"image_size": args.image_size}
-    if args.name in ("googlenet", "inception_v3"):
-        return {"aux_logits": False, "init_weights": True}
-    return {}
-
-
-def torchvision_problem(args: ModelArgs) -> str | None:
-    """Why a torchvision model cannot train at model.image_size, or None."""
-    if args.name.startswith("vit_"):
-        patch = int(args.name.rsplit("_", 1)[1])
-        if args.image_size % patch:
-            return (f"{args.name} cuts images into {patch}x{patch} patches, but model.image_size={args.image_size} is "
-                    f"not a multiple of {patch}; use e.g. {max(patch, args.image_size // patch * patch)}")
-    if args.name == "inception_v3" and args.image_size < 75:
-        return f"inception_v3 needs images of at least 75x75 pixels (model.image_size={args.image_size}); use 75 or more (299 is its usual size)"
-    if args.name == "maxvit_t" and args.image_size % 32:
-        return f"maxvit_t needs model.image_size to be a multiple of 32 (it is {args.image_size}); use e.g. 224"
-    return None
-
-
 def transformer_shape(args: ModelArgs) -> TransformerShape:
     """The size's shape with every shape key the config sets in place of the size's value."""
     shape = TRANSFORMER_SIZES[args.size]
@@ -311,45 +220,79 @@ def transformer_shape(args: ModelArgs) -> TransformerShape:
 
 def resolve(args: ModelArgs) -> ModelArgs:
     """`args` with the transformer's shape keys spelled out (what the run's config.yaml records)."""
-    if args.name != "transformer":
-        return args
     shape = transformer_shape(args)
     return dataclasses.replace(args, **{k: getattr(shape, k) for k in SHAPE_KEYS})
 
 
-def blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated units of a model: transformer layers, ResNet bottlenecks, ViT encoder blocks, ...
-
-    Our models say it themselves. For torchvision models it is every instance of the module class
-    that repeats most often (not nested in another instance of it); ties go to the larger class.
-    """
-    if hasattr(model, "blocks"):
-        return model.blocks()
-    by_class: dict[type, list[nn.Module]] = {}
-    for module in model.modules():
-        if module is model or isinstance(module, (nn.Sequential, nn.ModuleList)):
-            continue
-        if next(module.children(), None) is None or not any(True for _ in module.parameters()):
-            continue  # leaves (conv, linear, norm) are not blocks
-        by_class.setdefault(type(module), []).append(module)
-    candidates = [mods for mods in by_class.values() if len(mods) >= 2]
-    if not candidates:
-        return []
-
-    def weight(mods):
-        return len(mods), sum(p.numel() for m in mods for p in m.parameters())
-
-    chosen = max(candidates, key=weight)
-    inner = {id(sub) for m in chosen for sub in m.modules() if sub is not m}
-    return [m for m in chosen if id(m) not in inner]
+def build(args: ModelArgs) -> Transformer:
+    return Transformer(transformer_shape(args), args.seq_len)
 
 
-def torchvision_names() -> list[str]:
-    import torchvision
+def check(args: ModelArgs, data, fail, resolved) -> None:
+    """A known size, token data, and a resolved shape that can be built."""
+    if args.size not in TRANSFORMER_SIZES:
+        fail("model.size", f"is {args.size!r}; choose one of {', '.join(TRANSFORMER_SIZES)}")
+    if args.vocab_size is not None and args.vocab_size < 2:
+        fail("model.vocab_size", f"is {args.vocab_size}; it must be at least 2")
+    if data.name not in ("synthetic", "tokens"):
+        fail("data.name", f"is {data.name!r} but the transformer needs token data; use synthetic or tokens")
+    _check_shape(resolved(), fail)
 
-    return sorted(torchvision.models.list_models(module=torchvision.models))
+
+def _check_shape(m: ModelArgs, fail) -> None:
+    """The resolved transformer shape must be buildable."""
+    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
+        if getattr(m, key) < 1:
+            fail(f"model.{key}", f"is {getattr(m, key)}; it must be at least 1")
+    if m.dim % m.n_heads or (m.dim // m.n_heads) % 2:
+        fail("model.n_heads", f"{m.n_heads} heads do not split model.dim={m.dim} into heads of an even size; "
+             f"choose a divisor of {m.dim} that leaves an even head size")
+    if m.n_heads % m.n_kv_heads:
+        fail("model.n_kv_heads", f"{m.n_kv_heads} does not divide model.n_heads={m.n_heads}; choose a divisor")
+    for key in ("norm_eps", "rope_theta"):
+        if getattr(m, key) <= 0:
+            fail(f"model.{key}", f"is {getattr(m, key)}; it must be positive")
+    s = m.rope_scaling
+    if s is not None and s.rope_type == "llama3":
+        if s.factor <= 0 or s.original_max_position_embeddings < 1:
+            fail("model.rope_scaling", "factor and original_max_position_embeddings must be positive")
+        if not 0 < s.low_freq_factor < s.high_freq_factor:
+            fail("model.rope_scaling", f"needs 0 < low_freq_factor < high_freq_factor (they are {s.low_freq_factor} "
+                 f"and {s.high_freq_factor})")
 
 
-def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over samples (over tokens for the LM)."""
-    return F.cross_entropy(logits.flatten(0, -2).float(), target.flatten())
+# The Hugging Face adapter is trainer/hf.py; it imports this module, so it is imported when first used.
+
+
+def hf_args(folder: str, args: ModelArgs) -> ModelArgs:
+    from trainer import hf
+
+    return hf.model_args(folder, args)
+
+
+def hf_load(model: Transformer, folder: str) -> None:
+    from trainer import hf
+
+    hf.load_weights(model, folder)
+
+
+def hf_save(state: dict[str, torch.Tensor], args: ModelArgs, out: str, max_shard_bytes: int,
+            dtype: torch.dtype) -> list[str]:
+    from trainer import hf
+
+    return hf.save(state, args, out, max_shard_bytes, dtype)
+
+
+FAMILY = Family(
+    build=build,
+    blocks=Transformer.blocks,
+    check=check,
+    input_shape=lambda args: (args.seq_len,),
+    kind="lm",
+    resolve=resolve,
+    init_weights=Transformer.init_weights,
+    flops_per_token=Transformer.flops_per_token,
+    hf_args=hf_args,
+    hf_load=hf_load,
+    hf_save=hf_save,
+)

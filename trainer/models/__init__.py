@@ -1,0 +1,96 @@
+"""The model families and the one table of them: the transformer LM, the tutorial's MNIST CNN, and
+torchvision's classifiers.
+
+Each family is one module here that ends with its `Family` (family.py): how to build the model, its
+repeated units, its config checks, its input, its loss and evaluation kind, its FLOPs, its Hugging
+Face adapter. `spec(cfg.model)` is the run's; nothing outside this package asks which family it is.
+Adding a family is one module and one line in FAMILIES (README, "Adding a model family").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from trainer.models import mnist_cnn, transformer, vision
+from trainer.models.family import Family, loss_fn  # noqa: F401 - loss_fn: imported from here
+from trainer.models.transformer import (  # noqa: F401 - the names trainer.hf, bench and tests import from here
+    SHAPE_KEYS,
+    TRANSFORMER_SIZES,
+    RopeScaling,
+    TransformerShape,
+    rope_frequencies,
+    transformer_shape,
+)
+
+# model.name -> its family. A model.name not here is torchvision's if torchvision has a
+# classification model of that name (vision.py).
+FAMILIES: dict[str, Family] = {"mnist_cnn": mnist_cnn.FAMILY, "transformer": transformer.FAMILY}
+
+
+@dataclass
+class ModelArgs:
+    name: str = "transformer"  # mnist_cnn, transformer, or a torchvision classification model name
+    size: str = "tiny"  # transformer size: one of TRANSFORMER_SIZES; the keys below set each part of it
+    # A local Hugging Face Llama folder (config.json + *.safetensors) a new run starts from: its
+    # config.json gives the transformer's shape (keys set here must agree), its weights the first
+    # step's. Once run_dir has checkpoints of its own, they win.
+    init_from: str | None = None
+    # The transformer's shape. None: the size's value (with init_from: config.json's), written into
+    # the run's config.yaml resolved.
+    vocab_size: int | None = None  # vocabulary, in tokens
+    dim: int | None = None  # hidden size (HF hidden_size)
+    n_layers: int | None = None  # transformer blocks
+    n_heads: int | None = None  # query heads; must divide dim
+    n_kv_heads: int | None = None  # key/value heads (grouped-query attention); must divide n_heads
+    ffn_dim: int | None = None  # SwiGLU hidden size (HF intermediate_size)
+    norm_eps: float | None = None  # RMSNorm epsilon
+    rope_theta: float | None = None  # RoPE base period (10000 for Llama 2, 500000 for Llama 3)
+    rope_scaling: RopeScaling | None = None  # Llama 3 RoPE scaling; rope_type none turns a size's off
+    tie_embeddings: bool | None = None  # the output head is the token embedding matrix (Llama 3.2 1B/3B)
+    # Context length in tokens an HF export advertises (its max_position_embeddings); None: seq_len,
+    # with init_from: config.json's (a model trained on shorter sequences keeps its long context).
+    max_position_embeddings: int | None = None
+    seq_len: int = 128  # transformer context length in tokens
+    num_classes: int = 10  # classes of the image classifiers
+    image_size: int = 224  # side in pixels that torchvision models see (MNIST is always 28)
+    dropout: float = 0.0  # MNIST CNN dropout after the convolutions, in [0, 0.5); after fc1 twice it (tutorial: 0.25)
+
+
+def find(name: str) -> Family | None:
+    """The family of model.name `name`, or None where no family has such a model."""
+    if name in FAMILIES:
+        return FAMILIES[name]
+    return vision.FAMILY if name in vision.names() else None
+
+
+def choices() -> str:
+    """The model.name values there are, in words."""
+    return f"{', '.join(FAMILIES)} or a torchvision classification model (e.g. resnet18)"
+
+
+def spec(args: ModelArgs) -> Family:
+    """The family of the configured model (the config check has refused a name without one)."""
+    family = find(args.name)
+    if family is None:
+        raise ValueError(f"model.name: is {args.name!r}; use {choices()}")
+    return family
+
+
+def build(args: ModelArgs) -> nn.Module:
+    """Build the model on the current default device (the caller may choose 'meta')."""
+    return spec(args).build(args)
+
+
+def resolve(args: ModelArgs) -> ModelArgs:
+    """`args` as the run's config.yaml records them (the transformer's shape keys spelled out)."""
+    family = find(args.name)
+    return family.resolve(args) if family else args
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated units of a built model without its family at hand: what it says itself (our
+    models' `blocks()`), else torchvision's rule. The trainer asks the family's `blocks`."""
+    return model.blocks() if hasattr(model, "blocks") else vision.repeated_units(model)
+

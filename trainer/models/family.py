@@ -1,0 +1,61 @@
+"""What the trainer knows of one model family (torchtitan's `TrainSpec`): plain functions, no base class.
+
+Each family's module (transformer.py, mnist_cnn.py, vision.py) ends with its `FAMILY`; the table is
+`trainer.models.FAMILIES`. Nothing outside trainer/models asks which family a run uses: it asks the
+run's `Family` (`trainer.models.spec(cfg.model)`) to build, wrap, check, count and evaluate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Literal
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from trainer.models import ModelArgs
+
+
+def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over samples (over tokens for the LM)."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), target.flatten())
+
+
+def unchanged(args: ModelArgs) -> ModelArgs:
+    return args
+
+
+@dataclass(frozen=True)
+class Family:
+    # The model on the current default device (the caller may choose meta), from the model section.
+    build: Callable[[ModelArgs], nn.Module]
+    # The built model's repeated units: one FSDP unit each under parallel.wrap=block, and what
+    # activation checkpointing and torch.compile wrap one by one.
+    blocks: Callable[[nn.Module], list[nn.Module]]
+    # The family's config checks, check(args, data, fail, resolved): call fail(key, message) at the
+    # first problem of its model keys or of the data section `data` given to it (which data fits).
+    # resolved() is `args` as the run records them (model.init_from read, the shape spelled out);
+    # call it only once the keys it reads are known good.
+    check: Callable[..., None]
+    # The shape of one input sample: (seq_len,) token ids, or (channels, side, side) pixels.
+    input_shape: Callable[[ModelArgs], tuple[int, ...]]
+    # lm: token ids in, the next token at each position the target, evaluation reports the loss;
+    # classifier: images in, one class per sample the target, evaluation reports the accuracy too.
+    kind: Literal["lm", "classifier"]
+    # The training and evaluation loss of (logits, targets), a mean over what is predicted.
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = loss_fn
+    # `args` as the run's config.yaml records them (derived values spelled out).
+    resolve: Callable[[ModelArgs], ModelArgs] = unchanged
+    # Set: the model is built on the meta device, wrapped (sharded), then given its weights by
+    # init_weights(unwrapped model, seed), the same on any number of processes. None: built with
+    # torch's initialisation (seeded by train.seed), then wrapped.
+    init_weights: Callable[[nn.Module, int], None] | None = None
+    # Training FLOPs per token of the unwrapped model (an LM): with it, tokens_per_s and MFU are logged.
+    flops_per_token: Callable[[nn.Module], float] | None = None
+    # Hugging Face folders, for a family that is a Hugging Face architecture (None: it is not;
+    # model.init_from and export --format hf refuse it). They raise trainer.hf.HFError.
+    hf_args: Callable[[str, ModelArgs], ModelArgs] | None = None  # args with a folder's config.json's shape
+    hf_load: Callable[[nn.Module, str], None] | None = None  # a folder's weights into the built (sharded) model
+    hf_save: Callable[..., list[str]] | None = None  # a full state dict as a folder: hf_save(state, args, out, max_shard_bytes, dtype)
