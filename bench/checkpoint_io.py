@@ -103,8 +103,10 @@ def main() -> None:
     common.train_step(model, optimizer, scheduler, stream, env)  # creates AdamW's state
     result["params"] = sum(p.numel() for p in model.parameters())
 
-    ckpt = checkpoint.Checkpointer(cfg.checkpoint, args.dir, rank, world, io_group)
-    stock = checkpoint.Checkpointer(cfg.checkpoint, args.dir, rank, world, io_group)
+    ckpt = checkpoint.Checkpointer(cfg.checkpoint, args.dir, rank, world, io_group, model, optimizer,
+                                   parts={"scheduler": scheduler})
+    stock = checkpoint.Checkpointer(cfg.checkpoint, args.dir, rank, world, io_group, model, optimizer,
+                                   parts={"scheduler": scheduler})
     stock.reader = lambda path, **_: FileSystemReader(path)  # the same load with DCP's own reader in place of the trainer's
     raw_file = os.path.join(args.dir, f"raw_{rank}.bin")  # one per rank, as DCP's shard files
     single_file = os.path.join(args.dir, "raw_single.bin")
@@ -129,13 +131,13 @@ def main() -> None:
         drop()
 
     def dcp_save() -> None:
-        ckpt.save(step, model, optimizer, scheduler, {"samples": 0}, blocking=True)
+        ckpt.save(step, {"samples": 0}, blocking=True)
 
     if args.warmup:
         fresh_start()
         step += 1
         dcp_save()
-        ckpt.load(model, optimizer, scheduler)
+        ckpt.load()
 
     for _ in range(args.rounds):
         r = {}
@@ -162,17 +164,17 @@ def main() -> None:
 
         def checked_load() -> None:
             drop()
-            r["dcp_load_s"] = common.timed(lambda: ckpt.load(model, optimizer, scheduler), control)
+            r["dcp_load_s"] = common.timed(lambda: ckpt.load(), control)
             # Again with the files still in the page cache: DCP's own work, the floor under the load time.
-            r["dcp_load_cached_s"] = common.timed(lambda: ckpt.load(model, optimizer, scheduler), control)
+            r["dcp_load_cached_s"] = common.timed(lambda: ckpt.load(), control)
 
         def unchecked_load() -> None:  # the same load without the shard files' checksums (records aside)
             if rank == 0:
                 for path in records:
                     os.rename(path, path + ".aside")
             drop()
-            r["unverified_load_s"] = common.timed(lambda: ckpt.load(model, optimizer, scheduler), control)
-            r["unverified_load_cached_s"] = common.timed(lambda: ckpt.load(model, optimizer, scheduler), control)
+            r["unverified_load_s"] = common.timed(lambda: ckpt.load(), control)
+            r["unverified_load_cached_s"] = common.timed(lambda: ckpt.load(), control)
             if rank == 0:
                 for path in records:
                     os.rename(path + ".aside", path)
@@ -190,7 +192,7 @@ def main() -> None:
                                                "unverified_load_cached_s")})
 
         drop()
-        r["stock_load_s"] = common.timed(lambda: stock.load(model, optimizer, scheduler), control)
+        r["stock_load_s"] = common.timed(lambda: stock.load(), control)
 
         drop()
         r["raw_read_s"] = common.timed(lambda: raw_read(raw_file), control)
@@ -207,7 +209,8 @@ def main() -> None:
         small_stream = common.batches(small_cfg, env)
         for _ in range(3):
             common.train_step(*small, small_stream, env)  # warm-up
-        async_ckpt = checkpoint.Checkpointer(dataclasses.replace(cfg.checkpoint, async_save=True), args.dir, rank, world, io_group)
+        async_ckpt = checkpoint.Checkpointer(dataclasses.replace(cfg.checkpoint, async_save=True), args.dir, rank, world, io_group, model, optimizer,
+                                   parts={"scheduler": scheduler})
         for _ in range(args.async_rounds):
             r = {}
             fresh_start()
@@ -248,7 +251,7 @@ def async_save(ckpt, step, model, optimizer, scheduler, small, small_stream, env
     baseline = statistics.median(steps_before)
     dist.barrier(group=control)
     started = time.perf_counter()
-    timed_into("save", lambda: ckpt.save(step, model, optimizer, scheduler, {"samples": 0}))
+    timed_into("save", lambda: ckpt.save(step, {"samples": 0}))
     steps_during = []
     while _any(ckpt.pending is not None, control):
         waited = blocked["wait_staged"]

@@ -32,11 +32,12 @@ def main() -> None:
                               f"run_dir={args.dir}", "checkpoint.keep=0"])
     model, optimizer, scheduler = common.build(cfg, env)
     common.train_step(model, optimizer, scheduler, common.batches(cfg, env), env)
-    ckpt = checkpoint.Checkpointer(cfg.checkpoint, args.dir, env.rank, env.world_size, distributed.cpu_group(timeout_s=600))
+    ckpt = checkpoint.Checkpointer(cfg.checkpoint, args.dir, env.rank, env.world_size, distributed.cpu_group(timeout_s=600), model, optimizer,
+                                   parts={"scheduler": scheduler})
     dist.barrier(group=control)
     before = common.reset_peak_rss()
     if args.contender == "dcp":
-        ckpt.save(1, model, optimizer, scheduler, {"samples": 0}, blocking=True)
+        ckpt.save(1, {"samples": 0}, blocking=True)
     else:
         checkpoint_io.rank0_full_save(model, optimizer, os.path.join(args.dir, "full_state.pt"), env.rank)
     peak = common.peak_rss_bytes()

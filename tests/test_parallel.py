@@ -82,3 +82,18 @@ def test_default_config_loss_falls(tmp_path):
     for key in ("step", "loss", "lr", "world_size", "samples_per_s", "tokens_per_s", "step_time_s", "peak_mem_gb"):
         assert key in got[-1], key
     assert got[-1]["peak_mem_gb"] > 0 and got[-1]["tokens_per_s"] == pytest.approx(got[-1]["samples_per_s"] * 64)
+
+
+def test_fp16_resume_continues_with_the_saved_loss_scale(tmp_path):
+    """The float16 loss scaler is a part of the checkpoint: a run resumed after its scale changed goes
+    on with that scale (it used to restart at the default 65536), and so with the same losses."""
+    # From 2^100 the first steps' gradients overflow float16: the scale halves each step (that step skipped)
+    fp16 = [*TINY, "parallel.param_dtype=float16", "parallel.loss_scale=1.2676506002282294e30", "checkpoint.interval=3"]
+    train(tmp_path / "whole", 2, *fp16)
+    whole = {r["step"]: r for r in rows(tmp_path / "whole")}
+    assert whole[3]["loss_scale"] != 65536.0, "the scale must have changed before the save for this test to mean anything"
+    train(tmp_path / "split", 2, *fp16, "train.steps=3")
+    train(tmp_path / "split", 2, *fp16)
+    split = {r["step"]: r for r in rows(tmp_path / "split")}
+    assert [split[s]["loss_scale"] for s in (4, 5, 6)] == [whole[s]["loss_scale"] for s in (4, 5, 6)]
+    assert_same_losses({s: split[s]["loss"] for s in (4, 5, 6)}, {s: whole[s]["loss"] for s in (4, 5, 6)})

@@ -113,22 +113,24 @@ def _step(model, optimizer, scheduler) -> None:
 
 def saved_run(run_dir, group, steps=(1, 2), **args) -> dict[int, dict[str, torch.Tensor]]:
     """Checkpoints of `steps` in `run_dir`, saved by the trainer's Checkpointer; the model's weights by step."""
-    ckpt = checkpoint.Checkpointer(checkpoint.CheckpointArgs(keep=0, **args), str(run_dir), 0, 1, group)
     model, optimizer, scheduler = _parts(0)
+    ckpt = checkpoint.Checkpointer(checkpoint.CheckpointArgs(keep=0, **args), str(run_dir), 0, 1, group, model, optimizer,
+                                   parts={"scheduler": scheduler})
     weights = {}
     for step in range(1, max(steps) + 1):
         _step(model, optimizer, scheduler)
         if step in steps:
-            ckpt.save(step, model, optimizer, scheduler, {"samples": step * 3}, blocking=True)
+            ckpt.save(step, {"samples": step * 3}, blocking=True)
             weights[step] = {k: v.clone() for k, v in model.state_dict().items()}
     return weights
 
 
 def resumed(run_dir, group, **args) -> tuple[dict | None, dict]:
     """What a restart in `run_dir` loads: its meta and the model's weights."""
-    ckpt = checkpoint.Checkpointer(checkpoint.CheckpointArgs(keep=0, **args), str(run_dir), 0, 1, group)
     model, optimizer, scheduler = _parts(1)
-    meta = ckpt.load(model, optimizer, scheduler)
+    ckpt = checkpoint.Checkpointer(checkpoint.CheckpointArgs(keep=0, **args), str(run_dir), 0, 1, group, model, optimizer,
+                                   parts={"scheduler": scheduler})
+    meta = ckpt.load()
     return meta, model.state_dict()
 
 
@@ -232,13 +234,14 @@ def test_symbolic_links_in_checkpoints_are_never_followed(tmp_path, group, caplo
     for name in (".tmp_step_00000001", ".trash_step_00000009_0"):
         (ckpts / name).symlink_to(outside, target_is_directory=True)
     (ckpts / "step_00000005").symlink_to(checkpoint.step_path(other, 5), target_is_directory=True)
-    ckpt = checkpoint.Checkpointer(checkpoint.CheckpointArgs(keep=1), str(run), 0, 1, group)
+    model, optimizer, scheduler = _parts(0)
+    ckpt = checkpoint.Checkpointer(checkpoint.CheckpointArgs(keep=1), str(run), 0, 1, group, model, optimizer,
+                                   parts={"scheduler": scheduler})
     assert sorted(os.listdir(ckpts)) == ["step_00000001", "step_00000005"]
     (ckpts / ".tmp_step_00000002").symlink_to(outside, target_is_directory=True)  # appears after the start
     caplog.set_level(logging.INFO, "trainer")
-    model, optimizer, scheduler = _parts(0)
-    assert ckpt.load(model, optimizer, scheduler)["step"] == 1  # the linked step 5 is not this run's
-    ckpt.save(2, model, optimizer, scheduler, {"samples": 6}, blocking=True)
+    assert ckpt.load()["step"] == 1  # the linked step 5 is not this run's
+    ckpt.save(2, {"samples": 6}, blocking=True)
     assert sorted(os.listdir(outside)) == ["keep"] and (outside / "keep").read_text() == "mine"
     assert sorted(os.listdir(ckpts)) == ["step_00000002", "step_00000005"]
     assert (ckpts / "step_00000005").is_symlink() and os.listdir(checkpoint.step_path(other, 5))
@@ -257,7 +260,7 @@ def test_what_could_not_be_removed_is_said(tmp_path, group, caplog, monkeypatch)
 
     monkeypatch.setattr(os, "rmdir", refuse)
     caplog.set_level(logging.INFO, "trainer")
-    checkpoint.Checkpointer(checkpoint.CheckpointArgs(), str(tmp_path), 0, 1, group)
+    checkpoint.Checkpointer(checkpoint.CheckpointArgs(), str(tmp_path), 0, 1, group, *_parts(0)[:2])
     assert f"could not remove {ckpts / '.trash_step_00000001_0'}" in said(caplog) and "Permission denied" in said(caplog)
 
 

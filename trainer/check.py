@@ -66,6 +66,7 @@ def validate(cfg: Config, world_size: int, where: str = "config", overrides: lis
     o = cfg.optim
     for key, value, ok, allowed in (
         ("optim.lr", o.lr, o.lr > 0, "it must be positive"),
+        ("parallel.loss_scale", cfg.parallel.loss_scale, cfg.parallel.loss_scale > 0, "it must be positive"),
         ("optim.weight_decay", o.weight_decay, o.weight_decay >= 0, "it must be 0 or more"),
         ("optim.betas[0]", o.betas[0], 0 <= o.betas[0] < 1, "it must be in [0, 1), e.g. 0.9"),
         ("optim.betas[1]", o.betas[1], 0 <= o.betas[1] < 1, "it must be in [0, 1), e.g. 0.95"),

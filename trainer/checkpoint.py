@@ -4,7 +4,7 @@ Layout of `<run_dir>/checkpoints/`:
 
     step_00000100/        a complete checkpoint: it only ever appears by an atomic rename
         .metadata, *.distcp   DCP: model and optimizer, each rank writing its own shards
-        meta.json         step, samples consumed, scheduler, world size, parameter shapes
+        meta.json         step, samples consumed, world size, parameter shapes, the named parts (scheduler, ...)
         rng/rank_00000.pt each rank's random number generator states
         manifest.json     size and checksum of every file above (trainer/checksums.py)
     .tmp_step_00000200/   a save in progress (or killed): never read, removed on the next start
@@ -295,14 +295,28 @@ def _stager() -> dict:
     return {"async_stager": DefaultStager(options)}
 
 
+# meta.json's keys the checkpointer writes itself (and `progress`'s); no part may be named like one.
+OWN_KEYS = ("step", "world_size", "optimizer", "shapes", "torch", "saved_at", "samples", "config", "manifest")
+
+
 class Checkpointer:
     reader = ShardReader  # the DCP StorageReader loads read with (the bench swaps in DCP's own to compare)
     # Asked by rank 0 right before it commits or deletes a checkpoint; False: this run lost the run
     # dir to another run (trainer/lease.py), so it leaves the folders alone. None: always go on.
     still_owner: Callable[[], bool] | None = None
 
-    def __init__(self, args: CheckpointArgs, run_dir: str, rank: int, world_size: int, group: dist.ProcessGroup):
+    def __init__(self, args: CheckpointArgs, run_dir: str, rank: int, world_size: int, group: dist.ProcessGroup,
+                 model, optimizer, parts: dict | None = None):
+        """What a checkpoint holds: `model` and `optimizer`, sharded (DCP, each rank its shards); each
+        rank's random states; and `parts`, named states small enough for meta.json (the scheduler, the
+        loss scaler, ...): each an object with state_dict() and load_state_dict(), saved under its
+        name. A new part is one more entry; a checkpoint saved before it existed loads without it."""
         self.args, self.run_dir, self.rank, self.world_size, self.group = args, run_dir, rank, world_size, group
+        self.model, self.optimizer = model, optimizer
+        self.parts = {name: part for name, part in (parts or {}).items() if part is not None}
+        taken = set(self.parts) & set(OWN_KEYS)
+        if taken:
+            raise ValueError(f"checkpoint part names {sorted(taken)} are meta.json's own keys; choose other names")
         self.pending: tuple[Future, int, str, dict] | None = None  # an async save not yet committed
         self.staging: Future | None = None  # its copy of the state, until the copy is done
         self.last_saved: int | None = None
@@ -357,9 +371,11 @@ class Checkpointer:
             raise CheckpointError(choice[0][1])
         return choice[0]
 
-    def load(self, model, optimizer, scheduler) -> dict | None:
-        """Restore everything from the newest usable checkpoint; returns its meta (step, samples), or
-        None. A checkpoint that turns out unreadable is skipped with a warning for the next older one."""
+    def load(self) -> dict | None:
+        """Restore the model, the optimizer, the random states and every part from the newest usable
+        checkpoint; returns its meta (step, samples), or None. A checkpoint that turns out unreadable
+        is skipped with a warning for the next older one."""
+        model, optimizer = self.model, self.optimizer
         unreadable: tuple[str, ...] = ()
         while True:
             path = self.choose(unreadable)
@@ -385,7 +401,11 @@ class Checkpointer:
             log.warning("skipping checkpoint %s: %s; trying the next older one", path, why)
             unreadable += (path,)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        scheduler.load_state_dict(meta["scheduler"])
+        for name, part in self.parts.items():
+            if name in meta:
+                part.load_state_dict(meta[name])
+            else:
+                log.info("checkpoint %s holds no %s state (saved before it was kept): it starts afresh", path, name)
         if rng is not None:
             torch.set_rng_state(rng["torch"])
             if "cuda" in rng and torch.cuda.is_available():
@@ -434,8 +454,10 @@ class Checkpointer:
 
     # -- save ---------------------------------------------------------------------------------------
 
-    def save(self, step: int, model, optimizer, scheduler, progress: dict, blocking: bool = False) -> None:
-        """Save the state after `step`. Async unless configured otherwise or `blocking`."""
+    def save(self, step: int, progress: dict, blocking: bool = False) -> None:
+        """Save the state after `step`, with `progress` (samples consumed, the config) in meta.json.
+        Async unless configured otherwise or `blocking`."""
+        model, optimizer = self.model, self.optimizer
         if step == self.last_saved:
             return  # already on disk (e.g. stopped right after resuming)
         self.wait()  # at most one save in flight
@@ -451,7 +473,7 @@ class Checkpointer:
             **progress,
             "step": step,
             "world_size": self.world_size,
-            "scheduler": scheduler.state_dict(),
+            **{name: part.state_dict() for name, part in self.parts.items()},
             "optimizer": type(optimizer).__name__,
             "shapes": shapes(model_state),
             "torch": torch.__version__,

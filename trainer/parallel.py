@@ -34,6 +34,9 @@ class ParallelArgs:
     wrap_min_params: int = 100_000  # size policy threshold, in parameters
     param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # compute dtype
     reduce_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # gradient reduction dtype
+    # float16 only: the loss scale the run starts from (GradScaler's init_scale); it halves at each step
+    # whose gradients overflow (that step is skipped) and doubles after 2000 steps without one. > 0.
+    loss_scale: float = 65536.0
     cpu_offload: bool = False  # keep sharded params, grads and optimizer state in host memory
     activation_checkpointing: bool = False  # recompute each block's activations in backward
     compile: bool = False  # torch.compile each block and the loss

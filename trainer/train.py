@@ -184,13 +184,14 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, lease: Lease | 
     scheduler = optim.scheduler(optimizer, cfg.optim, cfg.train.steps)
     scaler = _grad_scaler(cfg, env)
     compute_dtype = parallel.autocast_dtype(model, cfg.parallel)
-    ckpt = checkpoint.Checkpointer(cfg.checkpoint, run_dir, env.rank, env.world_size, io_group)
+    ckpt = checkpoint.Checkpointer(cfg.checkpoint, run_dir, env.rank, env.world_size, io_group, model, optimizer,
+                                   parts={"scheduler": scheduler, "scaler": scaler})
     if lease:  # rank 0 reads the lease again right before it commits or deletes a checkpoint
         ckpt.still_owner = lease.check
     reporter = Reporter(run_dir, cfg.log, cfg.train.steps, env.is_main)
 
     step, samples = 0, 0
-    meta = ckpt.load(model, optimizer, scheduler)
+    meta = ckpt.load()
     if meta:
         step, samples = meta["step"], meta["samples"]
         saved_lr = meta.get("config", {}).get("optim", {}).get("lr", cfg.optim.lr)
@@ -305,6 +306,8 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, lease: Lease | 
                    "samples_per_s": B / elapsed, "step_time_s": elapsed, "peak_mem_gb": peak_memory_gb(env.device)}
             if grad_norm is not None:
                 row["grad_norm"] = _full(grad_norm).item()
+            if scaler:
+                row["loss_scale"] = scaler.get_scale()
             if flops_per_token:
                 tokens_per_s = B * cfg.model.seq_len / elapsed
                 row["tokens_per_s"] = tokens_per_s
@@ -342,7 +345,7 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, lease: Lease | 
             parallel.average_batchnorm_stats(model)  # the checkpoint keeps one rank's copy: make it all ranks'
             blocking = stopping or step == cfg.train.steps or not cfg.checkpoint.async_save
             started = time.perf_counter()
-            ckpt.save(step, model, optimizer, scheduler, {"samples": samples, "config": to_dict(cfg)}, blocking=blocking)
+            ckpt.save(step, {"samples": samples, "config": to_dict(cfg)}, blocking=blocking)
             save_s = time.perf_counter() - started  # what the save blocked training (all of it, unless async)
             if blocking and env.is_main and not lease.lost:  # what a stop costs: make submit sizes the warning with it
                 layout.write_status(run_dir, save_s=round(save_s, 3))
@@ -450,5 +453,5 @@ def _grad_scaler(cfg: Config, env: distributed.Env):
     if cfg.parallel.strategy == "fsdp":
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-        return ShardedGradScaler(env.device.type)
-    return torch.amp.GradScaler(env.device.type)
+        return ShardedGradScaler(env.device.type, init_scale=cfg.parallel.loss_scale)
+    return torch.amp.GradScaler(env.device.type, init_scale=cfg.parallel.loss_scale)
