@@ -207,6 +207,7 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, train_set, eval
     if env.is_main:  # the start is accepted: only now the run dir's config and status change
         dump(cfg, os.path.join(run_dir, "config.yaml"))
         layout.write_status(run_dir, state="running", steps=cfg.train.steps, step=step)
+    reporter.start(step, meta)  # rows after `step` are an earlier start's: each step's row once
     if step >= cfg.train.steps:
         reporter.message(f"nothing to do: step {step} reached train.steps={cfg.train.steps}; raise train.steps to continue")
         if env.is_main:
