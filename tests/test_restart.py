@@ -71,11 +71,11 @@ def test_a_start_keeps_each_steps_row_once(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in earlier) + '{"step": 9, "lo')
     reporter = Reporter(str(tmp_path), LogArgs(progress=False), 20, is_main=True)
     reporter.start(5, {"world_size": 2, "path": "run/checkpoints/step_00000005"})
-    reporter.write({"step": 6, "loss": 0.5})
+    reporter.row({"step": 6, "loss": 0.5, "samples_per_s": 1.0})
     logged = [json.loads(line) for line in path.read_text().splitlines()]
     assert [{k: v for k, v in r.items() if k != "time"} for r in logged] == [
         *earlier[:5], {"event": "resume", "step": 5, "world_size": 2, "checkpoint": "run/checkpoints/step_00000005"},
-        {"step": 6, "loss": 0.5}]
+        {"step": 6, "loss": 0.5, "samples_per_s": 1.0}]
     assert all(isinstance(r["time"], float) for r in logged[5:])
     superseded = (tmp_path / "metrics.superseded.jsonl").read_text().splitlines()
     assert [json.loads(line) for line in superseded[:-1]] == earlier[5:] and superseded[-1] == '{"step": 9, "lo'

@@ -80,7 +80,7 @@ class Reporter:
         self.first_step: int | None = None
 
     def write(self, values: dict) -> None:
-        """Append one row, with the time, to metrics.jsonl."""
+        """Append one row to metrics.jsonl, as given (rows of the run: `timed(...)`)."""
         if self.is_main:
             with open(self.path, "a") as f:
                 f.write(_line(values))
@@ -103,8 +103,8 @@ class Reporter:
             with open(os.path.join(os.path.dirname(self.path), "metrics.superseded.jsonl"), "a") as f:
                 f.writelines(superseded)
         if resumed:
-            kept.append(_line({"event": "resume", "step": step, "world_size": resumed["world_size"],
-                               "checkpoint": resumed["path"]}))
+            kept.append(_line(timed({"event": "resume", "step": step, "world_size": resumed["world_size"],
+                               "checkpoint": resumed["path"]})))
         if not superseded and not resumed:
             return
         tmp = f"{self.path}.tmp{os.getpid()}"
@@ -118,7 +118,7 @@ class Reporter:
         """Append a training row and refresh the progress line."""
         if not self.is_main:
             return
-        self.write(values)
+        self.write(timed(values))
         step = values["step"]
         if self.first_step is None:
             self.first_step, self.started = step, time.perf_counter()
@@ -147,8 +147,13 @@ class Reporter:
         log.info(text)
 
 
+def timed(values: dict) -> dict:
+    """The row with the wall-clock `time` (Unix seconds) that every row of a run carries."""
+    return {**values, "time": round(time.time(), 3)}
+
+
 def _line(values: dict) -> str:
-    return json.dumps(finite_or_null({**values, "time": round(time.time(), 3)}), allow_nan=False) + "\n"
+    return json.dumps(finite_or_null(values), allow_nan=False) + "\n"
 
 
 def _after(line: str, step: int) -> bool:

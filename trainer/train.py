@@ -14,7 +14,7 @@ import torch.distributed as dist
 from trainer import checkpoint, data, dist as distributed, hf, layout, models, optim, parallel, signals
 from trainer.config import Config, dump, to_dict
 from trainer.lease import Lease, LeaseError
-from trainer.metrics import Reporter, peak_flops, peak_memory_gb
+from trainer.metrics import Reporter, peak_flops, peak_memory_gb, timed
 
 log = logging.getLogger("trainer")
 
@@ -298,7 +298,7 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, train_set, eval
             parallel.average_batchnorm_stats(model)  # the same statistics on every rank
             result = evaluate(model, cfg, env, eval_set, compute_dtype)
             reporter.message(f"eval at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
-            reporter.write({"step": step, **result})
+            reporter.write(timed({"step": step, **result}))
             stopping = None  # a signal may have come during the evaluation: ask again
 
         # save
