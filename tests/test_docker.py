@@ -44,12 +44,8 @@ def _engine() -> str | None:
 
 
 _why_not = _engine()
-<<<<<<< HEAD
+pytestmark = pytest.mark.slow  # builds the image and trains in containers
 engine = pytest.mark.skipif(_why_not is not None, reason=f"no Docker engine: {_why_not}")
-=======
-pytestmark = [pytest.mark.slow,  # builds the image and trains in containers
-              pytest.mark.skipif(_why_not is not None, reason=f"no Docker engine: {_why_not}")]
->>>>>>> lint-tier
 
 
 def _compose() -> list[str]:

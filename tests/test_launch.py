@@ -4,6 +4,7 @@ stop signals sent to the launcher alone (as proctrack/cgroup delivers them), doc
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import socket
@@ -100,16 +101,31 @@ def test_a_signal_during_an_evaluation_stops_every_rank_at_that_step(tmp_path):
     assert [r["step"] for r in rows(run_dir)] == [1, 2, 3]
 
 
+# Run at each rank's interpreter start (a sitecustomize on PYTHONPATH): rank 1 exits 1 at once, while
+# rank 0 is still starting (a sleep, with Python's default SIGTERM action) until torchrun stops it.
+RANK_1_FAILS = """
+import os, time
+if os.environ.get("RANK") == "1":
+    print("rank 1 fails on purpose", flush=True)
+    os._exit(1)
+if os.environ.get("RANK") == "0":
+    time.sleep(120)
+"""
+
+
 def test_a_failing_rank_is_one_launcher_line_and_exit_1(tmp_path):
+    """Rank 1 fails; rank 0, still starting, is then stopped by torchrun (SIGTERM, -15). The lines name rank 1 and its own exit code, not rank 0, the first rank reaped: once
+    for the restart (launch.max_restarts=1), once when the restarts ran out."""
+    (tmp_path / "sitecustomize.py").write_text(RANK_1_FAILS)
     run_dir = tmp_path / "run"
-    # metrics.jsonl as a folder is bad input now (issue 15, refused by the check); a file where the
-    # debugging trace folder goes is not checked: the ranks crash on it, which is not bad input.
-    run_dir.mkdir()
-    (run_dir / "trace").write_text("")
-    proc = launch(run_dir, "data.trace=true")
+    proc = launch(run_dir, "launch.max_restarts=1",
+                  extra_env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"})
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 1
     assert re.search(r"^launch: rank \d failed with exit code 1 \(see its error above\)$", err, re.M), err[-2000:]
+    assert re.search(r"^launch: rank 1 on \S+ failed with exit code 1 \(see its error above\); restart 1 of 1: every rank "
+                     r"starts again from the start \(no checkpoint yet\)$", err, re.M), err[-2000:]
+    assert err.strip().splitlines()[-1] == "launch: rank 1 failed with exit code 1 (see its error above)", err[-2000:]
 
 
 def test_bad_input_found_by_the_ranks_stays_exit_2_when_the_launcher_is_then_signalled(tmp_path):

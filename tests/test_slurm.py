@@ -139,7 +139,9 @@ def wait_for(predicate, timeout: float, what: str):
 
 
 def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    """The rows of metrics.jsonl, without event rows (resume, restart: trainer/metrics.py)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [row for row in rows if "event" not in row]
 
 
 def log_text(run_dir: Path, job_id: str) -> str:

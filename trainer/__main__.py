@@ -18,7 +18,7 @@ from trainer.checkpoint import CheckpointError  # noqa: E402
 from trainer.config import ConfigError, load_run  # noqa: E402
 from trainer.data import DataError  # noqa: E402
 from trainer.dist import NodeError, exit_process, read_env, shutdown  # noqa: E402
-from trainer.launch import mark_bad_input  # noqa: E402
+from trainer import launch  # noqa: E402
 from trainer.lease import LeaseError, LeaseLost  # noqa: E402
 from trainer.metrics import setup_logging  # noqa: E402
 from trainer.requeue import LEASE_LOST  # noqa: E402
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def fail(message: str, code: int = 2) -> int:
         if code == 2:  # first: this node's launcher may be signalled as soon as another node exits 2
-            mark_bad_input()
+            launch.mark(launch.BAD_INPUT_MARK)
         if env.rank == 0:  # every rank finds the same problem; one says it
             print(f"error: {message}", file=sys.stderr, flush=True)
         return code
@@ -58,8 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, DataError, NodeError, LeaseError) as e:
         return fail(str(e))
     except LeaseLost as e:  # another run has the run dir now: neither a success nor bad input, not requeued
+        launch.mark(launch.LEASE_LOST_MARK)  # not restarted: the run dir is another run's
         return fail(str(e), code=LEASE_LOST)
     except Diverged as e:
+        launch.mark(launch.DIVERGED_MARK)  # not restarted: it would diverge again
         return fail(str(e), code=1)  # not bad input: the run itself failed
     except StuckRank as e:  # said by every rank that saw it: the stuck one may be rank 0
         print(f"error: {e}", file=sys.stderr, flush=True)

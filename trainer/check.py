@@ -111,7 +111,8 @@ def validate(cfg: Config, world_size: int, where: str = "config", overrides: lis
     interval = 0 if cfg.checkpoint.interval == "auto" else cfg.checkpoint.interval
     for key, value in {"checkpoint.interval": interval, "checkpoint.keep": cfg.checkpoint.keep,
                        "checkpoint.keep_every": cfg.checkpoint.keep_every, "eval.interval": cfg.eval.interval,
-                       "data.num_workers": cfg.data.num_workers, "optim.warmup_steps": cfg.optim.warmup_steps}.items():
+                       "data.num_workers": cfg.data.num_workers, "optim.warmup_steps": cfg.optim.warmup_steps,
+                       "launch.max_restarts": cfg.launch.max_restarts}.items():
         if value < 0:
             fail(key, f"is {value}; it must be 0 or more")
 

@@ -204,6 +204,8 @@ def _write_errors(step: int, tmp: str):
         free = _free_bytes(tmp)
         if oserror is None and free is not None and free < 1 << 20:  # torch.save hides ENOSPC ("unexpected pos")
             what = f"No space left on device ({tmp}: {free} bytes free)"
+        elif oserror is None:  # not the filesystem: a rank failed (a peer gone mid-save), which a restart fixes
+            raise
         raise CheckpointError(f"saving the checkpoint of step {step} failed: {what}; the checkpoints saved before are "
                               f"intact; free space or fix the filesystem, then start again to resume") from None
 

@@ -20,6 +20,7 @@ import yaml
 
 from trainer.checkpoint import CheckpointArgs
 from trainer.data import DataArgs, special_file
+from trainer.launch import LaunchArgs
 from trainer.metrics import LogArgs
 from trainer.models import ModelArgs
 from trainer.optim import OptimArgs
@@ -63,6 +64,7 @@ class Config:
     eval: EvalArgs = field(default_factory=EvalArgs)
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
     log: LogArgs = field(default_factory=LogArgs)
+    launch: LaunchArgs = field(default_factory=LaunchArgs)
 
 
 def load(path: str | None, overrides: list[str] = ()) -> Config:

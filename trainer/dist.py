@@ -66,7 +66,19 @@ def init(timeout_s: float) -> Env:
         backend = "cuda:nccl,cpu:gloo"  # gloo too: CPU tensors (checkpoint coordination) need it
     else:
         backend = "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), device_id=_device_id(env))
+    timeout = timedelta(seconds=timeout_s)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart:
+        # A restart inside the allocation (trainer/launch.py) talks to the same store as the attempt
+        # before, whose keys are still there: a rank could read a dead rank's gloo address. Each
+        # attempt gets keys of its own.
+        from torch.distributed.rendezvous import rendezvous
+
+        store, _, _ = next(rendezvous("env://", env.rank, env.world_size, timeout=timeout))
+        dist.init_process_group(backend, store=dist.PrefixStore(f"trainer/attempt_{restart}/", store), rank=env.rank,
+                                world_size=env.world_size, timeout=timeout, device_id=_device_id(env))
+        return env
+    dist.init_process_group(backend, timeout=timeout, device_id=_device_id(env))
     return env
 
 

@@ -13,6 +13,10 @@
 * runs torchrun's agent in this process (one rank per process it starts), with the stop signals
   forwarded to every rank and a shutdown budget derived from the grace time (signals.shutdown_budget):
   under Slurm this process is the job step's task, the process a proctrack/cgroup site signals;
+* restarts every rank of this node from the newest checkpoint when one of them fails (killed,
+  crashed), up to `launch.max_restarts` times, without going back to the queue: torchrun's own
+  restarts, each said in one line and a metrics.jsonl row. Bad input, divergence and stop signals
+  never restart;
 * maps the outcome to exit codes: 0 finished or stopped cleanly (the checkpoint is saved),
   2 bad input (the rank's one line is above), 3 the run dir's lease was lost to another run (not
   requeued), anything else a failure.
@@ -21,15 +25,27 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 
 from trainer import layout, signals
 from trainer.requeue import LEASE_LOST
+
+
+@dataclass
+class LaunchArgs:
+    # Times the launcher restarts every rank of the job, in the same allocation, from the newest
+    # checkpoint after a rank failed (killed, crashed; never bad input, divergence or a stop signal),
+    # counted over one launch (torchrun's --max-restarts); 0: a failure ends the launch at once. The
+    # default 3 survives a few transient faults (a killed process, a lost connection) without the
+    # queue; a failure that repeats at once costs 3 quick starts before the exit code says it.
+    max_restarts: int = 3
 
 # A signal before torchrun's agent takes over (imports, validation, rendezvous) ends the launch
 # cleanly instead of killing it: remembered here (main() listens first thing), acted on once the
@@ -48,18 +64,20 @@ def node_name() -> str:
 
 
 BAD_INPUT = 2
-# A rank that stops on bad input marks it in this node-local file (named by the launcher) before it
-# exits 2. Under Slurm, `srun --kill-on-bad-exit=1` terminates every node's task as soon as the first
-# one exits: a launcher whose own ranks stopped on the same input may be signalled before it has
-# seen their exit codes, and must still exit 2 (not 143), or the requeue check requeues bad input.
-BAD_INPUT_MARK_ENV = "TRAINER_BAD_INPUT_MARK"
+# A rank that stops on bad input or divergence marks it in this node-local folder (named by the
+# launcher) before it exits: neither is restarted. Under Slurm, `srun --kill-on-bad-exit=1`
+# terminates every node's task as soon as the first one exits: a launcher whose own ranks stopped on
+# the same input may be signalled before it has seen their exit codes, and must still exit 2 (not
+# 143), or the requeue check requeues bad input.
+MARKS_ENV = "TRAINER_LAUNCH_MARKS"
+BAD_INPUT_MARK, DIVERGED_MARK, LEASE_LOST_MARK = "bad-input", "diverged", "lease-lost"
 
 
-def mark_bad_input() -> None:
-    """Called by a rank that is about to exit 2 (trainer/__main__.py)."""
-    path = os.environ.get(BAD_INPUT_MARK_ENV)
-    if path:
-        with open(path, "a"):
+def mark(name: str) -> None:
+    """Called by a rank that is about to exit on bad input, divergence or a lost lease (trainer/__main__.py)."""
+    folder = os.environ.get(MARKS_ENV)
+    if folder:
+        with open(os.path.join(folder, name), "a"):
             pass
 # torchrun's own default when nothing is said (and the only value before torch 2.12).
 TORCHRUN_DEFAULT_SHUTDOWN_S = 30
@@ -132,8 +150,8 @@ def _threads_per_rank(nproc: int) -> str:
     return str(max(1, len(os.sched_getaffinity(0)) // nproc))
 
 
-def torchrun_args(a: argparse.Namespace, nproc: int, shutdown_s: int) -> list[str]:
-    args = [f"--nproc-per-node={nproc}", "--max-restarts=0", f"--signals-to-handle={signals.TORCHRUN_SIGNALS}",
+def torchrun_args(a: argparse.Namespace, nproc: int, shutdown_s: int, max_restarts: int = 0) -> list[str]:
+    args = [f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", f"--signals-to-handle={signals.TORCHRUN_SIGNALS}",
             f"--shutdown-timeout={shutdown_s}"]
     if a.nnodes == 1 and not a.rdzv_endpoint:
         args.append("--standalone")
@@ -173,6 +191,84 @@ def _quiet_once_marked(mark: str) -> None:
     for name in list(logging.Logger.manager.loggerDict):
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).addFilter(unmarked)
+
+
+def first_failure(failures: dict, ended: set[int] = frozenset()) -> tuple[int, object]:
+    """(global rank, torchrun's ProcessFailure) of the failure that came first, whatever order torchrun
+    reaped the processes in. `ended`: the ranks that had ended before torchrun noticed a failure and
+    stopped the others (SIGTERM, after the shutdown time SIGKILL); a rank it stopped is named only
+    when none ended on its own. Of those that did, a death by a signal (an outside kill, a segfault)
+    comes before an exit, which in the same instant is a peer's reaction to it (a closed connection);
+    then torchrun's time of each (whole seconds, from the rank's error file if it wrote one), then
+    the order in which torchrun reaped them."""
+    order = {rank: i for i, rank in enumerate(failures)}
+    candidates = [(rank, f) for rank, f in failures.items() if rank in ended] or list(failures.items())
+    return min(candidates, key=lambda item: (item[1].exitcode >= 0, item[1].timestamp, order[item[0]]))
+
+
+def _cause(failure) -> str:
+    name = failure.signal_name() if failure.exitcode < 0 else "see its error above"
+    return f"failed with exit code {failure.exitcode} ({name})"
+
+
+def _ended(pid: int) -> bool:
+    """Whether child process `pid` has ended, without reaping it (torchrun does that)."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # reaped already
+        return True
+
+
+def _no_restart(marks: str) -> str | None:
+    """Why the failed ranks must not be restarted (they said so: trainer/__main__.py), or None."""
+    for name, why in ((BAD_INPUT_MARK, "bad input"), (DIVERGED_MARK, "divergence"), (LEASE_LOST_MARK, "a lost lease")):
+        if os.path.exists(os.path.join(marks, name)):
+            return why
+    return None
+
+
+def _restarting_agent(run_dir: str, marks: str, outcome: dict):
+    """torchrun's agent (LocalElasticAgent), which also finds the rank that failed first (kept in
+    outcome["first"]) and, before each of torchrun's restarts, says it in one line and a
+    metrics.jsonl row, or cancels the restarts left when the ranks stopped on bad input or divergence.
+    Stop signals never get here: the agent raises SignalException instead of restarting."""
+    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    class RestartingAgent(LocalElasticAgent):
+        def _monitor_workers(self, worker_group):
+            ended = {w.global_rank for w in worker_group.workers if w.id is not None and _ended(w.id)}
+            result = super()._monitor_workers(worker_group)  # stops every rank once one has failed
+            if result.state != WorkerState.FAILED or not result.failures:
+                return result
+            rank, failure = outcome["first"] = first_failure(result.failures, ended)
+            if _no_restart(marks) or self._remaining_restarts <= 0:
+                self._remaining_restarts = 0
+                return result
+            restart = worker_group.spec.max_restarts - self._remaining_restarts + 1
+            step = layout.latest_committed_step(run_dir)
+            node = node_name()
+            start = f"step {step}, the newest checkpoint" if step is not None else "the start (no checkpoint yet)"
+            _say(f"rank {rank} on {node} {_cause(failure)}; restart {restart} of {worker_group.spec.max_restarts}: "
+                 f"every rank starts again from {start}")
+            write_row(run_dir, {"event": "restart", "step": step or 0, "rank": rank, "node": node,
+                                "exit_code": failure.exitcode, "restart": restart,
+                                "max_restarts": worker_group.spec.max_restarts})
+            return result
+
+    return RestartingAgent
+
+
+def write_row(run_dir: str, row: dict) -> None:
+    """Append one row, with the time, to metrics.jsonl (this node's ranks are stopped), unless the
+    run has not written its run dir yet."""
+    if not os.path.isdir(run_dir):
+        return
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps({**row, "time": round(time.time(), 3)}) + "\n")
+    except OSError as e:  # the restart matters more than its row
+        _say(f"could not write the restart's row to {run_dir}/metrics.jsonl: {e}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,14 +320,19 @@ def main(argv: list[str] | None = None) -> int:
     shutdown_s = signals.shutdown_budget(a.grace_seconds)
     os.environ.setdefault("OMP_NUM_THREADS", _threads_per_rank(nproc))
     try:
-        args = torchrun.parse_args(_supported(torchrun_args(a, nproc, shutdown_s)))
+        args = torchrun.parse_args(_supported(torchrun_args(a, nproc, shutdown_s, cfg.launch.max_restarts)))
     except OSError as e:
         print(f"error: {node_name()}: {e}", file=sys.stderr, flush=True)
         return BAD_INPUT
     marks = tempfile.mkdtemp(prefix="trainer-launch-")
-    bad_input = os.path.join(marks, "bad-input")
-    os.environ[BAD_INPUT_MARK_ENV] = bad_input
+    bad_input = os.path.join(marks, BAD_INPUT_MARK)
+    os.environ[MARKS_ENV] = marks
     _quiet_once_marked(bad_input)
+    import torch.distributed.launcher.api as launcher_api
+
+    outcome: dict = {}
+    agent_class = launcher_api.LocalElasticAgent
+    launcher_api.LocalElasticAgent = _restarting_agent(cfg.run_dir, marks, outcome)
     try:
         try:
             torchrun.run(args)
@@ -241,8 +342,8 @@ def main(argv: list[str] | None = None) -> int:
                 return BAD_INPUT  # the rank said what is wrong, in one line
             if LEASE_LOST in codes and all(c == LEASE_LOST or c < 0 for c in codes):
                 return LEASE_LOST  # another run took the run dir: rank 0 said which, in one line
-            rank, failure = min(e.failures.items())
-            _say(f"rank {rank} failed with exit code {failure.exitcode} ({failure.signal_name() if failure.exitcode < 0 else 'see its error above'})")
+            rank, failure = outcome.get("first") or first_failure(e.failures)
+            _say(f"rank {rank} {_cause(failure)}")
             return 1
         except SignalException as e:
             if os.path.exists(bad_input):  # signalled as the ranks stopped on bad input (another node's srun kill)
@@ -265,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         # default handlers while it exits, and torch's agent handler would raise here).
         for sig in signals.STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
+        launcher_api.LocalElasticAgent = agent_class  # main() may run again in this process (submitit)
         shutil.rmtree(marks, ignore_errors=True)
 
 

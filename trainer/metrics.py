@@ -1,4 +1,11 @@
-"""What a run reports: JSON rows in run_dir/metrics.jsonl and a live progress line, both from rank 0."""
+"""What a run reports: JSON rows in run_dir/metrics.jsonl and a live progress line, both from rank 0.
+
+Every row has `time` (Unix seconds). Training rows have `loss`; evaluation rows `eval_loss`; event
+rows `event`: "resume" (this start continues from a checkpoint: its `step`, `world_size` and
+`checkpoint`) and "restart" (the launcher restarted the ranks after one failed: trainer/launch.py).
+A start keeps each step's row once: rows of steps after the one it starts from, logged by an
+earlier start that did not save them, move to metrics.superseded.jsonl.
+"""
 
 from __future__ import annotations
 
@@ -78,18 +85,48 @@ class Reporter:
         self.trackers = None  # trainer.trackers.Trackers on rank 0 when any is configured
 
     def write(self, values: dict) -> None:
-        """Append one row to metrics.jsonl (and hand it to the trackers)."""
+        """Append one row to metrics.jsonl, as given (rows of the run: `timed(...)`), and hand it to the
+        trackers."""
         if self.is_main:
             with open(self.path, "a") as f:
-                f.write(json.dumps(finite_or_null(values), allow_nan=False) + "\n")
+                f.write(_line(values))
             if self.trackers:
                 self.trackers.log(values)
+
+    def start(self, step: int, resumed: dict | None) -> None:
+        """Before this start's first step: the rows after `step` (an earlier start's, not saved) move
+        to metrics.superseded.jsonl, and a resume row follows when `resumed` (the checkpoint's meta)
+        says this start continues from a checkpoint. metrics.jsonl is replaced atomically."""
+        if not self.is_main:
+            return
+        try:
+            with open(self.path) as f:
+                lines = f.read().splitlines()
+        except FileNotFoundError:
+            lines = []
+        kept, superseded = [], []
+        for line in lines:
+            (superseded if _after(line, step) else kept).append(line + "\n")
+        if superseded:
+            with open(os.path.join(os.path.dirname(self.path), "metrics.superseded.jsonl"), "a") as f:
+                f.writelines(superseded)
+        if resumed:
+            kept.append(_line(timed({"event": "resume", "step": step, "world_size": resumed["world_size"],
+                               "checkpoint": resumed["path"]})))
+        if not superseded and not resumed:
+            return
+        tmp = f"{self.path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
 
     def row(self, values: dict) -> None:
         """Append a training row and refresh the progress line."""
         if not self.is_main:
             return
-        self.write(values)
+        self.write(timed(values))
         step = values["step"]
         if self.first_step is None:
             self.first_step, self.started = step, time.perf_counter()
@@ -116,6 +153,25 @@ class Reporter:
         if self.live:
             sys.stdout.write("\n")
         log.info(text)
+
+
+def timed(values: dict) -> dict:
+    """The row with the wall-clock `time` (Unix seconds) that every row of a run carries."""
+    return {**values, "time": round(time.time(), 3)}
+
+
+def _line(values: dict) -> str:
+    return json.dumps(finite_or_null(values), allow_nan=False) + "\n"
+
+
+def _after(line: str, step: int) -> bool:
+    """Whether a metrics.jsonl line belongs after `step`: its row's step is later, or it is no row
+    (a line cut short by a kill)."""
+    try:
+        row = json.loads(line)
+        return not isinstance(row, dict) or row.get("step", 0) > step
+    except ValueError:
+        return True
 
 
 def finite_or_null(values: dict) -> dict:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from trainer import checkpoint, data, dist as distributed, hf, layout, models, optim, parallel, signals
 from trainer.config import Config, dump, to_dict
 from trainer.lease import Lease, LeaseError, LeaseLost
-from trainer.metrics import Reporter, peak_flops, peak_memory_gb
+from trainer.metrics import Reporter, peak_flops, peak_memory_gb, timed
 
 log = logging.getLogger("trainer")
 
@@ -215,10 +215,11 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, lease: Lease | 
     if env.is_main:  # the start is accepted: only now the run dir's config and status change
         dump(cfg, os.path.join(run_dir, "config.yaml"))
         layout.write_status(run_dir, state="running", steps=cfg.train.steps, step=step)
-        if cfg.log.tensorboard or cfg.log.wandb or cfg.log.mlflow:
-            from trainer.trackers import Trackers
+    reporter.start(step, meta)  # rows after `step` are an earlier start's: each step's row once
+    if env.is_main and (cfg.log.tensorboard or cfg.log.wandb or cfg.log.mlflow):
+        from trainer.trackers import Trackers
 
-            reporter.trackers = Trackers(run_dir, cfg.log, to_dict(cfg), meta["step"] if meta else None)
+        reporter.trackers = Trackers(run_dir, cfg.log, to_dict(cfg), meta["step"] if meta else None)
     warning = optim.schedule_warning(cfg.optim, cfg.train.steps)
     if warning:
         reporter.message(f"warning: {warning}")
@@ -321,7 +322,7 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, lease: Lease | 
             parallel.average_batchnorm_stats(model)  # the same statistics on every rank
             result = evaluate(model, cfg, env, eval_set, compute_dtype)
             reporter.message(f"eval at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
-            reporter.write({"step": step, **result})
+            reporter.write(timed({"step": step, **result}))
             stopping = None  # a signal may have come during the evaluation: ask again
 
         # save
