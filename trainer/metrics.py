@@ -237,7 +237,7 @@ def summary(run_dir: str) -> dict:
     }
 
 
-def _line(s: dict) -> str:
+def _summary_line(s: dict) -> str:
     def num(v, fmt=".4f"):
         return "-" if v is None else format(v, fmt)
 
@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for run_dir in args.run_dirs:
         s = summary(run_dir)
-        print(json.dumps(s) if args.json else _line(s))
+        print(json.dumps(s) if args.json else _summary_line(s))
     if args.plot:
         plot(args.run_dirs, args.plot)
         print(f"plotted {len(args.run_dirs)} run(s) to {args.plot}")
