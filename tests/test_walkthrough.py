@@ -50,7 +50,11 @@ def test_a_runs_life_as_the_readme_walks_it(tmp_path):
     finally:
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)
-    assert "a restart resumes here" in out, out
+    # the front door: one stop line (the launcher's), one "received" line, none of torchrun's own
+    # make, signalled too, dies by the SIGINT after its recipe (the launcher) ended: README says why
+    assert first.returncode == -signal.SIGINT, (first.returncode, out)
+    assert out.count("the checkpoint is saved, a restart resumes") == 1 and "launch: stopped by SIGINT after step" in out, out
+    assert out.count("received SIGINT") <= 1 and "closing signal" not in out and "death signal" not in out, out
     stopped = max(r["step"] for r in rows(run_dir))
     assert 10 <= stopped < 30
 
@@ -80,6 +84,8 @@ def test_a_runs_life_as_the_readme_walks_it(tmp_path):
         assert proc.returncode == 0, f"{argv}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         if argv[:2] == ["make", "run"]:
             assert "changed on the command line: train.steps 30 -> 40" in proc.stdout
+            assert f"finished at step 40: checkpoint {run_dir}/checkpoints/step_00000040, metrics {run_dir}/" \
+                   f"metrics.jsonl; next: python -m trainer.metrics {run_dir}" in proc.stdout
         if "trainer.metrics" in argv:
             assert re.match(rf"{re.escape(str(run_dir))}: 40 steps, loss \d", proc.stdout), proc.stdout
         if "trainer.generate" in argv:

@@ -69,7 +69,7 @@ BAD_INPUT = 2
 # terminates every node's task as soon as the first one exits: a launcher whose own ranks stopped on
 # the same input may be signalled before it has seen their exit codes, and must still exit 2 (not
 # 143), or the requeue check requeues bad input.
-MARKS_ENV = "TRAINER_LAUNCH_MARKS"
+MARKS_ENV = signals.MARKS_ENV
 BAD_INPUT_MARK, DIVERGED_MARK, LEASE_LOST_MARK = "bad-input", "diverged", "lease-lost"
 
 
@@ -180,13 +180,19 @@ def _supported(args: list[str]) -> list[str]:
     return kept + script
 
 
-def _quiet_once_marked(mark: str) -> None:
-    """Once a rank marked bad input (rank 0 says it in one line), the agent's reports of the ranks
-    stopping ("failed (exitcode: 2)", "closing signal SIGTERM") are noise under that line: dropped."""
+def _quiet_torchrun(mark: str) -> None:
+    """torchrun's agent logs each move of stopping the ranks ("Sending process N closing signal
+    SIGTERM", "Received 2 death signal, shutting down workers", "failed (exitcode: 1) ..."): the
+    launcher says what happened in one line, so they are dropped unless asked for with LOGLEVEL
+    (`LOGLEVEL=INFO make run`), and always once a rank marked bad input (rank 0 said it in one line)."""
     import logging
 
+    asked = "LOGLEVEL" in os.environ
+
     def unmarked(record) -> bool:
-        return not os.path.exists(mark)
+        if os.path.exists(mark):
+            return False
+        return asked or (record.levelno >= logging.ERROR and not record.getMessage().startswith("failed (exitcode"))
 
     for name in list(logging.Logger.manager.loggerDict):
         if name.startswith("torch.distributed.elastic"):
@@ -327,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     marks = tempfile.mkdtemp(prefix="trainer-launch-")
     bad_input = os.path.join(marks, BAD_INPUT_MARK)
     os.environ[MARKS_ENV] = marks
-    _quiet_once_marked(bad_input)
+    _quiet_torchrun(bad_input)
     import torch.distributed.launcher.api as launcher_api
 
     outcome: dict = {}

@@ -35,6 +35,9 @@ def shutdown_budget(grace_s: int) -> int:
 
 
 _received: int | None = None
+# The folder, named by trainer.launch for its ranks, where a rank marks why it stopped (bad input,
+# divergence, a lost lease); set: the ranks run under the launcher, which reports stops itself.
+MARKS_ENV = "TRAINER_LAUNCH_MARKS"
 
 
 def install() -> None:
@@ -50,7 +53,17 @@ def _handle(signum, frame) -> None:
         raise KeyboardInterrupt  # a second Ctrl-C: stop now, without saving
     if _received is None:
         _received = signum
-        log.warning("received %s: will save a checkpoint and stop at the next step", signal.Signals(signum).name)
+        if _says_it():
+            log.warning("received %s: will save a checkpoint and stop at the next step", signal.Signals(signum).name)
+
+
+def _says_it() -> bool:
+    """Whether this process says that it got a stop signal: rank 0 only, and not when the ranks are
+    being stopped because one of them refused bad input (its one line is the message)."""
+    if os.environ.get("RANK", "0") != "0":
+        return False
+    marks = os.environ.get(MARKS_ENV)
+    return not (marks and os.path.exists(os.path.join(marks, "bad-input")))
 
 
 def stop_with_launcher() -> None:

@@ -357,7 +357,8 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, lease: Lease | 
                     reporter.message(auto.line(step, step_s, step + auto.steps))
             last_save, segment_start = step, time.perf_counter()
         if stopping:
-            reporter.message(f"stopped by signal after step {step}; the checkpoint is saved, a restart resumes here")
+            if not os.environ.get(signals.MARKS_ENV):  # else the launcher says it, with the signal's name
+                reporter.message(f"stopped by signal after step {step}; the checkpoint is saved, a restart resumes here")
             break
 
     ckpt.close()
@@ -369,6 +370,11 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, lease: Lease | 
         _raise_lease_lost(lease, run_dir, step, ckpt)
     if env.is_main:
         layout.write_status(run_dir, state="stopped" if step < cfg.train.steps else "finished", step=step)
+    if step == cfg.train.steps:
+        reporter.message(f"finished at step {step}: checkpoint {layout.step_path(run_dir, step)}, metrics {run_dir}/metrics.jsonl; "
+                         f"next: python -m trainer.metrics {run_dir} (summary), python -m trainer.export {run_dir} "
+                         f"--format hf --out DIR, python -m trainer.generate {run_dir} --prompt TEXT, "
+                         f"python -m trainer.evaluate {run_dir}")
     dist.barrier(group=control)
 
 
