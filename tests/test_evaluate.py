@@ -13,6 +13,8 @@ import torch
 from conftest import PYTHON, ROOT, TINY, env, train
 from trainer import generate as gen
 
+pytestmark = pytest.mark.slow  # a module fixture trains a run
+
 STEPS = 2
 
 

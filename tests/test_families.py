@@ -33,6 +33,7 @@ def test_nothing_outside_the_models_package_asks_the_family():
     assert family_questions(ROOT / "trainer") == []
 
 
+@pytest.mark.slow
 def test_a_family_added_in_one_file_and_one_line_checks_and_trains(tmp_path, monkeypatch):
     monkeypatch.setitem(models.FAMILIES, "toy_mlp", FAMILY)  # the one line (the run below has it too)
     # the config check asks the family, and lists it among the names there are

@@ -19,6 +19,8 @@ tokenizers = pytest.importorskip("tokenizers")
 from conftest import PYTHON, ROOT, TINY, env, train  # noqa: E402
 from trainer import generate as gen, models  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a module fixture trains a run
+
 EOS = "<|endoftext|>"
 PROMPT = "the cat sees"
 

@@ -184,6 +184,7 @@ def _folders(run_dir: Path) -> set[str]:
 
 
 @pytest.mark.skipif(not _unshare_works(), reason="needs unshare --pid (root, util-linux)")
+@pytest.mark.slow
 def test_a_run_in_another_pid_namespace_is_refused_and_a_run_that_loses_its_lease_stops_at_once(tmp_path):
     """One run (2 ranks, a save at every step: each commits and deletes, so a late one would show).
     1. A second run started under `unshare --pid --fork --mount-proc` (same hostname, its own pids) is

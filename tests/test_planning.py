@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import subprocess
 
 from conftest import PYTHON, ROOT, env
@@ -14,6 +16,7 @@ def run_check(*args) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_planning_an_8_gpu_node_from_a_laptop_warns_about_what_only_the_target_has():
     """The report: `make check CONFIG=configs/llama-8b.yaml NPROC=8 GPU_MEM_GB=80` stopped on the
     machine's 2 cores and, before that, on the data file only the cluster has."""

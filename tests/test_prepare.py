@@ -113,6 +113,7 @@ def test_the_sidecar_of_the_same_file_spares_the_id_scan(tmp_path):
         TokenFile(str(path), "uint16", 4, vocab_size=50)
 
 
+@pytest.mark.slow
 def test_a_folder_an_eval_split_and_the_vocabulary_from_the_sidecar(inputs, tmp_path):
     """A folder is every file below it (not "not found"); --eval-fraction holds documents out into
     the eval file; a run that sets no model.vocab_size takes the tokenizer's from the sidecar."""

@@ -14,6 +14,9 @@ from conftest import ROOT, TINY, assert_same_weights, env, rows, train, wait_for
 from trainer import layout
 from trainer.dist import node_name
 from trainer.metrics import LogArgs, Reporter
+import pytest
+
+pytestmark = pytest.mark.slow  # kills and restarts trainer runs
 
 
 def launch(run_dir, *overrides: str) -> subprocess.Popen:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import subprocess
 
 from conftest import PYTHON, ROOT, TINY, env, train
+import pytest
+
+pytestmark = pytest.mark.slow  # trains and restarts a run
 
 
 def test_a_restart_keeps_the_runs_overrides_and_says_what_differs(tmp_path):

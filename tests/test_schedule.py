@@ -27,6 +27,7 @@ def test_a_run_that_ends_inside_the_warmup_warns():
     assert schedule_warning(OptimArgs(schedule="constant", warmup_steps=20), 6) is None
 
 
+@pytest.mark.slow
 def test_raising_train_steps_says_what_happens_to_the_lr_and_decay_steps_keeps_the_horizon(tmp_path):
     """The report: a cosine run that ended at step 6 at its minimum lr jumped back up when continued
     to 10, without a word. Now a resume says so, and optim.decay_steps=6 keeps the floor."""

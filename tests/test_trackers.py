@@ -16,6 +16,8 @@ import pytest
 
 from conftest import TINY, env, rows, train
 
+pytestmark = pytest.mark.slow  # trains runs, starts TensorBoard and MLflow servers
+
 CRASHED = [*TINY, "checkpoint.interval=3", "checkpoint.keep=0"]
 
 

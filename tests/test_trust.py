@@ -347,6 +347,7 @@ def test_a_compressed_checkpoint_loads_as_through_dcps_reader(tmp_path, kind):
 SAVING = [*TINY, "checkpoint.interval=3", "log.interval=3", "checkpoint.keep=0"]
 
 
+@pytest.mark.slow
 def test_payloads_never_run_on_resume_resume_from_or_export(tmp_path):
     """The report's payloads on 2 ranks: .metadata payloads in steps 6 and 9 (the restart skips
     both, naming them, and resumes at 3; export refuses the newest); an optimizer bytes item
