@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 
-from trainer import layout, signals
+from trainer import hangs, layout, signals
 from trainer.requeue import LEASE_LOST
 
 # A signal before torchrun's agent takes over (imports, validation, rendezvous) ends the launch
@@ -228,6 +228,13 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"error: {node_name()}: {e}", file=sys.stderr, flush=True)
         return BAD_INPUT
+    import torch
+
+    gpus = torch.cuda.is_available()  # the ranks' NCCL records its collectives, dumped in a hang
+    for key, value in hangs.launcher_env(cfg.run_dir, time.strftime("%Y%m%d-%H%M%S", time.localtime(started)), gpus).items():
+        os.environ[key] = value if key == hangs.HANG_DIR_ENV else os.environ.get(key, value)
+    monitor = hangs.Monitor(cfg.run_dir, started, os.environ[hangs.HANG_DIR_ENV] if gpus else None)
+    monitor.start()
     marks = tempfile.mkdtemp(prefix="trainer-launch-")
     bad_input = os.path.join(marks, "bad-input")
     os.environ[BAD_INPUT_MARK_ENV] = bad_input
@@ -241,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
                 return BAD_INPUT  # the rank said what is wrong, in one line
             if LEASE_LOST in codes and all(c == LEASE_LOST or c < 0 for c in codes):
                 return LEASE_LOST  # another run took the run dir: rank 0 said which, in one line
+            report = monitor.report()
+            if report:
+                _say(f"a rank stopped answering: see {report} (the stacks of the ranks are beside it)")
             rank, failure = min(e.failures.items())
             _say(f"rank {rank} failed with exit code {failure.exitcode} ({failure.signal_name() if failure.exitcode < 0 else 'see its error above'})")
             return 1
@@ -266,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         for sig in signals.STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
         shutil.rmtree(marks, ignore_errors=True)
+        monitor.stop()
 
 
 if __name__ == "__main__":
