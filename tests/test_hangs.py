@@ -115,11 +115,12 @@ def test_a_stopped_rank_is_named_in_the_report_with_its_stack_taken_from_outside
 
 
 # Rank 1 burns 0.3 s of CPU in each of its first 6 steps (a straggler), then sleeps inside step 9.
+# The training loss (trainer/train.py _loss_fn) is computed once a step: no accumulation in TINY.
 SLOW_THEN_ASLEEP = """
 import os, time
 if os.environ.get("RANK") == "1":
-    import trainer.models
-    loss_fn, calls = trainer.models.loss_fn, [0]
+    import trainer.train
+    training_loss, calls = trainer.train._loss_fn, [0]
 
     def slow_then_asleep(logits, y):
         calls[0] += 1
@@ -130,7 +131,12 @@ if os.environ.get("RANK") == "1":
             time.sleep(3600)
         return loss_fn(logits, y)
 
-    trainer.models.loss_fn = slow_then_asleep
+    def _loss_fn(cfg):
+        global loss_fn
+        loss_fn = training_loss(cfg)
+        return slow_then_asleep
+
+    trainer.train._loss_fn = _loss_fn
 """
 
 
@@ -147,11 +153,11 @@ def test_a_slow_rank_is_named_a_straggler_and_a_rank_asleep_in_a_step_writes_its
     # stragglers: every row has the spread; rank 1 named once, after 3 slow windows
     logged = {r["step"]: r for r in rows(run_dir)}
     assert sorted(logged) == list(range(1, 9)), err[-3000:]
-    for step in range(1, 7):
+    for step in range(2, 7):  # the first step's time is the start-up's as well
         r = logged[step]
         assert r["slowest_rank"] == 1 and r["compute_s_max"] >= 0.3 > 3 * r["compute_s_min"], r
         assert r["compute_s_median"] == pytest.approx((r["compute_s_min"] + r["compute_s_max"]) / 2)
-    named = [line for line in (out + err).splitlines() if "straggler:" in line]
+    named = [line for line in (out + err).splitlines() if "straggler at step" in line]
     assert len(named) == 1 and re.search(rf"straggler at step 3: rank 1 on node {re.escape(hangs.node())} needed 0.\d+ s of compute "
                                          rf"per step, more than 1.5 x the median [\d.]+ s \(log.straggler_factor\) for 3 "
                                          rf"logged windows in a row$", named[0]), named
@@ -165,3 +171,15 @@ def test_a_slow_rank_is_named_a_straggler_and_a_rank_asleep_in_a_step_writes_its
     assert "stopped answering: rank 1\n" in report and pids, report
     assert f"rank 1 (node {hangs.node()}, pid {pids.group(1)}, step 9): no step completed" in report
     assert re.search(r"sitecustomize.py\", line \d+, in slow_then_asleep time.sleep\(3600\)$", report, re.M), report
+
+
+def test_a_straggler_factor_of_1_or_less_is_one_line(capsys, tmp_path):
+    from trainer import check
+
+    for value in ("1", "0.5"):
+        assert check.main(["--config", str(ROOT / "configs/default.yaml"), f"run_dir={tmp_path / 'run'}",
+                           f"log.straggler_factor={value}"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (f"error: override 'log.straggler_factor={value}': log.straggler_factor: is {float(value)}; it "
+                       f"must be more than 1 (times the median compute time)"), err
+    assert not (tmp_path / "run").exists()

@@ -38,8 +38,9 @@ NCCL_TRACE_ENTRIES = 2000
 # Logged windows in a row a rank must be slower than log.straggler_factor x the median to be named.
 STRAGGLER_WINDOWS = 3
 # Seconds the launcher waits, after the first rank wrote into a hang folder, for the ranks of its
-# node to write their own stacks before it takes theirs from outside.
-OWN_DUMP_WAIT_S = 5
+# node to write their own stacks before it takes theirs from outside: a rank whose collective timed
+# out first waits up to 10 s for the others to say so too (trainer/train.py _stuck_ranks).
+OWN_DUMP_WAIT_S = 15
 
 
 def node() -> str:

@@ -329,9 +329,10 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, lease: Lease | 
                        slowest_rank=slowest)
             for r in stragglers.update(times) if env.is_main else []:
                 where = dist.distributed_c10d._get_default_store().get(f"trainer/where/{r}").decode().split(" ")[0]
-                reporter.message(f"straggler at step {step}: rank {r} on node {where} needed {times[r]:.3g} s of compute per step, more "
-                                 f"than {cfg.log.straggler_factor:g} x the median {row['compute_s_median']:.3g} s "
-                                 f"(log.straggler_factor) for {hangs.STRAGGLER_WINDOWS} logged windows in a row")
+                reporter.message(f"straggler at step {step}: rank {r} on node {where} needed {times[r]:.3g} s of compute "
+                                 f"per step, more than {cfg.log.straggler_factor:g} x the median "
+                                 f"{row['compute_s_median']:.3g} s (log.straggler_factor) for "
+                                 f"{hangs.STRAGGLER_WINDOWS} logged windows in a row")
             if grad_norm is not None:
                 row["grad_norm"] = _full(grad_norm).item()
             if flops_per_token:
