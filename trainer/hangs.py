@@ -122,12 +122,13 @@ class Watchdog:
         self._since = time.monotonic()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hang-watchdog", daemon=True)
-        self._thread.start()
 
     def reached(self, step: int) -> None:
-        """This rank starts `step`: the previous one completed."""
+        """This rank starts `step`: the previous one completed. The first call starts the thread."""
         self.step, self._since = step, time.monotonic()
         self._deadline = self._since + self.timeout_s
+        if not self._thread.is_alive() and not self._stopped.is_set():
+            self._thread.start()
 
     def allow(self, seconds: float) -> None:
         """The work that follows may take `seconds` (a checkpoint save: checkpoint.timeout_s)."""
@@ -135,7 +136,10 @@ class Watchdog:
             self._deadline = max(self._deadline, time.monotonic() + seconds)
 
     def stop(self) -> None:
+        """End the thread (it wakes at once), unless it is the one calling."""
         self._stopped.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
 
     def _run(self) -> None:
         while not self._stopped.wait(min(1.0, self.timeout_s / 10)):
