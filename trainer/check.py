@@ -102,6 +102,8 @@ def validate(cfg: Config, world_size: int, where: str = "config", overrides: lis
     # What the ranks' libraries take: numpy's and torch's generators, timedelta and c10d's clocks.
     if not 0 <= cfg.train.seed <= MAX_SEED:
         fail("train.seed", f"is {cfg.train.seed}; it must be in [0, {MAX_SEED}] (numpy's and torch's generators)")
+    if not cfg.log.straggler_factor > 1:
+        fail("log.straggler_factor", f"is {cfg.log.straggler_factor}; it must be more than 1 (times the median compute time)")
     for key in ("parallel.timeout_s", "checkpoint.timeout_s"):
         if positive[key] > MAX_TIMEOUT_S:
             fail(key, f"is {positive[key]}; it must be at most {MAX_TIMEOUT_S} (7 days)")

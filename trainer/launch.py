@@ -34,7 +34,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from trainer import layout, signals
+from trainer import hangs, layout, signals
 from trainer.requeue import LEASE_LOST
 
 
@@ -330,6 +330,13 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"error: {node_name()}: {e}", file=sys.stderr, flush=True)
         return BAD_INPUT
+    import torch
+
+    gpus = torch.cuda.is_available()  # the ranks' NCCL records its collectives, dumped in a hang
+    for key, value in hangs.launcher_env(cfg.run_dir, time.strftime("%Y%m%d-%H%M%S", time.localtime(started)), gpus).items():
+        os.environ[key] = value if key == hangs.HANG_DIR_ENV else os.environ.get(key, value)
+    monitor = hangs.Monitor(cfg.run_dir, started, os.environ[hangs.HANG_DIR_ENV] if gpus else None)
+    monitor.start()
     marks = tempfile.mkdtemp(prefix="trainer-launch-")
     bad_input = os.path.join(marks, BAD_INPUT_MARK)
     os.environ[MARKS_ENV] = marks
@@ -348,6 +355,9 @@ def main(argv: list[str] | None = None) -> int:
                 return BAD_INPUT  # the rank said what is wrong, in one line
             if LEASE_LOST in codes and all(c == LEASE_LOST or c < 0 for c in codes):
                 return LEASE_LOST  # another run took the run dir: rank 0 said which, in one line
+            report = monitor.report()
+            if report:
+                _say(f"a rank stopped answering: see {report} (the stacks of the ranks are beside it)")
             rank, failure = outcome.get("first") or first_failure(e.failures)
             _say(f"rank {rank} {_cause(failure)}")
             return 1
@@ -374,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, signal.SIG_IGN)
         launcher_api.LocalElasticAgent = agent_class  # main() may run again in this process (submitit)
         shutil.rmtree(marks, ignore_errors=True)
+        monitor.stop()
 
 
 if __name__ == "__main__":

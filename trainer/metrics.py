@@ -31,6 +31,9 @@ class LogArgs:
     wandb: bool = False  # also log to a Weights & Biases run, the same one after each restart
     mlflow: bool = False  # also log to an MLflow run at MLFLOW_TRACKING_URI, the same one after each restart
     project: str | None = None  # W&B project / MLflow experiment; None: the run dir's name
+    # A rank whose compute time per step (a metrics row's compute_s_*) exceeds this many times the
+    # median of all ranks' for 3 logged windows in a row is named as a straggler (rank and node); > 1.
+    straggler_factor: float = 1.5
 
 
 # Dense bf16 peak FLOP/s by device name, from the vendors' data sheets. The first key found in the

@@ -5,13 +5,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import statistics
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from trainer import checkpoint, data, dist as distributed, hf, layout, models, optim, parallel, signals
+from trainer import checkpoint, data, dist as distributed, hangs, hf, layout, models, optim, parallel, signals
 from trainer.config import Config, dump, to_dict
 from trainer.lease import Lease, LeaseError, LeaseLost
 from trainer.metrics import Reporter, peak_flops, peak_memory_gb, timed
@@ -92,13 +93,18 @@ def train(cfg: Config) -> None:
     datasets = _datasets(cfg, env, control)  # bad data stops the run here, before the run dir is touched
     distributed.check_nodes(run_dir, control)
     lease = _take_lease(run_dir, env, control)  # before anything in the run dir changes
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"trainer/where/{env.rank}", f"{hangs.node()} {os.getpid()}")  # named in hang files and straggler lines
+    watchdog = hangs.Watchdog(run_dir, env.rank, cfg.parallel.timeout_s, store)  # armed by the loop's first step
     try:
-        _train(cfg, env, control, io_group, lease, *datasets)
+        _train(cfg, env, control, io_group, lease, watchdog, *datasets)
     except RuntimeError as e:  # torch.distributed.DistBackendError is one
+        watchdog.stop()
         if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
             raise
-        raise StuckRank(_stuck_ranks(env, cfg.parallel.timeout_s, e)) from None
+        raise StuckRank(_stuck_ranks(env, cfg.parallel.timeout_s, e, run_dir, watchdog.step)) from None
     finally:
+        watchdog.stop()
         if lease:
             lease.release()
 
@@ -107,16 +113,20 @@ class StuckRank(Exception):
     """A collective timed out: some rank stopped answering. The message names the step and the rank."""
 
 
-def _reached(env: distributed.Env, step: int) -> None:
+def _reached(env: distributed.Env, step: int, watchdog: hangs.Watchdog) -> None:
     """Tell the rendezvous store (torchrun's TCP store) that this rank is at `step`: one small write
-    per step, read back when a collective times out (_stuck_ranks)."""
+    per step, read back when a collective times out (_stuck_ranks); and this rank's watchdog."""
     dist.distributed_c10d._get_default_store().set(f"trainer/step/{env.rank}", str(step))
+    watchdog.reached(step)
 
 
-def _stuck_ranks(env: distributed.Env, timeout_s: int, error: Exception) -> str:
+def _stuck_ranks(env: distributed.Env, timeout_s: int, error: Exception, run_dir: str, step: int) -> str:
     """The message for a timed-out collective: every rank that timed out says so in the store, and
-    waits a little for the others to; the ranks that never do are the ones that stopped answering."""
+    waits a little for the others to; the ranks that never do are the ones that stopped answering.
+    This rank's stacks and the silent ranks go into the hang folder (trainer/hangs.py)."""
     first_line = (str(error).strip().splitlines() or [""])[0][:200]
+    why = f"a collective timed out after {timeout_s} s (parallel.timeout_s): {first_line}"
+    store = None
     try:
         store = dist.distributed_c10d._get_default_store()
         store.set_timeout(timedelta(seconds=5))
@@ -129,10 +139,13 @@ def _stuck_ranks(env: distributed.Env, timeout_s: int, error: Exception) -> str:
             time.sleep(0.2)
         step = store.get(f"trainer/step/{env.rank}").decode()
         who = ", ".join(f"rank {r} (last seen at step {store.get(f'trainer/step/{r}').decode()})" for r in silent)
+        hangs.dump(run_dir, store, env.rank, int(step), why, {"silent": [hangs.silent_line(
+            r, store.get(f"trainer/where/{r}").decode(), store.get(f"trainer/step/{r}").decode()) for r in silent]}, error)
         return (f"at step {step}, rank {env.rank} waited {timeout_s} s (parallel.timeout_s) for {who or 'another rank'}, "
                 f"which did not answer; the run stops so that it can be restarted (under Slurm it is requeued) "
                 f"[{first_line}]")
     except Exception:  # noqa: BLE001 - the store may be gone with the launcher: say what is known
+        hangs.dump(run_dir, store, env.rank, step, why, error=error)
         return (f"rank {env.rank} waited {timeout_s} s (parallel.timeout_s) for a rank that did not answer; the run stops "
                 f"so that it can be restarted [{first_line}]")
 
@@ -173,7 +186,8 @@ def _datasets(cfg: Config, env: distributed.Env, group) -> tuple:
     return sets
 
 
-def _train(cfg: Config, env: distributed.Env, control, io_group, lease: Lease | None, train_set, eval_set) -> None:
+def _train(cfg: Config, env: distributed.Env, control, io_group, lease: Lease | None, watchdog: hangs.Watchdog,
+           train_set, eval_set) -> None:
     run_dir = cfg.run_dir
     micro, accum = batch_plan(cfg, env.world_size)
     B = cfg.train.global_batch_size
@@ -244,11 +258,17 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, lease: Lease | 
     auto = _auto_interval(cfg, env) if cfg.checkpoint.interval == "auto" else None
     last_save, segment_start = step, time.perf_counter()  # steps and time since the last save: the step time
     window_start, window_steps = time.perf_counter(), 0  # throughput over the steps since the last row
+    # This rank's compute time in the window: CPU seconds of this process in the step's own work (data,
+    # forward, backward, clip, optimizer), so the waits for other ranks in the collectives FSDP runs
+    # inside forward and backward do not count (a wall clock would give every rank the slowest one's
+    # time). On GPUs this is the host's share (data, Python, kernel launches), not the kernels'.
+    compute_s, stragglers = 0.0, hangs.Stragglers(cfg.log.straggler_factor)
     # First step whose loss or gradient norm was not finite, or -1; on the device: read (a sync) only
     # when logging and before saving, so nothing non-finite is ever written or committed.
     first_bad = torch.full((), -1, device=env.device)
     while step < cfg.train.steps:
-        _reached(env, step + 1)
+        _reached(env, step + 1, watchdog)
+        compute_start = time.process_time()
         # accumulate: the mean loss over the global batch, micro-batch by micro-batch
         loss_sum = torch.zeros((), device=env.device)
         for i in range(accum):
@@ -286,16 +306,21 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, lease: Lease | 
         if grad_norm is not None and not scaler:  # with fp16 loss scaling, inf gradients are routine: skipped
             bad |= ~torch.isfinite(_local(grad_norm))
         first_bad = torch.where(bad & (first_bad < 0), step, first_bad)
+        compute_s += time.process_time() - compute_start
 
-        # log: one all-reduce carries the loss, whether a rank diverged, whether a rank must stop and
+        # log: one all-reduce carries the loss, whether a rank diverged, whether a rank must stop,
         # whether rank 0 lost the run dir's lease (its renewal thread or a commit found another owner)
+        # and each rank's compute time per step (rank r's at index 4 + r, zeros elsewhere)
         stopping = None  # not agreed yet at this step
         if step % cfg.log.interval == 0 or step == cfg.train.steps:
-            agreed = torch.stack([loss_sum.float(), (first_bad >= 0).float(),
-                                  torch.full((), float(signals.pending()), device=env.device),
-                                  torch.full((), float(bool(lease and lease.lost)), device=env.device)])
+            times = torch.zeros(env.world_size, device=env.device)
+            times[env.rank] = compute_s / window_steps
+            agreed = torch.cat([torch.stack([loss_sum.float(), (first_bad >= 0).float(),
+                                             torch.full((), float(signals.pending()), device=env.device),
+                                             torch.full((), float(bool(lease and lease.lost)), device=env.device)]),
+                                times])
             dist.all_reduce(agreed)  # sums (gloo has no AVG)
-            loss_total, diverged, stops, lost = agreed.tolist()  # waits for the device: the timing below is real
+            loss_total, diverged, stops, lost, *times = agreed.tolist()  # waits for the device: the timing below is real
             if lost:
                 _raise_lease_lost(lease, run_dir, step, ckpt)
             if diverged:
@@ -305,6 +330,15 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, lease: Lease | 
             elapsed = (time.perf_counter() - window_start) / window_steps
             row = {"step": step, "loss": loss, "lr": lr, "world_size": env.world_size,
                    "samples_per_s": B / elapsed, "step_time_s": elapsed, "peak_mem_gb": peak_memory_gb(env.device)}
+            slowest = max(range(env.world_size), key=times.__getitem__)
+            row.update(compute_s_min=min(times), compute_s_median=statistics.median(times), compute_s_max=times[slowest],
+                       slowest_rank=slowest)
+            for r in stragglers.update(times) if env.is_main else []:
+                where = dist.distributed_c10d._get_default_store().get(f"trainer/where/{r}").decode().split(" ")[0]
+                reporter.message(f"straggler at step {step}: rank {r} on node {where} needed {times[r]:.3g} s of compute "
+                                 f"per step, more than {cfg.log.straggler_factor:g} x the median "
+                                 f"{row['compute_s_median']:.3g} s (log.straggler_factor) for "
+                                 f"{hangs.STRAGGLER_WINDOWS} logged windows in a row")
             if grad_norm is not None:
                 row["grad_norm"] = _full(grad_norm).item()
             if scaler:
@@ -315,11 +349,12 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, lease: Lease | 
                 if peak:
                     row["mfu"] = flops_per_token * tokens_per_s / (peak * env.world_size)
             reporter.row(row)
-            window_start, window_steps = time.perf_counter(), 0
+            window_start, window_steps, compute_s = time.perf_counter(), 0, 0.0
 
         # evaluate
         if eval_set is not None and step % cfg.eval.interval == 0:
             parallel.average_batchnorm_stats(model)  # the same statistics on every rank
+            watchdog.allow(cfg.parallel.timeout_s)  # the evaluation is not a step: its own allowance
             result = evaluate(model, cfg, env, eval_set, compute_dtype)
             reporter.message(f"eval at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
             reporter.write(timed({"step": step, **result}))
@@ -346,6 +381,7 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, lease: Lease | 
             parallel.average_batchnorm_stats(model)  # the checkpoint keeps one rank's copy: make it all ranks'
             blocking = stopping or step == cfg.train.steps or not cfg.checkpoint.async_save
             started = time.perf_counter()
+            watchdog.allow(cfg.checkpoint.timeout_s)
             ckpt.save(step, {"samples": samples, "config": to_dict(cfg)}, blocking=blocking)
             save_s = time.perf_counter() - started  # what the save blocked training (all of it, unless async)
             if blocking and env.is_main and not lease.lost:  # what a stop costs: make submit sizes the warning with it
@@ -361,6 +397,7 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, lease: Lease | 
                 reporter.message(f"stopped by signal after step {step}; the checkpoint is saved, a restart resumes here")
             break
 
+    watchdog.stop()  # what follows (the last async save's end) is not a step
     ckpt.close()
     if reporter.trackers:
         reporter.trackers.close()
