@@ -80,11 +80,14 @@ def test_every_shipped_config_passes_the_check_at_its_scale(tmp_path, monkeypatc
 
     code = check.main(args)
     out, err = capsys.readouterr()
-    if missing:
-        assert code == 2 and err.startswith(f"error: {path}: data.path: ") and err.count("\n") == 1, err
-        assert f"{missing[0]} does not exist" in err, err
+    assert code == 0 and out.startswith(f"config OK: {path}: "), err
+    warnings = [line for line in out.splitlines() if line.startswith("warning: ")]
+    if missing:  # planning for 80 GB GPUs (GPU_MEM_GB): data only the cluster has is a warning, the only kind
+        assert len(warnings) == len(missing), out
+        for warning, key, where in zip(warnings, ("data.path", "data.eval_path"), missing):
+            assert warning.startswith(f"warning: {path}: {key}: ") and f"{where} does not exist" in warning, out
     else:
-        assert code == 0 and out.startswith(f"config OK: {path}: "), err
+        assert warnings == [], out
 
     code = check.main(args + stand_in_data(cfg, tmp_path))
     out, err = capsys.readouterr()
