@@ -12,8 +12,8 @@ import yaml
 
 from conftest import ROOT, env
 from trainer import check
-from trainer.check import check_devices, resolve, validate
-from trainer.config import Config, ConfigError, load
+from trainer.check import check_devices, validate
+from trainer.config import Config, ConfigError, load, resolve
 
 
 def write(tmp_path, text: str, name: str = "c.yaml") -> str:
