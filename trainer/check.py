@@ -14,14 +14,16 @@ import math
 import os
 import sys
 import tempfile
-
-import torch
+from typing import TYPE_CHECKING
 
 from trainer.config import Config, ConfigError, load_run, resolve, resolve_batch
 from trainer.data import token_file_problem
 from trainer.layout import RUN_DIR_FILES, RUN_DIR_FOLDERS
 from trainer.models import choices as model_choices, find as find_family
 from trainer.optim import schedule_warning
+
+if TYPE_CHECKING:
+    import torch
 
 # Largest train.seed: numpy's legacy seed limit; (seed x 1_000_003 + 2**32) stays within torch's 2**64.
 MAX_SEED = 2**32 - 1
@@ -148,7 +150,7 @@ def validate(cfg: Config, world_size: int, where: str = "config", overrides: lis
         fail("train.micro_batch_size", f"{t.micro_batch_size} does not divide the {per_rank} samples per rank "
              f"(global_batch_size {t.global_batch_size} / {world_size} processes); use a divisor of {per_rank}")
 
-    if ranks_per_node and not torch.cuda.is_available():
+    if ranks_per_node and not _cuda_available():
         _check_memory(cfg, world_size, ranks_per_node, fail)
 
     # parallelism
@@ -176,6 +178,13 @@ def validate(cfg: Config, world_size: int, where: str = "config", overrides: lis
             raise
         warnings.append(f"{e} (not an error when planning for another machine: it must hold there)")
     return warnings
+
+
+def _cuda_available() -> bool:
+    """Whether torch sees a GPU here; torch is imported only when asked (validating needs no torch)."""
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _data_problem(d, path: str, seq_len: int) -> str | None:
@@ -279,6 +288,8 @@ def _check_writable(run_dir: str, where: str) -> None:
 
 def check_devices(nproc: int) -> None:
     """The number of processes per node must fit this machine's GPUs (or CPU cores without GPUs)."""
+    import torch
+
     if torch.cuda.is_available():
         have, what = torch.cuda.device_count(), "GPUs"
     else:
@@ -291,6 +302,8 @@ def check_devices(nproc: int) -> None:
 
 def check_gpus(local_world_size: int) -> None:
     """Each process of a node needs a GPU of its own: NCCL refuses two ranks on one device."""
+    import torch
+
     if not torch.cuda.is_available():
         return
     have = torch.cuda.device_count()
@@ -354,6 +367,8 @@ def check_gpu_memory(cfg: Config, world_size: int, device: torch.device, local_w
     is within a few percent of measured CPU peaks; on GPUs it is not yet calibrated (trainer/memory.py)."""
     if device.type != "cuda":
         return
+    import torch
+
     from trainer import memory
 
     torch.cuda.set_device(device)  # the context goes to this rank's own GPU
