@@ -225,5 +225,6 @@ def test_the_config_and_its_validation_need_no_torch(tmp_path):
         f"cfg, where, notes = load_run('configs/default.yaml', ['run_dir={tmp_path / 'run'}'])\n"
         "print(validate(cfg, 2, where=where, ranks_per_node=None), cfg.model.name)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 0 and proc.stdout == "[] transformer\n", proc.stderr
