@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from conftest import ROOT, PYTHON, TINY, env, train, weights  # noqa: E402
 from trainer import hf, models  # noqa: E402
-from trainer.check import resolve  # noqa: E402
+from trainer.config import resolve  # noqa: E402
 from trainer.config import Config, ConfigError  # noqa: E402
 
 SCALING = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -13,9 +13,9 @@ from trainer import signals
 signals.install()  # before the slow imports below: a stop signal during start-up is kept, not fatal
 signals.stop_with_launcher()  # a rank whose launcher died (kill -9) saves and stops, never trains on alone
 
-from trainer.check import check_gpu_memory, check_gpus, resolve, validate  # noqa: E402
+from trainer.check import check_gpu_memory, check_gpus, validate  # noqa: E402
 from trainer.checkpoint import CheckpointError  # noqa: E402
-from trainer.config import ConfigError, load_run  # noqa: E402
+from trainer.config import ConfigError, load_run, resolve  # noqa: E402
 from trainer.data import DataError  # noqa: E402
 from trainer.dist import NodeError, exit_process, read_env, shutdown  # noqa: E402
 from trainer import launch  # noqa: E402

@@ -14,19 +14,17 @@ import math
 import os
 import sys
 import tempfile
+from typing import TYPE_CHECKING
 
-import torch
-
-from trainer.config import Config, ConfigError, load_run
+from trainer.config import Config, ConfigError, load_run, resolve, resolve_batch
 from trainer.data import token_file_problem
-from trainer.models import choices as model_choices, find as find_family, resolve as resolve_model
+from trainer.layout import RUN_DIR_FILES, RUN_DIR_FOLDERS
+from trainer.models import choices as model_choices, find as find_family
 from trainer.optim import schedule_warning
 
-# Bytes a checkpoint holds per parameter: the float32 weight and the optimizer's float32 state.
-CHECKPOINT_BYTES_PER_PARAM = {"adamw": 12, "adam": 12, "adadelta": 12, "sgd": 8}
-# Write speed of one node assumed until a save of the run was measured: cautious for NFS/Lustre
-# (bench/results has this machine's figures; a parallel filesystem often does several GB/s).
-ASSUMED_SAVE_GB_PER_S_PER_NODE = 1.0
+if TYPE_CHECKING:
+    import torch
+
 # Largest train.seed: numpy's legacy seed limit; (seed x 1_000_003 + 2**32) stays within torch's 2**64.
 MAX_SEED = 2**32 - 1
 # Largest parallel.timeout_s and checkpoint.timeout_s in seconds: a week. timedelta ends at 8.6e13 s,
@@ -155,7 +153,7 @@ def validate(cfg: Config, world_size: int, where: str = "config", overrides: lis
         fail("train.micro_batch_size", f"{t.micro_batch_size} does not divide the {per_rank} samples per rank "
              f"(global_batch_size {t.global_batch_size} / {world_size} processes); use a divisor of {per_rank}")
 
-    if ranks_per_node and not torch.cuda.is_available():
+    if ranks_per_node and not _cuda_available():
         _check_memory(cfg, world_size, ranks_per_node, fail)
 
     # parallelism
@@ -183,6 +181,13 @@ def validate(cfg: Config, world_size: int, where: str = "config", overrides: lis
             raise
         warnings.append(f"{e} (not an error when planning for another machine: it must hold there)")
     return warnings
+
+
+def _cuda_available() -> bool:
+    """Whether torch sees a GPU here; torch is imported only when asked (validating needs no torch)."""
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _data_problem(d, path: str, seq_len: int) -> str | None:
@@ -219,45 +224,6 @@ def _check_memory(cfg: Config, world_size: int, ranks_per_node: int, fail) -> No
               f"{memory.gb(have)} of memory; {todo}")
 
 
-def resolve_batch(cfg: Config, world_size: int) -> Config:
-    """train.global_batch_size made train.rank_batch_size x processes where that is set."""
-    if cfg.train.rank_batch_size is None:
-        return cfg
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch_size=cfg.train.rank_batch_size * world_size))
-
-
-def resolve(cfg: Config, where: str = "config", world_size: int = 1) -> Config:
-    """The config as the run records it: the global batch of `world_size` processes, and the
-    transformer's shape spelled out, from model.init_from's config.json (keys the config sets
-    must agree with it) or else from model.size."""
-    cfg = resolve_batch(cfg, world_size)
-    model = cfg.model
-    family = find_family(model.name)
-    if model.init_from and family is not None and family.hf_args is not None:
-        from trainer import hf
-
-        try:
-            model = family.hf_args(model.init_from, model)
-            hf.weight_files(model.init_from)  # the index and the weights' headers, read before anything starts
-        except hf.HFError as e:
-            raise ConfigError(f"{where}: model.init_from: {e}") from None
-    if cfg.data.name == "tokens" and model.vocab_size is None and not model.init_from:
-        model = dataclasses.replace(model, vocab_size=_sidecar_vocab(cfg.data.path))
-    return dataclasses.replace(cfg, model=resolve_model(model))
-
-
-def _sidecar_vocab(path: str | None) -> int | None:
-    """The vocabulary size trainer.prepare recorded beside the token file at `path`, or None."""
-    from trainer.prepare import read_sidecar
-
-    try:
-        info = read_sidecar(path) if path and os.path.isfile(path) else None
-    except (OSError, ValueError):
-        return None  # the check names an unreadable sidecar
-    vocab = info.get("vocab_size") if isinstance(info, dict) else None
-    return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab >= 2 else None
-
-
 def _check_sidecar(key: str, path: str, dtype: str, vocab_size: int, fail) -> None:
     """A token file written by trainer.prepare must fit the model: its dtype, its vocabulary, its ids."""
     from trainer.prepare import read_sidecar, sidecar_path
@@ -287,34 +253,6 @@ def _floats(section, prefix: str = ""):
             yield key, value
         elif isinstance(value, tuple):
             yield from ((f"{key}[{i}]", v) for i, v in enumerate(value) if isinstance(v, float))
-
-
-def param_count(cfg: Config) -> int:
-    """Parameters of the configured model, counted on the meta device (nothing is allocated)."""
-    from trainer.models import build
-
-    with torch.device("meta"):
-        return sum(p.numel() for p in build(resolve(cfg).model).parameters())  # init_from: its config.json's shape
-
-
-def save_seconds(cfg: Config, nodes: int, run_dir: str) -> tuple[float, str]:
-    """(seconds one blocking save takes, how that was found): measured by this run dir's last
-    blocking save if there was one, else estimated from the state's size."""
-    from trainer import layout
-
-    measured = layout.read_status(run_dir).get("save_s")
-    if measured is not None:
-        return float(measured), f"measured by the last save in {run_dir}"
-    params = param_count(cfg)
-    gb = params * CHECKPOINT_BYTES_PER_PARAM[cfg.optim.name] / 1e9
-    seconds = gb / (nodes * ASSUMED_SAVE_GB_PER_S_PER_NODE)
-    return seconds, (f"estimated: {params / 1e6:.1f}M parameters, {gb:.2f} GB of weights and optimizer state over "
-                     f"{nodes} node(s) at an assumed {ASSUMED_SAVE_GB_PER_S_PER_NODE:g} GB/s each")
-
-
-# What the run dir holds, by kind: a folder where a file belongs (or the reverse) fails only later.
-RUN_DIR_FOLDERS = ("checkpoints",)
-RUN_DIR_FILES = ("config.yaml", "metrics.jsonl", "status.json", "lease.json")
 
 
 def _check_writable(run_dir: str, where: str) -> None:
@@ -353,6 +291,8 @@ def _check_writable(run_dir: str, where: str) -> None:
 
 def check_devices(nproc: int) -> None:
     """The number of processes per node must fit this machine's GPUs (or CPU cores without GPUs)."""
+    import torch
+
     if torch.cuda.is_available():
         have, what = torch.cuda.device_count(), "GPUs"
     else:
@@ -365,6 +305,8 @@ def check_devices(nproc: int) -> None:
 
 def check_gpus(local_world_size: int) -> None:
     """Each process of a node needs a GPU of its own: NCCL refuses two ranks on one device."""
+    import torch
+
     if not torch.cuda.is_available():
         return
     have = torch.cuda.device_count()
@@ -428,6 +370,8 @@ def check_gpu_memory(cfg: Config, world_size: int, device: torch.device, local_w
     is within a few percent of measured CPU peaks; on GPUs it is not yet calibrated (trainer/memory.py)."""
     if device.type != "cuda":
         return
+    import torch
+
     from trainer import memory
 
     torch.cuda.set_device(device)  # the context goes to this rank's own GPU

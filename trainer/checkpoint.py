@@ -35,7 +35,7 @@ import uuid
 import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import TYPE_CHECKING, Callable, Literal
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,9 @@ from trainer import checksums, layout
 from trainer.checksums import ChecksumWriter
 from trainer.layout import read_meta, step_path
 from trainer.shard_reader import Refused, ShardReader, load_metadata
+
+if TYPE_CHECKING:
+    from trainer.config import Config
 
 log = logging.getLogger("trainer")
 
@@ -79,6 +82,35 @@ def young_daly_interval(save_s: float, mtbf_s: float, step_s: float) -> int:
     if step_s <= 0:
         raise ValueError(f"step_s must be positive, got {step_s}")
     return max(1, round(math.sqrt(2 * max(save_s, 0.0) * mtbf_s) / step_s))
+
+
+# Bytes a checkpoint holds per parameter: the float32 weight and the optimizer's float32 state.
+CHECKPOINT_BYTES_PER_PARAM = {"adamw": 12, "adam": 12, "adadelta": 12, "sgd": 8}
+# Write speed of one node assumed until a save of the run was measured: cautious for NFS/Lustre
+# (bench/results has this machine's figures; a parallel filesystem often does several GB/s).
+ASSUMED_SAVE_GB_PER_S_PER_NODE = 1.0
+
+
+def param_count(cfg: Config) -> int:
+    """Parameters of the configured model, counted on the meta device (nothing is allocated)."""
+    from trainer.config import resolve
+    from trainer.models import build
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in build(resolve(cfg).model).parameters())  # init_from: its config.json's shape
+
+
+def save_seconds(cfg: Config, nodes: int, run_dir: str) -> tuple[float, str]:
+    """(seconds one blocking save takes, how that was found): measured by this run dir's last
+    blocking save if there was one, else estimated from the state's size."""
+    measured = layout.read_status(run_dir).get("save_s")
+    if measured is not None:
+        return float(measured), f"measured by the last save in {run_dir}"
+    params = param_count(cfg)
+    gb = params * CHECKPOINT_BYTES_PER_PARAM[cfg.optim.name] / 1e9
+    seconds = gb / (nodes * ASSUMED_SAVE_GB_PER_S_PER_NODE)
+    return seconds, (f"estimated: {params / 1e6:.1f}M parameters, {gb:.2f} GB of weights and optimizer state over "
+                     f"{nodes} node(s) at an assumed {ASSUMED_SAVE_GB_PER_S_PER_NODE:g} GB/s each")
 
 
 class AutoInterval:

@@ -21,6 +21,7 @@ import yaml
 from trainer.checkpoint import CheckpointArgs
 from trainer.data import DataArgs, special_file
 from trainer.launch import LaunchArgs
+from trainer.layout import CONFIG_FILE
 from trainer.metrics import LogArgs
 from trainer.models import ModelArgs
 from trainer.optim import OptimArgs
@@ -67,6 +68,47 @@ class Config:
     launch: LaunchArgs = field(default_factory=LaunchArgs)
 
 
+def resolve_batch(cfg: Config, world_size: int) -> Config:
+    """train.global_batch_size made train.rank_batch_size x processes where that is set."""
+    if cfg.train.rank_batch_size is None:
+        return cfg
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch_size=cfg.train.rank_batch_size * world_size))
+
+
+def resolve(cfg: Config, where: str = "config", world_size: int = 1) -> Config:
+    """The config as the run records it: the global batch of `world_size` processes, and the
+    transformer's shape spelled out, from model.init_from's config.json (keys the config sets
+    must agree with it) or else from model.size."""
+    from trainer.models import find as find_family, resolve as resolve_model  # the families, torch with them
+
+    cfg = resolve_batch(cfg, world_size)
+    model = cfg.model
+    family = find_family(model.name)
+    if model.init_from and family is not None and family.hf_args is not None:
+        from trainer import hf
+
+        try:
+            model = family.hf_args(model.init_from, model)
+            hf.weight_files(model.init_from)  # the index and the weights' headers, read before anything starts
+        except hf.HFError as e:
+            raise ConfigError(f"{where}: model.init_from: {e}") from None
+    if cfg.data.name == "tokens" and model.vocab_size is None and not model.init_from:
+        model = dataclasses.replace(model, vocab_size=_sidecar_vocab(cfg.data.path))
+    return dataclasses.replace(cfg, model=resolve_model(model))
+
+
+def _sidecar_vocab(path: str | None) -> int | None:
+    """The vocabulary size trainer.prepare recorded beside the token file at `path`, or None."""
+    from trainer.prepare import read_sidecar
+
+    try:
+        info = read_sidecar(path) if path and os.path.isfile(path) else None
+    except (OSError, ValueError):
+        return None  # the check names an unreadable sidecar
+    vocab = info.get("vocab_size") if isinstance(info, dict) else None
+    return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab >= 2 else None
+
+
 def load(path: str | None, overrides: list[str] = ()) -> Config:
     """Read `path` (may be None for pure defaults) and apply `key=value` overrides."""
     raw: dict[str, Any] = {}
@@ -94,7 +136,7 @@ def _apply_overrides(raw: dict, overrides: list[str], sources: dict) -> None:
         sources[key] = f"override {item!r}"
 
 
-SAVED = "config.yaml"  # the resolved config a run writes into its run dir at every start
+SAVED = CONFIG_FILE  # the resolved config a run writes into its run dir at every start
 
 
 def load_run(path: str | None, overrides: list[str] = ()) -> tuple[Config, str, list[str]]:

@@ -1,7 +1,9 @@
 """What a run directory holds, readable with the standard library alone.
 
     <run_dir>/config.yaml            the resolved config of the run
+    <run_dir>/metrics.jsonl          one JSON row per logged step and evaluation (trainer/metrics.py)
     <run_dir>/status.json            what the trainer is doing: train.steps, state, newest save
+    <run_dir>/lease.json             which process holds the run (trainer/lease.py)
     <run_dir>/checkpoints/step_00000100/   a complete checkpoint (see trainer/checkpoint.py)
     <run_dir>/checkpoints/.tmp_*, .trash_* a save in progress or a folder being deleted
 
@@ -18,13 +20,21 @@ import re
 import time
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
+CONFIG_FILE = "config.yaml"
+METRICS_FILE = "metrics.jsonl"
 STATUS_FILE = "status.json"
+LEASE_FILE = "lease.json"
+CHECKPOINTS_DIR = "checkpoints"
+# What the run dir holds, by kind: a folder where a file belongs (or the reverse) fails only later
+# (trainer/check.py refuses both before the start).
+RUN_DIR_FOLDERS = (CHECKPOINTS_DIR,)
+RUN_DIR_FILES = (CONFIG_FILE, METRICS_FILE, STATUS_FILE, LEASE_FILE)
 # Keys a committed checkpoint's meta.json always holds.
 META_KEYS = ("step", "samples", "world_size", "scheduler", "shapes")
 
 
 def checkpoints_dir(run_dir):
-    return os.path.join(str(run_dir), "checkpoints")
+    return os.path.join(str(run_dir), CHECKPOINTS_DIR)
 
 
 def step_path(run_dir, step):

@@ -35,9 +35,11 @@ import threading
 import time
 import uuid
 
+from trainer.layout import LEASE_FILE
+
 log = logging.getLogger("trainer")
 
-FILE = "lease.json"
+FILE = LEASE_FILE
 RENEW_S = 10.0  # seconds between renewals
 STALE_S = 120.0  # a lease not renewed this long, whose owner cannot be looked up here, is taken over
 TAKEOVER_S = 30.0  # seconds after which a takeover lock is one left by a starter that died taking over

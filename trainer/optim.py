@@ -1,12 +1,16 @@
-"""Optimizers and learning-rate schedules."""
+"""Optimizers and learning-rate schedules.
+
+torch is imported by the functions that build something: the config and its checks (OptimArgs,
+schedule_warning) import this module without it."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -30,6 +34,8 @@ class OptimArgs:
 
 
 def build(params, args: OptimArgs, device: torch.device) -> torch.optim.Optimizer:
+    import torch
+
     params = list(params)
     if args.name in ("adamw", "adam"):
         cls = torch.optim.AdamW if args.name == "adamw" else torch.optim.Adam
@@ -96,6 +102,8 @@ def _saved_args(saved_optim: dict, args: OptimArgs) -> OptimArgs:
 
 
 def scheduler(optimizer: torch.optim.Optimizer, args: OptimArgs, total_steps: int):
+    import torch
+
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(args, total_steps, step))
 
 

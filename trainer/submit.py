@@ -369,7 +369,8 @@ def check_config(job: Job, partition: Partition | None = None, planning: bool = 
     GPUs' memory (with `partition`); return the estimated seconds of one save, and refuse a warning
     too short for it. A run dir that holds a run is continued with its own config (config.load_run);
     `planning` (a dry run): data files and a run dir this machine cannot see are warnings."""
-    from trainer.check import save_seconds, validate
+    from trainer.check import validate
+    from trainer.checkpoint import save_seconds  # the parameters counted on the meta device: torch
     from trainer.config import ConfigError, load_run
 
     world = job.nodes * job.nproc_per_node

@@ -417,12 +417,10 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, lease: Lease | 
 
 def _auto_interval(cfg: Config, env: distributed.Env) -> checkpoint.AutoInterval:
     """checkpoint.interval=auto's state: the job's MTBF and the save cost until one is measured (this
-    run dir's last blocking save, else the state's size at the assumed write speed: trainer.check)."""
-    from trainer.check import save_seconds
-
+    run dir's last blocking save, else the state's size at the assumed write speed: trainer.checkpoint)."""
     mtbf_hours = cfg.checkpoint.mtbf_hours or checkpoint.GPU_MTBF_HOURS / env.world_size
     nodes = max(1, env.world_size // env.local_world_size)
-    save_s, how = save_seconds(cfg, nodes, cfg.run_dir)
+    save_s, how = checkpoint.save_seconds(cfg, nodes, cfg.run_dir)
     return checkpoint.AutoInterval(mtbf_hours * 3600, save_s, how.split(":")[0])
 
 
