@@ -363,6 +363,56 @@ class Checkpointer:
                         log.info("removed unfinished %s", os.path.join(folder(run_dir), name))
         dist.barrier(group=group)
 
+    # -- when to save -------------------------------------------------------------------------------
+
+    def plan(self, total_steps: int, start_step: int, auto: AutoInterval | None = None, say=log.info) -> None:
+        """Before the first step: the run ends at `total_steps` and starts at `start_step`; `auto` is
+        checkpoint.interval=auto's state (None: the fixed interval); `say` shows its lines."""
+        self.total_steps, self.auto, self.say = total_steps, auto, say
+        self.segment = (start_step, time.perf_counter())  # the step and time of the last save (or the start)
+
+    def due(self, step: int, stopping: bool) -> bool:
+        """Whether a save belongs after `step`: a stop, the last step, the interval, or auto's interval
+        (chosen once the first step's time is known). Every rank calls it after every step and gets
+        the same answer. It also commits a finished async save."""
+        self.poll()
+        since, started = self.segment
+        if self.auto is None:
+            due = bool(self.args.interval) and step % self.args.interval == 0
+        else:
+            if self.auto.steps is None:  # the first step's time is known: choose with the estimated save cost
+                (step_s,) = self._agreed_max((time.perf_counter() - started) / (step - since))
+                self.auto.choose(step_s)
+                self.say(self.auto.line(step, step_s, since + self.auto.steps))
+            due = step - since >= self.auto.steps
+        return stopping or step == self.total_steps or due
+
+    def save_due(self, step: int, progress: dict, stopping: bool) -> None:
+        """The save `due` asked for: blocking at a stop and at the end (or without async_save), timed;
+        a blocking save's cost goes into status.json (make submit sizes the stop warning with it), and
+        auto's interval is chosen again when the measured cost differs from the one it used."""
+        since, started = self.segment
+        elapsed, steps = time.perf_counter() - started, step - since
+        last = step == self.total_steps
+        blocking = stopping or last or not self.args.async_save
+        begun = time.perf_counter()
+        self.save(step, progress, blocking=blocking)
+        save_s = time.perf_counter() - begun  # what the save blocked training (all of it, unless async)
+        if blocking and self.rank == 0 and (self.still_owner is None or self.still_owner()):
+            layout.write_status(self.run_dir, save_s=round(save_s, 3))
+        if self.auto is not None and steps and not last and not stopping:
+            save_s, step_s = self._agreed_max(save_s, elapsed / steps)  # every rank the same
+            if self.auto.measured(save_s):
+                self.auto.choose(step_s)
+                self.say(self.auto.line(step, step_s, step + self.auto.steps))
+        self.segment = (step, time.perf_counter())
+
+    def _agreed_max(self, *values: float) -> list[float]:
+        """The largest of each value over the ranks: decisions every rank must take alike."""
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t.tolist()
+
     # -- load ---------------------------------------------------------------------------------------
 
     def choose(self, unreadable: tuple[str, ...] = ()) -> str | None:

@@ -255,8 +255,8 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, lease: Lease | 
                      f"strategy {cfg.parallel.strategy}, {micro} samples x {accum} micro-batches per rank, steps {step}->{cfg.train.steps}")
 
     model.train()
-    auto = _auto_interval(cfg, env) if cfg.checkpoint.interval == "auto" else None
-    last_save, segment_start = step, time.perf_counter()  # steps and time since the last save: the step time
+    ckpt.plan(cfg.train.steps, step, _auto_interval(cfg, env) if cfg.checkpoint.interval == "auto" else None,
+              reporter.message)
     window_start, window_steps = time.perf_counter(), 0  # throughput over the steps since the last row
     # This rank's compute time in the window: CPU seconds of this process in the step's own work (data,
     # forward, backward, clip, optimizer), so the waits for other ranks in the collectives FSDP runs
@@ -366,32 +366,11 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, lease: Lease | 
             if lost:
                 _raise_lease_lost(lease, run_dir, step, ckpt)
             stopping = stops > 0
-        ckpt.poll()
-        interval = cfg.checkpoint.interval
-        due = interval != "auto" and interval and step % interval == 0
-        if auto is not None:
-            if auto.steps is None:  # the first step's time is known: choose with the estimated save cost
-                (step_s,) = _agreed_max(control, (time.perf_counter() - segment_start) / (step - last_save))
-                auto.choose(step_s)
-                reporter.message(auto.line(step, step_s, last_save + auto.steps))
-            due = step - last_save >= auto.steps
-        if stopping or step == cfg.train.steps or due:
-            segment = (time.perf_counter() - segment_start, step - last_save)
+        if ckpt.due(step, stopping):
             _stop_if_diverged(first_bad, ckpt, model)
             parallel.average_batchnorm_stats(model)  # the checkpoint keeps one rank's copy: make it all ranks'
-            blocking = stopping or step == cfg.train.steps or not cfg.checkpoint.async_save
-            started = time.perf_counter()
             watchdog.allow(cfg.checkpoint.timeout_s)
-            ckpt.save(step, {"samples": samples, "config": to_dict(cfg)}, blocking=blocking)
-            save_s = time.perf_counter() - started  # what the save blocked training (all of it, unless async)
-            if blocking and env.is_main and not lease.lost:  # what a stop costs: make submit sizes the warning with it
-                layout.write_status(run_dir, save_s=round(save_s, 3))
-            if auto is not None and segment[1] and step < cfg.train.steps and not stopping:
-                save_s, step_s = _agreed_max(control, save_s, segment[0] / segment[1])  # every rank the same
-                if auto.measured(save_s):
-                    auto.choose(step_s)
-                    reporter.message(auto.line(step, step_s, step + auto.steps))
-            last_save, segment_start = step, time.perf_counter()
+            ckpt.save_due(step, {"samples": samples, "config": to_dict(cfg)}, stopping)
         if stopping:
             if not os.environ.get(signals.MARKS_ENV):  # else the launcher says it, with the signal's name
                 reporter.message(f"stopped by signal after step {step}; the checkpoint is saved, a restart resumes here")
