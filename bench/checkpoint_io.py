@@ -35,7 +35,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from bench import common, shard_bytes
-from trainer import checkpoint, checksums, dist as distributed
+from trainer import checkpoint, checksums
+from trainer import dist as distributed
 
 CHUNK = 64 * 2**20  # bytes per write() or read() of the raw disk baseline
 
@@ -70,17 +71,32 @@ def rank0_full_save(model, optimizer, path: str, rank: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", required=True, help="scratch folder on the filesystem to measure")
-    parser.add_argument("--out", required=True, help="result JSON, rewritten after every round so a killed run keeps what it measured")
-    parser.add_argument("--size", default="350m", help="model size: bench.common.SIZES or trainer.models.TRANSFORMER_SIZES")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds of save / raw write / full save / loads / raw read")
+    parser.add_argument(
+        "--out", required=True, help="result JSON, rewritten after every round so a killed run keeps what it measured"
+    )
+    parser.add_argument(
+        "--size", default="350m", help="model size: bench.common.SIZES or trainer.models.TRANSFORMER_SIZES"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="rounds of save / raw write / full save / loads / raw read"
+    )
     parser.add_argument("--async-rounds", type=int, default=0, help="rounds of sync save / async save")
-    parser.add_argument("--checksum-pairs", type=int, default=0,
-                        help="in the last round, this many more checked and unchecked loads (alternating order)")
+    parser.add_argument(
+        "--checksum-pairs",
+        type=int,
+        default=0,
+        help="in the last round, this many more checked and unchecked loads (alternating order)",
+    )
     parser.add_argument("--step-size", default="small", help="the model that trains while the async save runs")
     parser.add_argument("--shard-size", default=None, help="also measure shard bytes (bench.shard_bytes) of this size")
-    parser.add_argument("--warmup", action="store_true",
-                        help="one untimed DCP save and load before the rounds: a process's first save pays one-time costs")
-    parser.add_argument("--no-system-drop", action="store_true", help="evict only our files' pages, never the whole page cache")
+    parser.add_argument(
+        "--warmup",
+        action="store_true",
+        help="one untimed DCP save and load before the rounds: a process's first save pays one-time costs",
+    )
+    parser.add_argument(
+        "--no-system-drop", action="store_true", help="evict only our files' pages, never the whole page cache"
+    )
     args = parser.parse_args()
 
     env, control = common.start()
@@ -93,21 +109,35 @@ def main() -> None:
             common.write_result(args.out, result)
 
     if args.shard_size:  # shard bytes on these N processes, here to save a launch
-        result["shard_bytes"] = {"size": args.shard_size, "world_size": world,
-                                 **{s: shard_bytes.measure(s, args.shard_size, env, control) for s in ("fsdp", "ddp")}}
+        result["shard_bytes"] = {
+            "size": args.shard_size,
+            "world_size": world,
+            **{s: shard_bytes.measure(s, args.shard_size, env, control) for s in ("fsdp", "ddp")},
+        }
         publish()
-    cfg = common.make_config([*common.size_overrides(args.size), "model.seq_len=64", f"train.global_batch_size={world}",
-                              f"run_dir={args.dir}", "checkpoint.keep=0"])
+    cfg = common.make_config(
+        [
+            *common.size_overrides(args.size),
+            "model.seq_len=64",
+            f"train.global_batch_size={world}",
+            f"run_dir={args.dir}",
+            "checkpoint.keep=0",
+        ]
+    )
     model, optimizer, scheduler = common.build(cfg, env)
     stream = common.batches(cfg, env)
     common.train_step(model, optimizer, scheduler, stream, env)  # creates AdamW's state
     result["params"] = sum(p.numel() for p in model.parameters())
 
-    ckpt = checkpoint.Checkpointer(cfg.checkpoint, args.dir, rank, world, io_group, model, optimizer,
-                                   parts={"scheduler": scheduler})
-    stock = checkpoint.Checkpointer(cfg.checkpoint, args.dir, rank, world, io_group, model, optimizer,
-                                   parts={"scheduler": scheduler})
-    stock.reader = lambda path, **_: FileSystemReader(path)  # the same load with DCP's own reader in place of the trainer's
+    ckpt = checkpoint.Checkpointer(
+        cfg.checkpoint, args.dir, rank, world, io_group, model, optimizer, parts={"scheduler": scheduler}
+    )
+    stock = checkpoint.Checkpointer(
+        cfg.checkpoint, args.dir, rank, world, io_group, model, optimizer, parts={"scheduler": scheduler}
+    )
+    stock.reader = lambda path, **_: FileSystemReader(
+        path
+    )  # the same load with DCP's own reader in place of the trainer's
     raw_file = os.path.join(args.dir, f"raw_{rank}.bin")  # one per rank, as DCP's shard files
     single_file = os.path.join(args.dir, "raw_single.bin")
     full_file = os.path.join(args.dir, "full_state.pt")
@@ -153,7 +183,9 @@ def main() -> None:
         drop()  # the same bytes, each rank its own file, all at once
         r["raw_write_s"] = common.timed(lambda: raw_write(raw_file, mine, buffer), control)
         drop()  # the single stream: rank 0 alone, all of the bytes
-        r["raw_write_single_s"] = common.timed(lambda: raw_write(single_file, r["shard_bytes"], buffer) if rank == 0 else None, control)
+        r["raw_write_single_s"] = common.timed(
+            lambda: raw_write(single_file, r["shard_bytes"], buffer) if rank == 0 else None, control
+        )
 
         drop()
         r["rank0_save_s"] = common.timed(lambda: rank0_full_save(model, optimizer, full_file, rank), control)
@@ -180,7 +212,9 @@ def main() -> None:
                     os.rename(path + ".aside", path)
             dist.barrier(group=control)
 
-        for load in (checked_load, unchecked_load) if len(result["rounds"]) % 2 == 0 else (unchecked_load, checked_load):
+        for load in (
+            (checked_load, unchecked_load) if len(result["rounds"]) % 2 == 0 else (unchecked_load, checked_load)
+        ):
             load()
         if len(result["rounds"]) == args.rounds - 1:  # more checked/unchecked pairs: the disk's spread is wide
             for i in range(args.checksum_pairs):
@@ -188,8 +222,12 @@ def main() -> None:
                 result.setdefault("checksum_pairs", []).append(pair)
                 for load in (checked_load, unchecked_load) if i % 2 else (unchecked_load, checked_load):
                     load()
-                pair.update({k: r[k] for k in ("dcp_load_s", "unverified_load_s", "dcp_load_cached_s",
-                                               "unverified_load_cached_s")})
+                pair.update(
+                    {
+                        k: r[k]
+                        for k in ("dcp_load_s", "unverified_load_s", "dcp_load_cached_s", "unverified_load_cached_s")
+                    }
+                )
 
         drop()
         r["stock_load_s"] = common.timed(lambda: stock.load(), control)
@@ -203,14 +241,23 @@ def main() -> None:
 
     if args.async_rounds:
         # A small model trains while the large state saves: steps much shorter than the save.
-        small_cfg = common.make_config([*common.size_overrides(args.step_size), "model.seq_len=64",
-                                        f"train.global_batch_size={2 * world}"])
+        small_cfg = common.make_config(
+            [*common.size_overrides(args.step_size), "model.seq_len=64", f"train.global_batch_size={2 * world}"]
+        )
         small = common.build(small_cfg, env)
         small_stream = common.batches(small_cfg, env)
         for _ in range(3):
             common.train_step(*small, small_stream, env)  # warm-up
-        async_ckpt = checkpoint.Checkpointer(dataclasses.replace(cfg.checkpoint, async_save=True), args.dir, rank, world, io_group, model, optimizer,
-                                   parts={"scheduler": scheduler})
+        async_ckpt = checkpoint.Checkpointer(
+            dataclasses.replace(cfg.checkpoint, async_save=True),
+            args.dir,
+            rank,
+            world,
+            io_group,
+            model,
+            optimizer,
+            parts={"scheduler": scheduler},
+        )
         for _ in range(args.async_rounds):
             r = {}
             fresh_start()
@@ -231,7 +278,8 @@ def async_save(ckpt, step, model, optimizer, scheduler, small, small_stream, env
     used as `trainer.train` uses it: `save()` at the end of a step, then in each following step
     `wait_staged()` just before the optimizer step and `poll()` after it (which commits the save once
     written); steps run until every rank has committed. The small model waits for the staging too,
-    as the trainer's loop must (there the model that steps is the one being saved). Blocked: those three calls' seconds. Slowdown:
+    as the trainer's loop must (there the model that steps is the one being saved). Blocked: those
+    three calls' seconds. Slowdown:
     the steps that overlap the save, less their blocked seconds, against the median step before it
     (on a CPU the background copy and write share the cores with the training). Summed per rank,
     slowest rank reported."""

@@ -13,7 +13,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from trainer import config, data, dist as distributed, models, optim
+from trainer import config, data, models, optim
+from trainer import dist as distributed
 from trainer.train import batch_plan, build_model
 
 
@@ -27,11 +28,23 @@ def start() -> tuple[distributed.Env, dist.ProcessGroup]:
 # Bench-only transformer shapes, as model.* overrides of the trainer's config, named by parameter
 # count. With AdamW a checkpoint holds 12 bytes per parameter: 0.72, 1.6 and 4.5 GB.
 SIZES = {
-    "60m": ["model.size=125m", "model.dim=512", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=8",
-            "model.ffn_dim=1536"],
+    "60m": [
+        "model.size=125m",
+        "model.dim=512",
+        "model.n_layers=8",
+        "model.n_heads=8",
+        "model.n_kv_heads=8",
+        "model.ffn_dim=1536",
+    ],
     "125m": ["model.size=125m"],
-    "350m": ["model.size=125m", "model.dim=1024", "model.n_layers=24", "model.n_heads=16", "model.n_kv_heads=16",
-             "model.ffn_dim=2816"],
+    "350m": [
+        "model.size=125m",
+        "model.dim=1024",
+        "model.n_layers=24",
+        "model.n_heads=16",
+        "model.n_kv_heads=16",
+        "model.ffn_dim=2816",
+    ],
 }
 
 
@@ -55,11 +68,14 @@ def batches(cfg: config.Config, env: distributed.Env):
     """The trainer's own sample stream for this rank."""
     micro, _ = batch_plan(cfg, env.world_size)
     dataset = data.build(cfg.data, cfg.model, cfg.train.seed, train=True)
-    return data.loader(dataset, cfg.data, cfg.train.seed, 0, cfg.train.global_batch_size, micro, env.rank, env.world_size)
+    return data.loader(
+        dataset, cfg.data, cfg.train.seed, 0, cfg.train.global_batch_size, micro, env.rank, env.world_size
+    )
 
 
-def train_step(model, optimizer, scheduler, stream, env: distributed.Env, zero_grad: bool = True,
-               before_step=None) -> None:
+def train_step(
+    model, optimizer, scheduler, stream, env: distributed.Env, zero_grad: bool = True, before_step=None
+) -> None:
     """One optimizer step (one micro-batch): forward, backward, clip, step. The first step also
     creates the optimizer's state, so afterwards a checkpoint holds everything a real one does.
     `before_step` is called just before the optimizer step, where `trainer.train` waits for an

@@ -31,8 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from trainer import memory  # noqa: E402
-from trainer.config import load  # noqa: E402
+from trainer import memory
+from trainer.config import load
 
 MMAP_THRESHOLD = 128 * 1024  # bytes: glibc's default starting threshold, fixed
 # The stated tolerance of the estimate against the measured peak (CPU: beyond the process baseline).
@@ -43,18 +43,41 @@ BASE = ["log.interval=1", "log.progress=false", "checkpoint.interval=0", "train.
 CPU_CONFIGS = [
     ("baseline: tiny", ["model.size=tiny", "model.seq_len=32", "train.global_batch_size=4"]),
     ("small, fsdp full, seq 512, 16/rank", ["model.size=small", "model.seq_len=512", "train.global_batch_size=32"]),
-    ("small, fsdp full + AC", ["model.size=small", "model.seq_len=512", "train.global_batch_size=32",
-                               "parallel.activation_checkpointing=true"]),
+    (
+        "small, fsdp full + AC",
+        [
+            "model.size=small",
+            "model.seq_len=512",
+            "train.global_batch_size=32",
+            "parallel.activation_checkpointing=true",
+        ],
+    ),
     ("small, ddp", ["model.size=small", "model.seq_len=512", "train.global_batch_size=32", "parallel.strategy=ddp"]),
-    ("small x2 wide (dim 512), fsdp grad_op, 8/rank", ["model.size=small", "model.dim=512", "model.ffn_dim=1536",
-                                                       "model.seq_len=512", "train.global_batch_size=16",
-                                                       "parallel.sharding=grad_op"]),
+    (
+        "small x2 wide (dim 512), fsdp grad_op, 8/rank",
+        [
+            "model.size=small",
+            "model.dim=512",
+            "model.ffn_dim=1536",
+            "model.seq_len=512",
+            "train.global_batch_size=16",
+            "parallel.sharding=grad_op",
+        ],
+    ),
 ]
 GPU_CONFIGS = [
-    (f"{size}, bf16, seq 2048, {micro}/GPU{', AC' if ac else ''}",
-     [f"model.size={size}", "model.seq_len=2048", f"train.global_batch_size={micro}", "parallel.param_dtype=bfloat16",
-      f"parallel.activation_checkpointing={str(ac).lower()}"])
-    for size, micro in (("125m", 8), ("1b", 4)) for ac in (False, True)
+    (
+        f"{size}, bf16, seq 2048, {micro}/GPU{', AC' if ac else ''}",
+        [
+            f"model.size={size}",
+            "model.seq_len=2048",
+            f"train.global_batch_size={micro}",
+            "parallel.param_dtype=bfloat16",
+            f"parallel.activation_checkpointing={str(ac).lower()}",
+        ],
+    )
+    for size, micro in (("125m", 8), ("1b", 4))
+    for ac in (False, True)
 ]
 
 
@@ -64,8 +87,18 @@ def run(overrides: list[str], nproc: int, gpu: bool) -> float:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
         if not gpu:
             env.update(CUDA_VISIBLE_DEVICES="", MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD))
-        cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc-per-node={nproc}", "-m",
-               "trainer", "--config", str(ROOT / "configs" / "default.yaml"), f"run_dir={run_dir}", *BASE, *overrides]
+        cmd = [
+            str(Path(sys.executable).parent / "torchrun"),
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "-m",
+            "trainer",
+            "--config",
+            str(ROOT / "configs" / "default.yaml"),
+            f"run_dir={run_dir}",
+            *BASE,
+            *overrides,
+        ]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
         if proc.returncode != 0:
             raise SystemExit(f"{' '.join(overrides)}: the trainer failed:\n{proc.stderr[-3000:]}")
@@ -78,7 +111,7 @@ def calibrate(device: str) -> tuple[list[dict], float]:
     gpu = device == "cuda"
     nproc = 1 if gpu else 2
     results, baseline = [], 0.0
-    for name, overrides in (GPU_CONFIGS if gpu else CPU_CONFIGS):
+    for name, overrides in GPU_CONFIGS if gpu else CPU_CONFIGS:
         cfg = load(str(ROOT / "configs" / "default.yaml"), overrides)
         micro = cfg.train.global_batch_size // nproc
         e = memory.estimate(cfg, nproc, micro, ranks_per_node=nproc, gpu=False)
@@ -88,11 +121,23 @@ def calibrate(device: str) -> tuple[list[dict], float]:
         if name.startswith("baseline"):
             baseline = measured - allocated
         model_part = measured - baseline
-        results.append({"name": name, "overrides": overrides, "estimate": allocated, "measured": measured,
-                        "model_part": model_part, "error": allocated / model_part - 1, "seconds": time.perf_counter() - started})
-        print(f"{name}: estimate {allocated / 1e9:.3f} GB, measured {measured / 1e9:.3f} GB "
-              f"({'minus baseline ' + format(model_part / 1e9, '.3f') + ' GB, ' if not gpu else ''}"
-              f"error {results[-1]['error']:+.1%})", flush=True)
+        results.append(
+            {
+                "name": name,
+                "overrides": overrides,
+                "estimate": allocated,
+                "measured": measured,
+                "model_part": model_part,
+                "error": allocated / model_part - 1,
+                "seconds": time.perf_counter() - started,
+            }
+        )
+        print(
+            f"{name}: estimate {allocated / 1e9:.3f} GB, measured {measured / 1e9:.3f} GB "
+            f"({'minus baseline ' + format(model_part / 1e9, '.3f') + ' GB, ' if not gpu else ''}"
+            f"error {results[-1]['error']:+.1%})",
+            flush=True,
+        )
     return results, baseline
 
 
@@ -104,18 +149,29 @@ def main() -> int:
     results, baseline = calibrate(args.device)
     day = time.strftime("%Y-%m-%d")
     path = Path(args.out) / f"{day}-memory-calibration{'-gpu' if args.device == 'cuda' else ''}.md"
-    lines = [f"# Memory estimate against measured peaks ({args.device}, {day})", "",
-             f"`python bench/memory_calibration.py{' --device cuda' if args.device == 'cuda' else ''}`; torch "
-             f"{__import__('torch').__version__}; 3 steps each.", ""]
+    lines = [
+        f"# Memory estimate against measured peaks ({args.device}, {day})",
+        "",
+        f"`python bench/memory_calibration.py{' --device cuda' if args.device == 'cuda' else ''}`; torch "
+        f"{__import__('torch').__version__}; 3 steps each.",
+        "",
+    ]
     if args.device == "cpu":
-        lines += [f"2 processes (gloo). Process baseline (tiny run's peak RSS minus its estimate): {baseline / 1e9:.3f} GB.",
-                  "The error is the estimate's against peak RSS minus that baseline.", ""]
+        lines += [
+            f"2 processes (gloo). Process baseline (tiny run's peak RSS minus its estimate): {baseline / 1e9:.3f} GB.",
+            "The error is the estimate's against peak RSS minus that baseline.",
+            "",
+        ]
     lines += ["| config | estimate GB | measured GB | model part GB | error |", "|---|---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r['name']} | {r['estimate'] / 1e9:.3f} | {r['measured'] / 1e9:.3f} | "
-                     f"{r['model_part'] / 1e9:.3f} | {r['error']:+.1%} |")
+        lines.append(
+            f"| {r['name']} | {r['estimate'] / 1e9:.3f} | {r['measured'] / 1e9:.3f} | "
+            f"{r['model_part'] / 1e9:.3f} | {r['error']:+.1%} |"
+        )
     path.write_text("\n".join(lines) + "\n")
-    (path.with_suffix(".json")).write_text(json.dumps({"device": args.device, "baseline": baseline, "results": results}, indent=1))
+    (path.with_suffix(".json")).write_text(
+        json.dumps({"device": args.device, "baseline": baseline, "results": results}, indent=1)
+    )
     print(f"wrote {path}")
     return 0
 

@@ -48,7 +48,9 @@ def main() -> None:
     fully_shard(model)
     model.to_empty(device=device)
     model.init_weights(seed=0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0, fused=cuda)  # the trainer's
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0, fused=cuda
+    )  # the trainer's
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 20))
     vocab, micro = model.shape.vocab_size, args.batch // world
     generator = torch.Generator().manual_seed(rank)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import subprocess
 import sys
@@ -72,10 +71,29 @@ def rows(run_dir: Path) -> list[dict]:
 
 def one_round(run_dir: Path, size: str, steps: int) -> dict:
     """Submit, preempt once, wait for the resumed run's first step; the times of each event."""
-    out = subprocess.run([sys.executable, "-m", "trainer.submit", "--nodes", "2", "--gpus-per-node", "1",
-                          "--run-dir", str(run_dir), f"model.size={size}", "model.seq_len=64", "train.global_batch_size=8",
-                          f"train.steps={steps}", "checkpoint.interval=0", "log.interval=1", "log.progress=false"],
-                         capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer.submit",
+            "--nodes",
+            "2",
+            "--gpus-per-node",
+            "1",
+            "--run-dir",
+            str(run_dir),
+            f"model.size={size}",
+            "model.seq_len=64",
+            "train.global_batch_size=8",
+            f"train.steps={steps}",
+            "checkpoint.interval=0",
+            "log.interval=1",
+            "log.progress=false",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     if out.returncode != 0:
         raise RuntimeError(f"submit failed: {out.stderr.strip()[-300:]}")
     job = re.search(r"submitted job (\d+)", out.stdout).group(1)
@@ -85,31 +103,60 @@ def one_round(run_dir: Path, size: str, steps: int) -> dict:
         nodes = job_info(job)["NodeList"]
         before = len(rows(run_dir))
         t = {"request": time.monotonic()}
-        urgent = subprocess.run(["sbatch", "--parsable", "-p", "urgent", "--exclusive", "-N2", f"--nodelist={nodes}",
-                                 "-o", str(run_dir / "urgent-%j.out"), "--wrap", "sleep 1"],
-                                capture_output=True, text=True, check=True).stdout.strip()
-        stopped_at, t["committed"] = wait_until(lambda: layout.latest_committed_step(run_dir), 120, "the preemption's checkpoint")
-        _, t["requeued"] = wait_until(lambda: job_info(job).get("JobState") == "PENDING"
-                                      and job_info(job).get("Restarts") == "1", 120, "the requeue")
+        urgent = subprocess.run(
+            [
+                "sbatch",
+                "--parsable",
+                "-p",
+                "urgent",
+                "--exclusive",
+                "-N2",
+                f"--nodelist={nodes}",
+                "-o",
+                str(run_dir / "urgent-%j.out"),
+                "--wrap",
+                "sleep 1",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        stopped_at, t["committed"] = wait_until(
+            lambda: layout.latest_committed_step(run_dir), 120, "the preemption's checkpoint"
+        )
+        _, t["requeued"] = wait_until(
+            lambda: job_info(job).get("JobState") == "PENDING" and job_info(job).get("Restarts") == "1",
+            120,
+            "the requeue",
+        )
         save_s = layout.read_status(run_dir).get("save_s")  # the stopped run's last save, before the resumed one writes
         time.sleep(2)  # slurmd refuses a launch whose credential is not newer, to the second, than the revocation
         subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], check=True, capture_output=True)
         t["released"] = time.monotonic()
         _, t["running"] = wait_until(lambda: job_info(job).get("JobState") == "RUNNING", 300, "the requeued job to run")
-        _, t["stepped"] = wait_until(lambda: any(r.get("step", 0) > stopped_at and "step_time_s" in r for r in rows(run_dir)),
-                                     300, "the resumed run's first step")
+        _, t["stepped"] = wait_until(
+            lambda: any(r.get("step", 0) > stopped_at and "step_time_s" in r for r in rows(run_dir)),
+            300,
+            "the resumed run's first step",
+        )
         log = (run_dir / "slurm" / f"{job}.out").read_text(errors="replace")
         loaded = re.findall(r"loaded in ([0-9.]+)s", log)
         first = next(r for r in rows(run_dir) if r.get("step", 0) > stopped_at and "step_time_s" in r)
         if not loaded:
             raise RuntimeError(f"the requeued job did not log 'loaded in ...s' ({run_dir}/slurm/{job}.out)")
-        return {"job": job, "steps_before": before, "stopped_at": stopped_at, "save_s": save_s,
-                "request_to_committed_s": t["committed"] - t["request"],
-                "committed_to_requeued_s": t["requeued"] - t["committed"],
-                "held_s": t["released"] - t["requeued"],
-                "running_to_first_step_s": t["stepped"] - t["running"],
-                "load_s": float(loaded[-1]), "first_step_s": first["step_time_s"],
-                "step_s": rows(run_dir)[before - 1].get("step_time_s")}
+        return {
+            "job": job,
+            "steps_before": before,
+            "stopped_at": stopped_at,
+            "save_s": save_s,
+            "request_to_committed_s": t["committed"] - t["request"],
+            "committed_to_requeued_s": t["requeued"] - t["committed"],
+            "held_s": t["released"] - t["requeued"],
+            "running_to_first_step_s": t["stepped"] - t["running"],
+            "load_s": float(loaded[-1]),
+            "first_step_s": first["step_time_s"],
+            "step_s": rows(run_dir)[before - 1].get("step_time_s"),
+        }
     finally:
         subprocess.run(["scancel", job, *([urgent] if urgent else [])], capture_output=True)
 
@@ -117,8 +164,11 @@ def one_round(run_dir: Path, size: str, steps: int) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="result JSON, rewritten after every round")
-    parser.add_argument("--scratch", default=str(ROOT / "runs" / "bench-preemption"),
-                        help="run dirs: a folder every node sees (not /tmp)")
+    parser.add_argument(
+        "--scratch",
+        default=str(ROOT / "runs" / "bench-preemption"),
+        help="run dirs: a folder every node sees (not /tmp)",
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--size", default="small", help="transformer size of the preempted job")
     parser.add_argument("--steps", type=int, default=400, help="steps the job would train without preemption")

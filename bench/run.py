@@ -32,41 +32,83 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import stats  # noqa: E402
+from bench import stats
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 CONFIG = "configs/default.yaml"
 
 # key: (what it compares, "<=" or ">=", goal)
 GOALS = {
-    "dcp_save_vs_disk": ("DCP save throughput / the disk's at the same concurrency: one raw writer per rank, one file "
-                         "each holding that rank's shard bytes, all at once, fsync'd", ">=", 0.9),
-    "dcp_load_vs_disk": ("DCP load throughput / the disk's at the same concurrency: one raw reader per rank, caches "
-                         "dropped before each", ">=", 0.9),
+    "dcp_save_vs_disk": (
+        "DCP save throughput / the disk's at the same concurrency: one raw writer per rank, one file "
+        "each holding that rank's shard bytes, all at once, fsync'd",
+        ">=",
+        0.9,
+    ),
+    "dcp_load_vs_disk": (
+        "DCP load throughput / the disk's at the same concurrency: one raw reader per rank, caches dropped before each",
+        ">=",
+        0.9,
+    ),
     "checksum_load_overhead": ("DCP load time checking the shard files' checksums / the same load without", "<=", 1.1),
-    "checksum_load_overhead_cached": ("the same two loads timed again right after, their files cached: the hashing's "
-                                      "cost where no disk wait hides it", None, None),
+    "checksum_load_overhead_cached": (
+        "the same two loads timed again right after, their files cached: the hashing's "
+        "cost where no disk wait hides it",
+        None,
+        None,
+    ),
     "dcp_vs_rank0_save_time": ("DCP save time / full state dict gathered and torch.save'd on rank 0", "<=", 0.5),
-    "dcp_vs_rank0_peak_mem": ("rank 0 memory added by the save (VmHWM, fresh process per save): DCP / full state dict on "
-                              "rank 0", "<=", 0.5),
-    "async_cost_vs_sync": ("seconds an async save costs the training loop (blocked + slowdown of the steps that overlap "
-                           "it) / a synchronous save of the same state", "<=", 0.1),
+    "dcp_vs_rank0_peak_mem": (
+        "rank 0 memory added by the save (VmHWM, fresh process per save): DCP / full state dict on rank 0",
+        "<=",
+        0.5,
+    ),
+    "async_cost_vs_sync": (
+        "seconds an async save costs the training loop (blocked + slowdown of the steps that overlap "
+        "it) / a synchronous save of the same state",
+        "<=",
+        0.1,
+    ),
     "shard_bytes_vs_ideal_n2": ("per-rank params+grads+optimizer bytes, FSDP full shard / (total/2)", "<=", 1.05),
     "shard_bytes_vs_ideal_n4": ("per-rank params+grads+optimizer bytes, FSDP full shard / (total/4)", "<=", 1.05),
     "trainer_vs_minimal_step_time": ("trainer step time / minimal hand-written FSDP2 loop", "<=", 1.02),
-    "resume_startup_s": ("resuming: seconds from launch to the trainer's first line of Python (torchrun, interpreter)", None, None),
+    "resume_startup_s": (
+        "resuming: seconds from launch to the trainer's first line of Python (torchrun, interpreter)",
+        None,
+        None,
+    ),
     "resume_imports_s": ("resuming: seconds importing the trainer and torch", None, None),
     "resume_rendezvous_s": ("resuming: seconds in trainer.dist.init (rendezvous, process group)", None, None),
-    "resume_build_s": ("resuming: seconds from the rendezvous to the checkpoint load (data, lease, model, optimizer)", None, None),
+    "resume_build_s": (
+        "resuming: seconds from the rendezvous to the checkpoint load (data, lease, model, optimizer)",
+        None,
+        None,
+    ),
     "resume_load_s": ("resuming: seconds of the checkpoint load (Checkpointer.load)", None, None),
     "resume_first_step_s": ("resuming: seconds from the load to the first metrics row (the first step)", None, None),
-    "preempt_to_committed_s": ("preempted on the local Slurm cluster: seconds from the preempting job's submission to "
-                               "the committed checkpoint (Slurm's signal, the step in flight, the save)", None, None),
-    "preempt_to_requeued_s": ("preempted: seconds from the committed checkpoint to the job back in the queue (the "
-                              "launcher's exit, the requeue check, Slurm's requeue)", None, None),
-    "preempt_restart_s": ("preempted: seconds from the requeued job running again to its first step (batch script, "
-                          "srun, launcher, rendezvous, load, first step)", None, None),
-    "preempt_restart_vs_load": ("preempted: that restart / the checkpoint load alone (its log's 'loaded in')", None, None),
+    "preempt_to_committed_s": (
+        "preempted on the local Slurm cluster: seconds from the preempting job's submission to "
+        "the committed checkpoint (Slurm's signal, the step in flight, the save)",
+        None,
+        None,
+    ),
+    "preempt_to_requeued_s": (
+        "preempted: seconds from the committed checkpoint to the job back in the queue (the "
+        "launcher's exit, the requeue check, Slurm's requeue)",
+        None,
+        None,
+    ),
+    "preempt_restart_s": (
+        "preempted: seconds from the requeued job running again to its first step (batch script, "
+        "srun, launcher, rendezvous, load, first step)",
+        None,
+        None,
+    ),
+    "preempt_restart_vs_load": (
+        "preempted: that restart / the checkpoint load alone (its log's 'loaded in')",
+        None,
+        None,
+    ),
     "gpu_mfu": ("model FLOPs utilisation of a 1B bf16 torch.compile'd run on each GPU of this machine", ">=", 0.55),
     "gpu_tokens_per_s": ("tokens per second of that run, all GPUs", None, None),
     "gpu_peak_mem_gb": ("peak GPU memory allocated by that run, per GPU", None, None),
@@ -168,8 +210,10 @@ class Budget:
         """The time this measurement may still use, or Failed if less than `seconds`."""
         mine = self.left() - self.reserve
         if mine < seconds:
-            raise Failed(f"skipped: {self.left():.0f}s of the time budget left ({self.reserve:.0f}s of it kept for "
-                         f"the measurements after), {what} needs about {seconds:.0f}s")
+            raise Failed(
+                f"skipped: {self.left():.0f}s of the time budget left ({self.reserve:.0f}s of it kept for "
+                f"the measurements after), {what} needs about {seconds:.0f}s"
+            )
         return mine
 
 
@@ -197,21 +241,34 @@ def checkpoint_io(ctx) -> tuple[dict, dict, dict]:
     """bench/checkpoint_io.py on N processes at the large size, with async rounds. It rewrites its
     result file after every round, so if it fails or runs out of time, the rounds it finished count."""
     a = ctx.args
-    r, stopped = ckpt_worker(ctx, a.nproc, a.ckpt_size, a.ckpt_rounds, a.ckpt_rounds, "checkpoint_io", shard_size=a.shard_size,
-                             checksum_pairs=a.checksum_pairs)
+    r, stopped = ckpt_worker(
+        ctx,
+        a.nproc,
+        a.ckpt_size,
+        a.ckpt_rounds,
+        a.ckpt_rounds,
+        "checkpoint_io",
+        shard_size=a.shard_size,
+        checksum_pairs=a.checksum_pairs,
+    )
     rounds, arounds, pairs = r["rounds"], r["async_rounds"], r.get("checksum_pairs", [])
-    per = lambda num, den, rs=rounds: [x[num] / x[den] for x in rs if num in x and den in x]  # noqa: E731
+    per = lambda num, den, rs=rounds: [x[num] / x[den] for x in rs if num in x and den in x]
     gb = (median(x["shard_bytes"] for x in rounds) or 0) / 1e9
-    rate = lambda key, rs=rounds: gb / median(x[key] for x in rs)  # noqa: E731
-    what = (f"{a.ckpt_size} transformer + AdamW ({r.get('params', 0) / 1e6:.0f}M params, {gb:.2f} GB of shard files), "
-            f"{r['world_size']} processes, {len(rounds)} rounds; caches dropped before each by {r.get('cache_drop', '?')}")
+    rate = lambda key, rs=rounds: gb / median(x[key] for x in rs)
+    what = (
+        f"{a.ckpt_size} transformer + AdamW ({r.get('params', 0) / 1e6:.0f}M params, {gb:.2f} GB of shard files), "
+        f"{r['world_size']} processes, {len(rounds)} rounds; caches dropped before each by {r.get('cache_drop', '?')}"
+    )
     figures = {
         # throughput ratio = (bytes / DCP time) / (bytes / raw time), per round
         "dcp_save_vs_disk": figure("dcp_save_vs_disk", per("raw_write_s", "dcp_save_s")),
         "dcp_load_vs_disk": figure("dcp_load_vs_disk", per("raw_read_s", "dcp_load_s")),
-        "checksum_load_overhead": figure("checksum_load_overhead", per("dcp_load_s", "unverified_load_s", rounds + pairs)),
-        "checksum_load_overhead_cached": figure("checksum_load_overhead_cached",
-                                                per("dcp_load_cached_s", "unverified_load_cached_s", rounds + pairs)),
+        "checksum_load_overhead": figure(
+            "checksum_load_overhead", per("dcp_load_s", "unverified_load_s", rounds + pairs)
+        ),
+        "checksum_load_overhead_cached": figure(
+            "checksum_load_overhead_cached", per("dcp_load_cached_s", "unverified_load_cached_s", rounds + pairs)
+        ),
         "dcp_vs_rank0_save_time": figure("dcp_vs_rank0_save_time", per("dcp_save_s", "rank0_save_s")),
         "async_cost_vs_sync": figure("async_cost_vs_sync", per("async_cost_s", "sync_save_s", arounds)),
     }
@@ -221,43 +278,57 @@ def checkpoint_io(ctx) -> tuple[dict, dict, dict]:
         files = rounds[0]["shard_files"]
         notes["dcp_save_vs_disk"] = (
             f"{what}; DCP {rate('dcp_save_s'):.2f} GB/s vs {r['world_size']} raw writers ({files} shard files, "
-            f"{files} raw files) {rate('raw_write_s'):.2f} GB/s (medians); one writer alone: {rate('raw_write_single_s'):.2f} GB/s")
+            f"{files} raw files) {rate('raw_write_s'):.2f} GB/s (medians); one writer alone: "
+            f"{rate('raw_write_single_s'):.2f} GB/s"
+        )
         notes["dcp_load_vs_disk"] = (
-            f"{what}; DCP {rate('dcp_load_s'):.2f} GB/s vs {r['world_size']} raw readers {rate('raw_read_s'):.2f} GB/s; "
+            f"{what}; DCP {rate('dcp_load_s'):.2f} GB/s vs {r['world_size']} raw readers {rate('raw_read_s'):.2f} "
+            "GB/s; "
             f"one reader alone: {rate('raw_read_single_s'):.2f} GB/s; the load with the files cached (DCP's own work): "
             f"{median(x['dcp_load_cached_s'] for x in rounds):.2f}s; with DCP's stock FileSystemReader in place of the "
-            f"trainer's ShardReader: {rate('stock_load_s'):.2f} GB/s")
+            f"trainer's ShardReader: {rate('stock_load_s'):.2f} GB/s"
+        )
         both = rounds + pairs
         notes["checksum_load_overhead"] = (
             f"{what}; {len(rounds)} + {len(pairs)} more pairs of loads on the last round's checkpoint; "
             f"{median(x['dcp_load_s'] for x in both):.2f}s checked vs "
-            f"{median(x['unverified_load_s'] for x in both):.2f}s unchecked (medians), in alternating order")
+            f"{median(x['unverified_load_s'] for x in both):.2f}s unchecked (medians), in alternating order"
+        )
         if any("unverified_load_cached_s" in x for x in both):
             notes["checksum_load_overhead_cached"] = (
                 f"Each load timed once more right after, its files still cached: "
                 f"{median(x['dcp_load_cached_s'] for x in both):.2f}s checked vs "
                 f"{median(x['unverified_load_cached_s'] for x in both if 'unverified_load_cached_s' in x):.2f}s "
                 f"unchecked (medians). Both loads' read-ahead threads make one pass over the same bytes: the checked "
-                f"one hashes its rank's whole shard files (XXH3, a few KB of zip headers more) from a read-only mapping "
+                "one hashes its rank's whole shard files (XXH3, a few KB of zip headers more) from a read-only "
+                "mapping "
                 f"of the page cache, the unchecked one copies the tensors' bytes into a scratch block to warm the "
                 f"cache. This is the check's cost where no disk wait hides it, all threads of all ranks on the "
-                f"machine's cores")
+                f"machine's cores"
+            )
         notes["dcp_vs_rank0_save_time"] = (
-            f"{what}; {median(x['dcp_save_s'] for x in rounds):.2f}s vs {median(x['rank0_save_s'] for x in rounds):.2f}s "
-            f"(medians), both fsync'd")
+            f"{what}; {median(x['dcp_save_s'] for x in rounds):.2f}s vs "
+            f"{median(x['rank0_save_s'] for x in rounds):.2f}s "
+            f"(medians), both fsync'd"
+        )
     if arounds:
-        part = lambda k: median(x["async_blocked_parts_s"][k] for x in arounds)  # noqa: E731
+        part = lambda k: median(x["async_blocked_parts_s"][k] for x in arounds)
         notes["async_cost_vs_sync"] = (
-            f"{a.ckpt_size} state saved by the trainer's Checkpointer (async_save, one DefaultStager for all rounds) while a "
-            f"{a.step_size_async} transformer trains on the same {r['world_size']} processes, {len(arounds)} rounds; cost "
-            f"{median(x['async_cost_s'] for x in arounds):.2f}s = blocked {median(x['async_blocked_s'] for x in arounds):.2f}s "
-            f"(save() {part('save'):.2f}s + wait_staged() before each optimizer step {part('wait_staged'):.2f}s + poll() "
+            f"{a.ckpt_size} state saved by the trainer's Checkpointer (async_save, one DefaultStager for all rounds) "
+            "while a "
+            f"{a.step_size_async} transformer trains on the same {r['world_size']} processes, {len(arounds)} rounds; "
+            "cost "
+            f"{median(x['async_cost_s'] for x in arounds):.2f}s = blocked "
+            f"{median(x['async_blocked_s'] for x in arounds):.2f}s "
+            f"(save() {part('save'):.2f}s + wait_staged() before each optimizer step {part('wait_staged'):.2f}s + "
+            "poll() "
             f"{part('poll'):.2f}s) + slowdown {median(x['async_slowdown_s'] for x in arounds):.2f}s (the "
             f"{median(len(x['steps_during_save_s']) for x in arounds):.0f} steps overlapping the save, "
             f"{median(t for x in arounds for t in x['steps_during_save_s']):.3f}s each less blocked time, vs "
             f"{median(t for x in arounds for t in x['steps_before_save_s']):.3f}s before it), vs a "
             f"{median(x['sync_save_s'] for x in arounds):.2f}s synchronous save; in flight "
-            f"{median(x['async_in_flight_s'] for x in arounds):.1f}s (medians)")
+            f"{median(x['async_in_flight_s'] for x in arounds):.1f}s (medians)"
+        )
     for key in figures:
         if stopped:
             notes[key] += f"; the run stopped early ({stopped})"
@@ -268,15 +339,40 @@ def checkpoint_io(ctx) -> tuple[dict, dict, dict]:
     return figures, notes, details
 
 
-def ckpt_worker(ctx, nproc: int, size: str, rounds: int, async_rounds: int, name: str, shard_size: str | None = None,
-                warmup: bool = False, checksum_pairs: int = 0):
+def ckpt_worker(
+    ctx,
+    nproc: int,
+    size: str,
+    rounds: int,
+    async_rounds: int,
+    name: str,
+    shard_size: str | None = None,
+    warmup: bool = False,
+    checksum_pairs: int = 0,
+):
     """One run of bench/checkpoint_io.py: (its result, why it stopped early or None)."""
     a = ctx.args
     folder, out = ctx.scratch / name, ctx.scratch / f"{name}.json"
     shutil.rmtree(folder, ignore_errors=True)
     out.unlink(missing_ok=True)
-    args = ["-m", "bench.checkpoint_io", "--dir", str(folder), "--out", str(out), "--size", size, "--rounds", str(rounds),
-            "--async-rounds", str(async_rounds), "--step-size", a.step_size_async, "--checksum-pairs", str(checksum_pairs)]
+    args = [
+        "-m",
+        "bench.checkpoint_io",
+        "--dir",
+        str(folder),
+        "--out",
+        str(out),
+        "--size",
+        size,
+        "--rounds",
+        str(rounds),
+        "--async-rounds",
+        str(async_rounds),
+        "--step-size",
+        a.step_size_async,
+        "--checksum-pairs",
+        str(checksum_pairs),
+    ]
     if shard_size:
         args += ["--shard-size", shard_size]
     if a.no_system_drop:
@@ -319,8 +415,16 @@ def checkpoint_scaling(ctx) -> tuple[dict, dict, dict]:
         rs = r["rounds"]
         gb = median(x["shard_bytes"] for x in rs) / 1e9
         point = {"size": size, "processes": nproc, "gb": gb, "rounds": len(rs)}
-        for key in ("dcp_save_s", "raw_write_s", "raw_write_single_s", "rank0_save_s", "dcp_load_s", "stock_load_s",
-                    "raw_read_s", "raw_read_single_s"):
+        for key in (
+            "dcp_save_s",
+            "raw_write_s",
+            "raw_write_single_s",
+            "rank0_save_s",
+            "dcp_load_s",
+            "stock_load_s",
+            "raw_read_s",
+            "raw_read_single_s",
+        ):
             point[key] = median(x[key] for x in rs)
             point[key[:-2] + "_gb_per_s"] = gb / point[key]
         curve.append(point)
@@ -342,9 +446,23 @@ def save_memory(ctx) -> tuple[dict, dict, dict]:
                 folder.mkdir(parents=True)
                 out.unlink(missing_ok=True)
                 try:
-                    launch(a.nproc, ["-m", "bench.save_memory", "--contender", who, "--dir", str(folder), "--out", str(out),
-                                     "--size", a.memory_size], ctx.scratch / f"save_memory_{who}_{i}.log",
-                           ctx.budget.need(20, f"a {who} save in a fresh process"))
+                    launch(
+                        a.nproc,
+                        [
+                            "-m",
+                            "bench.save_memory",
+                            "--contender",
+                            who,
+                            "--dir",
+                            str(folder),
+                            "--out",
+                            str(out),
+                            "--size",
+                            a.memory_size,
+                        ],
+                        ctx.scratch / f"save_memory_{who}_{i}.log",
+                        ctx.budget.need(20, f"a {who} save in a fresh process"),
+                    )
                 finally:
                     shutil.rmtree(folder, ignore_errors=True)
                 r = json.loads(out.read_text())
@@ -357,10 +475,12 @@ def save_memory(ctx) -> tuple[dict, dict, dict]:
     key = "dcp_vs_rank0_peak_mem"
     if not n:
         return *not_measured([key], stopped), {}
-    note = (f"{a.memory_size} transformer + AdamW, {a.nproc} processes, {n} rounds, each save in a fresh process after one "
-            f"training step; rank 0's VmHWM during the save minus its RSS before: {median(added['dcp']) / 1e9:.2f} GB vs "
-            f"{median(added['rank0']) / 1e9:.2f} GB (medians; absolute peaks {median(peaks['dcp']) / 1e9:.2f} vs "
-            f"{median(peaks['rank0']) / 1e9:.2f} GB)" + (f"; stopped early ({stopped})" if stopped else ""))
+    note = (
+        f"{a.memory_size} transformer + AdamW, {a.nproc} processes, {n} rounds, each save in a fresh process after one "
+        f"training step; rank 0's VmHWM during the save minus its RSS before: {median(added['dcp']) / 1e9:.2f} GB vs "
+        f"{median(added['rank0']) / 1e9:.2f} GB (medians; absolute peaks {median(peaks['dcp']) / 1e9:.2f} vs "
+        f"{median(peaks['rank0']) / 1e9:.2f} GB)" + (f"; stopped early ({stopped})" if stopped else "")
+    )
     rounds = [d / r for d, r in zip(added["dcp"][:n], added["rank0"][:n])]
     return {key: figure(key, rounds)}, {key: note}, {"save_memory": {"added": added, "peak_rss": peaks}}
 
@@ -368,16 +488,22 @@ def save_memory(ctx) -> tuple[dict, dict, dict]:
 def shard_bytes(ctx) -> tuple[dict, dict, dict]:
     """On 4 processes; the checkpoint worker measures the same on its N processes."""
     out = ctx.scratch / "shard_bytes_n4.json"
-    launch(4, ["-m", "bench.shard_bytes", "--out", str(out), "--size", ctx.args.shard_size],
-           ctx.scratch / "shard_bytes_n4.log", ctx.budget.need(40, "shard bytes on 4 processes"))
+    launch(
+        4,
+        ["-m", "bench.shard_bytes", "--out", str(out), "--size", ctx.args.shard_size],
+        ctx.scratch / "shard_bytes_n4.log",
+        ctx.budget.need(40, "shard bytes on 4 processes"),
+    )
     return shard_values(json.loads(out.read_text()))
 
 
 def shard_values(r: dict) -> tuple[dict, dict, dict]:
     key = f"shard_bytes_vs_ideal_n{r['world_size']}"
-    note = (f"{r['size']} transformer + AdamW, {r['fsdp']['total_bytes'] / 1e6:.1f} MB unsharded, after one step, "
-            f"largest rank, storages incl. padding (to_local numel: {r['fsdp']['vs_ideal']:.4f}); DDP: "
-            f"{r['ddp']['storage_vs_ideal']:.2f}; a count, the same every time: one round")
+    note = (
+        f"{r['size']} transformer + AdamW, {r['fsdp']['total_bytes'] / 1e6:.1f} MB unsharded, after one step, "
+        f"largest rank, storages incl. padding (to_local numel: {r['fsdp']['vs_ideal']:.4f}); DDP: "
+        f"{r['ddp']['storage_vs_ideal']:.2f}; a count, the same every time: one round"
+    )
     return {key: figure(key, [r["fsdp"]["storage_vs_ideal"]], exact=True)}, {key: note}, {key: r}
 
 
@@ -392,10 +518,26 @@ def trainer_runs(ctx) -> tuple[dict, dict, dict]:
     Step time: seconds between consecutive metrics rows, seen from outside (the same clock for both)."""
     a = ctx.args
     n, steps, skip = a.nproc, a.steps, 5
-    overrides = [*common_size(a.step_size), f"model.seq_len={a.seq_len}", f"train.global_batch_size={a.batch}",
-                 "log.interval=1", "checkpoint.interval=0", "log.progress=false"]
-    minimal = ["-m", "bench.minimal_loop", "--size", a.step_size, "--seq-len", str(a.seq_len),
-               "--batch", str(a.batch), "--steps", str(steps)]
+    overrides = [
+        *common_size(a.step_size),
+        f"model.seq_len={a.seq_len}",
+        f"train.global_batch_size={a.batch}",
+        "log.interval=1",
+        "checkpoint.interval=0",
+        "log.progress=false",
+    ]
+    minimal = [
+        "-m",
+        "bench.minimal_loop",
+        "--size",
+        a.step_size,
+        "--seq-len",
+        str(a.seq_len),
+        "--batch",
+        str(a.batch),
+        "--steps",
+        str(steps),
+    ]
     per_run = {"trainer": [], "minimal": []}  # each run's median interval between metrics rows
     parts = {"fresh": [], "resumed": []}  # each run's start-up phases, seconds
     stopped, failed = None, []  # why the series ended early; the rounds left out, and why
@@ -411,12 +553,16 @@ def trainer_runs(ctx) -> tuple[dict, dict, dict]:
                 run_dir.mkdir(parents=True)
             metrics, times = run_dir / "metrics.jsonl", run_dir / f"times_{who}.json"
             metrics.unlink(missing_ok=True)
-            args = {"trainer": trainer_args(run_dir, [*overrides, f"train.steps={steps}"], times),
-                    "minimal": [*minimal, "--out", str(metrics)],
-                    "resume": trainer_args(run_dir, [*overrides, f"train.steps={steps + 1}"], times)}[who]
+            args = {
+                "trainer": trainer_args(run_dir, [*overrides, f"train.steps={steps}"], times),
+                "minimal": [*minimal, "--out", str(metrics)],
+                "resume": trainer_args(run_dir, [*overrides, f"train.steps={steps + 1}"], times),
+            }[who]
             try:
                 launched = time.time()
-                rows, text = launch(n, args, ctx.scratch / f"{who}_{i}.log", ctx.budget.need(30, f"a {who} run"), watch=metrics)
+                rows, text = launch(
+                    n, args, ctx.scratch / f"{who}_{i}.log", ctx.budget.need(30, f"a {who} run"), watch=metrics
+                )
                 rows = [(t, r) for t, r in rows if t is not None and "step_time_s" in r]
                 if who == "resume" and not re.search(r"loaded in ([0-9.]+)s", text):
                     raise Failed("the resumed run did not log 'loaded in ...s'; did it resume?")
@@ -446,22 +592,29 @@ def trainer_runs(ctx) -> tuple[dict, dict, dict]:
     if per_run["trainer"]:
         figures[key] = figure(key, [t / m for t, m in zip(per_run["trainer"], per_run["minimal"])])
         notes[key] = (
-            f"{what}, {len(per_run['trainer'])} rounds of one trainer and one minimal-loop run ({steps} steps each, {skip} "
+            f"{what}, {len(per_run['trainer'])} rounds of one trainer and one minimal-loop run ({steps} steps each, "
+            f"{skip} "
             f"warm-up left out, order alternating), a round's value: the ratio of the two runs' median seconds between "
-            f"metrics rows; medians {median(per_run['trainer']) * 1e3:.1f} vs {median(per_run['minimal']) * 1e3:.1f} ms. "
+            f"metrics rows; medians {median(per_run['trainer']) * 1e3:.1f} vs {median(per_run['minimal']) * 1e3:.1f} "
+            "ms. "
             "Same work in both: model, fully_shard per block and root, AdamW, clipping, LambdaLR schedule, one "
-            "all-reduce and metrics row per step. The trainer's own per-step work is kept, as what the goal bounds: its "
+            "all-reduce and metrics row per step. The trainer's own per-step work is kept, as what the goal bounds: "
+            "its "
             "all-reduce also carries the stop flag (a signal stops every rank at the same step) and the non-finite "
             "check, one store write of its step (names a stuck rank), the full gradient norm in its row, and its data "
-            "path (a DataLoader over indexed samples, resumable at any sample) where the minimal loop draws random tokens")
+            "path (a DataLoader over indexed samples, resumable at any sample) where the minimal loop draws random "
+            "tokens"
+        )
     else:
         notes[key] = f"not measured: {stopped or '; '.join(failed)}"
     if parts["resumed"]:
         for part in RESUME_PARTS:
             figures[f"resume_{part}_s"] = figure(f"resume_{part}_s", [p[part] for p in parts["resumed"]])
             fresh = median(p[part] for p in parts["fresh"]) if parts["fresh"] else None
-            notes[f"resume_{part}_s"] = (f"{what}, {len(parts['resumed'])} resumed runs (bench/timed_trainer.py, rank 0); "
-                                         + (f"the fresh runs': {fresh:.2f}s (median)" if fresh is not None else ""))
+            notes[f"resume_{part}_s"] = (
+                f"{what}, {len(parts['resumed'])} resumed runs (bench/timed_trainer.py, rank 0); "
+                + (f"the fresh runs': {fresh:.2f}s (median)" if fresh is not None else "")
+            )
     else:
         why = stopped or "; ".join(failed) or f"--resume-rounds {a.resume_rounds}"
         notes.update({f"resume_{p}_s": f"not measured: {why}" for p in RESUME_PARTS})
@@ -470,8 +623,11 @@ def trainer_runs(ctx) -> tuple[dict, dict, dict]:
             notes[k] += f"; rounds left out: {'; '.join(failed)}"
         if stopped:
             notes[k] += f"; the series stopped early ({stopped})"
-    return figures, notes, {"trainer_runs": {"per_run_step_s": per_run, "start_up_phases_s": parts, "stopped": stopped,
-                                             "failed": failed}}
+    return (
+        figures,
+        notes,
+        {"trainer_runs": {"per_run_step_s": per_run, "start_up_phases_s": parts, "stopped": stopped, "failed": failed}},
+    )
 
 
 def common_size(size: str) -> list[str]:
@@ -482,9 +638,14 @@ def common_size(size: str) -> list[str]:
 
 def phases(launched: float, t: dict) -> dict:
     """Seconds of each start-up phase from bench/timed_trainer.py's time stamps."""
-    return {"startup": t["started"] - launched, "imports": t["imported"] - t["started"],
-            "rendezvous": t["rendezvous_end"] - t["rendezvous_start"], "build": t["load_start"] - t["rendezvous_end"],
-            "load": t["load_end"] - t["load_start"], "first_step": t["first_row"] - t["load_end"]}
+    return {
+        "startup": t["started"] - launched,
+        "imports": t["imported"] - t["started"],
+        "rendezvous": t["rendezvous_end"] - t["rendezvous_start"],
+        "build": t["load_start"] - t["rendezvous_end"],
+        "load": t["load_end"] - t["load_start"],
+        "first_step": t["first_row"] - t["load_end"],
+    }
 
 
 def throughput_scaling(ctx) -> tuple[dict, dict, dict]:
@@ -495,20 +656,35 @@ def throughput_scaling(ctx) -> tuple[dict, dict, dict]:
     for nproc in (1, 2, 4):
         run_dir = ctx.scratch / f"throughput_n{nproc}"
         shutil.rmtree(run_dir, ignore_errors=True)
-        overrides = [*common_size(a.step_size), f"model.seq_len={a.seq_len}",
-                     f"train.global_batch_size={a.batch // a.nproc * nproc}", "log.interval=5", "checkpoint.interval=0",
-                     "log.progress=false", f"train.steps={a.throughput_steps}"]
+        overrides = [
+            *common_size(a.step_size),
+            f"model.seq_len={a.seq_len}",
+            f"train.global_batch_size={a.batch // a.nproc * nproc}",
+            "log.interval=5",
+            "checkpoint.interval=0",
+            "log.progress=false",
+            f"train.steps={a.throughput_steps}",
+        ]
         try:
-            launch(nproc, trainer_args(run_dir, overrides), ctx.scratch / f"throughput_n{nproc}.log",
-                   ctx.budget.need(30, f"the trainer on {nproc} processes"))
+            launch(
+                nproc,
+                trainer_args(run_dir, overrides),
+                ctx.scratch / f"throughput_n{nproc}.log",
+                ctx.budget.need(30, f"the trainer on {nproc} processes"),
+            )
         except Failed as e:
             print(f"bench: throughput_scaling: stopped, keeping what finished: {e}", flush=True)
             break
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         windows = [r["tokens_per_s"] / nproc for r in rows if "tokens_per_s" in r][1:]  # the first: warm-up
         shutil.rmtree(run_dir, ignore_errors=True)
-        curve.append({"processes": nproc, "threads_per_process": threads_per_process(nproc),
-                      "tokens_per_s_per_process": stats.figure(windows)})
+        curve.append(
+            {
+                "processes": nproc,
+                "threads_per_process": threads_per_process(nproc),
+                "tokens_per_s_per_process": stats.figure(windows),
+            }
+        )
     return {}, {}, {"throughput_scaling": curve}
 
 
@@ -521,8 +697,17 @@ def preemption(ctx) -> tuple[dict, dict, dict]:
         return (*not_measured(keys, "the local Slurm cluster is not up (make slurm-up)"), {})
     out = ctx.scratch / "preemption.json"
     out.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "bench.preemption", "--out", str(out), "--rounds", str(ctx.args.preempt_rounds),
-           "--size", ctx.args.step_size]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.preemption",
+        "--out",
+        str(out),
+        "--rounds",
+        str(ctx.args.preempt_rounds),
+        "--size",
+        ctx.args.step_size,
+    ]
     log = ctx.scratch / "preemption.log"
     timeout = ctx.budget.need(60, "one preemption round")
     with open(log, "w") as f:
@@ -533,19 +718,26 @@ def preemption(ctx) -> tuple[dict, dict, dict]:
     if not out.exists():
         raise Failed(f"no round finished (log: {log.relative_to(ROOT)})")
     rounds = json.loads(out.read_text())["rounds"]
-    part = lambda key: [r[key] for r in rounds]  # noqa: E731
-    figures = {"preempt_to_committed_s": figure("preempt_to_committed_s", part("request_to_committed_s")),
-               "preempt_to_requeued_s": figure("preempt_to_requeued_s", part("committed_to_requeued_s")),
-               "preempt_restart_s": figure("preempt_restart_s", part("running_to_first_step_s")),
-               "preempt_restart_vs_load": figure("preempt_restart_vs_load",
-                                                 [r["running_to_first_step_s"] / r["load_s"] for r in rounds])}
-    what = (f"{ctx.args.step_size} transformer, 2 nodes of the local cluster x 1 rank, preempted by an exclusive job of "
-            f"the urgent partition (GraceTime 15 s), {len(rounds)} round(s); Slurm's hold on a requeued job (~120 s) "
-            f"is cut to 2 s by the bench and not counted")
+    part = lambda key: [r[key] for r in rounds]
+    figures = {
+        "preempt_to_committed_s": figure("preempt_to_committed_s", part("request_to_committed_s")),
+        "preempt_to_requeued_s": figure("preempt_to_requeued_s", part("committed_to_requeued_s")),
+        "preempt_restart_s": figure("preempt_restart_s", part("running_to_first_step_s")),
+        "preempt_restart_vs_load": figure(
+            "preempt_restart_vs_load", [r["running_to_first_step_s"] / r["load_s"] for r in rounds]
+        ),
+    }
+    what = (
+        f"{ctx.args.step_size} transformer, 2 nodes of the local cluster x 1 rank, preempted by an exclusive job of "
+        f"the urgent partition (GraceTime 15 s), {len(rounds)} round(s); Slurm's hold on a requeued job (~120 s) "
+        f"is cut to 2 s by the bench and not counted"
+    )
     notes = {key: what for key in figures}
     notes["preempt_to_committed_s"] += f"; the save itself (status.json save_s): median {median(part('save_s')):.2f}s"
-    notes["preempt_restart_vs_load"] += (f"; load {median(part('load_s')):.2f}s and first step "
-                                         f"{median(part('first_step_s')):.2f}s of the restart's {median(part('running_to_first_step_s')):.1f}s")
+    notes["preempt_restart_vs_load"] += (
+        f"; load {median(part('load_s')):.2f}s and first step "
+        f"{median(part('first_step_s')):.2f}s of the restart's {median(part('running_to_first_step_s')):.1f}s"
+    )
     return figures, notes, {"preemption": rounds}
 
 
@@ -556,45 +748,94 @@ def gpu(ctx) -> tuple[dict, dict, dict]:
 
     keys = MEASURED_BY[gpu]
     if not torch.cuda.is_available():
-        return {k: None for k in keys}, {k: "not measured: no GPU here (torch.cuda.is_available() is False)" for k in keys}, {}
+        return (
+            {k: None for k in keys},
+            {k: "not measured: no GPU here (torch.cuda.is_available() is False)" for k in keys},
+            {},
+        )
     n, name = torch.cuda.device_count(), torch.cuda.get_device_name(0)
     micro = 16 if torch.cuda.get_device_properties(0).total_memory > 100e9 else 8  # 16 peaks at ~72 GB
     run_dir = ctx.scratch / "gpu"
     results = {}
     for compiled in (True, False):
         shutil.rmtree(run_dir, ignore_errors=True)
-        overrides = ["model.size=1b", "model.seq_len=2048", f"train.global_batch_size={micro * n}",
-                     f"train.micro_batch_size={micro}", f"train.steps={ctx.args.gpu_steps}", "log.interval=5",
-                     "log.progress=false", "checkpoint.interval=0", "parallel.param_dtype=bfloat16",
-                     f"parallel.compile={str(compiled).lower()}", "data.num_workers=2", "optim.lr=3e-4"]
+        overrides = [
+            "model.size=1b",
+            "model.seq_len=2048",
+            f"train.global_batch_size={micro * n}",
+            f"train.micro_batch_size={micro}",
+            f"train.steps={ctx.args.gpu_steps}",
+            "log.interval=5",
+            "log.progress=false",
+            "checkpoint.interval=0",
+            "parallel.param_dtype=bfloat16",
+            f"parallel.compile={str(compiled).lower()}",
+            "data.num_workers=2",
+            "optim.lr=3e-4",
+        ]
         label = "compiled" if compiled else "eager"
-        launch(n, trainer_args(run_dir, overrides), ctx.scratch / f"gpu-{label}.log", ctx.budget.need(150, f"the {label} GPU run"))
+        launch(
+            n,
+            trainer_args(run_dir, overrides),
+            ctx.scratch / f"gpu-{label}.log",
+            ctx.budget.need(150, f"the {label} GPU run"),
+        )
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         results[label] = [r for r in rows if "tokens_per_s" in r][1:]  # the first window holds compilation/warm-up
         shutil.rmtree(run_dir, ignore_errors=True)  # the final checkpoint too: ~13 GB
-    windows = lambda label, key: [r[key] for r in results[label]] if results[label] and key in results[label][0] else None  # noqa: E731
-    values = {"gpu_mfu": windows("compiled", "mfu"), "gpu_tokens_per_s": windows("compiled", "tokens_per_s"),
-              "gpu_peak_mem_gb": [max(r["peak_mem_gb"] for r in results["compiled"])], "gpu_mfu_eager": windows("eager", "mfu")}
+    windows = lambda label, key: (
+        [r[key] for r in results[label]] if results[label] and key in results[label][0] else None
+    )
+    values = {
+        "gpu_mfu": windows("compiled", "mfu"),
+        "gpu_tokens_per_s": windows("compiled", "tokens_per_s"),
+        "gpu_peak_mem_gb": [max(r["peak_mem_gb"] for r in results["compiled"])],
+        "gpu_mfu_eager": windows("eager", "mfu"),
+    }
     values = {k: figure(k, v, exact=k == "gpu_peak_mem_gb") if v else None for k, v in values.items()}
-    what = (f"1b transformer ({n} x {name}), bf16 params, float32 reduction, seq 2048, {micro} sequences per GPU per "
-            f"step, no activation checkpointing; rounds: {len(results['compiled'])} windows of 5 steps after the first")
+    what = (
+        f"1b transformer ({n} x {name}), bf16 params, float32 reduction, seq 2048, {micro} sequences per GPU per "
+        f"step, no activation checkpointing; rounds: {len(results['compiled'])} windows of 5 steps after the first"
+    )
     no_peak = "the GPU's peak FLOP/s is unknown to trainer.metrics"
-    return values, {"gpu_mfu": what if values["gpu_mfu"] is not None else no_peak, "gpu_tokens_per_s": what,
-                    "gpu_peak_mem_gb": what, "gpu_mfu_eager": what if values["gpu_mfu_eager"] is not None else no_peak}, {}
+    return (
+        values,
+        {
+            "gpu_mfu": what if values["gpu_mfu"] is not None else no_peak,
+            "gpu_tokens_per_s": what,
+            "gpu_peak_mem_gb": what,
+            "gpu_mfu_eager": what if values["gpu_mfu_eager"] is not None else no_peak,
+        },
+        {},
+    )
 
 
 # In this order: the keys each measures and about the least time it needs to measure them (its
 # first launch, or one round). That of the later ones is kept from each measurement's time.
 MEASUREMENTS = [
-    (checkpoint_io, ["dcp_save_vs_disk", "dcp_load_vs_disk", "checksum_load_overhead", "checksum_load_overhead_cached",
-                     "dcp_vs_rank0_save_time",
-                     "async_cost_vs_sync", "shard_bytes_vs_ideal_n2"], 150),
+    (
+        checkpoint_io,
+        [
+            "dcp_save_vs_disk",
+            "dcp_load_vs_disk",
+            "checksum_load_overhead",
+            "checksum_load_overhead_cached",
+            "dcp_vs_rank0_save_time",
+            "async_cost_vs_sync",
+            "shard_bytes_vs_ideal_n2",
+        ],
+        150,
+    ),
     (checkpoint_scaling, [], 60),
     (save_memory, ["dcp_vs_rank0_peak_mem"], 40),
     (shard_bytes, ["shard_bytes_vs_ideal_n4"], 40),
     (trainer_runs, ["trainer_vs_minimal_step_time", *[f"resume_{p}_s" for p in RESUME_PARTS]], 3 * 30),
     (throughput_scaling, [], 30),
-    (preemption, ["preempt_to_committed_s", "preempt_to_requeued_s", "preempt_restart_s", "preempt_restart_vs_load"], 60),
+    (
+        preemption,
+        ["preempt_to_committed_s", "preempt_to_requeued_s", "preempt_restart_s", "preempt_restart_vs_load"],
+        60,
+    ),
     (gpu, ["gpu_mfu", "gpu_tokens_per_s", "gpu_peak_mem_gb", "gpu_mfu_eager"], 2 * 150),  # 0 without a GPU
 ]
 MEASURED_BY = {measure: keys for measure, keys, _ in MEASUREMENTS}
@@ -602,7 +843,7 @@ MEASURED_BY = {measure: keys for measure, keys, _ in MEASUREMENTS}
 
 def least_time(chosen: list, index: int) -> float:
     """Seconds the measurements after chosen[index] need at least."""
-    return sum(need for measure, _, need in chosen[index + 1:] if measure is not gpu or gpu_count())
+    return sum(need for measure, _, need in chosen[index + 1 :] if measure is not gpu or gpu_count())
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -638,7 +879,8 @@ def markdown(info: dict, figures: dict, notes: dict, details: dict, sizes: str) 
         f"# Bench {info['date']} on {info['host']}",
         "",
         f"torch {info['torch']}, {info['cpu']} ({info['cpu_cores']} cores), "
-        f"{', '.join(info['gpus']) or 'no GPU'}; load average {info['load_average_at_start']:.1f} at the start. {sizes}",
+        f"{', '.join(info['gpus']) or 'no GPU'}; load average {info['load_average_at_start']:.1f} at the start. "
+        f"{sizes}",
         "",
         "Median of the rounds, its 95% interval (percentile bootstrap, bench/stats.py), and the verdict: met or missed "
         "only when the whole interval is on one side of the goal, else within noise.",
@@ -652,28 +894,46 @@ def markdown(info: dict, figures: dict, notes: dict, details: dict, sizes: str) 
             lines.append(f"| `{key}` | null | - | 0 | {f'{op} {goal}' if goal is not None else '-'} | not measured |")
             continue
         ci = f"{number(f['ci95'][0])}-{number(f['ci95'][1])}" if f["ci95"] else "-"
-        lines.append(f"| `{key}` | {number(f['median'])} | {ci} | {len(f['rounds'])} | "
-                     f"{f'{op} {goal}' if goal is not None else '-'} | {f['verdict'] or '-'} |")
+        lines.append(
+            f"| `{key}` | {number(f['median'])} | {ci} | {len(f['rounds'])} | "
+            f"{f'{op} {goal}' if goal is not None else '-'} | {f['verdict'] or '-'} |"
+        )
     points = details.get("checkpoint_scaling", {}).get("points")
     if points:
-        lines += ["", "Checkpoint scaling (medians; GB/s of the shard files' bytes; raw: one writer/reader per process, "
-                  "and one alone):", "",
-                  "| size | processes | GB | DCP save s (GB/s) | raw write GB/s (alone) | rank-0 save s | DCP load s (GB/s) "
-                  "| stock reader load s | raw read GB/s (alone) |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "Checkpoint scaling (medians; GB/s of the shard files' bytes; raw: one writer/reader per process, "
+            "and one alone):",
+            "",
+            "| size | processes | GB | DCP save s (GB/s) | raw write GB/s (alone) | rank-0 save s | DCP load s (GB/s) "
+            "| stock reader load s | raw read GB/s (alone) |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for p in points:
-            lines.append(f"| {p['size']} | {p['processes']} | {p['gb']:.2f} | {p['dcp_save_s']:.2f} ({p['dcp_save_gb_per_s']:.2f}) | "
-                         f"{p['raw_write_gb_per_s']:.2f} ({p['raw_write_single_gb_per_s']:.2f}) | {p['rank0_save_s']:.2f} | "
-                         f"{p['dcp_load_s']:.2f} ({p['dcp_load_gb_per_s']:.2f}) | {p['stock_load_s']:.2f} | "
-                         f"{p['raw_read_gb_per_s']:.2f} ({p['raw_read_single_gb_per_s']:.2f}) |")
+            lines.append(
+                f"| {p['size']} | {p['processes']} | {p['gb']:.2f} | {p['dcp_save_s']:.2f} "
+                f"({p['dcp_save_gb_per_s']:.2f}) | "
+                f"{p['raw_write_gb_per_s']:.2f} ({p['raw_write_single_gb_per_s']:.2f}) | {p['rank0_save_s']:.2f} | "
+                f"{p['dcp_load_s']:.2f} ({p['dcp_load_gb_per_s']:.2f}) | {p['stock_load_s']:.2f} | "
+                f"{p['raw_read_gb_per_s']:.2f} ({p['raw_read_single_gb_per_s']:.2f}) |"
+            )
     curve = details.get("throughput_scaling")
     if curve:
-        lines += ["", "Training throughput per process, the same batch per process (tokens/s, median of the metrics "
-                  "windows after the first):", "", "| processes | threads each | tokens/s per process | 95% interval |",
-                  "|---|---|---|---|"]
+        lines += [
+            "",
+            "Training throughput per process, the same batch per process (tokens/s, median of the metrics "
+            "windows after the first):",
+            "",
+            "| processes | threads each | tokens/s per process | 95% interval |",
+            "|---|---|---|---|",
+        ]
         for p in curve:
             f = p["tokens_per_s_per_process"]
             ci = f"{number(f['ci95'][0])}-{number(f['ci95'][1])}" if f["ci95"] else "-"
-            lines.append(f"| {p['processes']} | {p['threads_per_process']} | {number(f['median']) if f['median'] else '-'} | {ci} |")
+            lines.append(
+                f"| {p['processes']} | {p['threads_per_process']} | {number(f['median']) if f['median'] else '-'} | "
+                f"{ci} |"
+            )
     lines += ["", "What each figure compares, and how it was measured:", ""]
     for key, (what, _, _) in GOALS.items():
         lines.append(f"- `{key}`: {what}. {notes.get(key, '')}")
@@ -696,19 +956,36 @@ def main() -> int:
     parser.add_argument("--shard-size", default="small", help="transformer size of the shard-bytes measurements")
     parser.add_argument("--ckpt-size", default="350m", help="size of the checkpoint runs (bench.common.SIZES: 4.5 GB)")
     parser.add_argument("--ckpt-rounds", type=int, default=5, help="interleaved rounds of each checkpoint comparison")
-    parser.add_argument("--checksum-pairs", type=int, default=10,
-                        help="more checked/unchecked load pairs for checksum_load_overhead (this VM's disk is bimodal)")
+    parser.add_argument(
+        "--checksum-pairs",
+        type=int,
+        default=10,
+        help="more checked/unchecked load pairs for checksum_load_overhead (this VM's disk is bimodal)",
+    )
     parser.add_argument("--step-size-async", default="small", help="the model that trains during the async save")
-    parser.add_argument("--scaling-sizes", nargs=3, default=["60m", "125m", "350m"], help="sizes of the checkpoint scaling curve")
-    parser.add_argument("--scaling-rounds", type=int, default=1, help="rounds of each point of the checkpoint scaling curve")
+    parser.add_argument(
+        "--scaling-sizes", nargs=3, default=["60m", "125m", "350m"], help="sizes of the checkpoint scaling curve"
+    )
+    parser.add_argument(
+        "--scaling-rounds", type=int, default=1, help="rounds of each point of the checkpoint scaling curve"
+    )
     parser.add_argument("--memory-size", default="125m", help="size of the fresh-process memory measurement")
     parser.add_argument("--memory-rounds", type=int, default=3, help="rounds (a DCP and a rank-0 launch each) of it")
-    parser.add_argument("--no-system-drop", action="store_true",
-                        help="evict only the bench's own files' pages, never the whole page cache (shared machines)")
-    parser.add_argument("--preempt-rounds", type=int, default=5, help="preemptions on the local Slurm cluster (~40 s each)")
+    parser.add_argument(
+        "--no-system-drop",
+        action="store_true",
+        help="evict only the bench's own files' pages, never the whole page cache (shared machines)",
+    )
+    parser.add_argument(
+        "--preempt-rounds", type=int, default=5, help="preemptions on the local Slurm cluster (~40 s each)"
+    )
     parser.add_argument("--gpu-steps", type=int, default=30, help="steps of each GPU run")
-    parser.add_argument("--only", nargs="+", choices=[m.__name__ for m, _, _ in MEASUREMENTS],
-                        help="run only these measurements (the others are reported as not measured)")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=[m.__name__ for m, _, _ in MEASUREMENTS],
+        help="run only these measurements (the others are reported as not measured)",
+    )
     args = parser.parse_args()
     started = time.perf_counter()
 
@@ -724,8 +1001,11 @@ def main() -> int:
     ran = {measure for measure, _, _ in chosen}
     for index, (measure, keys, _) in enumerate(chosen):
         ctx.budget.reserve = least_time(chosen, index)
-        print(f"bench: {measure.__name__} ({ctx.budget.left():.0f}s of the budget left, "
-              f"{ctx.budget.reserve:.0f}s of it kept for the rest)", flush=True)
+        print(
+            f"bench: {measure.__name__} ({ctx.budget.left():.0f}s of the budget left, "
+            f"{ctx.budget.reserve:.0f}s of it kept for the rest)",
+            flush=True,
+        )
         began = time.perf_counter()
         try:
             f, n, d = measure(ctx)
@@ -739,9 +1019,15 @@ def main() -> int:
         if measure not in ran:
             notes.update({k: f"not measured in this run (--only {' '.join(args.only)})" for k in keys})
 
-    sizes = (f"{args.nproc} processes (shard bytes: 2 and 4); models: checkpoints {args.ckpt_size} (async: "
-             f"{args.step_size_async} training), memory {args.memory_size}, step time and resume {args.step_size}, "
-             f"shard bytes {args.shard_size}; ") if ran - {gpu} else ""
+    sizes = (
+        (
+            f"{args.nproc} processes (shard bytes: 2 and 4); models: checkpoints {args.ckpt_size} (async: "
+            f"{args.step_size_async} training), memory {args.memory_size}, step time and resume {args.step_size}, "
+            f"shard bytes {args.shard_size}; "
+        )
+        if ran - {gpu}
+        else ""
+    )
     sizes += f"{time.perf_counter() - started:.0f}s in all."
     text = markdown(info, figures, notes, details, sizes)
     results = ROOT / args.results
@@ -750,8 +1036,14 @@ def main() -> int:
     if gpu in ran and info["gpus"]:  # GPU figures: named after the GPU, beside the CPU's
         stem = Path(f"{stem}-{info['gpus'][0].split()[-1].lower()}")
     Path(f"{stem}.md").write_text(text)
-    report = {**figures, "machine": info, "sizes": sizes, "notes": notes, "details": details,
-              "seconds": time.perf_counter() - started}
+    report = {
+        **figures,
+        "machine": info,
+        "sizes": sizes,
+        "notes": notes,
+        "details": details,
+        "seconds": time.perf_counter() - started,
+    }
     Path(f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
     print(text)
     print(f"wrote {stem}.md and .json")

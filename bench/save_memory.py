@@ -17,7 +17,8 @@ import os
 import torch.distributed as dist
 
 from bench import checkpoint_io, common
-from trainer import checkpoint, dist as distributed
+from trainer import checkpoint
+from trainer import dist as distributed
 
 
 def main() -> None:
@@ -25,15 +26,32 @@ def main() -> None:
     parser.add_argument("--contender", choices=["dcp", "rank0"], required=True)
     parser.add_argument("--dir", required=True, help="scratch folder")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--size", default="125m", help="model size: bench.common.SIZES or trainer.models.TRANSFORMER_SIZES")
+    parser.add_argument(
+        "--size", default="125m", help="model size: bench.common.SIZES or trainer.models.TRANSFORMER_SIZES"
+    )
     args = parser.parse_args()
     env, control = common.start()
-    cfg = common.make_config([*common.size_overrides(args.size), "model.seq_len=64", f"train.global_batch_size={env.world_size}",
-                              f"run_dir={args.dir}", "checkpoint.keep=0"])
+    cfg = common.make_config(
+        [
+            *common.size_overrides(args.size),
+            "model.seq_len=64",
+            f"train.global_batch_size={env.world_size}",
+            f"run_dir={args.dir}",
+            "checkpoint.keep=0",
+        ]
+    )
     model, optimizer, scheduler = common.build(cfg, env)
     common.train_step(model, optimizer, scheduler, common.batches(cfg, env), env)
-    ckpt = checkpoint.Checkpointer(cfg.checkpoint, args.dir, env.rank, env.world_size, distributed.cpu_group(timeout_s=600), model, optimizer,
-                                   parts={"scheduler": scheduler})
+    ckpt = checkpoint.Checkpointer(
+        cfg.checkpoint,
+        args.dir,
+        env.rank,
+        env.world_size,
+        distributed.cpu_group(timeout_s=600),
+        model,
+        optimizer,
+        parts={"scheduler": scheduler},
+    )
     dist.barrier(group=control)
     before = common.reset_peak_rss()
     if args.contender == "dcp":
@@ -43,8 +61,17 @@ def main() -> None:
     peak = common.peak_rss_bytes()
     dist.barrier(group=control)
     if env.rank == 0:
-        common.write_result(args.out, {"contender": args.contender, "size": args.size, "world_size": env.world_size,
-                                       "rss_before": before, "peak_rss": peak, "added": peak - before})
+        common.write_result(
+            args.out,
+            {
+                "contender": args.contender,
+                "size": args.size,
+                "world_size": env.world_size,
+                "rss_before": before,
+                "peak_rss": peak,
+                "added": peak - before,
+            },
+        )
     dist.barrier(group=control)
 
 

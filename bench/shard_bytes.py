@@ -25,8 +25,14 @@ def state_tensors(model, optimizer) -> list[torch.Tensor]:
 
 
 def measure(strategy: str, size: str, env, control) -> dict:
-    cfg = common.make_config([f"model.size={size}", "model.seq_len=64", f"train.global_batch_size={env.world_size}",
-                              f"parallel.strategy={strategy}"])
+    cfg = common.make_config(
+        [
+            f"model.size={size}",
+            "model.seq_len=64",
+            f"train.global_batch_size={env.world_size}",
+            f"parallel.strategy={strategy}",
+        ]
+    )
     model, optimizer, scheduler = common.build(cfg, env)
     common.train_step(model, optimizer, scheduler, common.batches(cfg, env), env, zero_grad=False)
     tensors = state_tensors(model, optimizer)
@@ -56,8 +62,12 @@ def main() -> None:
     parser.add_argument("--size", default="small", help="transformer size (trainer.models.TRANSFORMER_SIZES)")
     args = parser.parse_args()
     env, control = common.start()
-    result = {"size": args.size, "world_size": env.world_size,
-              "fsdp": measure("fsdp", args.size, env, control), "ddp": measure("ddp", args.size, env, control)}
+    result = {
+        "size": args.size,
+        "world_size": env.world_size,
+        "fsdp": measure("fsdp", args.size, env, control),
+        "ddp": measure("ddp", args.size, env, control),
+    }
     if env.rank == 0:
         common.write_result(args.out, result)
     dist.barrier(group=control)

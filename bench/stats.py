@@ -20,7 +20,9 @@ def median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def interval(values: list[float], level: float = 0.95, resamples: int = RESAMPLES, seed: int = SEED) -> list[float] | None:
+def interval(
+    values: list[float], level: float = 0.95, resamples: int = RESAMPLES, seed: int = SEED
+) -> list[float] | None:
     """[low, high]: the percentile bootstrap interval of the median of `values`; None for fewer than
     two values (one round says nothing about the spread)."""
     if len(values) < 2:
@@ -33,7 +35,7 @@ def interval(values: list[float], level: float = 0.95, resamples: int = RESAMPLE
 
 
 def verdict(ci: list[float] | None, op: str | None, goal: float | None) -> str | None:
-    """"met" when the whole interval clears the goal, "missed" when the whole interval fails it,
+    """ "met" when the whole interval clears the goal, "missed" when the whole interval fails it,
     "within noise" when it straddles the goal; None without an interval or a goal."""
     if ci is None or op is None or goal is None:
         return None
@@ -51,5 +53,10 @@ def figure(rounds: list[float], op: str | None = None, goal: float | None = None
     count, not a timing (e.g. bytes), the same in every round: its interval is the value itself."""
     rounds = [float(x) for x in rounds]
     ci = [min(rounds), max(rounds)] if exact and rounds else interval(rounds)
-    return {"rounds": rounds, "median": median(rounds), "ci95": ci,
-            "goal": None if goal is None else {"op": op, "value": goal}, "verdict": verdict(ci, op, goal)}
+    return {
+        "rounds": rounds,
+        "median": median(rounds),
+        "ci95": ci,
+        "goal": None if goal is None else {"op": op, "value": goal},
+        "verdict": verdict(ci, op, goal),
+    }

@@ -36,7 +36,8 @@ def main() -> int:
     argv = [a for i, a in enumerate(sys.argv[1:], 1) if a != "--times" and sys.argv[i - 1] != "--times"]
     import trainer.__main__ as entry  # installs the trainer's signal handlers, as `-m trainer` does
     import trainer.train  # noqa: F401 - imported lazily by entry.main: counted with the imports here
-    from trainer import checkpoint, dist as distributed, metrics
+    from trainer import checkpoint, metrics
+    from trainer import dist as distributed
 
     times["imported"] = time.time()
     _wrap(distributed, "init", "rendezvous_start", "rendezvous_end")

@@ -46,21 +46,44 @@ def command(run_dir, nproc: int, overrides, config: str = "configs/default.yaml"
     return [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", *args]
 
 
-def train(run_dir, nproc: int = 1, *overrides, config: str = "configs/default.yaml", expect: int = 0,
-          timeout: float = 300, gpu: bool = False, module: str = "trainer") -> subprocess.CompletedProcess:
+def train(
+    run_dir,
+    nproc: int = 1,
+    *overrides,
+    config: str = "configs/default.yaml",
+    expect: int = 0,
+    timeout: float = 300,
+    gpu: bool = False,
+    module: str = "trainer",
+) -> subprocess.CompletedProcess:
     """Run the trainer to the end; fail the test with its output if the exit code is not `expect`.
     `module`: what `python -m` runs (a test's own entry point into the trainer)."""
-    proc = subprocess.run(command(run_dir, nproc, overrides, config, module), cwd=ROOT, env=env(gpu), capture_output=True,
-                          text=True, timeout=timeout)
+    proc = subprocess.run(
+        command(run_dir, nproc, overrides, config, module),
+        cwd=ROOT,
+        env=env(gpu),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if proc.returncode != expect:
-        pytest.fail(f"trainer exited {proc.returncode}, expected {expect}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+        pytest.fail(
+            f"trainer exited {proc.returncode}, expected {expect}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+        )
     return proc
 
 
 def start(run_dir, nproc: int, *overrides, config: str = "configs/default.yaml") -> subprocess.Popen:
     """Start the trainer in its own process group (so the whole job can be signalled or killed)."""
-    return subprocess.Popen(command(run_dir, nproc, overrides, config), cwd=ROOT, env=env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(
+        command(run_dir, nproc, overrides, config),
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def wait_for(predicate, timeout: float = 120, what: str = "condition") -> None:

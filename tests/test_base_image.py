@@ -18,8 +18,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
-pytestmark = [pytest.mark.slow,  # runs the base image's build script as root, with mounts
-              pytest.mark.skipif(os.geteuid() != 0, reason="mounting needs root")]
+pytestmark = [
+    pytest.mark.slow,  # runs the base image's build script as root, with mounts
+    pytest.mark.skipif(os.geteuid() != 0, reason="mounting needs root"),
+]
 
 FAKE_DEBOOTSTRAP = """#!/bin/sh
 # debootstrap --variant=minbase SUITE TARGET MIRROR: mount like the real one, then fail.
@@ -37,8 +39,11 @@ exit 1  # no image yet: `docker image inspect` fails
 
 
 def _mounts_under(path: Path) -> list[str]:
-    return [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()
-            if line.split()[1].startswith(str(path))]
+    return [
+        line.split()[1]
+        for line in Path("/proc/mounts").read_text().splitlines()
+        if line.split()[1].startswith(str(path))
+    ]
 
 
 def test_a_failed_debootstrap_leaves_no_mounts_and_deletes_nothing_outside(tmp_path):
@@ -49,11 +54,15 @@ def test_a_failed_debootstrap_leaves_no_mounts_and_deletes_nothing_outside(tmp_p
     for name, text in (("debootstrap", FAKE_DEBOOTSTRAP), ("docker", FAKE_DOCKER)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "TMPDIR": str(tmp),
-           "PRECIOUS": str(precious)}
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "TMPDIR": str(tmp), "PRECIOUS": str(precious)}
     try:
-        out = subprocess.run(["bash", str(REPO / "docker" / "base-image.sh"), "fsdp-trainer-test-base:none"],
-                             capture_output=True, text=True, env=env, timeout=60)
+        out = subprocess.run(
+            ["bash", str(REPO / "docker" / "base-image.sh"), "fsdp-trainer-test-base:none"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
         assert out.returncode == 1
         assert "base-image: debootstrap failed" in out.stderr
         assert _mounts_under(tmp) == []

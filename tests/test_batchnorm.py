@@ -11,9 +11,17 @@ from conftest import ROOT, TORCHRUN, env, train, weights
 
 pytestmark = pytest.mark.slow  # every test trains on 2 processes
 
-RESNET = ["model.name=resnet18", "model.num_classes=4", "model.image_size=32", "data.name=synthetic_images",
-          "train.global_batch_size=8", "log.interval=1", "log.progress=false", "checkpoint.interval=0",
-          "optim.warmup_steps=0"]
+RESNET = [
+    "model.name=resnet18",
+    "model.num_classes=4",
+    "model.image_size=32",
+    "data.name=synthetic_images",
+    "train.global_batch_size=8",
+    "log.interval=1",
+    "log.progress=false",
+    "checkpoint.interval=0",
+    "optim.warmup_steps=0",
+]
 
 SCRIPT = textwrap.dedent("""
     import sys
@@ -50,8 +58,14 @@ SCRIPT = textwrap.dedent("""
 def test_running_stats_are_equal_on_all_ranks_after_a_step(tmp_path):
     script = tmp_path / "bn.py"
     script.write_text(SCRIPT)
-    proc = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node=2", str(script), *RESNET], cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [TORCHRUN, "--standalone", "--nproc-per-node=2", str(script), *RESNET],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
     assert float(lines["differed"]) > 1e-3  # the ranks' batches gave them different statistics

@@ -13,8 +13,19 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import (
-    PYTHON, ROOT, TINY, assert_same_losses, assert_same_weights, env, kill_group, losses, rows, start, train,
-    wait_for, weights,
+    PYTHON,
+    ROOT,
+    TINY,
+    assert_same_losses,
+    assert_same_weights,
+    env,
+    kill_group,
+    losses,
+    rows,
+    start,
+    train,
+    wait_for,
+    weights,
 )
 from trainer import checkpoint
 from trainer.data import SyntheticLM
@@ -108,8 +119,10 @@ def test_kill_9_during_saves_never_leaves_a_usable_half_checkpoint(tmp_path, kil
     run_dir = tmp_path / "run"
     job = start(run_dir, 2, *overrides)
     ckpts = run_dir / "checkpoints"
-    wait_for(lambda: ckpts.is_dir() and any(n.startswith(".tmp_step_00000003") for n in os.listdir(ckpts)),
-             what="the third save to begin")
+    wait_for(
+        lambda: ckpts.is_dir() and any(n.startswith(".tmp_step_00000003") for n in os.listdir(ckpts)),
+        what="the third save to begin",
+    )
     time.sleep(delay)
     if target == "job":
         kill_group(job)
@@ -133,8 +146,9 @@ def test_retention_keeps_newest_and_every_kth(tmp_path):
     ckpts = tmp_path / "checkpoints"
     bogus = ckpts / "step_00000099"
     bogus.mkdir(parents=True)  # newer-looking but incomplete: must be skipped, not trusted
-    out = train(tmp_path, 1, *TINY, "train.steps=9", "checkpoint.interval=1", "checkpoint.keep=2",
-                "checkpoint.keep_every=4").stdout
+    out = train(
+        tmp_path, 1, *TINY, "train.steps=9", "checkpoint.interval=1", "checkpoint.keep=2", "checkpoint.keep_every=4"
+    ).stdout
     assert f"skipping checkpoint {bogus}: no DCP .metadata" in out
     assert sorted(os.listdir(ckpts)) == ["step_00000004", "step_00000008", "step_00000009", "step_00000099"]
 
@@ -159,14 +173,16 @@ def test_unreadable_shard_stops_every_rank_with_its_cause(tmp_path, reference):
     lost = 0
     for index, info in dcp.FileSystemReader(str(source)).read_metadata().storage_data.items():
         if info.relative_path == shard.name and index.offset and index.offset[0] > 0:  # rank 1's half of a tensor
-            data[info.offset:info.offset + info.length] = bytes(info.length)
+            data[info.offset : info.offset + info.length] = bytes(info.length)
             lost += 1
     assert lost
     shard.write_bytes(data)
     files = {p: p.read_bytes() for p in source.rglob("*") if p.is_file()}
     proc = train(tmp_path / "run", 2, *RESUMABLE, f"checkpoint.resume_from={source}", expect=1)  # torchrun's code
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and errors[0].startswith(f"error: checkpoint.resume_from={source} is unreadable: rank "), proc.stderr
+    assert len(errors) == 1 and errors[0].startswith(f"error: checkpoint.resume_from={source} is unreadable: rank "), (
+        proc.stderr
+    )
     # The shard file's checksum (trainer/checksums.py) catches the damage before its pickle does.
     assert "could not read its shards (ChecksumError: __1_0.distcp is damaged" in errors[0], errors[0]
     assert {p: p.read_bytes() for p in source.rglob("*") if p.is_file()} == files
@@ -193,8 +209,14 @@ def test_raising_steps_continues_and_export_round_trips(tmp_path):
     assert "at step 6" in out and sorted(losses(tmp_path)) == list(range(1, 9))
 
     for name in ("model.pt", "model.safetensors"):
-        proc = subprocess.run([PYTHON, "-m", "trainer.export", str(tmp_path), "--out", str(tmp_path / name)],
-                              cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [PYTHON, "-m", "trainer.export", str(tmp_path), "--out", str(tmp_path / name)],
+            cwd=ROOT,
+            env=env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 0, proc.stderr
     state = torch.load(tmp_path / "model.pt", weights_only=True)
     from safetensors.torch import load_file

@@ -13,7 +13,7 @@ import yaml
 from conftest import ROOT, env
 from trainer import check
 from trainer.check import check_devices, validate
-from trainer.config import Config, ConfigError, load, resolve
+from trainer.config import ConfigError, load, resolve
 
 
 def write(tmp_path, text: str, name: str = "c.yaml") -> str:
@@ -42,8 +42,13 @@ def test_every_shipped_config_is_valid():
 
 
 # The scale each shipped config is written for: (nodes, GPUs per node), checked against 80 GB GPUs.
-SHIPPED_SCALE = {"default.yaml": (1, 2), "mnist.yaml": (1, 2), "llama-1b.yaml": (1, 8), "llama-8b.yaml": (4, 8),
-                 "resnet50.yaml": (1, 8)}
+SHIPPED_SCALE = {
+    "default.yaml": (1, 2),
+    "mnist.yaml": (1, 2),
+    "llama-1b.yaml": (1, 8),
+    "llama-8b.yaml": (4, 8),
+    "resnet50.yaml": (1, 8),
+}
 
 
 def stand_in_data(cfg, tmp_path) -> list[str]:
@@ -73,10 +78,22 @@ def test_every_shipped_config_passes_the_check_at_its_scale(tmp_path, monkeypatc
     monkeypatch.setattr(check, "check_devices", lambda nproc: None)  # this machine has no GPU, CI neither
     path = f"configs/{name}"
     cfg = load(path)
-    args = ["--config", path, "--nproc", str(gpus), "--nnodes", str(nodes), "--gpu-mem-gb", "80",
-            f"run_dir={tmp_path / 'run'}"]
-    missing = [p for p in (cfg.data.path, cfg.data.eval_path)
-               if p and cfg.data.name in ("tokens", "imagefolder") and not os.path.exists(p)]
+    args = [
+        "--config",
+        path,
+        "--nproc",
+        str(gpus),
+        "--nnodes",
+        str(nodes),
+        "--gpu-mem-gb",
+        "80",
+        f"run_dir={tmp_path / 'run'}",
+    ]
+    missing = [
+        p
+        for p in (cfg.data.path, cfg.data.eval_path)
+        if p and cfg.data.name in ("tokens", "imagefolder") and not os.path.exists(p)
+    ]
 
     code = check.main(args)
     out, err = capsys.readouterr()
@@ -124,11 +141,19 @@ def test_parse_errors_name_the_place(tmp_path, text, overrides, message):
         (["train.global_batch_size=12", "train.micro_batch_size=4"], 2, "4 does not divide the 6 samples per rank"),
         (["data.name=tokens"], 1, "data.path: is not set"),
         (["data.name=tokens", "data.path=/nonexistent.bin"], 1, "token file /nonexistent.bin does not exist"),
-        (["model.name=mnist_cnn", "data.name=mnist", "data.path=/nope", "data.download=false"], 1, "/nope/MNIST/raw does not exist"),
+        (
+            ["model.name=mnist_cnn", "data.name=mnist", "data.path=/nope", "data.download=false"],
+            1,
+            "/nope/MNIST/raw does not exist",
+        ),
         (["model.name=resnet18", "data.name=imagefolder", "data.path=/nope"], 1, "folder /nope does not exist"),
         (["model.name=gpt5"], 1, "model.name: is 'gpt5'"),
         (["model.size=huge"], 1, "model.size: is 'huge'; choose one of tiny"),
-        (["checkpoint.resume_from=/nope/step_00000001"], 1, "checkpoint.resume_from: /nope/step_00000001 does not exist"),
+        (
+            ["checkpoint.resume_from=/nope/step_00000001"],
+            1,
+            "checkpoint.resume_from: /nope/step_00000001 does not exist",
+        ),
         (["parallel.strategy=none"], 2, "is 'none' but 2 processes run"),
         (["parallel.sharding=hybrid", "parallel.shard_size=3"], 4, "3 does not divide the 4 processes"),
         (["optim.lr=-1"], 1, "optim.lr: is -1.0; it must be positive"),
@@ -176,9 +201,24 @@ def run_cli(*args):
     "args, message",
     [
         (["-m", "trainer", "--config", "configs/missing.yaml"], "configs/missing.yaml: config file not found"),
-        (["-m", "trainer", "--config", "configs/default.yaml", "train.global_batch_size=7", "RUN"], "expected key=value"),
-        (["-m", "trainer.check", "--config", "configs/default.yaml", "--nproc", "1", "--nnodes", "3", "train.global_batch_size=32"],
-         "32 is not divisible by 3 processes"),
+        (
+            ["-m", "trainer", "--config", "configs/default.yaml", "train.global_batch_size=7", "RUN"],
+            "expected key=value",
+        ),
+        (
+            [
+                "-m",
+                "trainer.check",
+                "--config",
+                "configs/default.yaml",
+                "--nproc",
+                "1",
+                "--nnodes",
+                "3",
+                "train.global_batch_size=32",
+            ],
+            "32 is not divisible by 3 processes",
+        ),
         (["-m", "trainer.check", "--config", "configs/default.yaml", "--nproc", "999"], "NPROC=999 processes"),
     ],
 )
@@ -194,8 +234,13 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, args, message):
 
 def test_make_run_validates_before_launch(tmp_path):
     run_dir = tmp_path / "run"
-    proc = subprocess.run(["make", "--no-print-directory", "run", "NPROC=999", f"RUN_DIR={run_dir}"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        ["make", "--no-print-directory", "run", "NPROC=999", f"RUN_DIR={run_dir}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2
     assert "error: NPROC=999 processes" in proc.stderr
     assert "rank(s) on" not in proc.stderr  # never launched
@@ -214,9 +259,12 @@ def test_resolved_config_is_written(tmp_path):
     assert written["model"]["dim"] == 64 and written["model"]["rope_theta"] == 10000.0
 
 
-@pytest.mark.xfail(strict=True, reason="issue #25 item 4, not done yet: trainer.config imports the Args classes from "
-                   "modules that import torch (checkpoint, data, metrics, parallel, models), and validate asks the "
-                   "model families, whose modules define their networks")
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue #25 item 4, not done yet: trainer.config imports the Args classes from "
+    "modules that import torch (checkpoint, data, metrics, parallel, models), and validate asks the "
+    "model families, whose modules define their networks",
+)
 def test_the_config_and_its_validation_need_no_torch(tmp_path):
     """A login node's `make check` / `make submit` read and validate the config before any step that
     needs torch: with torch unimportable, configs/default.yaml loads and validates for 2 processes
@@ -228,6 +276,7 @@ def test_the_config_and_its_validation_need_no_torch(tmp_path):
         f"cfg, where, notes = load_run('configs/default.yaml', ['run_dir={tmp_path / 'run'}'])\n"
         "print(validate(cfg, 2, where=where, ranks_per_node=None), cfg.model.name)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0 and proc.stdout == "[] transformer\n", proc.stderr

@@ -11,8 +11,18 @@ import torch
 from conftest import ROOT, TORCHRUN, env
 from trainer import dist, metrics
 
-LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS",
-                 "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "MASTER_ADDR", "MASTER_PORT")
+LAUNCHER_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_LOCALID",
+    "SLURM_NTASKS_PER_NODE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 @pytest.fixture
@@ -35,8 +45,13 @@ def test_torchrun_variables_come_first(clean_env):
 
 
 def test_slurm_variables_without_torchrun(clean_env):
-    for name, value in {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1",
-                        "SLURM_NTASKS_PER_NODE": "2(x2)", "MASTER_ADDR": "n1"}.items():
+    for name, value in {
+        "SLURM_PROCID": "3",
+        "SLURM_NTASKS": "4",
+        "SLURM_LOCALID": "1",
+        "SLURM_NTASKS_PER_NODE": "2(x2)",
+        "MASTER_ADDR": "n1",
+    }.items():
         clean_env.setenv(name, value)
     env = dist.read_env()
     assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (3, 4, 1, 2)
@@ -55,11 +70,18 @@ def test_gpus_give_nccl_and_the_local_rank_device(clean_env):
     clean_env.setattr(torch.cuda, "device_count", lambda: 4)
     chosen = {}
     clean_env.setattr(torch.cuda, "set_device", lambda device: chosen.setdefault("device", device))
-    clean_env.setattr(torch.distributed, "init_process_group",
-                      lambda backend, timeout, device_id: chosen.update(backend=backend, device_id=device_id))
+    clean_env.setattr(
+        torch.distributed,
+        "init_process_group",
+        lambda backend, timeout, device_id: chosen.update(backend=backend, device_id=device_id),
+    )
     env = dist.init(timeout_s=60)
     assert env.device == torch.device("cuda", 3)
-    assert chosen == {"device": torch.device("cuda", 3), "backend": "cuda:nccl,cpu:gloo", "device_id": torch.device("cuda", 3)}
+    assert chosen == {
+        "device": torch.device("cuda", 3),
+        "backend": "cuda:nccl,cpu:gloo",
+        "device_id": torch.device("cuda", 3),
+    }
 
 
 def test_more_processes_than_gpus_is_refused_with_what_to_do(monkeypatch):
@@ -69,7 +91,9 @@ def test_more_processes_than_gpus_is_refused_with_what_to_do(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     check_gpus(1)
-    with pytest.raises(ConfigError, match=r"2 processes on this node but 1 GPU\(s\) visible.*--nproc-per-node=1.*CUDA_VISIBLE_DEVICES="):
+    with pytest.raises(
+        ConfigError, match=r"2 processes on this node but 1 GPU\(s\) visible.*--nproc-per-node=1.*CUDA_VISIBLE_DEVICES="
+    ):
         check_gpus(2)
 
 
@@ -90,9 +114,17 @@ def test_cpu_gives_gloo(clean_env):
         torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("name, flops", [("NVIDIA H200", 989e12), ("NVIDIA H100 80GB HBM3", 989e12),
-                                         ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12), ("NVIDIA A100-SXM4-80GB", 312e12),
-                                         ("Some Future GPU", None)])
+@pytest.mark.parametrize(
+    "name, flops",
+    [
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H100 NVL", 835e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("Some Future GPU", None),
+    ],
+)
 def test_peak_flops_for_mfu(monkeypatch, name, flops):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: name)
     assert metrics.peak_flops(torch.device("cuda", 0)) == flops
@@ -151,10 +183,21 @@ def test_ranks_that_finished_exit_0_with_all_they_printed(tmp_path):
     with the race left in: about 4% when quiet)."""
     script = tmp_path / "finish.py"
     script.write_text(FINISH)
-    overrides = ["model.name=resnet18", "model.num_classes=4", "model.image_size=32", "data.name=synthetic_images",
-                 "train.global_batch_size=8"]
+    overrides = [
+        "model.name=resnet18",
+        "model.num_classes=4",
+        "model.image_size=32",
+        "data.name=synthetic_images",
+        "train.global_batch_size=8",
+    ]
     for attempt in range(6):
-        proc = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node=2", str(script), *overrides], cwd=ROOT,
-                              env=env(), capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [TORCHRUN, "--standalone", "--nproc-per-node=2", str(script), *overrides],
+            cwd=ROOT,
+            env=env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == 0, f"attempt {attempt}: {proc.stderr[-3000:]}"
         assert sorted(proc.stdout.splitlines()) == ["rank 0 averaged True counted 2", "rank 1 averaged True counted 2"]

@@ -30,7 +30,9 @@ PROJECT = f"fsdptest{os.getpid()}"
 def _sh(*cmd: str, timeout: float = 600, check: bool = True, **kw) -> subprocess.CompletedProcess:
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, **kw)
     if check:
-        assert out.returncode == 0, f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+        assert out.returncode == 0, (
+            f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+        )
     return out
 
 
@@ -63,7 +65,9 @@ def image():
     yield IMAGE
     if not existed:
         subprocess.run(["docker", "rmi", IMAGE], capture_output=True)
-        subprocess.run(["docker", "image", "prune", "-f", "--filter", "label=fsdp-trainer.stage=build"], capture_output=True)
+        subprocess.run(
+            ["docker", "image", "prune", "-f", "--filter", "label=fsdp-trainer.stage=build"], capture_output=True
+        )
 
 
 @pytest.fixture
@@ -71,16 +75,28 @@ def run_dir():
     path = REPO / "runs" / f"test-docker-{os.getpid()}"
     shutil.rmtree(path, ignore_errors=True)
     yield path
-    subprocess.run([*_compose(), "-p", PROJECT, "--profile", "cpu", "down", "--timeout", "5"],
-                   capture_output=True, cwd=REPO, env={**os.environ, "COMPOSE_HTTP_TIMEOUT": "300"})
+    subprocess.run(
+        [*_compose(), "-p", PROJECT, "--profile", "cpu", "down", "--timeout", "5"],
+        capture_output=True,
+        cwd=REPO,
+        env={**os.environ, "COMPOSE_HTTP_TIMEOUT": "300"},
+    )
     shutil.rmtree(path, ignore_errors=True)
 
 
 def _env(run_dir: Path, args: str) -> dict[str, str]:
     # As root (CI) the trainer's user is named: up.sh has no sudo user or run dir owner to go by.
     as_root = {"TRAINER_UID": "1000", "TRAINER_GID": "1000"} if os.getuid() == 0 else {}
-    return {**os.environ, "COMPOSE_PROJECT_NAME": PROJECT, "COMPOSE_HTTP_TIMEOUT": "300", "IMAGE": IMAGE, "RUN_DIR": str(run_dir),
-            "NPROC": "2", "ARGS": args, **as_root}
+    return {
+        **os.environ,
+        "COMPOSE_PROJECT_NAME": PROJECT,
+        "COMPOSE_HTTP_TIMEOUT": "300",
+        "IMAGE": IMAGE,
+        "RUN_DIR": str(run_dir),
+        "NPROC": "2",
+        "ARGS": args,
+        **as_root,
+    }
 
 
 def _steps(run_dir: Path) -> list[int]:
@@ -93,8 +109,11 @@ def _steps(run_dir: Path) -> list[int]:
 
 def _checkpoints(run_dir: Path) -> list[int]:
     folder = run_dir / "checkpoints"
-    return sorted(int(m.group(1)) for p in folder.glob("step_*") if (m := re.fullmatch(r"step_(\d+)", p.name))) \
-        if folder.exists() else []
+    return (
+        sorted(int(m.group(1)) for p in folder.glob("step_*") if (m := re.fullmatch(r"step_(\d+)", p.name)))
+        if folder.exists()
+        else []
+    )
 
 
 # ---- lint ---------------------------------------------------------------------------------------
@@ -149,9 +168,22 @@ print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda, "nccl"
                   "ibverbs": "libibverbs.so.1" in libs, "rdmacm": "librdmacm.so.1" in libs,
                   "check": [check.returncode, check.stdout + check.stderr]}))
 """
-    out = _sh("docker", "run", "--rm", "--network", "host", "-v", f"{tmp_path / 'home'}:/home/trainer",
-              "-e", "HOME=/home/trainer", image, "sh", "-c",
-              "id -u; cat /proc/1/comm; python3 -c \"$0\"", probe)
+    out = _sh(
+        "docker",
+        "run",
+        "--rm",
+        "--network",
+        "host",
+        "-v",
+        f"{tmp_path / 'home'}:/home/trainer",
+        "-e",
+        "HOME=/home/trainer",
+        image,
+        "sh",
+        "-c",
+        'id -u; cat /proc/1/comm; python3 -c "$0"',
+        probe,
+    )
     uid, pid1, report = out.stdout.strip().splitlines()[-3:]
     assert uid != "0"
     assert pid1 == "tini"  # signals reach the launcher, zombies are reaped
@@ -172,8 +204,15 @@ def test_up_stop_resume(image, run_dir):
     up = [str(REPO / "docker" / "up.sh"), "cpu"]
 
     # 1. up, in the foreground like `make up CPU=1`; stop it mid-run, after a periodic checkpoint.
-    proc = subprocess.Popen(up, cwd=REPO, env=_env(run_dir, args), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        up,
+        cwd=REPO,
+        env=_env(run_dir, args),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 300
         while not (_checkpoints(run_dir) and len(_steps(run_dir)) >= 7):
@@ -211,15 +250,24 @@ def test_a_rebuild_removes_the_image_its_tag_named_before(tmp_path):
     (under vfs each is a 6 GB copy: a few rebuilds filled the CI machine's disk)."""
     tag = f"fsdp-trainer-test-rebuild:{os.getpid()}"
     dockerfile = tmp_path / "Dockerfile"
-    dockerfile.write_text("ARG BASE_IMAGE\nFROM ${BASE_IMAGE}\nARG STAMP\nRUN echo \"$STAMP\" > /stamp\n")
+    dockerfile.write_text('ARG BASE_IMAGE\nFROM ${BASE_IMAGE}\nARG STAMP\nRUN echo "$STAMP" > /stamp\n')
     ids = []
     try:
         for stamp in ("first", "second"):
-            _sh(str(REPO / "docker" / "build-image.sh"), tag, "-f", str(dockerfile), "--build-arg", f"STAMP={stamp}", timeout=600)
+            _sh(
+                str(REPO / "docker" / "build-image.sh"),
+                tag,
+                "-f",
+                str(dockerfile),
+                "--build-arg",
+                f"STAMP={stamp}",
+                timeout=600,
+            )
             ids.append(_sh("docker", "image", "inspect", "-f", "{{.Id}}", tag).stdout.strip())
         assert ids[0] != ids[1]
-        assert subprocess.run(["docker", "image", "inspect", ids[0]], capture_output=True).returncode != 0, \
+        assert subprocess.run(["docker", "image", "inspect", ids[0]], capture_output=True).returncode != 0, (
             "the image the tag named before the rebuild is still there"
+        )
     finally:
         subprocess.run(["docker", "rmi", tag, *ids], capture_output=True)
 
@@ -245,11 +293,21 @@ def test_up_as_root_runs_as_the_invoking_user_and_changes_no_owner(tmp_path):
 
     def up(run: Path, **env: str) -> tuple[subprocess.CompletedProcess, list[str]]:
         before = calls.read_text().splitlines() if calls.exists() else []
-        out = subprocess.run([str(REPO / "docker" / "up.sh"), "cpu"], capture_output=True, text=True, timeout=60,
-                             env={**clean, "PATH": f"{bin_dir}:{clean['PATH']}", "RUN_DIR": str(run),
-                                  "DATA_DIR": str(tmp_path / "data"), **env})
+        out = subprocess.run(
+            [str(REPO / "docker" / "up.sh"), "cpu"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={
+                **clean,
+                "PATH": f"{bin_dir}:{clean['PATH']}",
+                "RUN_DIR": str(run),
+                "DATA_DIR": str(tmp_path / "data"),
+                **env,
+            },
+        )
         after = calls.read_text().splitlines() if calls.exists() else []
-        return out, [c for c in after[len(before):] if " up " in c]
+        return out, [c for c in after[len(before) :] if " up " in c]
 
     out, ups = up(run_dir, SUDO_UID="4242", SUDO_GID="4243")  # sudo make up: the user who ran sudo
     assert out.returncode == 0, out.stderr
@@ -262,13 +320,18 @@ def test_up_as_root_runs_as_the_invoking_user_and_changes_no_owner(tmp_path):
     new = tmp_path / "new" / "run"
     out, ups = up(new)  # root, a new run dir, nobody named: refused before anything is made
     assert out.returncode == 2 and ups == [] and not new.parent.exists()
-    assert out.stderr == ("docker/up.sh: error: as root, the trainer needs a user to run as (never root): run "
-                          "`make up` as your user or with sudo, or set TRAINER_UID= and TRAINER_GID=, or give a "
-                          f"RUN_DIR that user owns (RUN_DIR={new} does not exist yet)\n")
+    assert out.stderr == (
+        "docker/up.sh: error: as root, the trainer needs a user to run as (never root): run "
+        "`make up` as your user or with sudo, or set TRAINER_UID= and TRAINER_GID=, or give a "
+        f"RUN_DIR that user owns (RUN_DIR={new} does not exist yet)\n"
+    )
     out, ups = up(new, TRAINER_UID="4444", TRAINER_GID="4445")  # named: the folders up.sh makes are that user's
     assert out.returncode == 0 and ups[0].endswith(" user=4444:4445"), out.stderr
     assert [(p.stat().st_uid, p.stat().st_gid) for p in (new, new.parent)] == [(4444, 4445)] * 2
     assert tmp_path.stat().st_uid == 0
     out, ups = up(run_dir, TRAINER_UID="0")
-    assert out.returncode == 2 and ups == [] and out.stderr == (
-        "docker/up.sh: error: TRAINER_UID=0: the trainer never runs as root; give a user's uid\n")
+    assert (
+        out.returncode == 2
+        and ups == []
+        and out.stderr == ("docker/up.sh: error: TRAINER_UID=0: the trainer never runs as root; give a user's uid\n")
+    )

@@ -26,14 +26,23 @@ def run(tmp_path_factory):
 
 
 def evaluate(run_dir, *args) -> subprocess.CompletedProcess:
-    return subprocess.run([PYTHON, "-m", "trainer.evaluate", str(run_dir), *map(str, args)], cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [PYTHON, "-m", "trainer.evaluate", str(run_dir), *map(str, args)],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def snapshot(run_dir) -> dict[str, str]:
     """Every file of the run dir but metrics.jsonl: its path, mode and content hash."""
-    return {str(p.relative_to(run_dir)): f"{p.stat().st_mode:o} {hashlib.sha256(p.read_bytes()).hexdigest()}"
-            for p in sorted(run_dir.rglob("*")) if p.is_file() and p.name != "metrics.jsonl"}
+    return {
+        str(p.relative_to(run_dir)): f"{p.stat().st_mode:o} {hashlib.sha256(p.read_bytes()).hexdigest()}"
+        for p in sorted(run_dir.rglob("*"))
+        if p.is_file() and p.name != "metrics.jsonl"
+    }
 
 
 def metrics(run_dir) -> list[dict]:
@@ -68,7 +77,10 @@ def test_evaluate_bad_input_is_one_line_and_writes_nothing(run, capsys):
 
     before, rows_before = snapshot(run), metrics(run)
     for args, message in [
-        (["model.dim=8"], "error: override 'model.dim=8': trainer.evaluate changes eval.*, data.*, parallel.* keys only"),
+        (
+            ["model.dim=8"],
+            "error: override 'model.dim=8': trainer.evaluate changes eval.*, data.*, parallel.* keys only",
+        ),
         (["eval.batches=0"], "error: eval.batches is 0; give 1 or more"),
         (["eval.bathces=3"], "error: override 'eval.bathces=3': unknown key 'eval.bathces'"),
         (["--step", "1"], f"error: {run} has no complete checkpoint for step 1"),

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from conftest import ROOT, TINY, rows, train, weights
 from toy_family import FAMILY, TinyMLP
-
 from trainer import models
 from trainer.check import validate
 from trainer.config import ConfigError, load
@@ -23,10 +23,16 @@ TOY = ["model.name=toy_mlp", "data.name=synthetic_images", "model.image_size=8",
 def family_questions(folder: Path) -> list[str]:
     """Lines of the modules in `folder` that ask which family a run uses: a model.name compared, or
     a family's name (or a torchvision one's) in quotes."""
-    asks = re.compile(r"""model\.name\s*(==|!=|\bin\b|\.startswith)|\bm\.name\s*(==|!=|\bin\b)"""
-                      r"""|["'](transformer|mnist_cnn|vit_|resnet\d*|inception_v3)["']""")
-    return [f"{path.name}:{n}: {line.strip()}" for path in sorted(folder.glob("*.py"))
-            for n, line in enumerate(path.read_text().splitlines(), 1) if asks.search(line)]
+    asks = re.compile(
+        r"""model\.name\s*(==|!=|\bin\b|\.startswith)|\bm\.name\s*(==|!=|\bin\b)"""
+        r"""|["'](transformer|mnist_cnn|vit_|resnet\d*|inception_v3)["']"""
+    )
+    return [
+        f"{path.name}:{n}: {line.strip()}"
+        for path in sorted(folder.glob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if asks.search(line)
+    ]
 
 
 def test_nothing_outside_the_models_package_asks_the_family():
@@ -42,8 +48,10 @@ def test_a_family_added_in_one_file_and_one_line_checks_and_trains(tmp_path, mon
     assert str(e.value) == "config: data.name: is 'synthetic'; toy_mlp trains on synthetic_images"
     with pytest.raises(ConfigError) as e:
         validate(load(None, ["model.name=gpt5"]), 1)
-    assert str(e.value) == ("config: model.name: is 'gpt5'; use mnist_cnn, transformer, toy_mlp or a torchvision "
-                            "classification model (e.g. resnet18)")
+    assert str(e.value) == (
+        "config: model.name: is 'gpt5'; use mnist_cnn, transformer, toy_mlp or a torchvision "
+        "classification model (e.g. resnet18)"
+    )
 
     # two steps with the real trainer: its loss, its accuracy (a classifier), its trained weights
     train(tmp_path, 1, *TINY, *TOY, "train.steps=2", "eval.interval=2", "eval.batches=1", module="tests.toy_family")

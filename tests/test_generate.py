@@ -16,8 +16,9 @@ import torch
 os.environ["HF_HUB_OFFLINE"] = "1"
 tokenizers = pytest.importorskip("tokenizers")
 
-from conftest import PYTHON, ROOT, TINY, env, train  # noqa: E402
-from trainer import generate as gen, models  # noqa: E402
+from conftest import PYTHON, ROOT, TINY, env, train  # noqa: E402 - after HF_HUB_OFFLINE is set above
+from trainer import generate as gen  # noqa: E402 - after HF_HUB_OFFLINE is set above
+from trainer import models  # noqa: E402 - after HF_HUB_OFFLINE is set above
 
 pytestmark = pytest.mark.slow  # a module fixture trains a run
 
@@ -34,7 +35,8 @@ def corpus(n: int) -> list[str]:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """(run dir, tokenizer folder): 3 steps on 2 processes on a prepared token file."""
-    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, pre_tokenizers, trainers
+    from tokenizers import models as tok_models
 
     root = tmp_path_factory.mktemp("generate")
     folder = root / "tokenizer"
@@ -47,18 +49,48 @@ def run(tmp_path_factory):
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS}))
     (root / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    proc = subprocess.run([PYTHON, "-m", "trainer.prepare", str(root / "docs.jsonl"), "--tokenizer", str(folder),
-                           "--out", str(root / "train.bin"), "--workers", "1", "--no-progress"],
-                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            PYTHON,
+            "-m",
+            "trainer.prepare",
+            str(root / "docs.jsonl"),
+            "--tokenizer",
+            str(folder),
+            "--out",
+            str(root / "train.bin"),
+            "--workers",
+            "1",
+            "--no-progress",
+        ],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
-    train(root / "run", 2, *TINY, "train.steps=3", "data.name=tokens", f"data.path={root / 'train.bin'}",
-          f"model.vocab_size={tok.get_vocab_size()}")
+    train(
+        root / "run",
+        2,
+        *TINY,
+        "train.steps=3",
+        "data.name=tokens",
+        f"data.path={root / 'train.bin'}",
+        f"model.vocab_size={tok.get_vocab_size()}",
+    )
     return root / "run", folder
 
 
 def generate_cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([PYTHON, "-m", "trainer.generate", *map(str, args)], cwd=ROOT, env=env(), capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [PYTHON, "-m", "trainer.generate", *map(str, args)],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def export_hf(run_dir, out, umask: int) -> None:
@@ -100,7 +132,9 @@ def test_export_copies_the_tokenizer_of_the_token_file(run, tmp_path):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (tmp_path / "hf" / name).read_bytes() == (folder / name).read_bytes()
     loaded = tokenizers.Tokenizer.from_file(str(tmp_path / "hf" / "tokenizer.json"))
-    assert loaded.encode(PROMPT).ids == tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json")).encode(PROMPT).ids
+    assert (
+        loaded.encode(PROMPT).ids == tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json")).encode(PROMPT).ids
+    )
     assert not (tmp_path / "hf" / "special_tokens_map.json").exists()  # not beside the tokenizer: not made up
 
 
@@ -122,12 +156,21 @@ def test_greedy_output_is_transformers_greedy_generate(run, tmp_path, capsys):
     tok = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
     prompt = tok.encode(PROMPT, add_special_tokens=False).ids
     reference = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    expected = reference.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20, attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                  pad_token_id=0)[0, len(prompt):].tolist()
+    expected = reference.generate(
+        torch.tensor([prompt]),
+        do_sample=False,
+        max_new_tokens=20,
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        pad_token_id=0,
+    )[0, len(prompt) :].tolist()
     assert len(expected) == 20 and len(set(expected)) > 1  # not a constant: the comparison can fail
-    ours = generated(capsys, run_dir, "--ids", "--prompt", " ".join(map(str, prompt)), "--max-new-tokens", 20, "--greedy")
+    ours = generated(
+        capsys, run_dir, "--ids", "--prompt", " ".join(map(str, prompt)), "--max-new-tokens", 20, "--greedy"
+    )
     assert list(map(int, ours.split())) == expected
-    assert generated(capsys, run_dir, "--prompt", PROMPT, "--max-new-tokens", 20, "--temperature", 0) == tok.decode(expected, skip_special_tokens=False)
+    assert generated(capsys, run_dir, "--prompt", PROMPT, "--max-new-tokens", 20, "--temperature", 0) == tok.decode(
+        expected, skip_special_tokens=False
+    )
 
 
 def test_bad_input_is_one_line_exit_2(run, capsys):
@@ -135,10 +178,16 @@ def test_bad_input_is_one_line_exit_2(run, capsys):
     for args, message in [
         (["--prompt", "", "--max-new-tokens", 3], "error: --prompt is empty; give at least one token"),
         (["--ids", "--prompt", "1 x", "--max-new-tokens", 3], "error: --prompt '1 x': this run's prompt is token ids"),
-        (["--ids", "--prompt", "1 999", "--max-new-tokens", 3], "error: --prompt: token id 999 is not in the vocabulary 0.."),
+        (
+            ["--ids", "--prompt", "1 999", "--max-new-tokens", 3],
+            "error: --prompt: token id 999 is not in the vocabulary 0..",
+        ),
         (["--prompt", "a", "--max-new-tokens", 0], "error: --max-new-tokens is 0; give at least 1"),
         (["--prompt", "a", "--max-new-tokens", 2, "--top-k", 0], "error: --top-k is 0; give at least 1"),
-        (["--prompt", "a", "--max-new-tokens", 2, "--step", 2], f"error: {run_dir} has no complete checkpoint for step 2"),
+        (
+            ["--prompt", "a", "--max-new-tokens", 2, "--step", 2],
+            f"error: {run_dir} has no complete checkpoint for step 2",
+        ),
     ]:
         assert gen.main([str(run_dir), *map(str, args)]) == 2
         out, err = capsys.readouterr()

@@ -21,8 +21,19 @@ TIMEOUT = ["parallel.timeout_s=10"]  # the smallest that lets a step finish on a
 
 def launch(run_dir, *args: str, pythonpath: str = "") -> subprocess.Popen:
     """The launcher with 2 ranks; 25 s of grace: torchrun kills a stopped rank 5 s after the first exit."""
-    cmd = [sys.executable, "-m", "trainer.launch", "--nproc-per-node=2", "--grace-seconds=25",
-           "--config", str(ROOT / "configs/default.yaml"), f"run_dir={run_dir}", *TINY, *TIMEOUT, *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainer.launch",
+        "--nproc-per-node=2",
+        "--grace-seconds=25",
+        "--config",
+        str(ROOT / "configs/default.yaml"),
+        f"run_dir={run_dir}",
+        *TINY,
+        *TIMEOUT,
+        *args,
+    ]
     e = env()
     if pythonpath:
         e["PYTHONPATH"] = f"{pythonpath}{os.pathsep}{e['PYTHONPATH']}"
@@ -56,9 +67,11 @@ def test_the_launcher_gives_the_ranks_a_hang_folder_and_on_gpus_the_nccl_flight_
     assert hangs.launcher_env(str(tmp_path), "20250101-120000", gpus=False) == {"TRAINER_HANG_DIR": folder}
     assert hangs.launcher_env(str(tmp_path), "20250101-120000", gpus=True) == {
         "TRAINER_HANG_DIR": folder,
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_FR_BUFFER_SIZE": "2000",  # torch 2.14 reads TORCH_FR_*
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_FR_BUFFER_SIZE": "2000",  # torch 2.14 reads TORCH_FR_*
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": f"{folder}/nccl_trace_rank_", "TORCH_FR_DUMP_TEMP_FILE": f"{folder}/nccl_trace_rank_",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": f"{folder}/nccl_trace_rank_",
+        "TORCH_FR_DUMP_TEMP_FILE": f"{folder}/nccl_trace_rank_",
     }
 
 
@@ -108,10 +121,16 @@ def test_a_stopped_rank_is_named_in_the_report_with_its_stack_taken_from_outside
     last = re.search(rf"^  rank 1: node {re.escape(hangs.node())}, pid {ranks[1]}, last step (\d+)$", report, re.M)
     assert "stopped answering: rank 1\n" in report and last, report
     assert int(last.group(1)) in (logged, logged + 1), (logged, report)  # the step it finished or started
-    assert re.search(rf"^  rank 0 \(node \S+, pid {ranks[0]}, step \d+\): a collective timed out after 10 s "
-                     rf"\(parallel.timeout_s\): .*; in File \".*/trainer/\w+.py\", line \d+, in \w+ ", report, re.M), report
+    assert re.search(
+        rf"^  rank 0 \(node \S+, pid {ranks[0]}, step \d+\): a collective timed out after 10 s "
+        rf"\(parallel.timeout_s\): .*; in File \".*/trainer/\w+.py\", line \d+, in \w+ ",
+        report,
+        re.M,
+    ), report
     if hangs.py_spy():
-        assert re.search(rf"^  rank 1 \(node \S+, pid {ranks[1]}\): did not write .*; in \w+ \(trainer/", report, re.M), report
+        assert re.search(
+            rf"^  rank 1 \(node \S+, pid {ranks[1]}\): did not write .*; in \w+ \(trainer/", report, re.M
+        ), report
 
 
 # Rank 1 burns 0.3 s of CPU in each of its first 6 steps (a straggler), then sleeps inside step 9.
@@ -158,9 +177,12 @@ def test_a_slow_rank_is_named_a_straggler_and_a_rank_asleep_in_a_step_writes_its
         assert r["slowest_rank"] == 1 and r["compute_s_max"] >= 0.3 > 3 * r["compute_s_min"], r
         assert r["compute_s_median"] == pytest.approx((r["compute_s_min"] + r["compute_s_max"]) / 2)
     named = [line for line in (out + err).splitlines() if "straggler at step" in line]
-    assert len(named) == 1 and re.search(rf"straggler at step 3: rank 1 on node {re.escape(hangs.node())} needed 0.\d+ s of compute "
-                                         rf"per step, more than 1.5 x the median [\d.]+ s \(log.straggler_factor\) for 3 "
-                                         rf"logged windows in a row$", named[0]), named
+    assert len(named) == 1 and re.search(
+        rf"straggler at step 3: rank 1 on node {re.escape(hangs.node())} needed 0.\d+ s of compute "
+        rf"per step, more than 1.5 x the median [\d.]+ s \(log.straggler_factor\) for 3 "
+        rf"logged windows in a row$",
+        named[0],
+    ), named
     # the sleeping rank wrote its own stack: the sleep inside the loss, inside the step
     folder = hang_folder(run_dir)
     rank1 = (folder / "rank_1.txt").read_text()
@@ -177,9 +199,20 @@ def test_a_straggler_factor_of_1_or_less_is_one_line(capsys, tmp_path):
     from trainer import check
 
     for value in ("1", "0.5"):
-        assert check.main(["--config", str(ROOT / "configs/default.yaml"), f"run_dir={tmp_path / 'run'}",
-                           f"log.straggler_factor={value}"]) == 2
+        assert (
+            check.main(
+                [
+                    "--config",
+                    str(ROOT / "configs/default.yaml"),
+                    f"run_dir={tmp_path / 'run'}",
+                    f"log.straggler_factor={value}",
+                ]
+            )
+            == 2
+        )
         err = capsys.readouterr().err.strip()
-        assert err == (f"error: override 'log.straggler_factor={value}': log.straggler_factor: is {float(value)}; it "
-                       f"must be more than 1 (times the median compute time)"), err
+        assert err == (
+            f"error: override 'log.straggler_factor={value}': log.straggler_factor: is {float(value)}; it "
+            f"must be more than 1 (times the median compute time)"
+        ), err
     assert not (tmp_path / "run").exists()

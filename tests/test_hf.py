@@ -12,21 +12,38 @@ import torch
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing is downloaded: every model is made here
 transformers = pytest.importorskip("transformers")
 
-from conftest import ROOT, PYTHON, TINY, env, train, weights  # noqa: E402
-from trainer import hf, models  # noqa: E402
-from trainer.config import resolve  # noqa: E402
-from trainer.config import Config, ConfigError  # noqa: E402
+from conftest import PYTHON, ROOT, TINY, env, train, weights
+from trainer import hf, models
+from trainer.config import (
+    Config,
+    ConfigError,
+    resolve,
+)
 
-SCALING = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-           "original_max_position_embeddings": 16}
+SCALING = {
+    "rope_type": "llama3",
+    "factor": 4.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 
 
 def hf_llama(folder, tied: bool = False, scaling: dict | None = SCALING, seed: int = 0, **shards):
     """A tiny random LlamaForCausalLM (4 query heads over 2 key/value heads), saved to `folder`."""
     config = transformers.LlamaConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=dict(scaling) if scaling else None,  # a copy: LlamaConfig adds to it
-        max_position_embeddings=128, tie_word_embeddings=tied)
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        rope_scaling=dict(scaling) if scaling else None,  # a copy: LlamaConfig adds to it
+        max_position_embeddings=128,
+        tie_word_embeddings=tied,
+    )
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config).eval()
     with torch.no_grad():  # the norms start at 1: make them matter
@@ -47,8 +64,11 @@ def our_model(folder, seq_len: int = 64) -> torch.nn.Module:
 TOKENS = torch.randint(0, 96, (2, 64), generator=torch.Generator().manual_seed(1))
 
 
-@pytest.mark.parametrize("tied, scaling", [(False, SCALING), (True, SCALING), (False, None)],
-                         ids=["untied-llama3_rope", "tied-llama3_rope", "untied-plain_rope"])
+@pytest.mark.parametrize(
+    "tied, scaling",
+    [(False, SCALING), (True, SCALING), (False, None)],
+    ids=["untied-llama3_rope", "tied-llama3_rope", "untied-plain_rope"],
+)
 def test_init_from_gives_hf_logits(tmp_path, tied, scaling):
     reference = hf_llama(tmp_path, tied=tied, scaling=scaling)
     ours = our_model(tmp_path)
@@ -60,11 +80,15 @@ def test_init_from_gives_hf_logits(tmp_path, tied, scaling):
 def test_rope_scaling_matters_here(tmp_path):
     """The comparisons above can see the scaling: without it the logits differ by far more than their tolerance."""
     reference = hf_llama(tmp_path)
-    cfg = Config(model=models.ModelArgs(init_from=str(tmp_path), seq_len=64, rope_scaling=models.RopeScaling(rope_type="none")))
+    cfg = Config(
+        model=models.ModelArgs(init_from=str(tmp_path), seq_len=64, rope_scaling=models.RopeScaling(rope_type="none"))
+    )
     with pytest.raises(ConfigError, match="model.rope_scaling is .* but .*config.json says"):
         resolve(cfg)
     args = resolve(Config(model=models.ModelArgs(init_from=str(tmp_path), seq_len=64))).model
-    unscaled = models.build(models.resolve(models.ModelArgs(**{**args.__dict__, "rope_scaling": models.RopeScaling(rope_type="none")})))
+    unscaled = models.build(
+        models.resolve(models.ModelArgs(**{**args.__dict__, "rope_scaling": models.RopeScaling(rope_type="none")}))
+    )
     hf.load_weights(unscaled, str(tmp_path))
     with torch.no_grad():
         assert (unscaled(TOKENS) - reference(TOKENS).logits).abs().max() > 25 * 2e-5
@@ -73,12 +97,23 @@ def test_rope_scaling_matters_here(tmp_path):
 def test_shape_comes_from_config_json_and_conflicts_name_the_key(tmp_path):
     hf_llama(tmp_path)
     args = resolve(Config(model=models.ModelArgs(init_from=str(tmp_path)))).model
-    assert (args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.ffn_dim, args.vocab_size) == (32, 2, 4, 2, 80, 96)
+    assert (args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.ffn_dim, args.vocab_size) == (
+        32,
+        2,
+        4,
+        2,
+        80,
+        96,
+    )
     assert args.rope_scaling == models.RopeScaling(factor=4.0, original_max_position_embeddings=16)
     assert args.max_position_embeddings == 128
-    with pytest.raises(ConfigError, match=r"model.init_from: model.n_heads is 8 but .*config.json says 4; remove model.n_heads"):
+    with pytest.raises(
+        ConfigError, match=r"model.init_from: model.n_heads is 8 but .*config.json says 4; remove model.n_heads"
+    ):
         resolve(Config(model=models.ModelArgs(init_from=str(tmp_path), n_heads=8)))
-    with pytest.raises(ConfigError, match="nowhere is not a folder; model.init_from needs a local Hugging Face model folder"):
+    with pytest.raises(
+        ConfigError, match="nowhere is not a folder; model.init_from needs a local Hugging Face model folder"
+    ):
         resolve(Config(model=models.ModelArgs(init_from=str(tmp_path / "nowhere"))))
     (tmp_path / "config.json").unlink()
     with pytest.raises(ConfigError, match="config.json not found; model.init_from needs a Hugging Face folder"):
@@ -89,10 +124,21 @@ def test_8b_is_llama_3_1_8b():
     shape = models.transformer_shape(models.ModelArgs(size="8b"))
     assert shape.rope_theta == 500000.0
     assert shape.rope_scaling == models.RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
-    assert (shape.dim, shape.n_layers, shape.n_heads, shape.n_kv_heads, shape.ffn_dim, shape.vocab_size) == \
-        (4096, 32, 32, 8, 14336, 128256)
-    config = transformers.LlamaConfig(**{k: v for k, v in hf.config_for(shape, 131072, torch.bfloat16).items()
-                                         if k not in ("architectures", "model_type")})
+    assert (shape.dim, shape.n_layers, shape.n_heads, shape.n_kv_heads, shape.ffn_dim, shape.vocab_size) == (
+        4096,
+        32,
+        32,
+        8,
+        14336,
+        128256,
+    )
+    config = transformers.LlamaConfig(
+        **{
+            k: v
+            for k, v in hf.config_for(shape, 131072, torch.bfloat16).items()
+            if k not in ("architectures", "model_type")
+        }
+    )
     # HF computes the same RoPE frequencies from the config we write for it
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -102,14 +148,27 @@ def test_8b_is_llama_3_1_8b():
 
 @pytest.mark.slow
 def test_rope_settings_are_recorded_in_the_run_config(tmp_path):
-    train(tmp_path, 1, *TINY, "train.steps=1", "model.rope_theta=500000", "model.rope_scaling.factor=2",
-          "model.rope_scaling.original_max_position_embeddings=16", "model.tie_embeddings=true")
+    train(
+        tmp_path,
+        1,
+        *TINY,
+        "train.steps=1",
+        "model.rope_theta=500000",
+        "model.rope_scaling.factor=2",
+        "model.rope_scaling.original_max_position_embeddings=16",
+        "model.tie_embeddings=true",
+    )
     import yaml
 
     recorded = yaml.safe_load((tmp_path / "config.yaml").read_text())["model"]
     assert recorded["rope_theta"] == 500000.0 and recorded["tie_embeddings"] is True
-    assert recorded["rope_scaling"] == {"rope_type": "llama3", "factor": 2.0, "low_freq_factor": 1.0,
-                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    assert recorded["rope_scaling"] == {
+        "rope_type": "llama3",
+        "factor": 2.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    }
     assert recorded["dim"] == 64 and recorded["vocab_size"] == 256  # the size spelled out
 
 
@@ -140,10 +199,16 @@ def sharded_llama(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc, overrides", [
-    (1, []), (2, []), (3, []),
-    (2, ["parallel.sharding=hybrid", "parallel.shard_size=1", "parallel.activation_checkpointing=true"]),
-], ids=["1", "2", "3", "2-replicated-act_ckpt"])
+@pytest.mark.parametrize(
+    "nproc, overrides",
+    [
+        (1, []),
+        (2, []),
+        (3, []),
+        (2, ["parallel.sharding=hybrid", "parallel.shard_size=1", "parallel.activation_checkpointing=true"]),
+    ],
+    ids=["1", "2", "3", "2-replicated-act_ckpt"],
+)
 def test_init_from_loads_the_same_weights_on_any_number_of_processes(tmp_path, sharded_llama, nproc, overrides):
     """3 processes shard 16 key/value rows, 80 FFN rows and 96 vocabulary rows unevenly; hybrid
     sharding with groups of 1 replicates (a 2-D mesh), activation checkpointing renames modules."""
@@ -158,13 +223,22 @@ def test_init_from_loads_the_same_weights_on_any_number_of_processes(tmp_path, s
 def test_the_run_dirs_own_checkpoints_win_over_init_from(tmp_path, sharded_llama):
     train(tmp_path, 1, *UNCHANGED, f"model.init_from={sharded_llama}")
     proc = train(tmp_path, 1, *TINY, "train.steps=2", f"model.init_from={sharded_llama}")
-    assert f"model.init_from={sharded_llama} is not used: this run dir has checkpoints of its own" in proc.stdout + proc.stderr
+    assert (
+        f"model.init_from={sharded_llama} is not used: this run dir has checkpoints of its own"
+        in proc.stdout + proc.stderr
+    )
     assert "resumed from" in proc.stdout + proc.stderr
 
 
 def export_hf(run_dir, out, *options) -> subprocess.CompletedProcess:
-    proc = subprocess.run([PYTHON, "-m", "trainer.export", str(run_dir), "--format", "hf", "--out", str(out), *options],
-                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [PYTHON, "-m", "trainer.export", str(run_dir), "--format", "hf", "--out", str(out), *options],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     return proc
 
@@ -187,7 +261,9 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, tied):
     assert config["eos_token_id"] == json.loads((tmp_path / "start" / "config.json").read_text())["eos_token_id"]
 
     trained = weights(tmp_path / "run")
-    assert not torch.equal(trained["layers.0.attention.wq.weight"], hf_state(tmp_path / "start")["layers.0.attention.wq.weight"])
+    assert not torch.equal(
+        trained["layers.0.attention.wq.weight"], hf_state(tmp_path / "start")["layers.0.attention.wq.weight"]
+    )
     ours = models.build(resolve(Config(model=models.ModelArgs(init_from=str(tmp_path / "start"), seq_len=64))).model)
     ours.load_state_dict(trained)
     theirs = transformers.LlamaForCausalLM.from_pretrained(out).eval()
@@ -198,6 +274,22 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, tied):
 @pytest.mark.slow
 def test_export_refuses_a_bad_shard_size(tmp_path):
     train(tmp_path / "run", 1, *TINY, "train.steps=1")
-    proc = subprocess.run([PYTHON, "-m", "trainer.export", str(tmp_path / "run"), "--format", "hf", "--out",
-                           str(tmp_path / "out"), "--max-shard-size", "lots"], cwd=ROOT, env=env(), capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            PYTHON,
+            "-m",
+            "trainer.export",
+            str(tmp_path / "run"),
+            "--format",
+            "hf",
+            "--out",
+            str(tmp_path / "out"),
+            "--max-shard-size",
+            "lots",
+        ],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "--max-shard-size: size 'lots'" in proc.stderr

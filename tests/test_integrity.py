@@ -58,10 +58,22 @@ def test_a_diverged_run_stops_with_one_line_and_commits_nothing_non_finite(tmp_p
     holds finite weights (retention deleted the finite ones before)."""
     train(tmp_path, 2, *SAVING, "train.steps=10", "checkpoint.keep=1")
     before = weights(tmp_path)
-    proc = train(tmp_path, 2, *SAVING, "train.steps=30", "checkpoint.keep=1", "optim.lr=1e30",
-                 "optim.warmup_steps=0", "train.grad_clip=null", "log.interval=1", expect=1)
+    proc = train(
+        tmp_path,
+        2,
+        *SAVING,
+        "train.steps=30",
+        "checkpoint.keep=1",
+        "optim.lr=1e30",
+        "optim.warmup_steps=0",
+        "train.grad_clip=null",
+        "log.interval=1",
+        expect=1,
+    )
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "training diverged: the loss or gradient norm became NaN or infinite" in errors[0], proc.stderr[-3000:]
+    assert len(errors) == 1 and "training diverged: the loss or gradient norm became NaN or infinite" in errors[0], (
+        proc.stderr[-3000:]
+    )
     assert "newest checkpoint: step 10" in errors[0]
     for line in (tmp_path / "metrics.jsonl").read_text().splitlines():
         json.loads(line, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(f"bare {c} in metrics.jsonl")))
@@ -119,8 +131,10 @@ def test_with_every_checkpoint_unreadable_the_run_refuses_to_start_over(tmp_path
     _truncate_a_shard(step5)
     proc = train(tmp_path, 1, *SAVING, "train.steps=10", expect=2)  # one process: its own exit code
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert errors == [f"error: no readable checkpoint is left in {tmp_path} (unreadable: {step5}); "
-                      "move them away to start from scratch"], proc.stderr
+    assert errors == [
+        f"error: no readable checkpoint is left in {tmp_path} (unreadable: {step5}); "
+        "move them away to start from scratch"
+    ], proc.stderr
     assert _step_dirs(tmp_path) == [step5] and sorted(losses(tmp_path)) == [5]
 
 
@@ -148,7 +162,7 @@ def test_flipped_bytes_inside_a_tensor_are_caught_by_the_checksum(tmp_path):
     assert (shard.parent / (shard.name + ".xxh3")).is_file()
     data = bytearray(shard.read_bytes())
     middle = len(data) // 2
-    data[middle:middle + 16] = bytes(b ^ 0xFF for b in data[middle:middle + 16])
+    data[middle : middle + 16] = bytes(b ^ 0xFF for b in data[middle : middle + 16])
     shard.write_bytes(data)
     from trainer.export import main as export
 
@@ -184,8 +198,9 @@ def test_one_run_per_run_dir_and_no_orphans_after_kill_9_of_the_launcher(tmp_pat
         owner = json.loads((tmp_path / "lease.json").read_text())
         second = train(tmp_path, 2, *TINY, "train.steps=100000", expect=1)  # torchrun's exit code for rank errors
         errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
-        assert len(errors) == 1 and errors[0].startswith(f"error: run_dir {tmp_path} is in use by process "
-                                                         f"{owner['pid']} on {owner['host']}"), second.stderr[-2000:]
+        assert len(errors) == 1 and errors[0].startswith(
+            f"error: run_dir {tmp_path} is in use by process {owner['pid']} on {owner['host']}"
+        ), second.stderr[-2000:]
         ranks = _children(first.pid)
         assert len(ranks) == 2
         os.kill(first.pid, signal.SIGKILL)  # torchrun alone
@@ -198,8 +213,11 @@ def test_one_run_per_run_dir_and_no_orphans_after_kill_9_of_the_launcher(tmp_pat
     # kill -9 of everything: the lease stays behind, its process gone; the next start takes it over.
     third = start(tmp_path, 2, *TINY, "train.steps=100000", "log.interval=1")
     try:
-        wait_for(lambda: layout.read_status(tmp_path).get("state") == "running"
-                 and len(rows(tmp_path)) > stopped + 1, 120, "the third run to train")
+        wait_for(
+            lambda: layout.read_status(tmp_path).get("state") == "running" and len(rows(tmp_path)) > stopped + 1,
+            120,
+            "the third run to train",
+        )
         ranks = _children(third.pid)
         for pid in [third.pid, *ranks]:
             os.kill(pid, signal.SIGKILL)
@@ -223,8 +241,11 @@ def test_a_rank_that_stops_answering_is_named_with_the_step(tmp_path):
     finally:
         kill_group(job)
     assert job.returncode not in (0, None)
-    assert re.search(r"error: at step \d+, rank 0 waited 5 s \(parallel.timeout_s\) for rank 1 \(last seen at step \d+\), "
-                     r"which did not answer", out), out[-3000:]
+    assert re.search(
+        r"error: at step \d+, rank 0 waited 5 s \(parallel.timeout_s\) for rank 1 \(last seen at step \d+\), "
+        r"which did not answer",
+        out,
+    ), out[-3000:]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small filesystem needs root")
@@ -304,9 +325,17 @@ def test_soak_kill_9_at_random_moments_with_leftovers(tmp_path, mode):
     for _ in range(SOAK_KILLS // 2):
         launched = time.time()
         job = start(run_dir, 2, *args)
-        wait_for(lambda: job.poll() is not None or (layout.read_status(run_dir).get("state") == "running"
-                                                    and layout.read_status(run_dir)["updated"] > launched),
-                 120, f"the run to start (seed {seed}, events {events})")
+        wait_for(
+            lambda: (
+                job.poll() is not None
+                or (
+                    layout.read_status(run_dir).get("state") == "running"
+                    and layout.read_status(run_dir)["updated"] > launched
+                )
+            ),
+            120,
+            f"the run to start (seed {seed}, events {events})",
+        )
         if job.poll() is not None:
             out = job.stdout.read()
             assert job.returncode == 0, f"a restart failed (seed {seed}, events {events}):\n{out[-3000:]}"

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT, TINY, env, losses, rows, wait_for
+from conftest import ROOT, TINY, env, rows, wait_for
 from trainer import layout, signals
 from trainer.launch import interface_address
 
@@ -24,10 +24,26 @@ pytestmark = pytest.mark.slow  # every test starts the launcher with 2 ranks
 
 
 def launch(run_dir, *args: str, extra_env: dict | None = None, **kw) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "trainer.launch", "--nproc-per-node=2", "--config", str(ROOT / "configs/default.yaml"),
-           f"run_dir={run_dir}", *TINY, *args]
-    return subprocess.Popen(cmd, cwd=ROOT, env={**env(), **(extra_env or {})}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **kw)
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainer.launch",
+        "--nproc-per-node=2",
+        "--config",
+        str(ROOT / "configs/default.yaml"),
+        f"run_dir={run_dir}",
+        *TINY,
+        *args,
+    ]
+    return subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env={**env(), **(extra_env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
 
 
 def test_bad_input_is_one_line_and_exit_2_before_anything_is_written(tmp_path):
@@ -36,7 +52,9 @@ def test_bad_input_is_one_line_and_exit_2_before_anything_is_written(tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 2
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "optim.lr: is -1.0; it must be positive" in lines[0], err
+    assert (
+        len(lines) == 1 and lines[0].startswith("error: ") and "optim.lr: is -1.0; it must be positive" in lines[0]
+    ), err
     assert not run_dir.exists()
 
 
@@ -55,8 +73,11 @@ def test_signal_to_the_launcher_alone_saves_exits_0_and_resumes(tmp_path):
     stopped = status["step"]
     assert layout.latest_committed_step(run_dir) == stopped
     assert f"launch: stopped by SIGUSR1 after step {stopped}; the checkpoint is saved" in err
-    assert re.search(r"2 rank\(s\) on the CPU with gloo: GPUs 0,1 are assigned \(CUDA_VISIBLE_DEVICES\) but torch .* "
-                     r"finds no usable CUDA device", err), err
+    assert re.search(
+        r"2 rank\(s\) on the CPU with gloo: GPUs 0,1 are assigned \(CUDA_VISIBLE_DEVICES\) but torch .* "
+        r"finds no usable CUDA device",
+        err,
+    ), err
     # A restart resumes where it stopped and finishes; every step is logged once.
     proc = launch(run_dir, f"train.steps={stopped + 3}", "log.interval=1")
     out, err = proc.communicate(timeout=120)
@@ -91,9 +112,20 @@ def test_a_signal_during_an_evaluation_stops_every_rank_at_that_step(tmp_path):
     script = tmp_path / "signal_during_eval.py"
     script.write_text(SIGNAL_DURING_EVAL)
     run_dir = tmp_path / "run"
-    cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node=2", str(script),
-           "--config", str(ROOT / "configs/default.yaml"), f"run_dir={run_dir}", *TINY, "train.steps=10",
-           "log.interval=1", "eval.interval=3", "eval.batches=1"]
+    cmd = [
+        str(Path(sys.executable).parent / "torchrun"),
+        "--standalone",
+        "--nproc-per-node=2",
+        str(script),
+        "--config",
+        str(ROOT / "configs/default.yaml"),
+        f"run_dir={run_dir}",
+        *TINY,
+        "train.steps=10",
+        "log.interval=1",
+        "eval.interval=3",
+        "eval.batches=1",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "stopped by signal after step 3; the checkpoint is saved" in proc.stdout + proc.stderr
@@ -114,17 +146,21 @@ if os.environ.get("RANK") == "0":
 
 
 def test_a_failing_rank_is_one_launcher_line_and_exit_1(tmp_path):
-    """Rank 1 fails; rank 0, still starting, is then stopped by torchrun (SIGTERM, -15). The lines name rank 1 and its own exit code, not rank 0, the first rank reaped: once
-    for the restart (launch.max_restarts=1), once when the restarts ran out."""
+    """Rank 1 fails; rank 0, still starting, is then stopped by torchrun (SIGTERM, -15). The lines name
+    rank 1 and its own exit code, not rank 0, the first rank reaped: once for the restart
+    (launch.max_restarts=1), once when the restarts ran out."""
     (tmp_path / "sitecustomize.py").write_text(RANK_1_FAILS)
     run_dir = tmp_path / "run"
-    proc = launch(run_dir, "launch.max_restarts=1",
-                  extra_env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"})
+    proc = launch(run_dir, "launch.max_restarts=1", extra_env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"})
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 1
     assert re.search(r"^launch: rank \d failed with exit code 1 \(see its error above\)$", err, re.M), err[-2000:]
-    assert re.search(r"^launch: rank 1 on \S+ failed with exit code 1 \(see its error above\); restart 1 of 1: every rank "
-                     r"starts again from the start \(no checkpoint yet\)$", err, re.M), err[-2000:]
+    assert re.search(
+        r"^launch: rank 1 on \S+ failed with exit code 1 \(see its error above\); restart 1 of 1: every rank "
+        r"starts again from the start \(no checkpoint yet\)$",
+        err,
+        re.M,
+    ), err[-2000:]
     assert err.strip().splitlines()[-1] == "launch: rank 1 failed with exit code 1 (see its error above)", err[-2000:]
 
 

@@ -16,15 +16,20 @@ from pathlib import Path
 import pytest
 
 from conftest import PYTHON, ROOT, TINY, env, rows, wait_for
-from trainer import layout, lease as lease_module
+from trainer import layout
+from trainer import lease as lease_module
 from trainer.lease import STALE_S, Lease, LeaseError
 
 
 def _proc_identity(pid: int | str = "self") -> dict:
     """What names a process beyond host and pid, read here from /proc independently of lease.py."""
     stat = Path(f"/proc/{pid}/stat").read_text()
-    return {"host": socket.gethostname(), "boot_id": Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
-            "pid_ns": os.readlink("/proc/self/ns/pid"), "start": int(stat.rsplit(")", 1)[1].split()[19])}
+    return {
+        "host": socket.gethostname(),
+        "boot_id": Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
+        "pid_ns": os.readlink("/proc/self/ns/pid"),
+        "start": int(stat.rsplit(")", 1)[1].split()[19]),
+    }
 
 
 def _dead_pid() -> int:
@@ -115,6 +120,7 @@ def _racer(k: int, run_dirs: list[str], barriers: list, done_line, results) -> N
     for name in ("_read", "_read_raw"):
         original = getattr(lease_module, name, None)
         if original is not None:
+
             def slowed(*args, _original=original, **kw):
                 result = _original(*args, **kw)
                 time.sleep(rng.uniform(0, 0.002))
@@ -152,8 +158,7 @@ def test_exactly_one_of_many_starters_takes_over_a_dead_owners_lease(tmp_path):
         _write(run_dir, pid=_dead_pid(), renewed=time.time() - STALE_S - 1)
         run_dirs.append(str(run_dir))
     barriers, done_line, results = [ctx.Barrier(n) for n in sizes], ctx.Barrier(max(sizes)), ctx.Queue()
-    racers = [ctx.Process(target=_racer, args=(k, run_dirs, barriers, done_line, results))
-              for k in range(max(sizes))]
+    racers = [ctx.Process(target=_racer, args=(k, run_dirs, barriers, done_line, results)) for k in range(max(sizes))]
     for p in racers:
         p.start()
     try:
@@ -174,7 +179,9 @@ def test_exactly_one_of_many_starters_takes_over_a_dead_owners_lease(tmp_path):
 
 def _unshare_works() -> bool:
     try:
-        return subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True).returncode == 0
+        return (
+            subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True).returncode == 0
+        )
     except FileNotFoundError:
         return False
 
@@ -201,13 +208,32 @@ def test_a_run_in_another_pid_namespace_is_refused_and_a_run_that_loses_its_leas
     try:
         wait_for(lambda: (layout.latest_committed_step(run_dir) or 0) >= 2, 120, "the run to save")
         owner = json.loads((run_dir / "lease.json").read_text())
-        second = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", PYTHON, "-m", "trainer", "--config",
-                                 str(ROOT / "configs/default.yaml"), f"run_dir={run_dir}", *TINY, "train.steps=100000"],
-                                cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60)
+        second = subprocess.run(
+            [
+                "unshare",
+                "--pid",
+                "--fork",
+                "--mount-proc",
+                PYTHON,
+                "-m",
+                "trainer",
+                "--config",
+                str(ROOT / "configs/default.yaml"),
+                f"run_dir={run_dir}",
+                *TINY,
+                "train.steps=100000",
+            ],
+            cwd=ROOT,
+            env=env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert second.returncode == 2, second.stderr[-3000:]
         errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
-        assert len(errors) == 1 and errors[0].startswith(f"error: run_dir {run_dir} is in use by process "
-                                                         f"{owner['pid']} on {owner['host']} (lease renewed "), second.stderr[-3000:]
+        assert len(errors) == 1 and errors[0].startswith(
+            f"error: run_dir {run_dir} is in use by process {owner['pid']} on {owner['host']} (lease renewed "
+        ), second.stderr[-3000:]
         assert json.loads((run_dir / "lease.json").read_text())["token"] == owner["token"]
         saved = layout.latest_committed_step(run_dir)
         wait_for(lambda: (layout.latest_committed_step(run_dir) or 0) > saved + 1, 60, "the first run to go on saving")
@@ -230,7 +256,8 @@ def test_a_run_in_another_pid_namespace_is_refused_and_a_run_that_loses_its_leas
     newest = max(int(name.split("_")[1]) for name in after)
     assert max(r["step"] for r in rows(run_dir)) <= newest + 3, "stopped within a step or two"
     errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and errors[0].startswith(f"error: lost the lease of run_dir {run_dir} to process 4242 on "
-                                                     f"elsewhere, Slurm job 77 at step "), err[-3000:]
+    assert len(errors) == 1 and errors[0].startswith(
+        f"error: lost the lease of run_dir {run_dir} to process 4242 on elsewhere, Slurm job 77 at step "
+    ), err[-3000:]
     assert "launch: rank" not in err and "Traceback" not in err, err[-3000:]
     assert json.loads((run_dir / "lease.json").read_text()) == other, "the new owner's lease is left alone"

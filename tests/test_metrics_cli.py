@@ -45,8 +45,14 @@ def test_the_summary_matches_the_file(tmp_path):
 def test_the_command_prints_a_line_per_run_and_plots_each_run(tmp_path):
     a, b = _run(tmp_path)
     png = tmp_path / "loss.png"
-    proc = subprocess.run([PYTHON, "-m", "trainer.metrics", str(a), str(b), "--plot", str(png)], cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [PYTHON, "-m", "trainer.metrics", str(a), str(b), "--plot", str(png)],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].startswith(f"{a}: 6 steps, loss 1.9000 (best 1.9000 at step 6), eval at step 6: eval_loss 2.2500")
@@ -57,12 +63,18 @@ def test_the_command_prints_a_line_per_run_and_plots_each_run(tmp_path):
     image = matplotlib.image.imread(png)[..., :3]
     assert image.shape[:2] == (500, 800)
     for color in ("#1f77b4", "#ff7f0e"):  # each run's colour (C0, C1) is drawn
-        rgb = np.array([int(color[i:i + 2], 16) / 255 for i in (1, 3, 5)])
+        rgb = np.array([int(color[i : i + 2], 16) / 255 for i in (1, 3, 5)])
         assert (np.abs(image - rgb).sum(-1) < 0.05).sum() > 100, color
     assert metrics.plot([str(a), str(b)], str(tmp_path / "again.png")) == ["a loss", "a eval loss", "b loss"]
 
 
 def test_a_folder_without_metrics_is_one_line(tmp_path):
-    proc = subprocess.run([PYTHON, "-m", "trainer.metrics", str(tmp_path)], cwd=ROOT, env=env(), capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [PYTHON, "-m", "trainer.metrics", str(tmp_path)],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and proc.stderr == f"error: {tmp_path}: no metrics.jsonl (is it a run dir?)\n"

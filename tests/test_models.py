@@ -17,7 +17,11 @@ SMALL_IMAGES = dict(image_size=32, num_classes=4)
     "args, x, y",
     [
         (ModelArgs(name="mnist_cnn", dropout=0.25), torch.randn(4, 1, 28, 28), torch.randint(0, 10, (4,))),
-        (ModelArgs(name="transformer", size="tiny", seq_len=16), torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))),
+        (
+            ModelArgs(name="transformer", size="tiny", seq_len=16),
+            torch.randint(0, 256, (2, 16)),
+            torch.randint(0, 256, (2, 16)),
+        ),
         (ModelArgs(name="resnet18", **SMALL_IMAGES), torch.randn(2, 3, 32, 32), torch.randint(0, 4, (2,))),
         (ModelArgs(name="mobilenet_v3_small", **SMALL_IMAGES), torch.randn(2, 3, 32, 32), torch.randint(0, 4, (2,))),
     ],
@@ -97,16 +101,28 @@ def test_fake_mnist_is_the_idx_format_the_reader_takes(tmp_path):
     """The command a user without internet runs: its files are what torchvision's MNIST reads."""
     from conftest import PYTHON, ROOT, env
 
-    proc = subprocess.run([PYTHON, "-m", "trainer.data", "fake-mnist", str(tmp_path), "--samples", "12"], cwd=ROOT,
-                          env=env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [PYTHON, "-m", "trainer.data", "fake-mnist", str(tmp_path), "--samples", "12"],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     raw = tmp_path / "MNIST" / "raw"
     assert sorted(p.name for p in raw.iterdir()) == sorted(data.MNIST_FILES)
     assert (raw / "t10k-labels-idx1-ubyte").read_bytes()[:8] == struct.pack(">II", 2049, 12)
     ds = data.mnist(str(tmp_path), train=False, download=False)
     assert len(ds) == 12 and ds[7][1] == 7
-    again = subprocess.run([PYTHON, "-m", "trainer.data", "fake-mnist", str(tmp_path)], cwd=ROOT, env=env(),
-                           capture_output=True, text=True, timeout=120)
+    again = subprocess.run(
+        [PYTHON, "-m", "trainer.data", "fake-mnist", str(tmp_path)],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert again.returncode == 2 and "never overwrites" in again.stderr
 
 
@@ -126,11 +142,15 @@ def test_mnist_download_failure_says_what_to_do(tmp_path, monkeypatch):
     from torchvision import datasets
 
     monkeypatch.setattr(datasets.MNIST, "mirrors", ["http://127.0.0.1:9/"])  # nothing listens there
-    with pytest.raises(data.DataError, match=f"could not download MNIST into {tmp_path} .*copy the MNIST files to {tmp_path}/MNIST/raw"):
+    with pytest.raises(
+        data.DataError, match=f"could not download MNIST into {tmp_path} .*copy the MNIST files to {tmp_path}/MNIST/raw"
+    ):
         data.mnist(str(tmp_path), train=True, download=True)
     root = tmp_path / "data" / "mnist"  # not there yet: a failed download creates nothing
-    with pytest.raises(data.DataError, match="train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, "
-                                             "t10k-labels-idx1-ubyte") as e:
+    with pytest.raises(
+        data.DataError,
+        match="train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte",
+    ) as e:
         data.mnist(str(root), train=True, download=True)
     assert f"python -m trainer.data fake-mnist {root}" in str(e.value)
     assert not (tmp_path / "data").exists()
@@ -154,29 +174,56 @@ def test_trainer_on_mnist_files(tmp_path):
     from conftest import rows, train
 
     write_mnist(tmp_path / "mnist", 64)
-    train(tmp_path / "run", 2, f"data.path={tmp_path / 'mnist'}", "data.download=false", "train.steps=4",
-          "train.rank_batch_size=8", "optim.step_size=2", "eval.interval=4", "eval.batches=2", "log.interval=1",
-          "log.progress=false", config="configs/mnist.yaml")
+    train(
+        tmp_path / "run",
+        2,
+        f"data.path={tmp_path / 'mnist'}",
+        "data.download=false",
+        "train.steps=4",
+        "train.rank_batch_size=8",
+        "optim.step_size=2",
+        "eval.interval=4",
+        "eval.batches=2",
+        "log.interval=1",
+        "log.progress=false",
+        config="configs/mnist.yaml",
+    )
     logged = rows(tmp_path / "run")
     assert [r["step"] for r in logged] == [1, 2, 3, 4]
     assert logged[2]["lr"] == pytest.approx(0.7)  # StepLR: gamma after step_size steps
-    evals = [r for r in map(__import__("json").loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in r]
+    evals = [
+        r
+        for r in map(__import__("json").loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+        if "eval_loss" in r
+    ]
     assert evals and 0 <= evals[0]["eval_accuracy"] <= 1
 
 
 @pytest.mark.slow
 def test_trainer_on_image_folder(tmp_path):
     """A torchvision model on an ImageFolder, 2 processes, bf16."""
-    from conftest import rows, train
     from PIL import Image
+
+    from conftest import rows, train
 
     for cls in ("a", "b", "c"):
         (tmp_path / "images" / cls).mkdir(parents=True)
         for i in range(4):
             Image.new("RGB", (36, 36), (80 * i, 60, 0)).save(tmp_path / "images" / cls / f"{i}.png")
-    train(tmp_path / "run", 2, "model.name=resnet18", "model.num_classes=3", "model.image_size=32", "data.name=imagefolder",
-          f"data.path={tmp_path / 'images'}", "train.steps=2", "train.global_batch_size=8", "log.interval=1",
-          "parallel.param_dtype=bfloat16", "log.progress=false")
+    train(
+        tmp_path / "run",
+        2,
+        "model.name=resnet18",
+        "model.num_classes=3",
+        "model.image_size=32",
+        "data.name=imagefolder",
+        f"data.path={tmp_path / 'images'}",
+        "train.steps=2",
+        "train.global_batch_size=8",
+        "log.interval=1",
+        "parallel.param_dtype=bfloat16",
+        "log.progress=false",
+    )
     assert [r["step"] for r in rows(tmp_path / "run")] == [1, 2]
 
 

@@ -91,7 +91,9 @@ def test_fp16_resume_continues_with_the_saved_loss_scale(tmp_path):
     fp16 = [*TINY, "parallel.param_dtype=float16", "parallel.loss_scale=1.2676506002282294e30", "checkpoint.interval=3"]
     train(tmp_path / "whole", 2, *fp16)
     whole = {r["step"]: r for r in rows(tmp_path / "whole")}
-    assert whole[3]["loss_scale"] != 65536.0, "the scale must have changed before the save for this test to mean anything"
+    assert whole[3]["loss_scale"] != 65536.0, (
+        "the scale must have changed before the save for this test to mean anything"
+    )
     train(tmp_path / "split", 2, *fp16, "train.steps=3")
     train(tmp_path / "split", 2, *fp16)
     split = {r["step"]: r for r in rows(tmp_path / "split")}

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
-
 import subprocess
+
+import pytest
 
 from conftest import PYTHON, ROOT, env
 from trainer import check, memory
@@ -12,8 +12,14 @@ from trainer.config import load
 
 
 def run_check(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([PYTHON, "-m", "trainer.check", *map(str, args)], cwd=ROOT, env=env(), capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [PYTHON, "-m", "trainer.check", *map(str, args)],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.mark.slow
@@ -23,18 +29,27 @@ def test_planning_an_8_gpu_node_from_a_laptop_warns_about_what_only_the_target_h
     proc = run_check("--config", ROOT / "configs" / "llama-8b.yaml", "--nproc", 8, "--gpu-mem-gb", 80)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert lines[0] == "config OK: " + str(ROOT / "configs" / "llama-8b.yaml") + \
-        ": transformer on 8 processes, run_dir /shared/runs/llama-8b"
-    assert any(l.startswith("warning: NPROC=8 processes but this machine has") for l in lines), proc.stdout
-    assert any(l.startswith("warning: ") and "data.path: token file /shared/data/tokens/train.bin does not exist" in l
-               for l in lines), proc.stdout
-    assert any(l.startswith("memory: about ") and "per GPU estimated, of the 80.0 GB of GPU_MEM_GB=80" in l for l in lines)
+    assert (
+        lines[0]
+        == "config OK: "
+        + str(ROOT / "configs" / "llama-8b.yaml")
+        + ": transformer on 8 processes, run_dir /shared/runs/llama-8b"
+    )
+    assert any(line.startswith("warning: NPROC=8 processes but this machine has") for line in lines), proc.stdout
+    assert any(
+        line.startswith("warning: ") and "data.path: token file /shared/data/tokens/train.bin does not exist" in line
+        for line in lines
+    ), proc.stdout
+    memory = [line for line in lines if line.startswith("memory: about ")]
+    assert memory and "per GPU estimated, of the 80.0 GB of GPU_MEM_GB=80" in memory[0], proc.stdout
 
 
 def test_without_a_target_the_machine_is_the_target():
     proc = run_check("--config", ROOT / "configs" / "default.yaml", "--nproc", 2, "run_dir=/nonexistent/x/y")
     assert proc.returncode == 0, proc.stderr
-    assert "memory: about " in proc.stdout and "per process estimated on the CPU" in proc.stdout  # printed nothing before
+    assert (
+        "memory: about " in proc.stdout and "per process estimated on the CPU" in proc.stdout
+    )  # printed nothing before
     proc = run_check("--config", ROOT / "configs" / "default.yaml", "--nproc", 64)
     assert proc.returncode == 2 and "NPROC=64 processes but this machine has" in proc.stderr
 

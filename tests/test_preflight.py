@@ -33,7 +33,9 @@ def test_the_estimate_counts_each_part_by_strategy():
     assert (ddp.parameters, ddp.reduce_buffers) == (4 * n, 4 * n)  # replicated, plus the buckets
     grad_op = memory.estimate(load(None, ["model.seq_len=32", "parallel.sharding=grad_op"]), 4, 2, profile=pr)
     assert grad_op.unsharded == 4 * n  # every unit stays all-gathered
-    hybrid = memory.estimate(load(None, ["model.seq_len=32", "parallel.sharding=hybrid"]), 8, 2, ranks_per_node=2, profile=pr)
+    hybrid = memory.estimate(
+        load(None, ["model.seq_len=32", "parallel.sharding=hybrid"]), 8, 2, ranks_per_node=2, profile=pr
+    )
     assert hybrid.parameters == 2 * n  # sharded over the 2 ranks of a node only
     offload = memory.estimate(load(None, ["model.seq_len=32", "parallel.cpu_offload=true"]), 4, 2, gpu=True, profile=pr)
     assert (offload.parameters, offload.optimizer, offload.host) == (0, 0, 4 * n)
@@ -42,11 +44,15 @@ def test_the_estimate_counts_each_part_by_strategy():
 
 
 def test_bfloat16_halves_the_all_gathered_copies_and_the_activations_of_the_blocks():
-    f32, bf16 = (memory.measure(load(None, ["model.size=small", "model.seq_len=64", f"parallel.param_dtype={d}"]))
-                 for d in ("float32", "bfloat16"))
+    f32, bf16 = (
+        memory.measure(load(None, ["model.size=small", "model.seq_len=64", f"parallel.param_dtype={d}"]))
+        for d in ("float32", "bfloat16")
+    )
     assert bf16.compute_dtype.itemsize == 2 and bf16.params == f32.params
-    e32, e16 = (memory.estimate(load(None, ["model.size=small", f"parallel.param_dtype={d}"]), 4, 1, profile=p)
-                for d, p in (("float32", f32), ("bfloat16", bf16)))
+    e32, e16 = (
+        memory.estimate(load(None, ["model.size=small", f"parallel.param_dtype={d}"]), 4, 1, profile=p)
+        for d, p in (("float32", f32), ("bfloat16", bf16))
+    )
     assert e16.unsharded * 2 == e32.unsharded
     assert 0.5 * f32.activations < bf16.activations < f32.activations  # the loss's logits stay float32
 
@@ -61,17 +67,39 @@ def test_a_job_that_fits_prints_the_estimate_beside_the_gpu(capsys, tmp_path):
     code, out, err = run_check(capsys, tmp_path, "--nproc", "2", "--nnodes", "4", "--gpu-mem-gb", "85.5")
     assert code == 0, err
     assert re.search(r"memory: about [\d.]+ GB per GPU estimated, of the 85.5 GB of GPU_MEM_GB=85.5 \(\d+%\)", out), out
-    for part in ("parameters", "gradients", "optimizer", "unsharded", "reduce buffers", "activations", "overhead", "total"):
+    for part in (
+        "parameters",
+        "gradients",
+        "optimizer",
+        "unsharded",
+        "reduce buffers",
+        "activations",
+        "overhead",
+        "total",
+    ):
         assert re.search(rf"^  {part} +[\d.]+ GB", out, re.M), part
 
 
 def test_a_job_that_cannot_fit_is_refused_with_what_would_fit(capsys, tmp_path):
-    code, out, err = run_check(capsys, tmp_path, "--nproc", "2", "--nnodes", "4", "--gpu-mem-gb", "40",
-                               "parallel.sharding=full", "parallel.activation_checkpointing=false")
+    code, out, err = run_check(
+        capsys,
+        tmp_path,
+        "--nproc",
+        "2",
+        "--nnodes",
+        "4",
+        "--gpu-mem-gb",
+        "40",
+        "parallel.sharding=full",
+        "parallel.activation_checkpointing=false",
+    )
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1, err
-    m = re.fullmatch(r"error: .*llama-8b.yaml: memory: one GPU needs about ([\d.]+) GB \(estimated.*\), ([\d.]+) GB more "
-                     r"than the 40.0 GB of GPU_MEM_GB=40; it would fit with (.*)", lines[0])
+    m = re.fullmatch(
+        r"error: .*llama-8b.yaml: memory: one GPU needs about ([\d.]+) GB \(estimated.*\), ([\d.]+) GB more "
+        r"than the 40.0 GB of GPU_MEM_GB=40; it would fit with (.*)",
+        lines[0],
+    )
     assert m, lines[0]
     assert float(m[1]) - 40 == pytest.approx(float(m[2]), abs=0.11)
     fixes = m[3].split(", or ")
@@ -80,8 +108,16 @@ def test_a_job_that_cannot_fit_is_refused_with_what_would_fit(capsys, tmp_path):
     # every suggestion, applied, passes the same check
     for fix in fixes:
         option = fix.split(" (")[0]
-        argv = ["--nproc", "2", "--nnodes", "4", "--gpu-mem-gb", "40", "parallel.sharding=full",
-                "parallel.activation_checkpointing=false"]
+        argv = [
+            "--nproc",
+            "2",
+            "--nnodes",
+            "4",
+            "--gpu-mem-gb",
+            "40",
+            "parallel.sharding=full",
+            "parallel.activation_checkpointing=false",
+        ]
         if option.startswith("--nnodes"):
             argv[3] = option.split()[1]
         else:
@@ -97,9 +133,18 @@ def test_the_local_gpus_memory_is_the_target_without_gpu_mem_gb(capsys, tmp_path
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(memory, "local_gpu_bytes", lambda: 40 * 10**9)
-    code, out, err = run_check(capsys, tmp_path, "--nproc", "1", "model.size=1b", "model.seq_len=2048",
-                               "parallel.sharding=full", "train.global_batch_size=8", "train.micro_batch_size=8",
-                               "parallel.activation_checkpointing=false")
+    code, out, err = run_check(
+        capsys,
+        tmp_path,
+        "--nproc",
+        "1",
+        "model.size=1b",
+        "model.seq_len=2048",
+        "parallel.sharding=full",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=8",
+        "parallel.activation_checkpointing=false",
+    )
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and "than the 40.0 GB of this machine's GPU" in lines[0], err
     assert re.search(r"train.micro_batch_size=\d \(", lines[0]), lines[0]
@@ -109,13 +154,16 @@ def test_the_local_gpus_memory_is_the_target_without_gpu_mem_gb(capsys, tmp_path
 # checkpoint.interval=auto
 
 
-@pytest.mark.parametrize("save_s, mtbf_s, step_s, steps", [
-    (10.0, 3600 * 5, 1.0, 600),  # sqrt(2 x 10 x 18000) = 600 s
-    (30.0, 3600 * 24, 2.0, 1138),  # sqrt(5,184,000) = 2276.8 s
-    (0.5, 100.0, 0.01, 1000),  # sqrt(100) = 10 s
-    (1.0, 1.0, 10.0, 1),  # shorter than a step: every step
-    (0.0, 1e6, 1.0, 1),  # a free save: every step
-])
+@pytest.mark.parametrize(
+    "save_s, mtbf_s, step_s, steps",
+    [
+        (10.0, 3600 * 5, 1.0, 600),  # sqrt(2 x 10 x 18000) = 600 s
+        (30.0, 3600 * 24, 2.0, 1138),  # sqrt(5,184,000) = 2276.8 s
+        (0.5, 100.0, 0.01, 1000),  # sqrt(100) = 10 s
+        (1.0, 1.0, 10.0, 1),  # shorter than a step: every step
+        (0.0, 1e6, 1.0, 1),  # a free save: every step
+    ],
+)
 def test_young_daly_interval(save_s, mtbf_s, step_s, steps):
     from trainer.checkpoint import young_daly_interval
 
@@ -156,12 +204,25 @@ def test_a_run_with_auto_interval_logs_its_choice_and_saves_at_it(tmp_path):
 
     steps = 16
     overrides = [o for o in TINY if not o.startswith(("checkpoint.interval", "train.steps"))]
-    proc = train(tmp_path / "run", 2, *overrides, f"train.steps={steps}", "checkpoint.interval=auto",
-                 "checkpoint.mtbf_hours=0.0001", "checkpoint.keep=0")
-    choices = [(int(m[1]), int(m[2]), int(m[3])) for m in re.finditer(
-        r"checkpoint.interval=auto: every (\d+) steps \(~[\d.]+ s\) from step (\d+), next save at step (\d+): "
-        r"sqrt\(2 x [\d.]+ s per save \((?:estimated|measured by the last save)\) x 0.0001 h between interruptions\) "
-        r"/ [\d.]+ s per step", proc.stdout + proc.stderr)]
+    proc = train(
+        tmp_path / "run",
+        2,
+        *overrides,
+        f"train.steps={steps}",
+        "checkpoint.interval=auto",
+        "checkpoint.mtbf_hours=0.0001",
+        "checkpoint.keep=0",
+    )
+    choices = [
+        (int(m[1]), int(m[2]), int(m[3]))
+        for m in re.finditer(
+            r"checkpoint.interval=auto: every (\d+) steps \(~[\d.]+ s\) from step (\d+), next save at step (\d+): "
+            r"sqrt\(2 x [\d.]+ s per save \((?:estimated|measured by the last save)\) x 0.0001 h between "
+            r"interruptions\) "
+            r"/ [\d.]+ s per step",
+            proc.stdout + proc.stderr,
+        )
+    ]
     assert choices and choices[0][1] == 1, proc.stdout  # chosen after the first step
     by_step = {start: every for every, start, _ in choices}
     expected, every, at = [], choices[0][0], choices[0][2]
@@ -213,30 +274,62 @@ def submit_dry_run(tmp_path, environ, *args):
     import subprocess
     import sys
 
-    return subprocess.run([sys.executable, "-m", "trainer.submit", "--nodes", "4", "--config", LLAMA_8B,
-                           "--run-dir", str(_shared_run_dir()), "--dry-run", *args, "--", *SYNTHETIC],
-                          capture_output=True, text=True, cwd=ROOT, env=environ, timeout=120)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer.submit",
+            "--nodes",
+            "4",
+            "--config",
+            LLAMA_8B,
+            "--run-dir",
+            str(_shared_run_dir()),
+            "--dry-run",
+            *args,
+            "--",
+            *SYNTHETIC,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=environ,
+        timeout=120,
+    )
 
 
 @pytest.mark.slow
 def test_submit_dry_run_prints_the_estimate_beside_the_partitions_gpus(tmp_path):
     out = submit_dry_run(tmp_path, _fake_slurm(tmp_path, "gpu:h100:8(S:0-1)"))
     assert out.returncode == 0, out.stderr
-    assert re.search(r"GPU memory +about [\d.]+ GB per GPU estimated, of the 85.5 GB of h100 \(gres of partition gpu\)",
-                     out.stdout), out.stdout
-    assert re.search(r"^    activations +[\d.]+ GB  1 sample\(s\) x [\d.]+ GB, with activation checkpointing", out.stdout, re.M)
+    assert re.search(
+        r"GPU memory +about [\d.]+ GB per GPU estimated, of the 85.5 GB of h100 \(gres of partition gpu\)", out.stdout
+    ), out.stdout
+    assert re.search(
+        r"^    activations +[\d.]+ GB  1 sample\(s\) x [\d.]+ GB, with activation checkpointing", out.stdout, re.M
+    )
     assert not _shared_run_dir().exists()
 
 
 @pytest.mark.slow
 def test_submit_refuses_a_job_that_cannot_fit_in_one_line(tmp_path):
-    out = submit_dry_run(tmp_path, _fake_slurm(tmp_path, "gpu:a100:8"), "parallel.activation_checkpointing=false",
-                         "train.micro_batch_size=4", "train.global_batch_size=128")
-    lines = [line for line in out.stderr.strip().splitlines() if not line.startswith("submit: warning:")]  # a /tmp clone
+    out = submit_dry_run(
+        tmp_path,
+        _fake_slurm(tmp_path, "gpu:a100:8"),
+        "parallel.activation_checkpointing=false",
+        "train.micro_batch_size=4",
+        "train.global_batch_size=128",
+    )
+    lines = [
+        line for line in out.stderr.strip().splitlines() if not line.startswith("submit: warning:")
+    ]  # a /tmp clone
     assert out.returncode == 2 and len(lines) == 1, out.stderr
-    assert re.fullmatch(r"submit: error: .*llama-8b.yaml: memory: one GPU needs about [\d.]+ GB \(estimated.*\), [\d.]+ GB "
-                        r"more than the 42.9 GB of a100 \(gres of partition gpu\); it would fit with "
-                        r"parallel.activation_checkpointing=true \([\d.]+ GB\).*", lines[0]), lines[0]
+    assert re.fullmatch(
+        r"submit: error: .*llama-8b.yaml: memory: one GPU needs about [\d.]+ GB \(estimated.*\), [\d.]+ GB "
+        r"more than the 42.9 GB of a100 \(gres of partition gpu\); it would fit with "
+        r"parallel.activation_checkpointing=true \([\d.]+ GB\).*",
+        lines[0],
+    ), lines[0]
 
 
 @pytest.mark.slow
@@ -244,7 +337,9 @@ def test_submit_checks_an_unknown_gpu_type_with_gpu_mem_gb(tmp_path):
     environ = _fake_slurm(tmp_path, "gpu:mi300x:8")
     out = submit_dry_run(tmp_path, environ)
     assert out.returncode == 0, out.stderr  # not refused: unchecked, and the dry run says how to check it
-    assert re.search(r"GPU memory +not checked: partition gpu has GPUs of type mi300x \(gres\).*GPU_MEM_GB=80", out.stdout)
+    assert re.search(
+        r"GPU memory +not checked: partition gpu has GPUs of type mi300x \(gres\).*GPU_MEM_GB=80", out.stdout
+    )
     out = submit_dry_run(tmp_path, environ, "--gpu-mem-gb", "192")
     assert out.returncode == 0 and "of the 192.0 GB of GPU_MEM_GB=192" in out.stdout, out.stderr
     out = submit_dry_run(tmp_path, environ, "--gpu-mem-gb", "20")
@@ -272,9 +367,24 @@ def test_a_rank_refuses_a_batch_its_gpu_cannot_hold_before_anything_is_written(t
     """)
     run_dir = tmp_path / "run"
     config = str(ROOT / "configs" / "default.yaml")
-    done = subprocess.run([sys.executable, "-c", gpu, "--config", config, f"run_dir={run_dir}", "model.size=1b",
-                           "model.seq_len=2048", "train.global_batch_size=8", "train.micro_batch_size=8"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            gpu,
+            "--config",
+            config,
+            f"run_dir={run_dir}",
+            "model.size=1b",
+            "model.seq_len=2048",
+            "train.global_batch_size=8",
+            "train.micro_batch_size=8",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1, done.stderr
     assert lines[0].startswith(f"error: {config}: memory: one GPU needs about "), lines[0]

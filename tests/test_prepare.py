@@ -19,9 +19,15 @@ EOS = "<|endoftext|>"
 def corpus(n: int, seed: int = 0) -> list[str]:
     """Sentences from a small grammar: learnable structure."""
     rng = random.Random(seed)
-    subjects, verbs, objects = ["the cat", "a dog", "my bird", "the fox"], ["sees", "eats", "likes"], ["the fish.", "a bone.", "some seeds."]
-    return [" ".join(f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)}" for _ in range(rng.randint(1, 4)))
-            for _ in range(n)]
+    subjects, verbs, objects = (
+        ["the cat", "a dog", "my bird", "the fox"],
+        ["sees", "eats", "likes"],
+        ["the fish.", "a bone.", "some seeds."],
+    )
+    return [
+        " ".join(f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)}" for _ in range(rng.randint(1, 4)))
+        for _ in range(n)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -36,21 +42,38 @@ def inputs(tmp_path_factory):
     tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=300, special_tokens=[EOS], show_progress=False))
     tok.save(str(folder / "tokenizer.json"))
     (folder / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[:700]))
-    (folder / "b.jsonl").write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs[700:1499])))
+    (folder / "b.jsonl").write_text(
+        "".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs[700:1499]))
+    )
     (folder / "c.txt").write_text(docs[1499])
     return folder, docs, tok
 
 
 def prepare(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([PYTHON, "-m", "trainer.prepare", *map(str, args)], cwd=ROOT, env=env(), capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [PYTHON, "-m", "trainer.prepare", *map(str, args)],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_tokens_in_order_with_an_end_of_document_token_between(inputs, tmp_path):
     folder, docs, tok = inputs
     out = tmp_path / "train.bin"
-    proc = prepare(folder / "a.jsonl", folder / "b.jsonl", folder / "c.txt", "--tokenizer", folder / "tokenizer.json",
-                   "--out", out, "--workers", "2")
+    proc = prepare(
+        folder / "a.jsonl",
+        folder / "b.jsonl",
+        folder / "c.txt",
+        "--tokenizer",
+        folder / "tokenizer.json",
+        "--out",
+        out,
+        "--workers",
+        "2",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "100.0%" in proc.stderr  # the progress bar reached the end
     eos_id = tok.token_to_id(EOS)
@@ -67,8 +90,20 @@ def test_tokens_in_order_with_an_end_of_document_token_between(inputs, tmp_path)
 def test_prepare_then_train_loss_falls_and_a_misfit_model_is_refused(inputs, tmp_path):
     folder, _, tok = inputs
     tokens = tmp_path / "train.bin"
-    assert prepare(folder / "a.jsonl", folder / "b.jsonl", "--tokenizer", folder, "--out", tokens,
-                   "--workers", "2", "--no-progress").returncode == 0  # a folder holding tokenizer.json works too
+    assert (
+        prepare(
+            folder / "a.jsonl",
+            folder / "b.jsonl",
+            "--tokenizer",
+            folder,
+            "--out",
+            tokens,
+            "--workers",
+            "2",
+            "--no-progress",
+        ).returncode
+        == 0
+    )  # a folder holding tokenizer.json works too
     vocab = tok.get_vocab_size()
     common = [*TINY, "data.name=tokens", f"data.path={tokens}", "train.steps=40", "optim.warmup_steps=5"]
     train(tmp_path / "run", 2, *common, f"model.vocab_size={vocab}")
@@ -89,10 +124,17 @@ def test_prepare_then_train_loss_falls_and_a_misfit_model_is_refused(inputs, tmp
 def test_bad_input_is_one_line(inputs, tmp_path):
     folder, _, _ = inputs
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"body": "no text"}\n')
-    proc = prepare(tmp_path / "bad.jsonl", "--tokenizer", folder / "tokenizer.json", "--out", tmp_path / "x.bin", "--no-progress")
-    assert proc.returncode == 2 and f"error: {tmp_path / 'bad.jsonl'}:2: expected a JSON object with a 'text' string" in proc.stderr
+    proc = prepare(
+        tmp_path / "bad.jsonl", "--tokenizer", folder / "tokenizer.json", "--out", tmp_path / "x.bin", "--no-progress"
+    )
+    assert (
+        proc.returncode == 2
+        and f"error: {tmp_path / 'bad.jsonl'}:2: expected a JSON object with a 'text' string" in proc.stderr
+    )
     assert not list(tmp_path.glob("x.bin*"))  # nothing half-written
-    proc = prepare(folder / "c.txt", "--tokenizer", folder / "tokenizer.json", "--out", tmp_path / "x.bin", "--eos", "<nope>")
+    proc = prepare(
+        folder / "c.txt", "--tokenizer", folder / "tokenizer.json", "--out", tmp_path / "x.bin", "--eos", "<nope>"
+    )
     assert proc.returncode == 2 and "--eos '<nope>' is not a token of" in proc.stderr
 
 
@@ -139,6 +181,15 @@ def test_a_folder_an_eval_split_and_the_vocabulary_from_the_sidecar(inputs, tmp_
     n_eval = json.loads((tmp_path / "train.eval.bin.json").read_text())["documents"]
     assert 75 <= n_eval <= 225 and json.loads((tmp_path / "train.bin.json").read_text())["documents"] == 1500 - n_eval
 
-    train(tmp_path / "run", 1, *TINY, "data.name=tokens", f"data.path={out}", f"data.eval_path={held}",
-          "train.steps=2", "eval.interval=2", "eval.batches=1")
+    train(
+        tmp_path / "run",
+        1,
+        *TINY,
+        "data.name=tokens",
+        f"data.path={out}",
+        f"data.eval_path={held}",
+        "train.steps=2",
+        "eval.interval=2",
+        "eval.batches=1",
+    )
     assert f"vocab_size: {tok.get_vocab_size()}" in (tmp_path / "run" / "config.yaml").read_text()

@@ -22,16 +22,32 @@ def scontrol(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     calls = tmp_path / "calls"
-    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\necho JobState=RUNNING\n")
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\necho JobState=RUNNING\n')
     (bin_dir / "scontrol").chmod(0o755)
     return bin_dir, calls
 
 
 def requeue(run_dir: Path, exit_code: int, job: str, bin_dir: Path) -> subprocess.CompletedProcess:
     # -S: no site-packages (so no PyYAML, nothing installed), -s: no user site, -E: no PYTHON* variables.
-    cmd = [SYSTEM_PYTHON, "-S", "-s", "-E", "-m", "trainer.requeue", "--run-dir", str(run_dir),
-           "--exit-code", str(exit_code), "--max-attempts-without-progress", "2", "--job-id", job]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    cmd = [
+        SYSTEM_PYTHON,
+        "-S",
+        "-s",
+        "-E",
+        "-m",
+        "trainer.requeue",
+        "--run-dir",
+        str(run_dir),
+        "--exit-code",
+        str(exit_code),
+        "--max-attempts-without-progress",
+        "2",
+        "--job-id",
+        job,
+    ]
+    return subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    )
 
 
 @pytest.mark.skipif(SYSTEM_PYTHON is None, reason="no system python3 in /usr/bin")
@@ -46,8 +62,9 @@ def test_requeue_check_with_the_standard_library_only(tmp_path, scontrol):
         ckpt = run_dir / "checkpoints" / f"step_{step:08d}"
         ckpt.mkdir(parents=True)
         (ckpt / ".metadata").write_text("")
-        (ckpt / "meta.json").write_text(json.dumps({"step": step, "samples": 0, "world_size": 1, "scheduler": {},
-                                                    "shapes": {}}))
+        (ckpt / "meta.json").write_text(
+            json.dumps({"step": step, "samples": 0, "world_size": 1, "scheduler": {}, "shapes": {}})
+        )
 
     assert requeue(run_dir, 1, "7", bin_dir).returncode == 0  # nothing saved yet: attempt 1 of 2
     save(5)
@@ -74,6 +91,10 @@ def test_host_modules_run_on_python_3_6():
     """vermin reads the code and names the oldest Python that runs it (syntax and standard library)."""
     vermin = shutil.which("vermin", path=str(Path(os.sys.executable).parent))
     assert vermin, "vermin is in the test extras (pyproject.toml)"
-    out = subprocess.run([vermin, "--target=3.6-", "--no-tips", "--violations", "--eval-annotations",
-                          *HOST_MODULES], cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run(
+        [vermin, "--target=3.6-", "--no-tips", "--violations", "--eval-annotations", *HOST_MODULES],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stdout + out.stderr

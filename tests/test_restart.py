@@ -10,18 +10,28 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, TINY, assert_same_weights, env, rows, train, wait_for, weights
 from trainer import layout
 from trainer.dist import node_name
 from trainer.metrics import LogArgs, Reporter
-import pytest
 
 pytestmark = pytest.mark.slow  # kills and restarts trainer runs
 
 
 def launch(run_dir, *overrides: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "trainer.launch", "--nproc-per-node=2", "--config", str(ROOT / "configs/default.yaml"),
-           f"run_dir={run_dir}", *TINY, *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainer.launch",
+        "--nproc-per-node=2",
+        "--config",
+        str(ROOT / "configs/default.yaml"),
+        f"run_dir={run_dir}",
+        *TINY,
+        *overrides,
+    ]
     return subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -36,8 +46,12 @@ def test_a_killed_rank_restarts_every_rank_from_the_newest_checkpoint(tmp_path):
     os.kill(json.loads((run_dir / "lease.json").read_text())["pid"], signal.SIGKILL)  # rank 0 holds the lease
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
-    found = re.findall(r"^launch: rank 0 on (\S+) failed with exit code -9 \(SIGKILL\); restart 1 of 3: every rank "
-                       r"starts again from step (\d+), the newest checkpoint$", err, re.M)
+    found = re.findall(
+        r"^launch: rank 0 on (\S+) failed with exit code -9 \(SIGKILL\); restart 1 of 3: every rank "
+        r"starts again from step (\d+), the newest checkpoint$",
+        err,
+        re.M,
+    )
     assert len(found) == 1 and found[0][0] == node_name(), err[-3000:]
     resumed = int(found[0][1])
     assert resumed % 5 == 0 and resumed >= 5
@@ -77,8 +91,10 @@ def test_a_start_keeps_each_steps_row_once(tmp_path):
     reporter.row({"step": 6, "loss": 0.5, "samples_per_s": 1.0})
     logged = [json.loads(line) for line in path.read_text().splitlines()]
     assert [{k: v for k, v in r.items() if k != "time"} for r in logged] == [
-        *earlier[:5], {"event": "resume", "step": 5, "world_size": 2, "checkpoint": "run/checkpoints/step_00000005"},
-        {"step": 6, "loss": 0.5, "samples_per_s": 1.0}]
+        *earlier[:5],
+        {"event": "resume", "step": 5, "world_size": 2, "checkpoint": "run/checkpoints/step_00000005"},
+        {"step": 6, "loss": 0.5, "samples_per_s": 1.0},
+    ]
     assert all(isinstance(r["time"], float) for r in logged[5:])
     superseded = (tmp_path / "metrics.superseded.jsonl").read_text().splitlines()
     assert [json.loads(line) for line in superseded[:-1]] == earlier[5:] and superseded[-1] == '{"step": 9, "lo'

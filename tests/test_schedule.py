@@ -35,7 +35,7 @@ def test_raising_train_steps_says_what_happens_to_the_lr_and_decay_steps_keeps_t
     train(tmp_path / "a", 1, *first)
     ended = rows(tmp_path / "a")[-1]["lr"]
     out = train(tmp_path / "a", 1, *first, "train.steps=10").stdout
-    line = next((l for l in out.splitlines() if "the lr schedule changed" in l), None)
+    line = next((line for line in out.splitlines() if "the lr schedule changed" in line), None)
     assert line is not None, out
     assert "train.steps 6 -> 10" in line and "set optim.decay_steps=6" in line
     continued = [r["lr"] for r in rows(tmp_path / "a") if r["step"] > 6]

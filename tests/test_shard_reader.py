@@ -111,7 +111,8 @@ def _recorded(path, size: int | None = None) -> None:
     """Record the checksum of the file at `path` as a save does; `size` overrides the size."""
     size_now, digest = checksums.checksum_file(str(path))
     (path.parent / (path.name + checksums.SUFFIX)).write_text(
-        f'{{"size": {size if size is not None else size_now}, "xxh3_64": {digest}}}')
+        f'{{"size": {size if size is not None else size_now}, "xxh3_64": {digest}}}'
+    )
 
 
 @pytest.mark.parametrize("mapped", [True, False])
@@ -120,8 +121,10 @@ def test_a_checked_file_is_hashed_within_the_budget_and_whole(tmp_path, monkeypa
     map files), no further in front of the load than the budget; leaving the block hashes the rest
     and the sum is the recorded one."""
     if not mapped:
+
         def unmappable(*args, **kwargs):
             raise OSError(errno.ENODEV, "No such device")
+
         monkeypatch.setattr(shard_reader.mmap, "mmap", unmappable)
     data = tmp_path / "data"
     data.write_bytes(os.urandom((3 << 20) + 123))
@@ -140,15 +143,18 @@ def test_bytes_past_the_recorded_size_fail_the_check(tmp_path):
     _recorded(data)
     with open(data, "ab") as f:
         f.write(b"\0")
-    with pytest.raises(checksums.ChecksumError, match="data is damaged: 1048577 bytes"):
-        with shard_reader._ReadAhead({str(data): [(0, 1 << 20)]}, check=[str(data)]):
-            pass
+    with (
+        pytest.raises(checksums.ChecksumError, match="data is damaged: 1048577 bytes"),
+        shard_reader._ReadAhead({str(data): [(0, 1 << 20)]}, check=[str(data)]),
+    ):
+        pass
 
 
 def _random_tensor(g: torch.Generator) -> torch.Tensor:
     """A tensor of a random dtype, shape and layout (views, strides, a negative view)."""
     dtype = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int8, torch.bool][
-        int(torch.randint(7, (), generator=g))]
+        int(torch.randint(7, (), generator=g))
+    ]
     shape = [int(n) for n in torch.randint(0, 5, (int(torch.randint(0, 4, (), generator=g)),), generator=g)]
     t = (torch.randn(*shape, 3, generator=g) * 10).to(dtype)
     kind = int(torch.randint(6, (), generator=g))
@@ -182,8 +188,11 @@ def test_differential_against_dcps_reader_on_random_layouts(tmp_path, seed):
     for trial in range(25):
         state = {f"t{i}": _random_tensor(g) for i in range(int(torch.randint(1, 6, (), generator=g)))}
         path = tmp_path / f"{trial}"
-        writer = dcp.FileSystemWriter(path, single_file_per_rank=bool(torch.randint(2, (), generator=g)),
-                                      thread_count=int(torch.randint(1, 3, (), generator=g)))
+        writer = dcp.FileSystemWriter(
+            path,
+            single_file_per_rank=bool(torch.randint(2, (), generator=g)),
+            thread_count=int(torch.randint(1, 3, (), generator=g)),
+        )
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.save(state, storage_writer=writer, no_dist=True)
@@ -202,7 +211,9 @@ def test_differential_against_dcps_reader_on_random_layouts(tmp_path, seed):
         layouts = {k: (v.dtype, tuple(v.shape), v.stride(), v.is_neg()) for k, v in state.items()}
         if isinstance(stock, Exception):
             continue
-        assert not isinstance(ours, Exception), f"seed {seed} trial {trial}: ours raised {ours!r} where DCP's loads; {layouts}"
+        assert not isinstance(ours, Exception), (
+            f"seed {seed} trial {trial}: ours raised {ours!r} where DCP's loads; {layouts}"
+        )
         for k in state:
             assert torch.equal(ours[k], stock[k]), f"seed {seed} trial {trial}: {k} differs; {layouts[k]}"
             assert torch.equal(ours[k], state[k].resolve_neg()), f"seed {seed} trial {trial}: {k} is not what was saved"

@@ -62,8 +62,13 @@ def runs():
 
 def submit_job(*args: str, env: dict[str, str] | None = None) -> str:
     """Run python -m trainer.submit; return the job id it prints."""
-    out = subprocess.run([sys.executable, "-m", "trainer.submit", *args], capture_output=True, text=True, cwd=REPO,
-                         env={**os.environ, **(env or {})})
+    out = subprocess.run(
+        [sys.executable, "-m", "trainer.submit", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+    )
     assert out.returncode == 0, out.stderr
     return re.search(r"submitted job (\d+)", out.stdout).group(1)
 
@@ -78,7 +83,9 @@ def make_submit(*variables: str) -> str:
 def signal_tasks(job_id: str, sig: str = "USR1") -> list[int]:
     """Signal the tasks of the job's step 0, and nothing else: what proctrack/cgroup does (Slurm
     signals the step's direct children; processes they started are left to them). Returns the pids."""
-    stepds = [p.name for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline(p) == f"slurmstepd: [{job_id}.0]"]
+    stepds = [
+        p.name for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline(p) == f"slurmstepd: [{job_id}.0]"
+    ]
     tasks = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _ppid(p) in stepds]
     assert tasks, f"no task of step {job_id}.0 found"
     subprocess.run(["kill", f"-{sig}", *map(str, tasks)], check=True)
@@ -120,8 +127,12 @@ def wait_job(job_id: str, timeout: float = 240, release: bool = True) -> dict[st
         info = job_info(job_id)
         if info.get("JobState") in FINAL_STATES:
             return info
-        if (release and info.get("JobState") == "PENDING" and info.get("Reason") == "BeginTime"
-                and info.get("Restarts") != released):
+        if (
+            release
+            and info.get("JobState") == "PENDING"
+            and info.get("Reason") == "BeginTime"
+            and info.get("Restarts") != released
+        ):
             subprocess.run(["scontrol", "update", f"jobid={job_id}", "StartTime=now+2"], check=True)
             released = info.get("Restarts")
         time.sleep(1)
@@ -186,13 +197,17 @@ def test_make_submit_uses_the_partitions_gpus_then_continues_on_fewer(runs):
     assert layout.latest_committed_step(run_dir) == 10
     log = log_text(run_dir, job)
     for label in ("0", "1"):  # srun --label: each line says its node
-        assert re.search(rf"^{label}: launch: n\d: 2 rank\(s\) on the CPU with gloo: GPUs 0,1 are assigned", log, re.M), log
+        assert re.search(
+            rf"^{label}: launch: n\d: 2 rank\(s\) on the CPU with gloo: GPUs 0,1 are assigned", log, re.M
+        ), log
     # Same run directory, one node, more steps: resumes at step 10 with 2 ranks.
     job2 = submit_job("--nodes", "1", "--run-dir", str(run_dir), "train.steps=20", *COMMON)
     info = wait_job(job2)
     assert info["JobState"] == "COMPLETED", log_text(run_dir, job2)
     rows = metrics(run_dir)
-    assert [r["world_size"] for r in rows if r["step"] > 10] and all(r["world_size"] == 2 for r in rows if r["step"] > 10)
+    assert [r["world_size"] for r in rows if r["step"] > 10] and all(
+        r["world_size"] == 2 for r in rows if r["step"] > 10
+    )
     assert "resumed from" in log_text(run_dir, job2) and "at step 10" in log_text(run_dir, job2)
     assert layout.latest_committed_step(run_dir) == 20
 
@@ -209,9 +224,24 @@ def test_preempted_job_requeues_and_matches_uninterrupted_run(runs):
     nodes = job_info(job)["NodeList"]
     wait_for(lambda: layout.latest_committed_step(victim), 90, "the first checkpoint")
     # An exclusive job in the urgent partition needs the victim's nodes: Slurm preempts it.
-    urgent = subprocess.run(["sbatch", "--parsable", "-p", "urgent", "--exclusive", "-N2", f"--nodelist={nodes}",
-                             "-o", str(runs / "urgent-%j.out"), "--wrap", "sleep 1"],
-                            capture_output=True, text=True, check=True).stdout.strip()
+    urgent = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            "-p",
+            "urgent",
+            "--exclusive",
+            "-N2",
+            f"--nodelist={nodes}",
+            "-o",
+            str(runs / "urgent-%j.out"),
+            "--wrap",
+            "sleep 1",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     wait_for(lambda: int(job_info(job).get("Restarts", 0)) >= 1, 60, "the preempted job to be requeued")
     stopped_at = layout.latest_committed_step(victim)
     assert stopped_at is not None and stopped_at < 60
@@ -234,8 +264,19 @@ def test_sbatch_job_warned_the_cgroup_way_saves_requeues_and_resumes(runs):
     the step's tasks only (the launchers), not to the ranks they started. The launchers forward it,
     the ranks save, the batch script requeues, and the requeued job resumes and finishes."""
     run_dir = runs / "time-limit"
-    job = submit_job("--nodes", "2", "--gpus-per-node", "1", "--run-dir", str(run_dir), "--time", "30",
-                     "train.steps=300", "checkpoint.interval=1000", "log.interval=1")
+    job = submit_job(
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "1",
+        "--run-dir",
+        str(run_dir),
+        "--time",
+        "30",
+        "train.steps=300",
+        "checkpoint.interval=1000",
+        "log.interval=1",
+    )
     wait_for(lambda: run_dir.joinpath("metrics.jsonl").is_file(), 90, "training to start")
     tasks = signal_tasks(job)
     assert len(tasks) == 2  # one launcher per node
@@ -252,8 +293,17 @@ def test_a_cancelled_job_is_not_requeued(runs):
     """scancel signals the batch shell too, and the requeue check then runs while the job is still
     COMPLETING: it must see that the job was cancelled, not requeue it."""
     run_dir = runs / "cancelled"
-    job = submit_job("--nodes", "1", "--gpus-per-node", "1", "--run-dir", str(run_dir), "train.steps=100000",
-                     "checkpoint.interval=1000000", "log.interval=5")
+    job = submit_job(
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "1",
+        "--run-dir",
+        str(run_dir),
+        "train.steps=100000",
+        "checkpoint.interval=1000000",
+        "log.interval=5",
+    )
     wait_for(lambda: run_dir.joinpath("metrics.jsonl").is_file(), 90, "training to start")
     subprocess.run(["scancel", job], check=True)
     info = wait_job(job, release=False, timeout=90)
@@ -267,8 +317,17 @@ def test_job_without_progress_is_not_requeued_forever(runs):
     run_dir = runs / "no-progress"
     run_dir.mkdir(parents=True)
     (run_dir / "trace").write_text("")  # a file where the debugging trace folder goes: the ranks crash at start
-    job = submit_job("--nodes", "1", "--run-dir", str(run_dir), "--max-attempts", "2", "train.steps=10",
-                     "log.interval=1", "data.trace=true")
+    job = submit_job(
+        "--nodes",
+        "1",
+        "--run-dir",
+        str(run_dir),
+        "--max-attempts",
+        "2",
+        "train.steps=10",
+        "log.interval=1",
+        "data.trace=true",
+    )
     info = wait_job(job)
     assert info["JobState"] == "FAILED"
     assert info["Restarts"] == "1"
@@ -280,8 +339,21 @@ def test_submitit_job_warned_the_cgroup_way_saves_requeues_and_finishes(runs):
     """submitit: Slurm signals its Python task on each node (the step's task), never torchrun's
     ranks; the task runs the launcher in-process, which forwards to the ranks. Task 0 requeues."""
     run_dir = runs / "submitit"
-    job = submit_job("--launcher", "submitit", "--nodes", "2", "--gpus-per-node", "1", "--run-dir", str(run_dir),
-                     "--time", "10", "train.steps=100", "checkpoint.interval=100", "log.interval=5")
+    job = submit_job(
+        "--launcher",
+        "submitit",
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "1",
+        "--run-dir",
+        str(run_dir),
+        "--time",
+        "10",
+        "train.steps=100",
+        "checkpoint.interval=100",
+        "log.interval=5",
+    )
     wait_for(lambda: run_dir.joinpath("metrics.jsonl").is_file(), 90, "training to start")
     assert len(signal_tasks(job)) == 2
     info = wait_job(job)
@@ -307,10 +379,15 @@ def test_a_node_that_cannot_see_the_run_dir_is_named_before_training():
         info = wait_job(job)
         log = on_node("n1", "cat", str(run_dir / "slurm" / f"{job}.out")).stdout
         assert info["JobState"] == "FAILED" and info["Restarts"] == "0", log
-        errors = [line for line in log.splitlines() if re.match(r"\d+: error: ", line)]  # ours, not srun's or slurmstepd's
+        errors = [
+            line for line in log.splitlines() if re.match(r"\d+: error: ", line)
+        ]  # ours, not srun's or slurmstepd's
         assert len(errors) == 1, log  # one line, from one rank; torchrun's rendezvous orders the nodes
-        assert re.search(rf"run_dir {run_dir} is not shared: node (n[12]) \(rank 1\) cannot see the file rank 0 wrote "
-                         rf"there on (?!\1)n[12]; put run_dir on a filesystem every node mounts", errors[0]), errors[0]
+        assert re.search(
+            rf"run_dir {run_dir} is not shared: node (n[12]) \(rank 1\) cannot see the file rank 0 wrote "
+            rf"there on (?!\1)n[12]; put run_dir on a filesystem every node mounts",
+            errors[0],
+        ), errors[0]
         assert "NOT requeued: the training step stopped on bad input" in log
         assert on_node("n1", "ls", str(run_dir / "checkpoints")).returncode != 0, "nothing trained"
     finally:
@@ -322,10 +399,13 @@ def test_a_node_that_cannot_see_the_run_dir_is_named_before_training():
 def test_dry_run_prints_resources_with_reasons_and_the_script_and_submits_nothing(runs):
     run_dir = runs / "dry-run"
     before = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout
-    out = subprocess.run(["make", "submit", "NODES=2", f"RUN_DIR={run_dir}", "DRY_RUN=1"], capture_output=True,
-                         text=True, cwd=REPO)
+    out = subprocess.run(
+        ["make", "submit", "NODES=2", f"RUN_DIR={run_dir}", "DRY_RUN=1"], capture_output=True, text=True, cwd=REPO
+    )
     assert out.returncode == 0, out.stderr
-    assert re.search(r"GPUs per node +2 +\[every GPU of a node of partition main \(gres gpu:2\)\]", out.stdout), out.stdout
+    assert re.search(r"GPUs per node +2 +\[every GPU of a node of partition main \(gres gpu:2\)\]", out.stdout), (
+        out.stdout
+    )
     assert re.search(r"ranks +4 \(2 x 2\)", out.stdout)
     assert re.search(r"CPUs per node +2 +\[all CPUs of a node of partition main", out.stdout)
     assert "#SBATCH --gpus-per-node=2" in out.stdout and "#SBATCH --exclusive" in out.stdout
@@ -336,20 +416,23 @@ def test_dry_run_prints_resources_with_reasons_and_the_script_and_submits_nothin
 
 
 @cluster
-@pytest.mark.parametrize("args, message", [
-    (["--nodes", "0"], "NODES='0'"),
-    (["--nodes", "four"], "NODES='four'"),
-    (["--config", "configs/missing.yaml"], "CONFIG=configs/missing.yaml: no such file"),
-    (["--partition", "nosuch"], "PARTITION=nosuch: unknown partition"),
-    (["--nodes", "2", "--run-dir", "/dev/shm/run"], "node-local"),
-    (["--nodes", "2", "--run-dir", "/tmp/run"], "node-local"),
-    (["train.steps=-3"], "train.steps"),
-    (["--gpus-per-node", "3"], "GPUS_PER_NODE=3 but the nodes of partition main have 2 GPU(s) each (gres)"),
-    (["--cpus-per-node", "4"], "CPUS_PER_NODE=4 but the nodes of partition main have 2 CPUs each"),
-    (["--container", "/no/such/image.sqsh"], "CONTAINER=/no/such/image.sqsh: no such file"),
-    (["--container", "nvcr.io#nvidia/pytorch:25.01-py3"], "this cluster's srun has no Pyxis plugin"),
-    (["--warn-seconds", "21", "model.size=1b"], "WARN=21 leaves the ranks 1 s to save, but one save takes about"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--nodes", "0"], "NODES='0'"),
+        (["--nodes", "four"], "NODES='four'"),
+        (["--config", "configs/missing.yaml"], "CONFIG=configs/missing.yaml: no such file"),
+        (["--partition", "nosuch"], "PARTITION=nosuch: unknown partition"),
+        (["--nodes", "2", "--run-dir", "/dev/shm/run"], "node-local"),
+        (["--nodes", "2", "--run-dir", "/tmp/run"], "node-local"),
+        (["train.steps=-3"], "train.steps"),
+        (["--gpus-per-node", "3"], "GPUS_PER_NODE=3 but the nodes of partition main have 2 GPU(s) each (gres)"),
+        (["--cpus-per-node", "4"], "CPUS_PER_NODE=4 but the nodes of partition main have 2 CPUs each"),
+        (["--container", "/no/such/image.sqsh"], "CONTAINER=/no/such/image.sqsh: no such file"),
+        (["--container", "nvcr.io#nvidia/pytorch:25.01-py3"], "this cluster's srun has no Pyxis plugin"),
+        (["--warn-seconds", "21", "model.size=1b"], "WARN=21 leaves the ranks 1 s to save, but one save takes about"),
+    ],
+)
 def test_bad_input_is_one_line_before_submitting(args, message):
     before = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout
     out = subprocess.run([sys.executable, "-m", "trainer.submit", *args], capture_output=True, text=True, cwd=REPO)
@@ -364,21 +447,39 @@ def test_bad_input_is_one_line_before_submitting(args, message):
 
 
 def _gpu_job(container: str | None, runtime: str | None = None, net_if: str | None = None) -> submit.Job:
-    return submit.Job(nodes=4, gpus_per_node=8, cpus_per_node=96, config=Path("/shared/fsdp-trainer/configs/llama.yaml"),
-                      run_dir=Path("/shared/runs/llama-8b"), overrides=["train.steps=10000"], time="1-00:00:00",
-                      partition="gpu", container=container, runtime=runtime, net_if=net_if, warn_seconds=300,
-                      max_attempts=3)
+    return submit.Job(
+        nodes=4,
+        gpus_per_node=8,
+        cpus_per_node=96,
+        config=Path("/shared/fsdp-trainer/configs/llama.yaml"),
+        run_dir=Path("/shared/runs/llama-8b"),
+        overrides=["train.steps=10000"],
+        time="1-00:00:00",
+        partition="gpu",
+        container=container,
+        runtime=runtime,
+        net_if=net_if,
+        warn_seconds=300,
+        max_attempts=3,
+    )
 
 
-@pytest.mark.parametrize("name, job", [
-    ("gpu-8x4.sbatch", _gpu_job(None, net_if="ib0")),
-    ("gpu-8x4-pyxis.sbatch", _gpu_job("/shared/images/trainer.sqsh", "pyxis")),
-    ("gpu-8x4-pyxis-registry.sbatch", _gpu_job("nvcr.io#nvidia/pytorch:25.01-py3", "pyxis")),
-    ("gpu-8x4-apptainer.sbatch", _gpu_job("/shared/images/trainer.sif", "apptainer")),
-])
+@pytest.mark.parametrize(
+    "name, job",
+    [
+        ("gpu-8x4.sbatch", _gpu_job(None, net_if="ib0")),
+        ("gpu-8x4-pyxis.sbatch", _gpu_job("/shared/images/trainer.sqsh", "pyxis")),
+        ("gpu-8x4-pyxis-registry.sbatch", _gpu_job("nvcr.io#nvidia/pytorch:25.01-py3", "pyxis")),
+        ("gpu-8x4-apptainer.sbatch", _gpu_job("/shared/images/trainer.sif", "apptainer")),
+    ],
+)
 def test_rendered_batch_script_matches_golden(name, job):
-    text = submit.render_sbatch(job, repo_dir=Path("/shared/fsdp-trainer"),
-                                python="/shared/fsdp-trainer/.venv/bin/python", host_python="python3")
+    text = submit.render_sbatch(
+        job,
+        repo_dir=Path("/shared/fsdp-trainer"),
+        python="/shared/fsdp-trainer/.venv/bin/python",
+        host_python="python3",
+    )
     if os.environ.get("UPDATE_GOLDEN"):
         (GOLDEN / name).write_text(text)
     assert text == (GOLDEN / name).read_text(), f"rendered script differs from tests/golden/{name}"
@@ -386,13 +487,16 @@ def test_rendered_batch_script_matches_golden(name, job):
     assert "--cpus-per-task=96" in text.split("srun", 1)[1], "srun passes the CPUs on (Slurm 22.05-23.02 do not)"
 
 
-@pytest.mark.parametrize("given, runtime, image", [
-    ("nvcr.io#nvidia/pytorch:25.01-py3", "pyxis", "nvcr.io#nvidia/pytorch:25.01-py3"),
-    ("docker://nvcr.io/nvidia/pytorch:25.01-py3", "pyxis", "nvcr.io#nvidia/pytorch:25.01-py3"),
-    ("docker://ubuntu:24.04", "pyxis", "ubuntu:24.04"),
-    ("ubuntu:24.04", "pyxis", "ubuntu:24.04"),
-    ("nvcr.io#nvidia/pytorch:25.01-py3", "apptainer", "docker://nvcr.io/nvidia/pytorch:25.01-py3"),
-])
+@pytest.mark.parametrize(
+    "given, runtime, image",
+    [
+        ("nvcr.io#nvidia/pytorch:25.01-py3", "pyxis", "nvcr.io#nvidia/pytorch:25.01-py3"),
+        ("docker://nvcr.io/nvidia/pytorch:25.01-py3", "pyxis", "nvcr.io#nvidia/pytorch:25.01-py3"),
+        ("docker://ubuntu:24.04", "pyxis", "ubuntu:24.04"),
+        ("ubuntu:24.04", "pyxis", "ubuntu:24.04"),
+        ("nvcr.io#nvidia/pytorch:25.01-py3", "apptainer", "docker://nvcr.io/nvidia/pytorch:25.01-py3"),
+    ],
+)
 def test_registry_images_in_each_runtimes_form(given, runtime, image):
     forced = runtime if runtime == "apptainer" else None
     assert submit.container_image(given, forced) == (image, runtime)
@@ -447,15 +551,36 @@ def test_rendered_script_passes_odd_paths_as_data(tmp_path):
     log = f"open({str(record)!r}, 'a').write(json.dumps(sys.argv) + '\\n')\n"
     _stub(pybin, "python", "if sys.argv[1] == '-c':\n    print(29500)\n    sys.exit(0)\n" + log)
     _stub(bin_dir, "scontrol", log + "print('n1')\n")
-    _stub(bin_dir, "srun", log + "cmd = sys.argv[1:]\nwhile cmd[0].startswith('--'):\n    cmd.pop(0)\n"
-                          "os.execvpe(cmd[0], cmd, {**os.environ, 'SLURM_NODEID': '0'})\n")
-    job = submit.Job(nodes=1, gpus_per_node=0, cpus_per_node=2, config=tmp_path / "cfg $(touch INJECTED).yaml",
-                     run_dir=run_dir, overrides=["train.steps=3", "data.path=/d/$HOME/`x`"], time=None,
-                     partition=None, container=None, runtime=None, net_if=None, warn_seconds=120, max_attempts=3)
+    _stub(
+        bin_dir,
+        "srun",
+        log + "cmd = sys.argv[1:]\nwhile cmd[0].startswith('--'):\n    cmd.pop(0)\n"
+        "os.execvpe(cmd[0], cmd, {**os.environ, 'SLURM_NODEID': '0'})\n",
+    )
+    job = submit.Job(
+        nodes=1,
+        gpus_per_node=0,
+        cpus_per_node=2,
+        config=tmp_path / "cfg $(touch INJECTED).yaml",
+        run_dir=run_dir,
+        overrides=["train.steps=3", "data.path=/d/$HOME/`x`"],
+        time=None,
+        partition=None,
+        container=None,
+        runtime=None,
+        net_if=None,
+        warn_seconds=120,
+        max_attempts=3,
+    )
     script = tmp_path / "train.sbatch"
     script.write_text(submit.render_sbatch(job, repo_dir=repo, python=str(pybin / "python")))
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "77", "SLURM_JOB_NUM_NODES": "1",
-           "SLURM_JOB_NODELIST": "n1"}
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "77",
+        "SLURM_JOB_NUM_NODES": "1",
+        "SLURM_JOB_NODELIST": "n1",
+    }
     out = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert not marker.exists() and not (repo / "INJECTED").exists() and not (tmp_path / "INJECTED").exists()
     assert out.returncode == 0, out.stdout + out.stderr
@@ -466,8 +591,11 @@ def test_rendered_script_passes_odd_paths_as_data(tmp_path):
     assert requeue[requeue.index("--run-dir") + 1] == str(run_dir), requeue
     assert launch[launch.index("--config") + 1] == str(job.config)
     assert "data.path=/d/$HOME/`x`" in launch and "--node-rank=0" in launch, launch
-    sbatch = dict(_sbatch_argument(line).partition("=")[::2] for line in script.read_text().splitlines()
-                  if line.startswith("#SBATCH"))
+    sbatch = dict(
+        _sbatch_argument(line).partition("=")[::2]
+        for line in script.read_text().splitlines()
+        if line.startswith("#SBATCH")
+    )
     assert sbatch["--output"] == f"{run_dir}/slurm/%j.out"
     assert sbatch["--job-name"] == f"train-{run_dir.name}"
 
@@ -493,7 +621,7 @@ def _dry_run(capsys, *args: str) -> tuple[int, str, str]:
 
 def _run_dir_of(script: str) -> str:
     """The run dir the dry run's trainer and requeue check get, which must be one."""
-    script = script[script.index("#!/bin/bash"):]
+    script = script[script.index("#!/bin/bash") :]
     requeue = re.search(r"-m trainer\.requeue --run-dir (\S+)", script).group(1)
     given = re.findall(r"run_dir=(\S+)", script)
     assert given == [requeue], (given, requeue)
@@ -516,8 +644,9 @@ def test_dry_run_run_dir_from_run_dir_args_or_config_else_dated(stub_cluster, ca
     assert code == 0, err
     assert _run_dir_of(out) == str(other) and "train.steps=5" in out
     code, out, err = _dry_run(capsys, "--config", str(config), "--run-dir", str(named), "--", f"run_dir={other}")
-    assert code == 2 and err == (f"submit: error: RUN_DIR={named} and ARGS run_dir={other} name different run "
-                                 f"directories; give one of them\n")
+    assert code == 2 and err == (
+        f"submit: error: RUN_DIR={named} and ARGS run_dir={other} name different run directories; give one of them\n"
+    )
     unnamed = stub_cluster / "unnamed.yaml"
     unnamed.write_text((REPO / "configs/default.yaml").read_text().replace("run_dir: runs/default\n", ""))
     code, out, err = _dry_run(capsys, "--config", str(unnamed))
@@ -525,12 +654,15 @@ def test_dry_run_run_dir_from_run_dir_args_or_config_else_dated(stub_cluster, ca
     assert re.fullmatch(rf"{re.escape(str(REPO))}/runs/unnamed-\d{{8}}-\d{{6}}", _run_dir_of(out))
 
 
-@pytest.mark.parametrize("run_dir, launcher, message", [
-    ("/shared/run\nrm -rf ~", "sbatch", "RUN_DIR='/shared/run\\nrm -rf ~': a control character ('\\n')"),
-    ("/shared/100%x", "sbatch", "RUN_DIR='/shared/100%x': a '%', which Slurm's log file name"),
-    ("/shared/a\\b", "sbatch", "RUN_DIR='/shared/a\\\\b': a backslash, which Slurm's log file name"),
-    ("/shared/my run", "submitit", "RUN_DIR='/shared/my run': submitit writes it into #SBATCH lines"),
-])
+@pytest.mark.parametrize(
+    "run_dir, launcher, message",
+    [
+        ("/shared/run\nrm -rf ~", "sbatch", "RUN_DIR='/shared/run\\nrm -rf ~': a control character ('\\n')"),
+        ("/shared/100%x", "sbatch", "RUN_DIR='/shared/100%x': a '%', which Slurm's log file name"),
+        ("/shared/a\\b", "sbatch", "RUN_DIR='/shared/a\\\\b': a backslash, which Slurm's log file name"),
+        ("/shared/my run", "submitit", "RUN_DIR='/shared/my run': submitit writes it into #SBATCH lines"),
+    ],
+)
 def test_a_run_dir_the_script_cannot_hold_is_one_line(stub_cluster, capsys, run_dir, launcher, message):
     code, out, err = _dry_run(capsys, "--run-dir", run_dir, "--launcher", launcher)
     assert code == 2 and out == "" and err.count("\n") == 1 and err.startswith("submit: error: "), err
@@ -541,18 +673,42 @@ def test_a_run_dir_that_would_split_the_container_mounts_is_one_line(stub_cluste
     image = stub_cluster / "trainer.sif"
     image.write_text("")
     code, out, err = _dry_run(capsys, "--run-dir", "/shared/a,b", "--container", str(image))
-    assert code == 2 and err == ("submit: error: RUN_DIR /shared/a,b: ',' and ':' separate the container's mounts "
-                                 "(--container-mounts, --bind); choose a folder without them\n"), err
+    assert code == 2 and err == (
+        "submit: error: RUN_DIR /shared/a,b: ',' and ':' separate the container's mounts "
+        "(--container-mounts, --bind); choose a folder without them\n"
+    ), err
 
 
 def test_a_dry_run_plans_with_data_this_machine_cannot_see(stub_cluster, capsys, monkeypatch):
     """DRY_RUN=1 from a login node: a data file only the cluster has is a warning, not a refusal."""
     monkeypatch.chdir(REPO)
-    code, out, err = _dry_run(capsys, "--config", str(REPO / "configs/default.yaml"), "--run-dir",
-                              str(stub_cluster / "r"), "--", "data.name=tokens", "data.path=/cluster/only/train.bin")
+    code, out, err = _dry_run(
+        capsys,
+        "--config",
+        str(REPO / "configs/default.yaml"),
+        "--run-dir",
+        str(stub_cluster / "r"),
+        "--",
+        "data.name=tokens",
+        "data.path=/cluster/only/train.bin",
+    )
     assert code == 0, err
-    assert "warning: override 'data.path=/cluster/only/train.bin': data.path: token file /cluster/only/train.bin " \
-           "does not exist" in out
-    code, out, err = submit.main(["--config", str(REPO / "configs/default.yaml"), "--run-dir", str(stub_cluster / "r"),
-                                  "--", "data.name=tokens", "data.path=/cluster/only/train.bin"]), *capsys.readouterr()
+    assert (
+        "warning: override 'data.path=/cluster/only/train.bin': data.path: token file /cluster/only/train.bin "
+        "does not exist" in out
+    )
+    code, out, err = (
+        submit.main(
+            [
+                "--config",
+                str(REPO / "configs/default.yaml"),
+                "--run-dir",
+                str(stub_cluster / "r"),
+                "--",
+                "data.name=tokens",
+                "data.path=/cluster/only/train.bin",
+            ]
+        ),
+        *capsys.readouterr(),
+    )
     assert code == 2 and "data.path: token file /cluster/only/train.bin does not exist" in err  # a real submit refuses

@@ -68,9 +68,20 @@ def test_tensorboard_holds_each_step_once_after_a_restart(tensorboard_run):
 
 def test_a_real_tensorboard_server_serves_the_loss_series(tensorboard_run):
     port = _free_port()
-    server = subprocess.Popen([str(Path(sys.executable).parent / "tensorboard"), "--logdir",
-                               str(tensorboard_run / "tensorboard"), "--host", "127.0.0.1", "--port", str(port)],
-                              env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "tensorboard"),
+            "--logdir",
+            str(tensorboard_run / "tensorboard"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        env=env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         tags = _get(f"http://127.0.0.1:{port}/data/plugin/scalars/tags")
         (run,) = tags
@@ -99,10 +110,25 @@ def test_wandb_offline_continues_the_same_run(tmp_path, monkeypatch):
 def test_mlflow_server_gets_one_run_continued_after_a_restart(tmp_path, monkeypatch):
     pytest.importorskip("mlflow")
     port = _free_port()
-    server = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri",
-                               f"sqlite:///{tmp_path / 'mlflow.db'}", "--default-artifact-root", str(tmp_path / "art"),
-                               "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-                              env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "mlflow"),
+            "server",
+            "--backend-store-uri",
+            f"sqlite:///{tmp_path / 'mlflow.db'}",
+            "--default-artifact-root",
+            str(tmp_path / "art"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+        ],
+        env=env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         uri = f"http://127.0.0.1:{port}"
         _wait_http(f"{uri}/health")
@@ -141,5 +167,7 @@ def test_a_tracker_without_its_package_is_one_line(tmp_path, monkeypatch):
     from trainer import trackers
 
     monkeypatch.setitem(trackers.PACKAGES, "wandb", "no_such_module_for_the_test")
-    assert trackers.missing_package("wandb") == ("is true but the no_such_module_for_the_test package is not installed; "
-                                                  "pip install 'fsdp-trainer[wandb]', or set it to false")
+    assert trackers.missing_package("wandb") == (
+        "is true but the no_such_module_for_the_test package is not installed; "
+        "pip install 'fsdp-trainer[wandb]', or set it to false"
+    )

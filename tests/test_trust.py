@@ -9,7 +9,6 @@ import json
 import logging
 import os
 import pickle
-import stat
 import warnings
 import zlib
 
@@ -72,8 +71,9 @@ def plant_bytes_item(folder, marker, suffix: str) -> None:
     """The first pickled (bytes) item whose name ends with `suffix` pointed at a torch.save of the
     payload appended to its shard file, .metadata and checksums rewritten to match."""
     metadata = _load_metadata(folder)
-    index, info = next((i, s) for i, s in sorted(metadata.storage_data.items(), key=lambda e: e[0].fqn)
-                       if i.fqn.endswith(suffix))
+    index, info = next(
+        (i, s) for i, s in sorted(metadata.storage_data.items(), key=lambda e: e[0].fqn) if i.fqn.endswith(suffix)
+    )
     payload = io.BytesIO()
     torch.save(Payload(marker), payload)
     shard = os.path.join(folder, info.relative_path)
@@ -114,8 +114,16 @@ def _step(model, optimizer, scheduler) -> None:
 def saved_run(run_dir, group, steps=(1, 2), **args) -> dict[int, dict[str, torch.Tensor]]:
     """Checkpoints of `steps` in `run_dir`, saved by the trainer's Checkpointer; the model's weights by step."""
     model, optimizer, scheduler = _parts(0)
-    ckpt = checkpoint.Checkpointer(checkpoint.CheckpointArgs(keep=0, **args), str(run_dir), 0, 1, group, model, optimizer,
-                                   parts={"scheduler": scheduler})
+    ckpt = checkpoint.Checkpointer(
+        checkpoint.CheckpointArgs(keep=0, **args),
+        str(run_dir),
+        0,
+        1,
+        group,
+        model,
+        optimizer,
+        parts={"scheduler": scheduler},
+    )
     weights = {}
     for step in range(1, max(steps) + 1):
         _step(model, optimizer, scheduler)
@@ -128,8 +136,16 @@ def saved_run(run_dir, group, steps=(1, 2), **args) -> dict[int, dict[str, torch
 def resumed(run_dir, group, **args) -> tuple[dict | None, dict]:
     """What a restart in `run_dir` loads: its meta and the model's weights."""
     model, optimizer, scheduler = _parts(1)
-    ckpt = checkpoint.Checkpointer(checkpoint.CheckpointArgs(keep=0, **args), str(run_dir), 0, 1, group, model, optimizer,
-                                   parts={"scheduler": scheduler})
+    ckpt = checkpoint.Checkpointer(
+        checkpoint.CheckpointArgs(keep=0, **args),
+        str(run_dir),
+        0,
+        1,
+        group,
+        model,
+        optimizer,
+        parts={"scheduler": scheduler},
+    )
     meta = ckpt.load()
     return meta, model.state_dict()
 
@@ -151,8 +167,10 @@ def test_a_metadata_payload_never_runs_when_listing_or_loading(tmp_path, group, 
     assert not marker.exists(), "loading unpickled a .metadata"
     assert meta["step"] == 1 and all(torch.equal(state[k], weights[1][k]) for k in state)
     for step in (step2, step3):
-        assert (f"skipping checkpoint {step}: .metadata is refused: it names io.open, which is not part of "
-                f"DCP's checkpoint metadata") in said(caplog), said(caplog)
+        assert (
+            f"skipping checkpoint {step}: .metadata is refused: it names io.open, which is not part of "
+            f"DCP's checkpoint metadata"
+        ) in said(caplog), said(caplog)
     for step in (step2, step3):  # as saved before issue 27: without a manifest
         os.remove(os.path.join(step, "manifest.json"))
     caplog.clear()
@@ -170,7 +188,9 @@ def test_a_bytes_item_payload_is_refused_not_run(tmp_path):
         dcp.save({"w": torch.randn(3), "extra": {"epoch": 3}}, checkpoint_id=tmp_path / "c", no_dist=True)
         plant_bytes_item(tmp_path / "c", marker, "extra.epoch")
         with pytest.raises(CheckpointException) as failed:
-            dcp.load({"w": torch.zeros(3), "extra": {"epoch": 0}}, storage_reader=ShardReader(tmp_path / "c"), no_dist=True)
+            dcp.load(
+                {"w": torch.zeros(3), "extra": {"epoch": 0}}, storage_reader=ShardReader(tmp_path / "c"), no_dist=True
+            )
     assert not marker.exists()
     cause = failed.value.failures[0][0]
     assert str(cause).startswith("__0_0.distcp: item extra.epoch is refused: it names io.open"), cause
@@ -193,8 +213,9 @@ def _rename_a_tensor(path) -> None:  # still a valid pickle of the same size
     open(path, "wb").write(data.replace(b"1.weight", b"1.weighT", 1))
 
 
-@pytest.mark.parametrize("name, damage", [("rng/rank_00000.pt", _flip), ("meta.json", _change_a_shape),
-                                          (".metadata", _rename_a_tensor)])
+@pytest.mark.parametrize(
+    "name, damage", [("rng/rank_00000.pt", _flip), ("meta.json", _change_a_shape), (".metadata", _rename_a_tensor)]
+)
 def test_any_damaged_file_makes_the_checkpoint_unreadable(tmp_path, group, caplog, name, damage):
     weights = saved_run(tmp_path, group)
     newest = checkpoint.step_path(tmp_path, 2)
@@ -217,7 +238,9 @@ def test_a_truncated_rng_file_of_an_old_checkpoint_is_skipped_not_a_crash(tmp_pa
     open(rng, "r+b").truncate(os.path.getsize(rng) // 2)
     caplog.set_level(logging.INFO, "trainer")
     meta, _ = resumed(tmp_path, group)
-    assert meta["step"] == 1 and f"skipping checkpoint {newest}: rank 0 could not read rng/rank_00000.pt" in said(caplog)
+    assert meta["step"] == 1 and f"skipping checkpoint {newest}: rank 0 could not read rng/rank_00000.pt" in said(
+        caplog
+    )
 
 
 def test_symbolic_links_in_checkpoints_are_never_followed(tmp_path, group, caplog):
@@ -235,8 +258,9 @@ def test_symbolic_links_in_checkpoints_are_never_followed(tmp_path, group, caplo
         (ckpts / name).symlink_to(outside, target_is_directory=True)
     (ckpts / "step_00000005").symlink_to(checkpoint.step_path(other, 5), target_is_directory=True)
     model, optimizer, scheduler = _parts(0)
-    ckpt = checkpoint.Checkpointer(checkpoint.CheckpointArgs(keep=1), str(run), 0, 1, group, model, optimizer,
-                                   parts={"scheduler": scheduler})
+    ckpt = checkpoint.Checkpointer(
+        checkpoint.CheckpointArgs(keep=1), str(run), 0, 1, group, model, optimizer, parts={"scheduler": scheduler}
+    )
     assert sorted(os.listdir(ckpts)) == ["step_00000001", "step_00000005"]
     (ckpts / ".tmp_step_00000002").symlink_to(outside, target_is_directory=True)  # appears after the start
     caplog.set_level(logging.INFO, "trainer")
@@ -261,7 +285,9 @@ def test_what_could_not_be_removed_is_said(tmp_path, group, caplog, monkeypatch)
     monkeypatch.setattr(os, "rmdir", refuse)
     caplog.set_level(logging.INFO, "trainer")
     checkpoint.Checkpointer(checkpoint.CheckpointArgs(), str(tmp_path), 0, 1, group, *_parts(0)[:2])
-    assert f"could not remove {ckpts / '.trash_step_00000001_0'}" in said(caplog) and "Permission denied" in said(caplog)
+    assert f"could not remove {ckpts / '.trash_step_00000001_0'}" in said(caplog) and "Permission denied" in said(
+        caplog
+    )
 
 
 def test_resuming_from_a_folder_others_can_write_warns(tmp_path, group, caplog):
@@ -271,8 +297,10 @@ def test_resuming_from_a_folder_others_can_write_warns(tmp_path, group, caplog):
     caplog.set_level(logging.INFO, "trainer")
     meta, _ = resumed(tmp_path, group)
     assert meta["step"] == 1
-    assert (f"checkpoint folder {step} can be written by users other than its owner (mode 0775): they can change "
-            f"what this run loads; chmod go-w {step}") in said(caplog), said(caplog)
+    assert (
+        f"checkpoint folder {step} can be written by users other than its owner (mode 0775): they can change "
+        f"what this run loads; chmod go-w {step}"
+    ) in said(caplog), said(caplog)
     os.chmod(step, 0o755)
     caplog.clear()
     resumed(tmp_path, group)
@@ -333,8 +361,10 @@ def test_a_compressed_checkpoint_loads_as_through_dcps_reader(tmp_path, kind):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(state, storage_writer=FileSystemWriter(tmp_path, _extensions=[extension]), no_dist=True)
-        for reader in (FileSystemReader(tmp_path, _extension_registry=registry),
-                       ShardReader(tmp_path, _extension_registry=registry)):
+        for reader in (
+            FileSystemReader(tmp_path, _extension_registry=registry),
+            ShardReader(tmp_path, _extension_registry=registry),
+        ):
             dest = {"a": torch.zeros(64, 8), "b": torch.zeros(5, dtype=torch.int64), "extra": {"epoch": 0}}
             dcp.load(dest, storage_reader=reader, no_dist=True)
             assert torch.equal(dest["a"], state["a"]) and torch.equal(dest["b"], state["b"]), type(reader)
@@ -352,8 +382,9 @@ def test_payloads_never_run_on_resume_resume_from_or_export(tmp_path):
     """The report's payloads on 2 ranks: .metadata payloads in steps 6 and 9 (the restart skips
     both, naming them, and resumes at 3; export refuses the newest); an optimizer bytes item
     pointed at a payload in a copy of step 3 given as checkpoint.resume_from (refused)."""
-    from trainer.export import main as export
     import shutil
+
+    from trainer.export import main as export
 
     marker = tmp_path / "marker"
     run = tmp_path / "run"
@@ -378,5 +409,7 @@ def test_payloads_never_run_on_resume_resume_from_or_export(tmp_path):
     proc = train(tmp_path / "new", 2, *SAVING, "train.steps=6", f"checkpoint.resume_from={source}", expect=1)
     assert not marker.exists()
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and errors[0].startswith(f"error: checkpoint.resume_from={source} is unreadable: rank "), proc.stderr[-3000:]
+    assert len(errors) == 1 and errors[0].startswith(f"error: checkpoint.resume_from={source} is unreadable: rank "), (
+        proc.stderr[-3000:]
+    )
     assert ".distcp: item optim.param_groups" in errors[0] and "is refused: it names io.open" in errors[0], errors[0]

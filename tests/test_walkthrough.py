@@ -20,9 +20,9 @@ pytestmark = pytest.mark.slow
 
 def walkthrough() -> list[str]:
     text = (ROOT / "README.md").read_text()
-    section = text[text.index("## A run's life"):]
-    block = section[section.index("```sh\n") + 6:]
-    return block[:block.index("```")].splitlines()
+    section = text[text.index("## A run's life") :]
+    block = section[section.index("```sh\n") + 6 :]
+    return block[: block.index("```")].splitlines()
 
 
 def _free_port() -> int:
@@ -41,8 +41,15 @@ def test_a_runs_life_as_the_readme_walks_it(tmp_path):
     e = {**env(), "NPROC": "2"}
 
     # 1. the first run, stopped by a Ctrl-C (SIGINT to the whole foreground group) after a save
-    first = subprocess.Popen(commands[0], cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             start_new_session=True)
+    first = subprocess.Popen(
+        commands[0],
+        cwd=ROOT,
+        env=e,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         wait_for(lambda: (run_dir / "checkpoints" / "step_00000010").is_dir(), timeout=300, what="the first save")
         os.killpg(first.pid, signal.SIGINT)
@@ -53,7 +60,9 @@ def test_a_runs_life_as_the_readme_walks_it(tmp_path):
     # the front door: one stop line (the launcher's), one "received" line, none of torchrun's own
     # make, signalled too, dies by the SIGINT after its recipe (the launcher) ended: README says why
     assert first.returncode == -signal.SIGINT, (first.returncode, out)
-    assert out.count("the checkpoint is saved, a restart resumes") == 1 and "launch: stopped by SIGINT after step" in out, out
+    assert (
+        out.count("the checkpoint is saved, a restart resumes") == 1 and "launch: stopped by SIGINT after step" in out
+    ), out
     assert out.count("received SIGINT") <= 1 and "closing signal" not in out and "death signal" not in out, out
     stopped = max(r["step"] for r in rows(run_dir))
     assert 10 <= stopped < 30
@@ -62,14 +71,16 @@ def test_a_runs_life_as_the_readme_walks_it(tmp_path):
     for argv in commands[1:]:
         if os.path.basename(argv[0]) == "tensorboard":
             port = _free_port()
-            server = subprocess.Popen([*argv, "--port", str(port)], cwd=ROOT, env=e, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL)
+            server = subprocess.Popen(
+                [*argv, "--port", str(port)], cwd=ROOT, env=e, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
             try:
                 deadline = time.time() + 120
                 while True:
                     try:
-                        with urllib.request.urlopen(f"http://127.0.0.1:{port}/data/plugin/scalars/scalars?run=.&"
-                                                    f"tag=train/loss", timeout=5) as r:
+                        with urllib.request.urlopen(
+                            f"http://127.0.0.1:{port}/data/plugin/scalars/scalars?run=.&tag=train/loss", timeout=5
+                        ) as r:
                             steps = [p[1] for p in json.loads(r.read())]
                         break
                     except OSError:
@@ -84,8 +95,10 @@ def test_a_runs_life_as_the_readme_walks_it(tmp_path):
         assert proc.returncode == 0, f"{argv}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         if argv[:2] == ["make", "run"]:
             assert "changed on the command line: train.steps 30 -> 40" in proc.stdout
-            assert f"finished at step 40: checkpoint {run_dir}/checkpoints/step_00000040, metrics {run_dir}/" \
-                   f"metrics.jsonl; next: python -m trainer.metrics {run_dir}" in proc.stdout
+            assert (
+                f"finished at step 40: checkpoint {run_dir}/checkpoints/step_00000040, metrics {run_dir}/"
+                f"metrics.jsonl; next: python -m trainer.metrics {run_dir}" in proc.stdout
+            )
         if "trainer.metrics" in argv:
             assert re.match(rf"{re.escape(str(run_dir))}: 40 steps, loss \d", proc.stdout), proc.stdout
         if "trainer.generate" in argv:

@@ -13,15 +13,15 @@ from trainer import signals
 signals.install()  # before the slow imports below: a stop signal during start-up is kept, not fatal
 signals.stop_with_launcher()  # a rank whose launcher died (kill -9) saves and stops, never trains on alone
 
-from trainer.check import check_gpu_memory, check_gpus, validate  # noqa: E402
-from trainer.checkpoint import CheckpointError  # noqa: E402
-from trainer.config import ConfigError, load_run, resolve  # noqa: E402
-from trainer.data import DataError  # noqa: E402
-from trainer.dist import NodeError, exit_process, read_env, shutdown  # noqa: E402
-from trainer import launch  # noqa: E402
-from trainer.lease import LeaseError, LeaseLost  # noqa: E402
-from trainer.metrics import setup_logging  # noqa: E402
-from trainer.requeue import LEASE_LOST  # noqa: E402
+from trainer import launch
+from trainer.check import check_gpu_memory, check_gpus, validate
+from trainer.checkpoint import CheckpointError
+from trainer.config import ConfigError, load_run, resolve
+from trainer.data import DataError
+from trainer.dist import NodeError, exit_process, read_env, shutdown
+from trainer.lease import LeaseError, LeaseLost
+from trainer.metrics import setup_logging
+from trainer.requeue import LEASE_LOST
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 from trainer.config import Config, ConfigError, load_run, resolve, resolve_batch
 from trainer.data import token_file_problem
 from trainer.layout import RUN_DIR_FILES, RUN_DIR_FOLDERS
-from trainer.models import choices as model_choices, find as find_family
+from trainer.models import choices as model_choices
+from trainer.models import find as find_family
 from trainer.optim import schedule_warning
 
 if TYPE_CHECKING:
@@ -32,8 +33,14 @@ MAX_SEED = 2**32 - 1
 MAX_TIMEOUT_S = 7 * 24 * 3600
 
 
-def validate(cfg: Config, world_size: int, where: str = "config", overrides: list[str] = (),
-             ranks_per_node: int | None = None, planning: bool = False) -> list[str]:
+def validate(
+    cfg: Config,
+    world_size: int,
+    where: str = "config",
+    overrides: list[str] = (),
+    ranks_per_node: int | None = None,
+    planning: bool = False,
+) -> list[str]:
     """Raise ConfigError for the first problem found; `where` names the config file, `overrides`
     are the command line's key=value items: a value given there is blamed on the override. With
     `ranks_per_node`, what they need must fit this machine's memory (CPU training; a GPU's memory
@@ -49,12 +56,15 @@ def validate(cfg: Config, world_size: int, where: str = "config", overrides: lis
         """A problem of a path that the target machine, not this one, must have."""
         if not planning:
             fail(key, message)
-        warnings.append(f"{source(key)}: {key}: {message} (not an error when planning for another machine: it must "
-                        f"hold there)")
+        warnings.append(
+            f"{source(key)}: {key}: {message} (not an error when planning for another machine: it must hold there)"
+        )
 
     def source(key: str) -> str:
         field = key.split("[")[0]  # optim.betas[1] was given as optim.betas
-        given = [item for item in overrides if field == item.split("=")[0] or field.startswith(item.split("=")[0] + ".")]
+        given = [
+            item for item in overrides if field == item.split("=")[0] or field.startswith(item.split("=")[0] + ".")
+        ]
         return f"override {given[-1]!r}" if given else where
 
     for key, value in _floats(cfg):
@@ -71,8 +81,12 @@ def validate(cfg: Config, world_size: int, where: str = "config", overrides: lis
         ("optim.momentum", o.momentum, 0 <= o.momentum < 1, "it must be in [0, 1), e.g. 0.9"),
         ("optim.min_lr_ratio", o.min_lr_ratio, 0 <= o.min_lr_ratio <= 1, "it must be in [0, 1]"),
         ("optim.gamma", o.gamma, 0 < o.gamma <= 1, "it must be in (0, 1], e.g. 0.7"),
-        ("model.dropout", cfg.model.dropout, 0 <= cfg.model.dropout < 0.5,
-         "it must be in [0, 0.5): the MNIST CNN's second dropout is twice it"),
+        (
+            "model.dropout",
+            cfg.model.dropout,
+            0 <= cfg.model.dropout < 0.5,
+            "it must be in [0, 0.5): the MNIST CNN's second dropout is twice it",
+        ),
     ):
         if not ok:
             fail(key, f"is {value}; {allowed}")
@@ -80,10 +94,15 @@ def validate(cfg: Config, world_size: int, where: str = "config", overrides: lis
         fail("train.grad_clip", f"is {cfg.train.grad_clip}; give a positive norm, or null to disable clipping")
 
     positive = {
-        "train.steps": cfg.train.steps, "train.global_batch_size": cfg.train.global_batch_size,
-        "log.interval": cfg.log.interval, "eval.batches": cfg.eval.batches, "model.seq_len": cfg.model.seq_len,
-        "optim.step_size": cfg.optim.step_size, "parallel.wrap_min_params": cfg.parallel.wrap_min_params,
-        "checkpoint.timeout_s": cfg.checkpoint.timeout_s, "model.image_size": cfg.model.image_size,
+        "train.steps": cfg.train.steps,
+        "train.global_batch_size": cfg.train.global_batch_size,
+        "log.interval": cfg.log.interval,
+        "eval.batches": cfg.eval.batches,
+        "model.seq_len": cfg.model.seq_len,
+        "optim.step_size": cfg.optim.step_size,
+        "parallel.wrap_min_params": cfg.parallel.wrap_min_params,
+        "checkpoint.timeout_s": cfg.checkpoint.timeout_s,
+        "model.image_size": cfg.model.image_size,
         "parallel.timeout_s": cfg.parallel.timeout_s,
     }
     if cfg.train.micro_batch_size is not None:
@@ -101,18 +120,29 @@ def validate(cfg: Config, world_size: int, where: str = "config", overrides: lis
     if not 0 <= cfg.train.seed <= MAX_SEED:
         fail("train.seed", f"is {cfg.train.seed}; it must be in [0, {MAX_SEED}] (numpy's and torch's generators)")
     if not cfg.log.straggler_factor > 1:
-        fail("log.straggler_factor", f"is {cfg.log.straggler_factor}; it must be more than 1 (times the median compute time)")
+        fail(
+            "log.straggler_factor",
+            f"is {cfg.log.straggler_factor}; it must be more than 1 (times the median compute time)",
+        )
     for key in ("parallel.timeout_s", "checkpoint.timeout_s"):
         if positive[key] > MAX_TIMEOUT_S:
             fail(key, f"is {positive[key]}; it must be at most {MAX_TIMEOUT_S} (7 days)")
     if cfg.checkpoint.mtbf_hours is not None and not cfg.checkpoint.mtbf_hours > 0:
-        fail("checkpoint.mtbf_hours", f"is {cfg.checkpoint.mtbf_hours}; give the hours between interruptions (> 0), "
-             f"or null for the Llama 3 report's rate")
+        fail(
+            "checkpoint.mtbf_hours",
+            f"is {cfg.checkpoint.mtbf_hours}; give the hours between interruptions (> 0), "
+            f"or null for the Llama 3 report's rate",
+        )
     interval = 0 if cfg.checkpoint.interval == "auto" else cfg.checkpoint.interval
-    for key, value in {"checkpoint.interval": interval, "checkpoint.keep": cfg.checkpoint.keep,
-                       "checkpoint.keep_every": cfg.checkpoint.keep_every, "eval.interval": cfg.eval.interval,
-                       "data.num_workers": cfg.data.num_workers, "optim.warmup_steps": cfg.optim.warmup_steps,
-                       "launch.max_restarts": cfg.launch.max_restarts}.items():
+    for key, value in {
+        "checkpoint.interval": interval,
+        "checkpoint.keep": cfg.checkpoint.keep,
+        "checkpoint.keep_every": cfg.checkpoint.keep_every,
+        "eval.interval": cfg.eval.interval,
+        "data.num_workers": cfg.data.num_workers,
+        "optim.warmup_steps": cfg.optim.warmup_steps,
+        "launch.max_restarts": cfg.launch.max_restarts,
+    }.items():
         if value < 0:
             fail(key, f"is {value}; it must be 0 or more")
 
@@ -147,11 +177,17 @@ def validate(cfg: Config, world_size: int, where: str = "config", overrides: lis
     # batch arithmetic
     t = resolve_batch(cfg, world_size).train
     if t.global_batch_size % world_size:
-        fail("train.global_batch_size", f"{t.global_batch_size} is not divisible by {world_size} processes; use a multiple of {world_size}")
+        fail(
+            "train.global_batch_size",
+            f"{t.global_batch_size} is not divisible by {world_size} processes; use a multiple of {world_size}",
+        )
     per_rank = t.global_batch_size // world_size
     if t.micro_batch_size is not None and per_rank % t.micro_batch_size:
-        fail("train.micro_batch_size", f"{t.micro_batch_size} does not divide the {per_rank} samples per rank "
-             f"(global_batch_size {t.global_batch_size} / {world_size} processes); use a divisor of {per_rank}")
+        fail(
+            "train.micro_batch_size",
+            f"{t.micro_batch_size} does not divide the {per_rank} samples per rank "
+            f"(global_batch_size {t.global_batch_size} / {world_size} processes); use a divisor of {per_rank}",
+        )
 
     if ranks_per_node and not _cuda_available():
         _check_memory(cfg, world_size, ranks_per_node, fail)
@@ -170,10 +206,16 @@ def validate(cfg: Config, world_size: int, where: str = "config", overrides: lis
     # files
     c = cfg.checkpoint
     if c.resume_from is not None and os.path.isfile(c.resume_from):
-        fail("checkpoint.resume_from", f"{c.resume_from} is a file; give the checkpoint folder that holds it, such as "
-             f"run_dir/checkpoints/step_00000100")
+        fail(
+            "checkpoint.resume_from",
+            f"{c.resume_from} is a file; give the checkpoint folder that holds it, such as "
+            f"run_dir/checkpoints/step_00000100",
+        )
     if c.resume_from is not None and not os.path.isdir(c.resume_from):
-        fail("checkpoint.resume_from", f"{c.resume_from} does not exist; give a checkpoint folder such as run_dir/checkpoints/step_00000100")
+        fail(
+            "checkpoint.resume_from",
+            f"{c.resume_from} does not exist; give a checkpoint folder such as run_dir/checkpoints/step_00000100",
+        )
     try:
         _check_writable(cfg.run_dir, source("run_dir"))
     except ConfigError as e:
@@ -217,11 +259,17 @@ def _check_memory(cfg: Config, world_size: int, ranks_per_node: int, fail) -> No
     key = "train.micro_batch_size" if cfg.train.micro_batch_size else "train.global_batch_size"
     one, two = (memory.estimate(cfg, world_size, n, profile=profile).total for n in (1, 2))  # linear in the micro-batch
     fits = (have // ranks_per_node - (2 * one - two)) // (two - one) if two > one else 0
-    todo = (f"set train.micro_batch_size to {fits} or less (the rest becomes gradient accumulation)" if fits >= 1
-            else "use a smaller model, fewer ranks per node or more nodes")
-    fail(key, f"one micro-batch of {micro} samples needs about {memory.gb(need.activations)} of activations per rank, "
-              f"{memory.gb(need.total * ranks_per_node)} in all for {ranks_per_node} rank(s), but this machine has "
-              f"{memory.gb(have)} of memory; {todo}")
+    todo = (
+        f"set train.micro_batch_size to {fits} or less (the rest becomes gradient accumulation)"
+        if fits >= 1
+        else "use a smaller model, fewer ranks per node or more nodes"
+    )
+    fail(
+        key,
+        f"one micro-batch of {micro} samples needs about {memory.gb(need.activations)} of activations per rank, "
+        f"{memory.gb(need.total * ranks_per_node)} in all for {ranks_per_node} rank(s), but this machine has "
+        f"{memory.gb(have)} of memory; {todo}",
+    )
 
 
 def _check_sidecar(key: str, path: str, dtype: str, vocab_size: int, fail) -> None:
@@ -236,10 +284,16 @@ def _check_sidecar(key: str, path: str, dtype: str, vocab_size: int, fail) -> No
         return
     what = f"{path} was tokenized with {info.get('tokenizer')} ({sidecar_path(path)})"
     if info.get("dtype") != dtype:
-        fail("data.token_dtype", f"is {dtype} but {what} as {info.get('dtype')}; set data.token_dtype={info.get('dtype')}")
+        fail(
+            "data.token_dtype",
+            f"is {dtype} but {what} as {info.get('dtype')}; set data.token_dtype={info.get('dtype')}",
+        )
     if info.get("vocab_size", 0) > vocab_size or info.get("max_id", -1) >= vocab_size:
-        fail("model.vocab_size", f"is {vocab_size} but {what}, vocabulary {info.get('vocab_size')}, largest id "
-             f"{info.get('max_id')}; set model.vocab_size={info.get('vocab_size')} or more")
+        fail(
+            "model.vocab_size",
+            f"is {vocab_size} but {what}, vocabulary {info.get('vocab_size')}, largest id "
+            f"{info.get('max_id')}; set model.vocab_size={info.get('vocab_size')} or more",
+        )
 
 
 def _floats(section, prefix: str = ""):
@@ -273,20 +327,25 @@ def _check_writable(run_dir: str, where: str) -> None:
     for name in RUN_DIR_FOLDERS:
         inside = os.path.join(path, name)
         if os.path.exists(inside) and not os.path.isdir(inside):
-            raise ConfigError(f"{where}: run_dir: {inside} is a file where the run keeps its {name} folder; "
-                              f"move it away or choose another run_dir")
+            raise ConfigError(
+                f"{where}: run_dir: {inside} is a file where the run keeps its {name} folder; "
+                f"move it away or choose another run_dir"
+            )
     for name in RUN_DIR_FILES:
         inside = os.path.join(path, name)
         if os.path.isdir(inside):
-            raise ConfigError(f"{where}: run_dir: {inside} is a folder where the run writes its {name} file; "
-                              f"move it away or choose another run_dir")
+            raise ConfigError(
+                f"{where}: run_dir: {inside} is a folder where the run writes its {name} file; "
+                f"move it away or choose another run_dir"
+            )
     probed = [existing] + [os.path.join(path, n) for n in RUN_DIR_FOLDERS if os.path.isdir(os.path.join(path, n))]
     for folder in probed:
         try:
             os.rmdir(tempfile.mkdtemp(prefix=".trainer-check-", dir=folder))
         except OSError as e:
-            raise ConfigError(f"{where}: run_dir: cannot write to {folder} ({e.strerror}); choose a writable "
-                              f"run_dir") from None
+            raise ConfigError(
+                f"{where}: run_dir: cannot write to {folder} ({e.strerror}); choose a writable run_dir"
+            ) from None
 
 
 def check_devices(nproc: int) -> None:
@@ -311,9 +370,11 @@ def check_gpus(local_world_size: int) -> None:
         return
     have = torch.cuda.device_count()
     if local_world_size > have:
-        raise ConfigError(f"{local_world_size} processes on this node but {have} GPU(s) visible; each process needs its "
-                          f"own GPU: start at most {have} per node (torchrun --nproc-per-node={have}), or hide the "
-                          f"GPUs (CUDA_VISIBLE_DEVICES=) to train on the CPU")
+        raise ConfigError(
+            f"{local_world_size} processes on this node but {have} GPU(s) visible; each process needs its "
+            f"own GPU: start at most {have} per node (torchrun --nproc-per-node={have}), or hide the "
+            f"GPUs (CUDA_VISIBLE_DEVICES=) to train on the CPU"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -321,8 +382,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="YAML config file")
     parser.add_argument("--nproc", type=int, help="processes per node; checked against this machine's devices")
     parser.add_argument("--nnodes", type=int, default=1, help="nodes (for the batch arithmetic)")
-    parser.add_argument("--gpu-mem-gb", default="", help="memory of one GPU in GB (1e9 bytes) to check the "
-                        "estimate against; empty: this machine's GPUs, none without GPUs")
+    parser.add_argument(
+        "--gpu-mem-gb",
+        default="",
+        help="memory of one GPU in GB (1e9 bytes) to check the "
+        "estimate against; empty: this machine's GPUs, none without GPUs",
+    )
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     args = parser.parse_intermixed_args(argv)  # overrides may come before --config too
     try:
@@ -340,8 +405,14 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"the number of nodes is {args.nnodes}; it must be at least 1")
         world = (args.nproc or 1) * args.nnodes
         # A GPU target (GPU_MEM_GB) is checked below; this machine's RAM only for CPU training here.
-        warnings += validate(cfg, world, where=where, overrides=args.overrides,
-                             ranks_per_node=None if planning else args.nproc or 1, planning=planning)
+        warnings += validate(
+            cfg,
+            world,
+            where=where,
+            overrides=args.overrides,
+            ranks_per_node=None if planning else args.nproc or 1,
+            planning=planning,
+        )
         cfg = resolve(cfg, where=where, world_size=world)
         fit = gpu_preflight(cfg, world, args.nproc or 1, args.nnodes, args.gpu_mem_gb, where=where)
         if fit is None:  # no GPU to check against: what one CPU process of this machine needs
@@ -362,8 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def check_gpu_memory(cfg: Config, world_size: int, device: torch.device, local_world_size: int,
-                     where: str = "config") -> None:
+def check_gpu_memory(
+    cfg: Config, world_size: int, device: torch.device, local_world_size: int, where: str = "config"
+) -> None:
     """Each rank, before anything is written: the estimate must fit its own GPU, `device` (ConfigError
     with what would make it fit). The ranks ask, not the launcher, because asking creates a CUDA
     context, and `make run`, compose and sbatch starts have no `make check` before them. The estimate
@@ -378,8 +450,15 @@ def check_gpu_memory(cfg: Config, world_size: int, device: torch.device, local_w
     have = torch.cuda.get_device_properties(device).total_memory
     what = f"GPU {device.index} ({torch.cuda.get_device_name(device)})"
     try:
-        memory.preflight(cfg, world_size, local_world_size, have, what, nodes=max(1, world_size // local_world_size),
-                         nodes_option="{} nodes")
+        memory.preflight(
+            cfg,
+            world_size,
+            local_world_size,
+            have,
+            what,
+            nodes=max(1, world_size // local_world_size),
+            nodes_option="{} nodes",
+        )
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
 
@@ -392,8 +471,10 @@ def cpu_memory_line(cfg: Config, world: int) -> str:
     need = memory.estimate(cfg, world, cfg.train.micro_batch_size or per_rank)
     have = memory.machine_bytes()
     of = f", of the {memory.gb(have)} of this machine" if have else ""
-    return (f"memory: about {memory.gb(need.total)} per process estimated on the CPU{of} (give GPU_MEM_GB= to check "
-            f"a GPU instead)\n{need.breakdown()}")
+    return (
+        f"memory: about {memory.gb(need.total)} per process estimated on the CPU{of} (give GPU_MEM_GB= to check "
+        f"a GPU instead)\n{need.breakdown()}"
+    )
 
 
 # An estimate within this fraction of the target's memory is refused by nothing but warned about:
@@ -418,8 +499,9 @@ def gpu_target(gpu_mem_gb: str) -> tuple[int, str] | None:
     return (have, "this machine's GPU") if have else None
 
 
-def gpu_preflight(cfg: Config, world: int, ranks_per_node: int, nnodes: int, gpu_mem_gb: str,
-                  where: str = "config") -> str | None:
+def gpu_preflight(
+    cfg: Config, world: int, ranks_per_node: int, nnodes: int, gpu_mem_gb: str, where: str = "config"
+) -> str | None:
     """Refuse (ConfigError) a config whose estimated peak does not fit one GPU of the target; else the
     line that says estimate and target, or None where there is no GPU to check against."""
     from trainer import memory
@@ -432,12 +514,16 @@ def gpu_preflight(cfg: Config, world: int, ranks_per_node: int, nnodes: int, gpu
         need = memory.preflight(cfg, world, ranks_per_node, have, what, nodes=nnodes, nodes_option="--nnodes {}")
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
-    line = (f"memory: about {memory.gb(need.total)} per GPU estimated, of the {memory.gb(have)} of {what} "
-            f"({need.total / have:.0%})\n{need.breakdown()}")
+    line = (
+        f"memory: about {memory.gb(need.total)} per GPU estimated, of the {memory.gb(have)} of {what} "
+        f"({need.total / have:.0%})\n{need.breakdown()}"
+    )
     if need.total > (1 - HEADROOM) * have:
-        line += (f"\nwarning: less than {HEADROOM:.0%} headroom ({memory.gb(have - need.total)} left of {memory.gb(have)}): "
-                 f"fragmentation or a longer sequence can run out of memory; consider a smaller train.micro_batch_size "
-                 f"or parallel.activation_checkpointing=true")
+        line += (
+            f"\nwarning: less than {HEADROOM:.0%} headroom ({memory.gb(have - need.total)} left of {memory.gb(have)}): "
+            f"fragmentation or a longer sequence can run out of memory; consider a smaller train.micro_batch_size "
+            f"or parallel.activation_checkpointing=true"
+        )
     return line
 
 

@@ -33,9 +33,10 @@ import sys
 import time
 import uuid
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.distributed as dist
@@ -109,8 +110,10 @@ def save_seconds(cfg: Config, nodes: int, run_dir: str) -> tuple[float, str]:
     params = param_count(cfg)
     gb = params * CHECKPOINT_BYTES_PER_PARAM[cfg.optim.name] / 1e9
     seconds = gb / (nodes * ASSUMED_SAVE_GB_PER_S_PER_NODE)
-    return seconds, (f"estimated: {params / 1e6:.1f}M parameters, {gb:.2f} GB of weights and optimizer state over "
-                     f"{nodes} node(s) at an assumed {ASSUMED_SAVE_GB_PER_S_PER_NODE:g} GB/s each")
+    return seconds, (
+        f"estimated: {params / 1e6:.1f}M parameters, {gb:.2f} GB of weights and optimizer state over "
+        f"{nodes} node(s) at an assumed {ASSUMED_SAVE_GB_PER_S_PER_NODE:g} GB/s each"
+    )
 
 
 class AutoInterval:
@@ -135,9 +138,11 @@ class AutoInterval:
         return abs(save_s - self.chosen_with) > self.RECHOOSE * self.chosen_with
 
     def line(self, step: int, step_s: float, next_save: int) -> str:
-        return (f"checkpoint.interval=auto: every {self.steps} steps (~{self.steps * step_s:.1f} s) from step {step}, "
-                f"next save at step {next_save}: sqrt(2 x {self.save_s:.3f} s per save ({self.how}) x "
-                f"{self.mtbf_s / 3600:.4g} h between interruptions) / {step_s:.3f} s per step")
+        return (
+            f"checkpoint.interval=auto: every {self.steps} steps (~{self.steps * step_s:.1f} s) from step {step}, "
+            f"next save at step {next_save}: sqrt(2 x {self.save_s:.3f} s per save ({self.how}) x "
+            f"{self.mtbf_s / 3600:.4g} h between interruptions) / {step_s:.3f} s per step"
+        )
 
 
 class CheckpointError(Exception):
@@ -192,8 +197,11 @@ def complete(run_dir: str) -> list[tuple[int, str]]:
     Nothing is unpickled for those with a manifest (trainer/checksums.py)."""
     found = []
     for step, path in layout.step_folders(run_dir):
-        why = ("a symbolic link, not a folder this run saved; give it as checkpoint.resume_from instead"
-               if os.path.islink(path) else problem(path))
+        why = (
+            "a symbolic link, not a folder this run saved; give it as checkpoint.resume_from instead"
+            if os.path.islink(path)
+            else problem(path)
+        )
         if why:
             log.warning("skipping checkpoint %s: %s", path, why)
         else:
@@ -215,11 +223,20 @@ def check_compatible(path: str, saved: dict[str, list[int]], current: dict[str, 
     """Name the first difference between the checkpoint's parameters and the model's."""
     for key in sorted(set(saved) | set(current)):
         if key not in current:
-            raise CheckpointError(f"checkpoint {path} has parameter '{key}' that the model lacks: it was saved for another model.* config; use the matching config or a new run_dir")
+            raise CheckpointError(
+                f"checkpoint {path} has parameter '{key}' that the model lacks: it was saved for another model.* "
+                "config; use the matching config or a new run_dir"
+            )
         if key not in saved:
-            raise CheckpointError(f"checkpoint {path} lacks parameter '{key}' of this model: it was saved for another model.* config; use the matching config or a new run_dir")
+            raise CheckpointError(
+                f"checkpoint {path} lacks parameter '{key}' of this model: it was saved for another model.* config; "
+                "use the matching config or a new run_dir"
+            )
         if saved[key] != current[key]:
-            raise CheckpointError(f"checkpoint {path}: parameter '{key}' has shape {saved[key]} but the model has {current[key]}; use the matching model.* config or a new run_dir")
+            raise CheckpointError(
+                f"checkpoint {path}: parameter '{key}' has shape {saved[key]} but the model has {current[key]}; use "
+                "the matching model.* config or a new run_dir"
+            )
 
 
 @contextlib.contextmanager
@@ -228,18 +245,24 @@ def _write_errors(step: int, tmp: str):
     and the path, instead of DCP's per-rank tracebacks. What was committed before stays intact."""
     try:
         yield
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps each rank's failure
+    except (Exception, CheckpointException) as e:
         causes = [c for c, _ in e.failures.values()] if isinstance(e, CheckpointException) else [e]
         oserror = next((c for c in causes if isinstance(c, OSError)), None)
         cause = oserror or causes[0]
-        what = f"{oserror.strerror} ({oserror.filename or tmp})" if oserror and oserror.strerror else f"{type(cause).__name__}: {cause}"
+        what = (
+            f"{oserror.strerror} ({oserror.filename or tmp})"
+            if oserror and oserror.strerror
+            else f"{type(cause).__name__}: {cause}"
+        )
         free = _free_bytes(tmp)
         if oserror is None and free is not None and free < 1 << 20:  # torch.save hides ENOSPC ("unexpected pos")
             what = f"No space left on device ({tmp}: {free} bytes free)"
         elif oserror is None:  # not the filesystem: a rank failed (a peer gone mid-save), which a restart fixes
             raise
-        raise CheckpointError(f"saving the checkpoint of step {step} failed: {what}; the checkpoints saved before are "
-                              f"intact; free space or fix the filesystem, then start again to resume") from None
+        raise CheckpointError(
+            f"saving the checkpoint of step {step} failed: {what}; the checkpoints saved before are "
+            f"intact; free space or fix the filesystem, then start again to resume"
+        ) from None
 
 
 def _free_bytes(path: str) -> int | None:
@@ -296,8 +319,14 @@ def _warn_if_others_can_write(path: str) -> None:
         if not mode & (stat.S_IWGRP | stat.S_IWOTH) or (folder != path and mode & stat.S_ISVTX):
             continue
         what = "checkpoint folder" if folder == path else f"folder holding checkpoint {os.path.basename(path)},"
-        log.warning("%s %s can be written by users other than its owner (mode %04o): they can change what this run "
-                    "loads; chmod go-w %s", what, folder, stat.S_IMODE(mode), folder)
+        log.warning(
+            "%s %s can be written by users other than its owner (mode %04o): they can change what this run "
+            "loads; chmod go-w %s",
+            what,
+            folder,
+            stat.S_IMODE(mode),
+            folder,
+        )
 
 
 def _fsync(path: str) -> None:
@@ -324,8 +353,9 @@ def _stager() -> dict:
     except ImportError:
         return {}
     cuda = torch.cuda.is_available()
-    options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True,
-                             use_non_blocking_copy=cuda)
+    options = StagingOptions(
+        use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=cuda
+    )
     return {"async_stager": DefaultStager(options)}
 
 
@@ -339,8 +369,17 @@ class Checkpointer:
     # dir to another run (trainer/lease.py), so it leaves the folders alone. None: always go on.
     still_owner: Callable[[], bool] | None = None
 
-    def __init__(self, args: CheckpointArgs, run_dir: str, rank: int, world_size: int, group: dist.ProcessGroup,
-                 model, optimizer, parts: dict | None = None):
+    def __init__(
+        self,
+        args: CheckpointArgs,
+        run_dir: str,
+        rank: int,
+        world_size: int,
+        group: dist.ProcessGroup,
+        model,
+        optimizer,
+        parts: dict | None = None,
+    ):
         """What a checkpoint holds: `model` and `optimizer`, sharded (DCP, each rank its shards); each
         rank's random states; and `parts`, named states small enough for meta.json (the scheduler, the
         loss scaler, ...): each an object with state_dict() and load_state_dict(), saved under its
@@ -358,9 +397,9 @@ class Checkpointer:
         if rank == 0:
             os.makedirs(folder(run_dir), exist_ok=True)
             for name in os.listdir(folder(run_dir)):
-                if name.startswith((".tmp_", ".trash_")):  # leftovers of a killed save or delete
-                    if remove(os.path.join(folder(run_dir), name)):
-                        log.info("removed unfinished %s", os.path.join(folder(run_dir), name))
+                # leftovers of a killed save or delete
+                if name.startswith((".tmp_", ".trash_")) and remove(os.path.join(folder(run_dir), name)):
+                    log.info("removed unfinished %s", os.path.join(folder(run_dir), name))
         dist.barrier(group=group)
 
     # -- when to save -------------------------------------------------------------------------------
@@ -435,19 +474,35 @@ class Checkpointer:
             # Checkpoints damaged after their commit (DCP's .metadata is there, a shard is not whole),
             # found out when listed or when read: with none readable left the run does not silently
             # start over in their place. A step folder without .metadata was never a checkpoint.
-            unreadable += tuple(path for step, path in layout.step_folders(self.run_dir) if (step, path) not in listed
-                                and os.path.isfile(os.path.join(path, ".metadata")))
+            unreadable += tuple(
+                path
+                for step, path in layout.step_folders(self.run_dir)
+                if (step, path) not in listed and os.path.isfile(os.path.join(path, ".metadata"))
+            )
             if found:  # the run's own checkpoints win: resume_from is only where a new run starts
                 choice = [found[-1][1]]
                 if self.args.resume_from:
-                    log.info("checkpoint.resume_from=%s is not used: this run dir has checkpoints of its own, "
-                             "and a restart continues from its newest (step %d)", self.args.resume_from, found[-1][0])
+                    log.info(
+                        "checkpoint.resume_from=%s is not used: this run dir has checkpoints of its own, "
+                        "and a restart continues from its newest (step %d)",
+                        self.args.resume_from,
+                        found[-1][0],
+                    )
             elif unreadable:
-                choice = [("error", f"no readable checkpoint is left in {self.run_dir} (unreadable: {', '.join(unreadable)}); "
-                                    f"move them away to start from scratch")]
+                choice = [
+                    (
+                        "error",
+                        f"no readable checkpoint is left in {self.run_dir} (unreadable: {', '.join(unreadable)}); "
+                        f"move them away to start from scratch",
+                    )
+                ]
             elif self.args.resume_from:
                 why = unusable(self.args.resume_from)
-                choice = [("error", f"checkpoint.resume_from={self.args.resume_from} is not a usable checkpoint: {why}")] if why else [self.args.resume_from]
+                choice = (
+                    [("error", f"checkpoint.resume_from={self.args.resume_from} is not a usable checkpoint: {why}")]
+                    if why
+                    else [self.args.resume_from]
+                )
         if self.rank == 0 and isinstance(choice[0], str):
             _warn_if_others_can_write(choice[0])
         dist.broadcast_object_list(choice, src=0, group=self.group)
@@ -470,9 +525,11 @@ class Checkpointer:
             check_compatible(path, meta["shapes"], shapes(model_state))
             saved_optimizer = meta.get("optimizer", type(optimizer).__name__)
             if saved_optimizer != type(optimizer).__name__:
-                raise CheckpointError(f"checkpoint {path} holds the state of optimizer {saved_optimizer}, but this run uses "
-                                      f"{type(optimizer).__name__} (optim.name): resume with the same optim.name, or start a "
-                                      f"new run_dir")
+                raise CheckpointError(
+                    f"checkpoint {path} holds the state of optimizer {saved_optimizer}, but this run uses "
+                    f"{type(optimizer).__name__} (optim.name): resume with the same optim.name, or start a "
+                    f"new run_dir"
+                )
             started = time.perf_counter()
             state = {"model": model_state, "optim": optim_state}
             rng_file = os.path.join(path, "rng", f"rank_{self.rank:05d}.pt")
@@ -516,12 +573,17 @@ class Checkpointer:
         try:
             with warnings.catch_warnings():  # no_dist warns that it assumes one process; it is each rank alone
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.load(state, storage_reader=self.reader(path, rank=self.rank, world_size=self.world_size), no_dist=True)
+                dcp.load(
+                    state, storage_reader=self.reader(path, rank=self.rank, world_size=self.world_size), no_dist=True
+                )
             if rng_file:
                 what = os.path.relpath(rng_file, path)
                 rng = torch.load(rng_file, weights_only=True)
-                if not (isinstance(rng, dict) and torch.is_tensor(rng.get("torch"))
-                        and rng["torch"].shape == torch.get_rng_state().shape):
+                if not (
+                    isinstance(rng, dict)
+                    and torch.is_tensor(rng.get("torch"))
+                    and rng["torch"].shape == torch.get_rng_state().shape
+                ):
                     raise ValueError("not the random states a save writes")
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - any failure stops every rank, with its cause
             cause = e.failures[min(e.failures)][0] if isinstance(e, CheckpointException) and e.failures else e
@@ -566,7 +628,9 @@ class Checkpointer:
         state = {"model": model_state, "optim": optim_state}
         self.last_saved = step
         if self.args.async_save and not blocking:
-            response = dcp.async_save(state, storage_writer=ChecksumWriter(tmp), process_group=self.group, **self.stager)
+            response = dcp.async_save(
+                state, storage_writer=ChecksumWriter(tmp), process_group=self.group, **self.stager
+            )
             future = getattr(response, "upload_completion", response)
             self.staging = getattr(response, "staging_completion", None)
             self.pending = (future, step, tmp, meta)

@@ -68,8 +68,10 @@ def verify(path: str, size: int, digest: int) -> None:
     """Raise ChecksumError if (size, digest), computed over the file at `path`, differ from its record."""
     want = record(path)
     if want is not None and (want["size"], want["xxh3_64"]) != (size, digest):
-        raise ChecksumError(f"{os.path.basename(path)} is damaged: {size} bytes with checksum {digest:016x}, but "
-                            f"{want['size']} bytes with {want['xxh3_64']:016x} were written")
+        raise ChecksumError(
+            f"{os.path.basename(path)} is damaged: {size} bytes with checksum {digest:016x}, but "
+            f"{want['size']} bytes with {want['xxh3_64']:016x} were written"
+        )
 
 
 def _digest(files: dict) -> int:
@@ -80,7 +82,7 @@ def write_manifest(folder: str) -> None:
     """Record the size and checksum of every file in `folder` (a checkpoint being committed) in
     its manifest.json, fsynced. Symbolic links are not followed, nor listed."""
     files = {}
-    for root, dirs, names in os.walk(folder):
+    for root, _, names in os.walk(folder):
         for name in names:
             path = os.path.join(root, name)
             relative = os.path.relpath(path, folder)
@@ -105,7 +107,8 @@ def manifest_problem(folder: str, deep: bool = False) -> str | None:
         files = manifest["files"]
         intact = manifest["xxh3_64"] == _digest(files) and all(
             isinstance(w, dict) and isinstance(w.get("size"), int) and isinstance(w.get("xxh3_64"), int)
-            for w in files.values())
+            for w in files.values()
+        )
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):

@@ -72,14 +72,17 @@ def resolve_batch(cfg: Config, world_size: int) -> Config:
     """train.global_batch_size made train.rank_batch_size x processes where that is set."""
     if cfg.train.rank_batch_size is None:
         return cfg
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch_size=cfg.train.rank_batch_size * world_size))
+    return dataclasses.replace(
+        cfg, train=dataclasses.replace(cfg.train, global_batch_size=cfg.train.rank_batch_size * world_size)
+    )
 
 
 def resolve(cfg: Config, where: str = "config", world_size: int = 1) -> Config:
     """The config as the run records it: the global batch of `world_size` processes, and the
     transformer's shape spelled out, from model.init_from's config.json (keys the config sets
     must agree with it) or else from model.size."""
-    from trainer.models import find as find_family, resolve as resolve_model  # the families, torch with them
+    from trainer.models import find as find_family  # the families, torch with them
+    from trainer.models import resolve as resolve_model
 
     cfg = resolve_batch(cfg, world_size)
     model = cfg.model
@@ -168,13 +171,23 @@ def load_run(path: str | None, overrides: list[str] = ()) -> tuple[Config, str, 
     lines = []
     changed = [f"{k} {run[k]!r} -> {now[k]!r}" for k in now if k != "run_dir" and now[k] != run.get(k)]
     if changed:
-        lines.append(f"{cfg.run_dir}: continuing the run saved in {saved}, changed on the command line: {', '.join(changed)}")
-    ignored = [f"{k} ({from_file[k]!r}; the run has {now[k]!r})" for k in _leaves(file_raw)
-               if k in now and k not in given and k != "run_dir" and _leaves(file_raw)[k] is not None
-               and from_file[k] != now[k]]
+        lines.append(
+            f"{cfg.run_dir}: continuing the run saved in {saved}, changed on the command line: {', '.join(changed)}"
+        )
+    ignored = [
+        f"{k} ({from_file[k]!r}; the run has {now[k]!r})"
+        for k in _leaves(file_raw)
+        if k in now
+        and k not in given
+        and k != "run_dir"
+        and _leaves(file_raw)[k] is not None
+        and from_file[k] != now[k]
+    ]
     if ignored:
-        lines.append(f"{path} differs from the run saved in {saved} in {', '.join(ignored)}: the run's values are "
-                     f"used; to change one, give key=value on the command line")
+        lines.append(
+            f"{path} differs from the run saved in {saved} in {', '.join(ignored)}: the run's values are "
+            f"used; to change one, give key=value on the command line"
+        )
     return result, saved, lines
 
 
@@ -182,7 +195,9 @@ def _merge(base: dict, top: dict) -> dict:
     """`base` with `top`'s values put over it, section by section."""
     merged = dict(base)
     for key, value in top.items():
-        merged[key] = _merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+        merged[key] = (
+            _merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+        )
     return merged
 
 
@@ -237,16 +252,22 @@ class _StrictLoader(yaml.SafeLoader):
         finally:
             self._depth -= 1
         if node not in self._sizes:  # a new node, its children counted (an alias returns a counted one)
-            children = [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else (
-                node.value if isinstance(node, yaml.SequenceNode) else [])
+            children = (
+                [n for pair in node.value for n in pair]
+                if isinstance(node, yaml.MappingNode)
+                else (node.value if isinstance(node, yaml.SequenceNode) else [])
+            )
             sizes = [self._sizes[child] for child in children]
             self._sizes[node] = count, levels = 1 + sum(n for n, _ in sizes), 1 + max((d for _, d in sizes), default=0)
             if levels > MAX_DEPTH:  # aliases nested in aliases
                 raise _Refused(node.start_mark.line + 1, _TOO_DEEP)
             if count > MAX_VALUES:
-                raise _Refused(node.start_mark.line + 1, f"more than {MAX_VALUES} values once aliases are expanded; a "
-                                                         f"config holds a few hundred: write the values out instead of "
-                                                         f"nesting aliases")
+                raise _Refused(
+                    node.start_mark.line + 1,
+                    f"more than {MAX_VALUES} values once aliases are expanded; a "
+                    f"config holds a few hundred: write the values out instead of "
+                    f"nesting aliases",
+                )
         return node
 
     def construct_mapping(self, node, deep=False):
@@ -292,14 +313,18 @@ def _read_yaml(path: str) -> dict:
             text = f.read()
     except UnicodeDecodeError as e:
         line = e.object[: e.start].count(b"\n") + 1
-        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
-                          f"save the file as UTF-8") from None
+        raise ConfigError(
+            f"{path}:{line}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+            f"save the file as UTF-8"
+        ) from None
     except OSError as e:
         raise ConfigError(f"{path}: cannot read the config file ({e.strerror}); check its permissions") from None
     raw = _parse(text, path, lines=True)
     if raw is None:
-        raise ConfigError(f"{path}: the file is empty (no settings, only blanks or comments); write settings "
-                          f"into it (configs/default.yaml is an example)")
+        raise ConfigError(
+            f"{path}: the file is empty (no settings, only blanks or comments); write settings "
+            f"into it (configs/default.yaml is an example)"
+        )
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level")
     return raw
@@ -353,8 +378,10 @@ def _coerce(tp, value, key: str, where: str, sources: dict, default_source: str)
                 return _coerce(arm, value, key, where, sources, default_source)
             except ConfigError:
                 pass
-        names = [" or ".join(repr(c) for c in typing.get_args(a)) if typing.get_origin(a) is Literal else a.__name__
-                 for a in args]
+        names = [
+            " or ".join(repr(c) for c in typing.get_args(a)) if typing.get_origin(a) is Literal else a.__name__
+            for a in args
+        ]
         raise ConfigError(f"{where}: '{key}' is {value!r}; expected {' or '.join(names)}")
     if origin is tuple:
         args = typing.get_args(tp)

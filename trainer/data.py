@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Literal
+from typing import Literal
 
 import numpy as np
 import torch
@@ -74,8 +75,12 @@ def special_file(path: str) -> str | None:
         mode = os.stat(path).st_mode
     except OSError:
         return None
-    for test, what in ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+    for test, what in (
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
         if test(mode):
             return what
     return None
@@ -94,11 +99,15 @@ def token_file_problem(path: str, dtype: str, seq_len: int) -> str | None:
     if size == 0:
         return f"token file {path} is empty; point it at a file of at least model.seq_len+1 = {seq_len + 1} tokens"
     if size % itemsize:
-        return (f"token file {path} has {size} bytes, not a whole number of {itemsize}-byte {dtype} tokens; check "
-                f"data.token_dtype, or whether the file was cut short")
+        return (
+            f"token file {path} has {size} bytes, not a whole number of {itemsize}-byte {dtype} tokens; check "
+            f"data.token_dtype, or whether the file was cut short"
+        )
     if size // itemsize < seq_len + 1:
-        return (f"token file {path} holds {size // itemsize} tokens, fewer than model.seq_len+1 = {seq_len + 1}; "
-                f"lower model.seq_len or give a longer file")
+        return (
+            f"token file {path} holds {size // itemsize} tokens, fewer than model.seq_len+1 = {seq_len + 1}; "
+            f"lower model.seq_len or give a longer file"
+        )
     return None
 
 
@@ -137,9 +146,11 @@ class TokenFile(Dataset):
             chunk = self.tokens[start : start + self.CHUNK]
             if chunk.max() >= vocab_size:
                 i = int(np.argmax(chunk >= vocab_size))
-                raise DataError(f"token file {path}: token {start + i} (byte offset {(start + i) * chunk.itemsize}) is "
-                                f"id {int(chunk[i])}, not below model.vocab_size={vocab_size}; raise model.vocab_size "
-                                f"above the file's largest id, or check data.token_dtype")
+                raise DataError(
+                    f"token file {path}: token {start + i} (byte offset {(start + i) * chunk.itemsize}) is "
+                    f"id {int(chunk[i])}, not below model.vocab_size={vocab_size}; raise model.vocab_size "
+                    f"above the file's largest id, or check data.token_dtype"
+                )
 
     def __len__(self) -> int:
         return self.windows
@@ -169,8 +180,12 @@ class SyntheticImages(Dataset):
 
 
 # The four files torchvision's MNIST reads from <root>/MNIST/raw (uncompressed), with their idx magic.
-MNIST_FILES = {"train-images-idx3-ubyte": 2051, "train-labels-idx1-ubyte": 2049,
-               "t10k-images-idx3-ubyte": 2051, "t10k-labels-idx1-ubyte": 2049}
+MNIST_FILES = {
+    "train-images-idx3-ubyte": 2051,
+    "train-labels-idx1-ubyte": 2049,
+    "t10k-images-idx3-ubyte": 2051,
+    "t10k-labels-idx1-ubyte": 2049,
+}
 
 
 def mnist(root: str, train: bool, download: bool) -> Dataset:
@@ -193,11 +208,15 @@ def mnist(root: str, train: bool, download: bool) -> Dataset:
         why = " ".join(str(e).split())  # torchvision's message spans lines
         files = ", ".join(MNIST_FILES)
         if download:
-            raise DataError(f"could not download MNIST into {root} ({why}); without internet, copy the MNIST files to "
-                            f"{raw} ({files}, uncompressed; or try generated digits: python -m trainer.data "
-                            f"fake-mnist {root})") from None
-        raise DataError(f"MNIST not found under {raw} ({why}); set data.download=true or copy the files there "
-                        f"({files}, uncompressed)") from None
+            raise DataError(
+                f"could not download MNIST into {root} ({why}); without internet, copy the MNIST files to "
+                f"{raw} ({files}, uncompressed; or try generated digits: python -m trainer.data "
+                f"fake-mnist {root})"
+            ) from None
+        raise DataError(
+            f"MNIST not found under {raw} ({why}); set data.download=true or copy the files there "
+            f"({files}, uncompressed)"
+        ) from None
 
 
 def write_fake_mnist(root: str, samples: int, seed: int = 0) -> str:
@@ -235,11 +254,15 @@ def image_folder(root: str, size: int, num_classes: int) -> Dataset:
     try:
         dataset = datasets.ImageFolder(root, transform=transform)
     except FileNotFoundError as e:  # no class folders, or no image in any of them
-        raise DataError(f"image folder {root}: {str(e).splitlines()[0].rstrip('.')}; put the images in one subfolder "
-                        f"per class ({root}/<class>/<image>.jpg)") from None
+        raise DataError(
+            f"image folder {root}: {str(e).splitlines()[0].rstrip('.')}; put the images in one subfolder "
+            f"per class ({root}/<class>/<image>.jpg)"
+        ) from None
     if len(dataset.classes) > num_classes:
-        raise DataError(f"image folder {root} has {len(dataset.classes)} class folders but model.num_classes is "
-                        f"{num_classes}; set model.num_classes={len(dataset.classes)}")
+        raise DataError(
+            f"image folder {root} has {len(dataset.classes)} class folders but model.num_classes is "
+            f"{num_classes}; set model.num_classes={len(dataset.classes)}"
+        )
     return dataset
 
 
@@ -316,8 +339,16 @@ class RankSlice(Sampler[int]):
             step_start += self.global_batch
 
 
-def loader(dataset: Dataset, args: DataArgs, seed: int, start: int, global_batch: int, micro_batch: int,
-           rank: int, world_size: int) -> Iterator:
+def loader(
+    dataset: Dataset,
+    args: DataArgs,
+    seed: int,
+    start: int,
+    global_batch: int,
+    micro_batch: int,
+    rank: int,
+    world_size: int,
+) -> Iterator:
     """An endless iterator of this rank's micro-batches (input, target, global indices)."""
     sampler = RankSlice(start, global_batch, rank, world_size)
     return iter(
@@ -350,8 +381,10 @@ def main(argv: list[str] | None = None) -> int:
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {args.samples} generated images per split to {raw} ({', '.join(MNIST_FILES)}); "
-          f"train with data.path={args.root} data.download=false")
+    print(
+        f"wrote {args.samples} generated images per split to {raw} ({', '.join(MNIST_FILES)}); "
+        f"train with data.path={args.root} data.download=false"
+    )
     return 0
 
 

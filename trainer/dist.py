@@ -75,8 +75,14 @@ def init(timeout_s: float) -> Env:
         from torch.distributed.rendezvous import rendezvous
 
         store, _, _ = next(rendezvous("env://", env.rank, env.world_size, timeout=timeout))
-        dist.init_process_group(backend, store=dist.PrefixStore(f"trainer/attempt_{restart}/", store), rank=env.rank,
-                                world_size=env.world_size, timeout=timeout, device_id=_device_id(env))
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"trainer/attempt_{restart}/", store),
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timeout,
+            device_id=_device_id(env),
+        )
         return env
     dist.init_process_group(backend, timeout=timeout, device_id=_device_id(env))
     return env
@@ -122,8 +128,13 @@ def check_nodes(run_dir: str, group: dist.ProcessGroup) -> None:
         sees = False
     import trainer
 
-    me = {"host": node_name(), "sees": sees, "python": sys.version.split()[0], "torch": torch.__version__,
-          "trainer": os.path.dirname(os.path.realpath(trainer.__file__))}
+    me = {
+        "host": node_name(),
+        "sees": sees,
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "trainer": os.path.dirname(os.path.realpath(trainer.__file__)),
+    }
     everyone: list[dict] = [{}] * dist.get_world_size()
     dist.all_gather_object(everyone, me, group=group)
     dist.barrier(group=group)
@@ -131,15 +142,19 @@ def check_nodes(run_dir: str, group: dist.ProcessGroup) -> None:
         os.remove(probe)
     blind = _name_nodes(everyone, lambda e: not e["sees"])
     if blind:
-        raise NodeError(f"run_dir {os.path.abspath(run_dir)} is not shared: {blind} cannot see the file rank 0 wrote "
-                        f"there on {everyone[0]['host']}; put run_dir on a filesystem every node mounts (home, project "
-                        f"or scratch space), not a node-local disk")
+        raise NodeError(
+            f"run_dir {os.path.abspath(run_dir)} is not shared: {blind} cannot see the file rank 0 wrote "
+            f"there on {everyone[0]['host']}; put run_dir on a filesystem every node mounts (home, project "
+            f"or scratch space), not a node-local disk"
+        )
     for key, what in (("python", "Python"), ("torch", "torch"), ("trainer", "the trainer from")):
         odd = _name_nodes(everyone, lambda e: e[key] != everyone[0][key])
         if odd:
             theirs = next(e[key] for e in everyone if e[key] != everyone[0][key])
-            raise NodeError(f"{odd} run {what} {theirs} but rank 0 on {everyone[0]['host']} runs {everyone[0][key]}; "
-                            f"every node must run the same environment (a shared venv, or one container image)")
+            raise NodeError(
+                f"{odd} run {what} {theirs} but rank 0 on {everyone[0]['host']} runs {everyone[0][key]}; "
+                f"every node must run the same environment (a shared venv, or one container image)"
+            )
 
 
 def _name_nodes(everyone: list[dict], bad) -> str:

@@ -25,9 +25,8 @@ import os
 import sys
 import time
 
-import torch
-
-from trainer import checkpoint, data, dist as distributed, models, parallel
+from trainer import checkpoint, data, models, parallel
+from trainer import dist as distributed
 from trainer.config import ConfigError, from_dict, to_dict
 from trainer.export import _config, consolidate
 from trainer.metrics import finite_or_null
@@ -40,15 +39,21 @@ def config(run_dir: str, path: str, overrides: list[str]):
     """The config the checkpoint at `path` was saved with, then the overrides (ConfigError if bad)."""
     for item in overrides:
         if item.partition("=")[0].split(".")[0] not in SECTIONS:
-            raise ConfigError(f"override {item!r}: trainer.evaluate changes {', '.join(s + '.*' for s in SECTIONS)} "
-                              f"keys only; the model and the rest are the checkpoint's")
+            raise ConfigError(
+                f"override {item!r}: trainer.evaluate changes {', '.join(s + '.*' for s in SECTIONS)} "
+                f"keys only; the model and the rest are the checkpoint's"
+            )
     cfg = from_dict(to_dict(_config(run_dir, path)), where=f"{path}/meta.json", overrides=overrides)
     if cfg.eval.batches < 1:
         raise ConfigError(f"eval.batches is {cfg.eval.batches}; give 1 or more micro-batches per rank")
     # How the weights are spread does not change the numbers; a hybrid mesh of the training's
     # shape may not fit this number of processes. Mixed precision (the numbers) stays.
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(
-        cfg.parallel, sharding="full", shard_size=None, activation_checkpointing=False, cpu_offload=False))
+    return dataclasses.replace(
+        cfg,
+        parallel=dataclasses.replace(
+            cfg.parallel, sharding="full", shard_size=None, activation_checkpointing=False, cpu_offload=False
+        ),
+    )
 
 
 def append_row(run_dir: str, row: dict) -> None:
@@ -73,8 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config(args.run_dir, path, args.overrides)
         eval_set = data.build(cfg.data, cfg.model, cfg.train.seed, train=False)
         if cfg.train.global_batch_size % env.world_size:
-            raise ConfigError(f"train.global_batch_size={cfg.train.global_batch_size} does not divide over "
-                              f"{env.world_size} processes; evaluate on a number of processes that divides it")
+            raise ConfigError(
+                f"train.global_batch_size={cfg.train.global_batch_size} does not divide over "
+                f"{env.world_size} processes; evaluate on a number of processes that divides it"
+            )
     except (ConfigError, checkpoint.CheckpointError, data.DataError) as e:
         if env.is_main:
             print(f"error: {e}", file=sys.stderr)
@@ -91,8 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         distributed.shutdown()
     if env.is_main:
-        row = {"step": checkpoint.read_meta(path)["step"], **result, "eval_batches": cfg.eval.batches,
-               "time": time.time(), "source": "trainer.evaluate"}
+        row = {
+            "step": checkpoint.read_meta(path)["step"],
+            **result,
+            "eval_batches": cfg.eval.batches,
+            "time": time.time(),
+            "source": "trainer.evaluate",
+        }
         append_row(args.run_dir, row)
         print(json.dumps(finite_or_null(row), allow_nan=False), flush=True)
     return 0

@@ -56,9 +56,11 @@ def consolidate(run_dir: str, step: int | None = None) -> tuple[dict[str, torch.
             dcp.load({"model": state}, storage_reader=ShardReader(path))
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - any unreadable file: one line
             cause = e.failures[min(e.failures)][0] if isinstance(e, CheckpointException) and e.failures else e
-            raise checkpoint.CheckpointError(f"checkpoint {path} is unreadable ({type(cause).__name__}: "
-                                             f"{str(cause).splitlines()[0] if str(cause) else ''}); export an older "
-                                             f"one with --step") from None
+            raise checkpoint.CheckpointError(
+                f"checkpoint {path} is unreadable ({type(cause).__name__}: "
+                f"{str(cause).splitlines()[0] if str(cause) else ''}); export an older "
+                f"one with --step"
+            ) from None
     return state, path
 
 
@@ -98,8 +100,11 @@ def copy_tokenizer(cfg, out: str) -> list[str]:
     if not source:
         return []
     if not os.path.isfile(source):
-        print(f"note: {source}, the tokenizer {cfg.data.path} was made with, is gone; {out} has no tokenizer.json: "
-              f"copy it there yourself", file=sys.stderr)
+        print(
+            f"note: {source}, the tokenizer {cfg.data.path} was made with, is gone; {out} has no tokenizer.json: "
+            f"copy it there yourself",
+            file=sys.stderr,
+        )
         return []
     folder = os.path.dirname(source)
     copied = []
@@ -135,8 +140,9 @@ def check_out(out: str, fmt: str = "file") -> None:
     elif os.path.isdir(out):
         raise ConfigError(f"--out {out}: is a folder; give a file name such as {os.path.join(out, 'model.pt')}")
     elif suffix not in SUFFIXES:
-        raise ConfigError(f"--out {out}: unknown suffix {suffix or '(none)'}; name the file .pt or .pth (torch.save) "
-                          f"or .safetensors")
+        raise ConfigError(
+            f"--out {out}: unknown suffix {suffix or '(none)'}; name the file .pt or .pth (torch.save) or .safetensors"
+        )
     if not os.path.isdir(parent):
         raise ConfigError(f"--out {out}: the folder {parent} does not exist; create it first, or write elsewhere")
     try:  # tried, not judged from permission bits
@@ -154,12 +160,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.export", description=__doc__.split("\n")[0])
     parser.add_argument("run_dir")
     parser.add_argument("--step", type=int, help="checkpoint step; default: the newest complete one")
-    parser.add_argument("--out", required=True, help="output file: .pt (torch.save) or .safetensors; with --format hf a folder")
-    parser.add_argument("--format", choices=("file", "hf"), default="file",
-                        help="file: one file, its type from --out's name; hf: a Hugging Face model folder")
+    parser.add_argument(
+        "--out", required=True, help="output file: .pt (torch.save) or .safetensors; with --format hf a folder"
+    )
+    parser.add_argument(
+        "--format",
+        choices=("file", "hf"),
+        default="file",
+        help="file: one file, its type from --out's name; hf: a Hugging Face model folder",
+    )
     parser.add_argument("--max-shard-size", default="5GB", help="hf: largest safetensors file (e.g. 5GB, 500MB)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
-                        help="hf: element type of the written weights")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="hf: element type of the written weights",
+    )
     args = parser.parse_args(argv)
     try:
         check_out(args.out, args.format)
@@ -168,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
             cfg = _config(args.run_dir, path)
             hf_save = models.spec(cfg.model).hf_save
             if hf_save is None:
-                raise ConfigError(f"{path} holds a {cfg.model.name}; --format hf exports the transformer (a Llama) only")
+                raise ConfigError(
+                    f"{path} holds a {cfg.model.name}; --format hf exports the transformer (a Llama) only"
+                )
             try:
                 max_bytes = hf.parse_size(args.max_shard_size)
             except ValueError as e:

@@ -29,15 +29,21 @@ from trainer.export import _config, consolidate, tokenizer_of
 
 
 @torch.no_grad()
-def sample(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
-           top_k: int | None = None, generator: torch.Generator | None = None) -> list[int]:
+def sample(
+    model: torch.nn.Module,
+    prompt: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+) -> list[int]:
     """The `max_new_tokens` token ids that follow `prompt`: the most likely one each time when
     temperature is 0, else drawn from softmax(logits / temperature) over the top_k most likely (all
     when None), with `generator` (a CPU one: the same seed draws the same tokens on any device)."""
     device = next(model.parameters()).device
     tokens = torch.tensor(prompt, dtype=torch.long, device=device)
     for _ in range(max_new_tokens):
-        logits = model(tokens[-model.seq_len:][None])[0, -1].float()
+        logits = model(tokens[-model.seq_len :][None])[0, -1].float()
         if temperature == 0:
             token = logits.argmax()
         else:
@@ -47,7 +53,7 @@ def sample(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, tempe
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             token = torch.multinomial(torch.softmax(logits, -1).cpu(), 1, generator=generator)[0].to(device)
         tokens = torch.cat([tokens, token.view(1)])
-    return tokens[len(prompt):].tolist()
+    return tokens[len(prompt) :].tolist()
 
 
 def load(run_dir: str, step: int | None, device: torch.device):
@@ -75,11 +81,15 @@ def find_tokenizer(cfg, explicit: str | None) -> str | None:
     if cfg.data.name == "tokens":
         source = tokenizer_of(cfg)
         if not source:
-            raise ConfigError(f"{cfg.data.path} has no sidecar naming its tokenizer (it was not made by trainer.prepare); "
-                              f"give --tokenizer, or --ids to work in token ids")
+            raise ConfigError(
+                f"{cfg.data.path} has no sidecar naming its tokenizer (it was not made by trainer.prepare); "
+                f"give --tokenizer, or --ids to work in token ids"
+            )
         if not os.path.isfile(source):
-            raise ConfigError(f"{source}, the tokenizer {cfg.data.path} was made with, is gone; give --tokenizer, or "
-                              f"--ids to work in token ids")
+            raise ConfigError(
+                f"{source}, the tokenizer {cfg.data.path} was made with, is gone; give --tokenizer, or "
+                f"--ids to work in token ids"
+            )
         return source
     if cfg.model.init_from and os.path.isfile(os.path.join(cfg.model.init_from, "tokenizer.json")):
         return os.path.join(cfg.model.init_from, "tokenizer.json")
@@ -91,8 +101,9 @@ def parse_ids(text: str, vocab_size: int) -> list[int]:
     try:
         ids = [int(word) for word in text.split()]
     except ValueError:
-        raise ConfigError(f"--prompt {text!r}: this run's prompt is token ids; give them separated by spaces, "
-                          f"e.g. --prompt '3 17 42'") from None
+        raise ConfigError(
+            f"--prompt {text!r}: this run's prompt is token ids; give them separated by spaces, e.g. --prompt '3 17 42'"
+        ) from None
     bad = [i for i in ids if not 0 <= i < vocab_size]
     if bad:
         raise ConfigError(f"--prompt: token id {bad[0]} is not in the vocabulary 0..{vocab_size - 1}")
@@ -103,13 +114,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.generate", description=__doc__.split("\n")[0])
     parser.add_argument("run_dir")
     parser.add_argument("--step", type=int, help="checkpoint step; default: the newest complete one")
-    parser.add_argument("--prompt", required=True, help="text; token ids separated by spaces for --ids or generated data")
+    parser.add_argument(
+        "--prompt", required=True, help="text; token ids separated by spaces for --ids or generated data"
+    )
     parser.add_argument("--max-new-tokens", type=int, required=True, help="tokens to generate")
-    parser.add_argument("--temperature", type=float, default=1.0, help="divides the logits; 0: the most likely token (greedy)")
+    parser.add_argument(
+        "--temperature", type=float, default=1.0, help="divides the logits; 0: the most likely token (greedy)"
+    )
     parser.add_argument("--greedy", action="store_true", help="the most likely token each time (as --temperature 0)")
     parser.add_argument("--top-k", type=int, help="draw from the k most likely tokens only; default: from all")
     parser.add_argument("--seed", type=int, default=0, help="seed of the draws")
-    parser.add_argument("--tokenizer", help="a tokenizer.json or a folder with one; default: the one the run's data was made with")
+    parser.add_argument(
+        "--tokenizer", help="a tokenizer.json or a folder with one; default: the one the run's data was made with"
+    )
     parser.add_argument("--ids", action="store_true", help="the prompt and the output are token ids, not text")
     args = parser.parse_args(argv)
     try:
@@ -131,8 +148,10 @@ def main(argv: list[str] | None = None) -> int:
         if tokenizer:
             prompt = tokenizer.encode(args.prompt, add_special_tokens=False).ids
             if prompt and max(prompt) >= vocab_size:
-                raise ConfigError(f"--prompt: the tokenizer gives id {max(prompt)}, not below model.vocab_size={vocab_size}; "
-                                  f"give the tokenizer the run's data was made with (--tokenizer)")
+                raise ConfigError(
+                    f"--prompt: the tokenizer gives id {max(prompt)}, not below model.vocab_size={vocab_size}; "
+                    f"give the tokenizer the run's data was made with (--tokenizer)"
+                )
         else:
             prompt = parse_ids(args.prompt, vocab_size)
         if not prompt:

@@ -56,17 +56,24 @@ def launcher_env(run_dir: str, stamp: str, gpus: bool) -> dict[str, str]:
     env = {HANG_DIR_ENV: folder}
     if gpus:
         prefix = os.path.join(folder, "nccl_trace_rank_")  # torch appends the rank
-        env.update({"TORCH_NCCL_TRACE_BUFFER_SIZE": str(NCCL_TRACE_ENTRIES), "TORCH_FR_BUFFER_SIZE": str(NCCL_TRACE_ENTRIES),
-                    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-                    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix, "TORCH_FR_DUMP_TEMP_FILE": prefix})
+        env.update(
+            {
+                "TORCH_NCCL_TRACE_BUFFER_SIZE": str(NCCL_TRACE_ENTRIES),
+                "TORCH_FR_BUFFER_SIZE": str(NCCL_TRACE_ENTRIES),
+                "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
+                "TORCH_FR_DUMP_TEMP_FILE": prefix,
+            }
+        )
     return env
 
 
 def hang_dir(run_dir: str, store) -> str:
     """The folder of this hang, the same for every rank: the first rank to ask sets it in the store
     (the launcher's folder, else one named by the time now); made if missing."""
-    proposal = os.environ.get(HANG_DIR_ENV) or os.path.join(os.path.abspath(run_dir), "hangs",
-                                                            time.strftime("%Y%m%d-%H%M%S"))
+    proposal = os.environ.get(HANG_DIR_ENV) or os.path.join(
+        os.path.abspath(run_dir), "hangs", time.strftime("%Y%m%d-%H%M%S")
+    )
     try:
         folder = store.compare_set(_STORE_KEY, "", proposal).decode()
     except Exception:  # noqa: BLE001 - the store may be gone with the launcher: this rank's own folder
@@ -80,7 +87,9 @@ def stacks() -> str:
     names = {t.ident: t.name for t in threading.enumerate()}
     parts = []
     for ident, frame in sys._current_frames().items():
-        parts.append(f"Thread {names.get(ident, ident)} (most recent call last):\n" + "".join(traceback.format_stack(frame)))
+        parts.append(
+            f"Thread {names.get(ident, ident)} (most recent call last):\n" + "".join(traceback.format_stack(frame))
+        )
     return "\n".join(parts)
 
 
@@ -94,16 +103,21 @@ def write_rank_file(folder: str, rank: int, header: dict, body: str) -> str:
     return path
 
 
-def dump(run_dir: str, store, rank: int, step: int, why: str, extra: dict | None = None,
-         error: BaseException | None = None) -> str | None:
+def dump(
+    run_dir: str, store, rank: int, step: int, why: str, extra: dict | None = None, error: BaseException | None = None
+) -> str | None:
     """This rank's stacks into the hang folder, after the call that raised `error` (a collective that
     timed out); never raises (it runs while the job is failing)."""
     try:
         header = {"rank": rank, "node": node(), "pid": os.getpid(), "step": step, "why": why, **(extra or {})}
-        call = ("".join(["Call that timed out (most recent call last):\n", *traceback.format_tb(error.__traceback__)])
-                + "\n" if error is not None else "")
+        call = (
+            "".join(["Call that timed out (most recent call last):\n", *traceback.format_tb(error.__traceback__)])
+            + "\n"
+            if error is not None
+            else ""
+        )
         return write_rank_file(hang_dir(run_dir, store), rank, header, call + stacks())
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - the forensics must never mask the hang itself
         print(f"rank {rank}: could not write its stack into {run_dir}/hangs: {e}", file=sys.stderr, flush=True)
         return None
 
@@ -146,13 +160,19 @@ class Watchdog:
             if self._deadline is None or time.monotonic() < self._deadline:
                 continue
             waited = time.monotonic() - self._since
-            why = (f"no step completed within {self.timeout_s:g} s (parallel.timeout_s): in step {self.step} "
-                   f"for {waited:.1f} s")
+            why = (
+                f"no step completed within {self.timeout_s:g} s (parallel.timeout_s): in step {self.step} "
+                f"for {waited:.1f} s"
+            )
             path = dump(self.run_dir, self.store, self.rank, self.step, why)
             if self._stopped.wait(self.timeout_s + 30):
                 return
-            print(f"error: rank {self.rank} on {node()}: {why}; its stack is in {path}; the run stops so that it can "
-                  f"be restarted", file=sys.stderr, flush=True)
+            print(
+                f"error: rank {self.rank} on {node()}: {why}; its stack is in {path}; the run stops so that it can "
+                f"be restarted",
+                file=sys.stderr,
+                flush=True,
+            )
             os._exit(1)
 
 
@@ -196,8 +216,11 @@ class Monitor:
             entries = [e for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False)]
         except OSError:
             return None
-        found = [e.path for e in entries if e.stat(follow_symlinks=False).st_mtime >= self.started - 1
-                 and any(True for _ in os.scandir(e.path))]
+        found = [
+            e.path
+            for e in entries
+            if e.stat(follow_symlinks=False).st_mtime >= self.started - 1 and any(True for _ in os.scandir(e.path))
+        ]
         return max(found, key=os.path.getmtime, default=None)
 
     def _run(self) -> None:
@@ -210,8 +233,9 @@ class Monitor:
         workers = local_workers()
         deadline = time.monotonic() + OWN_DUMP_WAIT_S
         while time.monotonic() < deadline and not all(
-                os.path.exists(os.path.join(self.folder, f"rank_{r}.txt")) or process_state(p).startswith("T")
-                for r, p in workers.items()):
+            os.path.exists(os.path.join(self.folder, f"rank_{r}.txt")) or process_state(p).startswith("T")
+            for r, p in workers.items()
+        ):
             time.sleep(0.2)
         for rank, pid in sorted(workers.items()):
             if not os.path.exists(os.path.join(self.folder, f"rank_{rank}.txt")):
@@ -278,7 +302,9 @@ def take_stack(folder: str, rank: int, pid: int) -> None:
         command = [program, "dump", "--pid", str(pid)] + (["--nonblocking"] if state.startswith("T") else [])
         try:
             out = subprocess.run(command, capture_output=True, text=True, timeout=30)
-            body = out.stdout if out.returncode == 0 else f"py-spy failed ({out.returncode}): {out.stderr.strip()[:2000]}"
+            body = (
+                out.stdout if out.returncode == 0 else f"py-spy failed ({out.returncode}): {out.stderr.strip()[:2000]}"
+            )
         except (OSError, subprocess.TimeoutExpired) as e:
             body = f"py-spy failed: {e}"
         how = f"taken from outside with {' '.join(command[1:])}"
@@ -315,11 +341,12 @@ def _innermost(body: str) -> str:
     """Where the main thread was, from a section's body (the call that timed out, if it says): the
     innermost call in the trainer's code and, if deeper, the innermost call of all, each with its
     source line; or py-spy's innermost frame."""
-    own = re.search(r"^(?:Call that timed out|Thread MainThread) \(most recent call last\):\n(.*?)(?:\n\n|\Z)", body,
-                    re.S | re.M)
+    own = re.search(
+        r"^(?:Call that timed out|Thread MainThread) \(most recent call last\):\n(.*?)(?:\n\n|\Z)", body, re.S | re.M
+    )
     if own:
         lines = [ln.strip() for ln in own.group(1).splitlines()]
-        calls = [" ".join(lines[i:i + 2]) for i, ln in enumerate(lines) if ln.startswith("File ")]
+        calls = [" ".join(lines[i : i + 2]) for i, ln in enumerate(lines) if ln.startswith("File ")]
         calls = [c for c in calls if "trainer/hangs.py" not in c]  # the dump itself, when the main thread wrote it
         ours = [c for c in calls if "/trainer/" in c]
         return " > ".join(dict.fromkeys(ours[-1:] + calls[-1:]))
@@ -357,8 +384,10 @@ def report(folder: str) -> str:
         for part in parts:
             where = f"; in {part['where']}" if part.get("where") else ""
             step = f", step {part['step']}" if "step" in part else ""
-            lines.append(f"  rank {rank} (node {part.get('node', '?')}, pid {part.get('pid', '?')}{step}): "
-                         f"{part.get('why', '')}{where}")
+            lines.append(
+                f"  rank {rank} (node {part.get('node', '?')}, pid {part.get('pid', '?')}{step}): "
+                f"{part.get('why', '')}{where}"
+            )
     traces = sorted(n for n in os.listdir(folder) if n.startswith("nccl_trace_rank_"))
     if traces:
         lines.append("NCCL flight recorder dumps: " + ", ".join(traces))

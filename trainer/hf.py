@@ -23,7 +23,7 @@ import shutil
 
 import torch
 
-from trainer.models import SHAPE_KEYS, ModelArgs, RopeScaling, TransformerShape, transformer_shape
+from trainer.models import ModelArgs, RopeScaling, TransformerShape, transformer_shape
 
 log = logging.getLogger("trainer")
 
@@ -32,17 +32,31 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 # What an export takes over from the folder the run started from (model.init_from), where it is
 # still there, so that generation and evaluation (vLLM, lm-eval) find the tokenizer and its ids.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "generation_config.json",
+)
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
-_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight"}
-_LAYER = {"attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight": "self_attn.k_proj.weight",
-          "attention.wv.weight": "self_attn.v_proj.weight", "attention.wo.weight": "self_attn.o_proj.weight",
-          "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
-          "feed_forward.w2.weight": "mlp.down_proj.weight", "attention_norm.weight": "input_layernorm.weight",
-          "ffn_norm.weight": "post_attention_layernorm.weight"}
+_TOP = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
 _OUR_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 # Buffers some HF folders hold that are not weights (older transformers saved the RoPE frequencies).
 _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
@@ -71,7 +85,9 @@ def read_config(folder: str) -> dict:
         raise HFError(f"{folder} is not a folder; model.init_from needs a local Hugging Face model folder")
     path = os.path.join(folder, CONFIG)
     if not os.path.lexists(path):
-        raise HFError(f"{path} not found; model.init_from needs a Hugging Face folder with config.json and *.safetensors")
+        raise HFError(
+            f"{path} not found; model.init_from needs a Hugging Face folder with config.json and *.safetensors"
+        )
     path = _inside(folder, CONFIG)
     try:
         with open(path) as f:
@@ -79,8 +95,10 @@ def read_config(folder: str) -> dict:
     except (OSError, json.JSONDecodeError) as e:
         raise HFError(f"{path} is not readable JSON ({e}); replace it with the model's config.json") from None
     if not isinstance(config, dict):
-        raise HFError(f"{path}: holds a JSON {type(config).__name__}, not a mapping of settings; replace it with the "
-                      f"model's config.json")
+        raise HFError(
+            f"{path}: holds a JSON {type(config).__name__}, not a mapping of settings; replace it with the "
+            f"model's config.json"
+        )
     return config
 
 
@@ -101,6 +119,7 @@ def _number(config: dict, key: str, where: str, default: float) -> float:
 def shape_from_config(config: dict, where: str) -> dict:
     """ModelArgs shape keys (and max_position_embeddings) from a LlamaConfig mapping; a value of the
     wrong type or range is an HFError naming the key (the shape itself is checked by trainer.check)."""
+
     def need(key):
         if key not in config:
             raise HFError(f"{where}: '{key}' is missing; is this a Llama config.json?")
@@ -110,14 +129,18 @@ def shape_from_config(config: dict, where: str) -> dict:
         return None if config.get(key) is None else _whole(config, key, where)
 
     if config.get("model_type", "llama") != "llama":
-        raise HFError(f"{where}: model_type is {config['model_type']!r}; only Llama models (model_type llama) can be loaded")
+        raise HFError(
+            f"{where}: model_type is {config['model_type']!r}; only Llama models (model_type llama) can be loaded"
+        )
     for key, expected in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if config.get(key, expected) != expected:
             raise HFError(f"{where}: {key} is {config[key]!r}; this trainer's Llama supports only {expected!r}")
     dim, heads = need("hidden_size"), need("num_attention_heads")
     if config.get("head_dim") not in (None, dim // heads):
-        raise HFError(f"{where}: head_dim is {config['head_dim']}, not hidden_size / num_attention_heads = {dim // heads}; "
-                      f"this trainer's Llama supports only that")
+        raise HFError(
+            f"{where}: head_dim is {config['head_dim']}, not hidden_size / num_attention_heads = {dim // heads}; "
+            f"this trainer's Llama supports only that"
+        )
     # transformers 5 writes rope_parameters (theta included); earlier ones rope_theta and rope_scaling
     rope_key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
     rope = config.get(rope_key) or {}
@@ -136,9 +159,15 @@ def shape_from_config(config: dict, where: str) -> dict:
     else:
         raise HFError(f"{where}: rope type {rope_type!r} is not supported; only llama3 scaling or none")
     return {
-        "vocab_size": need("vocab_size"), "dim": dim, "n_layers": need("num_hidden_layers"), "n_heads": heads,
-        "n_kv_heads": optional("num_key_value_heads") or heads, "ffn_dim": need("intermediate_size"),
-        "norm_eps": _number(config, "rms_norm_eps", where, 1e-6), "rope_theta": theta, "rope_scaling": scaling,
+        "vocab_size": need("vocab_size"),
+        "dim": dim,
+        "n_layers": need("num_hidden_layers"),
+        "n_heads": heads,
+        "n_kv_heads": optional("num_key_value_heads") or heads,
+        "ffn_dim": need("intermediate_size"),
+        "norm_eps": _number(config, "rms_norm_eps", where, 1e-6),
+        "rope_theta": theta,
+        "rope_scaling": scaling,
         "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
         "max_position_embeddings": optional("max_position_embeddings"),
     }
@@ -156,8 +185,10 @@ def model_args(folder: str, args: ModelArgs) -> ModelArgs:
         else:
             same = mine is None or value is None or mine == value
         if not same:
-            raise HFError(f"model.{key} is {mine!r} but {where} says {value!r}; remove model.{key} (the shape "
-                          f"comes from model.init_from) or start from another folder")
+            raise HFError(
+                f"model.{key} is {mine!r} but {where} says {value!r}; remove model.{key} (the shape "
+                f"comes from model.init_from) or start from another folder"
+            )
     return dataclasses.replace(args, **{k: v for k, v in found.items() if v is not None})
 
 
@@ -210,8 +241,10 @@ def _inside(folder: str, name: str, index: str | None = None) -> str:
         raise HFError(f"{index} names {name!r}, outside {folder}; an index may name only files in its own folder")
     real = os.path.realpath(path)
     if not any(os.path.relpath(real, root).split(os.sep)[0] != os.pardir for root in _roots(folder)):
-        raise HFError(f"{path} is a link to {real}, outside {folder}; copy the file itself into the folder "
-                      f"(hf download --local-dir makes such a folder)")
+        raise HFError(
+            f"{path} is a link to {real}, outside {folder}; copy the file itself into the folder "
+            f"(hf download --local-dir makes such a folder)"
+        )
     if not os.path.lexists(path):
         raise HFError(f"{index} names {name!r}, which {folder} lacks; download the whole model folder again")
     if not os.path.isfile(path):
@@ -232,14 +265,18 @@ def weight_files(folder: str) -> dict[str, str]:
             raise HFError(f"{index} is not readable JSON ({e}); replace it with the model's {INDEX}") from None
         weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise HFError(f"{index} has no weight_map of parameter names to file names; replace it with the model's {INDEX}")
+            raise HFError(
+                f"{index} has no weight_map of parameter names to file names; replace it with the model's {INDEX}"
+            )
         files = {name: _inside(folder, file, index) for name, file in weight_map.items()}
     else:
         files = {}
         for path in sorted(glob.glob(os.path.join(glob.escape(folder), "*.safetensors"))):
             files.update((name, path) for name in _header(_inside(folder, os.path.basename(path))))
         if not files:
-            raise HFError(f"{folder} holds no *.safetensors file; model.init_from needs the weights in safetensors format")
+            raise HFError(
+                f"{folder} holds no *.safetensors file; model.init_from needs the weights in safetensors format"
+            )
         return files
     for path in set(files.values()):
         _header(path)
@@ -254,7 +291,9 @@ def _header(path: str) -> list[str]:
         with safe_open(path, framework="pt") as f:
             return list(f.keys())
     except (OSError, SafetensorError) as e:
-        raise HFError(f"{path} is not a readable safetensors file ({e}); download it again, it may be cut short") from None
+        raise HFError(
+            f"{path} is not a readable safetensors file ({e}); download it again, it may be cut short"
+        ) from None
 
 
 @torch.no_grad()
@@ -270,14 +309,21 @@ def load_weights(model: torch.nn.Module, folder: str) -> None:
     wanted = {hf_name(name): name for name in params}
     missing = sorted(set(wanted) - set(files))
     if missing:
-        raise HFError(f"{folder} lacks weight {missing[0]!r} ({len(missing)} missing); is config.json the one of these weights?")
-    unexpected = sorted(n for n in set(files) - set(wanted) if not _IGNORED.fullmatch(n)
-                        and not (n == "lm_head.weight" and "output.weight" not in params))  # tied: a copy
+        raise HFError(
+            f"{folder} lacks weight {missing[0]!r} ({len(missing)} missing); is config.json the one of these weights?"
+        )
+    unexpected = sorted(
+        n
+        for n in set(files) - set(wanted)
+        if not _IGNORED.fullmatch(n) and not (n == "lm_head.weight" and "output.weight" not in params)
+    )  # tied: a copy
     if unexpected:
-        raise HFError(f"{folder} has weight {unexpected[0]!r} that the model lacks ({len(unexpected)} in all); "
-                      f"is config.json the one of these weights?")
+        raise HFError(
+            f"{folder} has weight {unexpected[0]!r} that the model lacks ({len(unexpected)} in all); "
+            f"is config.json the one of these weights?"
+        )
     by_file: dict[str, list[str]] = {}
-    for hf, name in wanted.items():
+    for hf in wanted:
         by_file.setdefault(files[hf], []).append(hf)
     for file, names in sorted(by_file.items()):
         with safe_open(file, framework="pt") as f:
@@ -285,8 +331,10 @@ def load_weights(model: torch.nn.Module, folder: str) -> None:
                 param = params[wanted[hf]]
                 source = f.get_slice(hf)
                 if list(source.get_shape()) != list(param.shape):
-                    raise HFError(f"{file}: {hf} has shape {source.get_shape()} but the model's is {list(param.shape)}; "
-                                  f"is config.json the one of these weights?")
+                    raise HFError(
+                        f"{file}: {hf} has shape {source.get_shape()} but the model's is {list(param.shape)}; "
+                        f"is config.json the one of these weights?"
+                    )
                 local, region = _local_region(param)
                 if local.numel():
                     local.copy_(source[region])
@@ -314,8 +362,9 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * scale)
 
 
-def save(state: dict[str, torch.Tensor], args: ModelArgs, out: str, max_shard_bytes: int,
-         dtype: torch.dtype = torch.float32) -> list[str]:
+def save(
+    state: dict[str, torch.Tensor], args: ModelArgs, out: str, max_shard_bytes: int, dtype: torch.dtype = torch.float32
+) -> list[str]:
     """Write our full state dict as an HF folder; returns the files written. Tensors go into shards
     of at most `max_shard_bytes` (a larger tensor gets one of its own), listed in an index file when
     there is more than one, as `save_pretrained` does. A run that started from an HF folder that is
@@ -336,12 +385,18 @@ def save(state: dict[str, torch.Tensor], args: ModelArgs, out: str, max_shard_by
     os.makedirs(out, exist_ok=True)
     for stale in glob.glob(os.path.join(out, "model*.safetensors")) + glob.glob(os.path.join(out, INDEX)):
         os.remove(stale)  # an earlier export's shards would be read as weights too
-    names = [SINGLE] if len(shards) == 1 else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    names = (
+        [SINGLE]
+        if len(shards) == 1
+        else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    )
     for name, shard in zip(names, shards):
         save_file(shard, os.path.join(out, name), metadata={"format": "pt"})
     if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-                 "weight_map": {k: name for name, shard in zip(names, shards) for k in shard}}
+        index = {
+            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+            "weight_map": {k: name for name, shard in zip(names, shards) for k in shard},
+        }
         with open(os.path.join(out, INDEX), "w") as f:
             json.dump(index, f, indent=2)
         names.append(INDEX)

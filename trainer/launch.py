@@ -47,6 +47,7 @@ class LaunchArgs:
     # queue; a failure that repeats at once costs 3 quick starts before the exit code says it.
     max_restarts: int = 3
 
+
 # A signal before torchrun's agent takes over (imports, validation, rendezvous) ends the launch
 # cleanly instead of killing it: remembered here (main() listens first thing), acted on once the
 # agent can forward it.
@@ -79,22 +80,29 @@ def mark(name: str) -> None:
     if folder:
         with open(os.path.join(folder, name), "a"):
             pass
+
+
 # torchrun's own default when nothing is said (and the only value before torch 2.12).
 TORCHRUN_DEFAULT_SHUTDOWN_S = 30
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m trainer.launch", description=__doc__.split("\n")[0])
-    p.add_argument("--nproc-per-node", default="auto",
-                   help="ranks on this node: a number, or auto (one per visible GPU, else 1)")
+    p.add_argument(
+        "--nproc-per-node", default="auto", help="ranks on this node: a number, or auto (one per visible GPU, else 1)"
+    )
     p.add_argument("--nnodes", type=int, default=1, help="nodes of the job (more than 1 needs the rdzv options)")
     p.add_argument("--node-rank", type=int, default=0, help="this node's index, 0..nnodes-1")
     p.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of the rendezvous on the first node")
     p.add_argument("--rdzv-id", default="", help="an id shared by the nodes of one job (the Slurm job id)")
     p.add_argument("--local-addr", default="", help="this node's address for the rendezvous (multi-homed nodes)")
-    p.add_argument("--grace-seconds", type=int, default=signals.DEFAULT_GRACE_S,
-                   help="seconds between a stop signal and the hard kill; the ranks get this minus "
-                        f"{signals.EXIT_MARGIN_S} s to save")
+    p.add_argument(
+        "--grace-seconds",
+        type=int,
+        default=signals.DEFAULT_GRACE_S,
+        help="seconds between a stop signal and the hard kill; the ranks get this minus "
+        f"{signals.EXIT_MARGIN_S} s to save",
+    )
     p.add_argument("--config", required=True, help="YAML config file (see configs/)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=100")
     return p
@@ -125,9 +133,11 @@ def device_line(nproc: int) -> str:
         return f"{host}: {nproc} rank(s) on {torch.cuda.device_count()} GPU(s), NCCL"
     assigned = os.environ.get("CUDA_VISIBLE_DEVICES", "")
     if assigned:
-        return (f"{host}: {nproc} rank(s) on the CPU with gloo: GPUs {assigned} are assigned "
-                f"(CUDA_VISIBLE_DEVICES) but torch {torch.__version__} finds no usable CUDA device "
-                f"(no driver, or a CPU build of torch)")
+        return (
+            f"{host}: {nproc} rank(s) on the CPU with gloo: GPUs {assigned} are assigned "
+            f"(CUDA_VISIBLE_DEVICES) but torch {torch.__version__} finds no usable CUDA device "
+            f"(no driver, or a CPU build of torch)"
+        )
     return f"{host}: {nproc} rank(s) on the CPU with gloo (no GPU visible)"
 
 
@@ -141,7 +151,9 @@ def interface_address(name: str) -> str:
         try:
             packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
         except OSError as e:
-            raise OSError(f"network interface {name!r} (GLOO_SOCKET_IFNAME) has no IPv4 address on this node: {e.strerror}") from None
+            raise OSError(
+                f"network interface {name!r} (GLOO_SOCKET_IFNAME) has no IPv4 address on this node: {e.strerror}"
+            ) from None
     return socket.inet_ntoa(packed[20:24])
 
 
@@ -151,13 +163,21 @@ def _threads_per_rank(nproc: int) -> str:
 
 
 def torchrun_args(a: argparse.Namespace, nproc: int, shutdown_s: int, max_restarts: int = 0) -> list[str]:
-    args = [f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", f"--signals-to-handle={signals.TORCHRUN_SIGNALS}",
-            f"--shutdown-timeout={shutdown_s}"]
+    args = [
+        f"--nproc-per-node={nproc}",
+        f"--max-restarts={max_restarts}",
+        f"--signals-to-handle={signals.TORCHRUN_SIGNALS}",
+        f"--shutdown-timeout={shutdown_s}",
+    ]
     if a.nnodes == 1 and not a.rdzv_endpoint:
         args.append("--standalone")
     else:
-        args += [f"--nnodes={a.nnodes}", "--rdzv-backend=c10d",
-                 f"--rdzv-endpoint={a.rdzv_endpoint}", f"--rdzv-id={a.rdzv_id or 'fsdp-trainer'}"]
+        args += [
+            f"--nnodes={a.nnodes}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={a.rdzv_endpoint}",
+            f"--rdzv-id={a.rdzv_id or 'fsdp-trainer'}",
+        ]
     # On nodes with several networks, the rendezvous and gloo use the address of the interface the
     # site chose (GLOO_SOCKET_IFNAME, set with NCCL's by make submit NET_IF=), not the hostname's.
     interface = os.environ.get("GLOO_SOCKET_IFNAME", "")
@@ -172,11 +192,13 @@ def _supported(args: list[str]) -> list[str]:
     from torch.distributed.run import get_args_parser
 
     known = {s for action in get_args_parser()._actions for s in action.option_strings}
-    options, script = args[: args.index("-m")], args[args.index("-m"):]
+    options, script = args[: args.index("-m")], args[args.index("-m") :]
     kept = [arg for arg in options if arg.split("=", 1)[0] in known]
     for arg in sorted(set(options) - set(kept)):
-        _say(f"this torch's torchrun has no {arg.split('=', 1)[0]}; it forwards SIGTERM/SIGINT/SIGHUP/SIGQUIT only "
-             f"and gives the ranks {TORCHRUN_DEFAULT_SHUTDOWN_S} s")
+        _say(
+            f"this torch's torchrun has no {arg.split('=', 1)[0]}; it forwards SIGTERM/SIGINT/SIGHUP/SIGQUIT only "
+            f"and gives the ranks {TORCHRUN_DEFAULT_SHUTDOWN_S} s"
+        )
     return kept + script
 
 
@@ -255,11 +277,22 @@ def _restarting_agent(run_dir: str, marks: str, outcome: dict):
             step = layout.latest_committed_step(run_dir)
             node = node_name()
             start = f"step {step}, the newest checkpoint" if step is not None else "the start (no checkpoint yet)"
-            _say(f"rank {rank} on {node} {_cause(failure)}; restart {restart} of {worker_group.spec.max_restarts}: "
-                 f"every rank starts again from {start}")
-            write_row(run_dir, {"event": "restart", "step": step or 0, "rank": rank, "node": node,
-                                "exit_code": failure.exitcode, "restart": restart,
-                                "max_restarts": worker_group.spec.max_restarts})
+            _say(
+                f"rank {rank} on {node} {_cause(failure)}; restart {restart} of {worker_group.spec.max_restarts}: "
+                f"every rank starts again from {start}"
+            )
+            write_row(
+                run_dir,
+                {
+                    "event": "restart",
+                    "step": step or 0,
+                    "rank": rank,
+                    "node": node,
+                    "exit_code": failure.exitcode,
+                    "restart": restart,
+                    "max_restarts": worker_group.spec.max_restarts,
+                },
+            )
             return result
 
     return RestartingAgent
@@ -333,7 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     gpus = torch.cuda.is_available()  # the ranks' NCCL records its collectives, dumped in a hang
-    for key, value in hangs.launcher_env(cfg.run_dir, time.strftime("%Y%m%d-%H%M%S", time.localtime(started)), gpus).items():
+    for key, value in hangs.launcher_env(
+        cfg.run_dir, time.strftime("%Y%m%d-%H%M%S", time.localtime(started)), gpus
+    ).items():
         os.environ[key] = value if key == hangs.HANG_DIR_ENV else os.environ.get(key, value)
     monitor = hangs.Monitor(cfg.run_dir, started, os.environ[hangs.HANG_DIR_ENV] if gpus else None)
     monitor.start()
@@ -367,9 +402,14 @@ def main(argv: list[str] | None = None) -> int:
             status = layout.read_status(cfg.run_dir)
             name = signal.Signals(e.sigval).name
             if status.get("state") == "stopped" and status.get("updated", 0) >= started:
-                _say(f"stopped by {name} after step {status.get('step')}; the checkpoint is saved, a restart resumes there")
+                _say(
+                    f"stopped by {name} after step {status.get('step')}; the checkpoint is saved, a restart resumes "
+                    "there"
+                )
                 return 0
-            _say(f"stopped by {name}; no checkpoint was saved by this start (ranks get {shutdown_s} s after the signal)")
+            _say(
+                f"stopped by {name}; no checkpoint was saved by this start (ranks get {shutdown_s} s after the signal)"
+            )
             return 128 + int(e.sigval)
         except Exception as e:  # noqa: BLE001 - rendezvous and agent failures: one line, not a traceback
             _say(f"torchrun failed: {type(e).__name__}: {e}")

@@ -124,8 +124,13 @@ def _gone(owner: dict, me: dict, now: float) -> str | None:
 class Lease:
     def __init__(self, run_dir: str):
         self.path = os.path.join(run_dir, FILE)
-        self.me = {"host": socket.gethostname(), "pid": os.getpid(), **identity(),
-                   "slurm_job": os.environ.get("SLURM_JOB_ID", ""), "token": uuid.uuid4().hex}
+        self.me = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            **identity(),
+            "slurm_job": os.environ.get("SLURM_JOB_ID", ""),
+            "token": uuid.uuid4().hex,
+        }
         self.lost: str | None = None  # once the lease is lost: "to <its new owner>", or what happened to it
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -139,8 +144,10 @@ class Lease:
             try:
                 raw = _read_raw(self.path)
             except OSError as e:
-                raise LeaseError(f"run_dir {run_dir}: cannot read {self.path} ({e.strerror}); fix its permissions "
-                                 f"or the filesystem, or use another run_dir") from None
+                raise LeaseError(
+                    f"run_dir {run_dir}: cannot read {self.path} ({e.strerror}); fix its permissions "
+                    f"or the filesystem, or use another run_dir"
+                ) from None
             if raw is None:
                 if self._create(self.path):
                     break
@@ -148,8 +155,10 @@ class Lease:
                 owner = _parse(raw)
                 why = _gone(owner, self.me, time.time())
                 if why is None:
-                    raise LeaseError(f"run_dir {run_dir} is in use by {describe(owner)} (lease renewed "
-                                     f"{_age(owner, time.time()):.0f} s ago); stop that run first, or use another run_dir")
+                    raise LeaseError(
+                        f"run_dir {run_dir} is in use by {describe(owner)} (lease renewed "
+                        f"{_age(owner, time.time()):.0f} s ago); stop that run first, or use another run_dir"
+                    )
                 if self._take_over(raw, why):
                     break
             if time.monotonic() > deadline:
@@ -166,9 +175,11 @@ class Lease:
         if not self._create(lock):
             with contextlib.suppress(OSError):
                 if time.time() - os.stat(lock).st_mtime > TAKEOVER_S:
-                    raise LeaseError(f"run_dir {os.path.dirname(self.path)}: a start that was taking over its lease "
-                                     f"died midway and left {lock}; if no other run is starting there, remove that "
-                                     f"file and start again")
+                    raise LeaseError(
+                        f"run_dir {os.path.dirname(self.path)}: a start that was taking over its lease "
+                        f"died midway and left {lock}; if no other run is starting there, remove that "
+                        f"file and start again"
+                    )
             return False
         try:
             if _read_raw(self.path) != raw:
@@ -204,7 +215,7 @@ class Lease:
         """Whether this run still holds its lease, read now; if not, `lost` says what became of it."""
         if self.lost:
             return False
-        for attempt in range(3):
+        for _ in range(3):
             try:
                 raw = _read_raw(self.path)
                 break
@@ -217,8 +228,13 @@ class Lease:
         owner = _parse(raw)
         if owner.get("token") == self.me["token"]:
             return True
-        self.lost = (f"to {describe(owner)}" if owner else
-                     ": its lease file was removed" if raw is None else ": its lease file was overwritten with a damaged one")
+        self.lost = (
+            f"to {describe(owner)}"
+            if owner
+            else ": its lease file was removed"
+            if raw is None
+            else ": its lease file was overwritten with a damaged one"
+        )
         return False
 
     def release(self) -> None:

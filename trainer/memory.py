@@ -73,11 +73,33 @@ COMPILED_ACTIVATIONS = 0.54
 # each card (what torch's total_memory says, divided by 2**20). Lower case; a site's own names need
 # GPU_MEM_GB (--gpu-mem-gb).
 GPU_MEMORY_MIB = {
-    "h200": 143771, "gh200": 97871, "h100-nvl": 95830, "h100nvl": 95830, "h100-94gb": 95830,
-    "h100": 81559, "h100-80gb": 81559, "a100-80gb": 81920, "a100_80gb": 81920, "a100-sxm4-80gb": 81920,
-    "a100": 40960, "a100-40gb": 40960, "a100_40gb": 40960, "l40s": 46068, "l40": 46068, "a40": 46068,
-    "a10": 23028, "a10g": 23028, "l4": 23034, "v100": 16384, "v100-32gb": 32768, "v100_32gb": 32768,
-    "rtx6000": 24576, "rtx8000": 49152, "a6000": 49140, "t4": 15360, "b200": 183359,
+    "h200": 143771,
+    "gh200": 97871,
+    "h100-nvl": 95830,
+    "h100nvl": 95830,
+    "h100-94gb": 95830,
+    "h100": 81559,
+    "h100-80gb": 81559,
+    "a100-80gb": 81920,
+    "a100_80gb": 81920,
+    "a100-sxm4-80gb": 81920,
+    "a100": 40960,
+    "a100-40gb": 40960,
+    "a100_40gb": 40960,
+    "l40s": 46068,
+    "l40": 46068,
+    "a40": 46068,
+    "a10": 23028,
+    "a10g": 23028,
+    "l4": 23034,
+    "v100": 16384,
+    "v100-32gb": 32768,
+    "v100_32gb": 32768,
+    "rtx6000": 24576,
+    "rtx8000": 49152,
+    "a6000": 49140,
+    "t4": 15360,
+    "b200": 183359,
 }
 
 
@@ -116,8 +138,10 @@ class Estimate:
 
     def breakdown(self, indent: str = "  ") -> str:
         """One line per part: name, GB, how it was counted."""
-        lines = [f"{indent}{part.replace('_', ' '):<15} {gb(getattr(self, part)):>9}  {self.notes.get(part, '')}".rstrip()
-                 for part in self.PARTS]
+        lines = [
+            f"{indent}{part.replace('_', ' '):<15} {gb(getattr(self, part)):>9}  {self.notes.get(part, '')}".rstrip()
+            for part in self.PARTS
+        ]
         if self.host:
             lines.append(f"{indent}{'(host memory)':<15} {gb(self.host):>9}  {self.notes.get('host', '')}")
         lines.append(f"{indent}{'total':<15} {gb(self.total):>9}  per rank")
@@ -140,11 +164,14 @@ def measure(cfg) -> Profile:
     with torch.device("meta"):
         checkpointed = family.build(cfg.model).to(dtype)
     parallel.checkpoint_units(checkpointed, parallel.units_of(checkpointed, cfg.parallel, family.blocks))
-    return Profile(params=sum(p.numel() for p in model.parameters()),
-                   root_params=sum(p.numel() for p in model.parameters() if id(p) not in in_units),
-                   largest_unit=max((sum(p.numel() for p in u.parameters()) for u in units), default=0),
-                   activations=plain, activations_checkpointed=_activation_peak(checkpointed, cfg.model, dtype),
-                   compute_dtype=dtype)
+    return Profile(
+        params=sum(p.numel() for p in model.parameters()),
+        root_params=sum(p.numel() for p in model.parameters() if id(p) not in in_units),
+        largest_unit=max((sum(p.numel() for p in u.parameters()) for u in units), default=0),
+        activations=plain,
+        activations_checkpointed=_activation_peak(checkpointed, cfg.model, dtype),
+        compute_dtype=dtype,
+    )
 
 
 def _activation_peak(model, m, dtype: torch.dtype) -> int:
@@ -206,8 +233,10 @@ def _inputs(m, dtype: torch.dtype, batch: int) -> tuple[torch.Tensor, torch.Tens
     if family.kind == "lm":
         x = torch.zeros(batch, *family.input_shape(m), dtype=torch.long, device="meta")
         return x, x
-    return (torch.zeros(batch, *family.input_shape(m), device="meta", dtype=dtype),
-            torch.zeros(batch, dtype=torch.long, device="meta"))
+    return (
+        torch.zeros(batch, *family.input_shape(m), device="meta", dtype=dtype),
+        torch.zeros(batch, dtype=torch.long, device="meta"),
+    )
 
 
 class _FusedAttention(torch.autograd.Function):
@@ -243,8 +272,14 @@ def shard_count(cfg, world_size: int, ranks_per_node: int | None = None) -> int:
     return world_size
 
 
-def estimate(cfg, world_size: int, micro_batch: int, ranks_per_node: int | None = None, gpu: bool = False,
-             profile: Profile | None = None) -> Estimate:
+def estimate(
+    cfg,
+    world_size: int,
+    micro_batch: int,
+    ranks_per_node: int | None = None,
+    gpu: bool = False,
+    profile: Profile | None = None,
+) -> Estimate:
     """The peak memory of one rank training `cfg` on `world_size` ranks (`ranks_per_node` of them per
     node), `micro_batch` samples at a time; `gpu`: on a GPU (allocator and CUDA context added, CPU
     offload moves state to the host), else on the CPU. `profile`: measure(cfg), when known."""
@@ -265,8 +300,10 @@ def estimate(cfg, world_size: int, micro_batch: int, ranks_per_node: int | None 
         notes["unsharded"] = f"every unit all-gathered in {_name(pr.compute_dtype)} from forward to backward (grad_op)"
     elif fsdp:
         unsharded = (pr.root_params + 2 * pr.largest_unit) * b
-        notes["unsharded"] = (f"all-gathered in {_name(pr.compute_dtype)}: the root's {pr.root_params / 1e6:,.1f}M + the largest "
-                              f"unit ({pr.largest_unit / 1e6:,.1f}M) and the next one, prefetched")
+        notes["unsharded"] = (
+            f"all-gathered in {_name(pr.compute_dtype)}: the root's {pr.root_params / 1e6:,.1f}M + the largest "
+            f"unit ({pr.largest_unit / 1e6:,.1f}M) and the next one, prefetched"
+        )
     elif b < 4:
         unsharded = n * b
         notes["unsharded"] = f"autocast's {_name(pr.compute_dtype)} copies of the weights"
@@ -287,9 +324,11 @@ def estimate(cfg, world_size: int, micro_batch: int, ranks_per_node: int | None 
     if p.compile:
         per_sample = int(per_sample * COMPILED_ACTIVATIONS)
     activations = per_sample * micro_batch
-    notes["activations"] = (f"{micro_batch} sample(s) x {gb(per_sample)}, "
-                            f"{'with' if p.activation_checkpointing else 'without'} activation checkpointing"
-                            f"{f', compiled ({COMPILED_ACTIVATIONS:.0%} of eager)' if p.compile else ''}")
+    notes["activations"] = (
+        f"{micro_batch} sample(s) x {gb(per_sample)}, "
+        f"{'with' if p.activation_checkpointing else 'without'} activation checkpointing"
+        f"{f', compiled ({COMPILED_ACTIVATIONS:.0%} of eager)' if p.compile else ''}"
+    )
     host = 0
     if gpu and fsdp and p.cpu_offload:
         host = parameters + gradients + optimizer
@@ -298,19 +337,32 @@ def estimate(cfg, world_size: int, micro_batch: int, ranks_per_node: int | None 
     allocated = parameters + gradients + optimizer + unsharded + reduce_buffers + activations
     if gpu:
         overhead = int(ALLOCATOR_OVERHEAD * allocated) + CUDA_CONTEXT_BYTES
-        notes["overhead"] = (f"the allocator's {ALLOCATOR_OVERHEAD:.0%} + the CUDA context and NCCL "
-                             f"({gb(CUDA_CONTEXT_BYTES)})")
+        notes["overhead"] = (
+            f"the allocator's {ALLOCATOR_OVERHEAD:.0%} + the CUDA context and NCCL ({gb(CUDA_CONTEXT_BYTES)})"
+        )
     else:
         overhead = int(CPU_ALLOCATOR_OVERHEAD * allocated) + CPU_PROCESS_BYTES
-        notes["overhead"] = (f"freed blocks glibc keeps ({CPU_ALLOCATOR_OVERHEAD:.0%}) + the process itself "
-                             f"(Python, torch, gloo: {gb(CPU_PROCESS_BYTES)})")
-    return Estimate(parameters=parameters, gradients=gradients, optimizer=optimizer, unsharded=unsharded,
-                    reduce_buffers=reduce_buffers, activations=activations, activations_per_sample=per_sample,
-                    overhead=overhead, host=host, notes=notes)
+        notes["overhead"] = (
+            f"freed blocks glibc keeps ({CPU_ALLOCATOR_OVERHEAD:.0%}) + the process itself "
+            f"(Python, torch, gloo: {gb(CPU_PROCESS_BYTES)})"
+        )
+    return Estimate(
+        parameters=parameters,
+        gradients=gradients,
+        optimizer=optimizer,
+        unsharded=unsharded,
+        reduce_buffers=reduce_buffers,
+        activations=activations,
+        activations_per_sample=per_sample,
+        overhead=overhead,
+        host=host,
+        notes=notes,
+    )
 
 
-def preflight(cfg, world_size: int, ranks_per_node: int, have: int, target: str, nodes: int = 1,
-              nodes_option: str = "--nnodes {}") -> Estimate:
+def preflight(
+    cfg, world_size: int, ranks_per_node: int, have: int, target: str, nodes: int = 1, nodes_option: str = "--nnodes {}"
+) -> Estimate:
     """The estimate of one GPU's peak; raise ConfigError when it exceeds `have` bytes (`target` names
     them: "h100 (gres)", "GPU_MEM_GB=80") with one line: by how much, and each change that would make it
     fit, computed (`nodes_option` spells a node count the way the caller's user gives it)."""
@@ -354,19 +406,28 @@ def preflight(cfg, world_size: int, ranks_per_node: int, have: int, target: str,
             if total:
                 fixes.append(f"{nodes_option.format(more)} ({gb(total)})")
                 break
-    todo = ("it would fit with " + ", or ".join(fixes)) if fixes else (
-        "no single change (activation checkpointing, a smaller micro-batch, CPU offload, full sharding, up to 16x the "
-        "nodes) makes it fit: "
-        "use a smaller model or GPUs with more memory")
-    raise ConfigError(f"memory: one GPU needs about {gb(need.total)} (estimated: parameters, gradients, optimizer, "
-                      f"all-gathered units, activations of {micro} sample(s), allocator and CUDA context), "
-                      f"{gb(need.total - have)} more than the {gb(have)} of {target}; {todo}")
+    todo = (
+        ("it would fit with " + ", or ".join(fixes))
+        if fixes
+        else (
+            "no single change (activation checkpointing, a smaller micro-batch, CPU offload, full sharding, up to "
+            "16x the "
+            "nodes) makes it fit: "
+            "use a smaller model or GPUs with more memory"
+        )
+    )
+    raise ConfigError(
+        f"memory: one GPU needs about {gb(need.total)} (estimated: parameters, gradients, optimizer, "
+        f"all-gathered units, activations of {micro} sample(s), allocator and CUDA context), "
+        f"{gb(need.total - have)} more than the {gb(have)} of {target}; {todo}"
+    )
 
 
 def _with(cfg, **sections):
     """`cfg` with some keys of some sections replaced: _with(cfg, parallel={"cpu_offload": True})."""
-    return dataclasses.replace(cfg, **{name: dataclasses.replace(getattr(cfg, name), **values)
-                                       for name, values in sections.items()})
+    return dataclasses.replace(
+        cfg, **{name: dataclasses.replace(getattr(cfg, name), **values) for name, values in sections.items()}
+    )
 
 
 def gpu_type_bytes(name: str) -> int | None:

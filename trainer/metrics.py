@@ -114,8 +114,18 @@ class Reporter:
             with open(os.path.join(os.path.dirname(self.path), "metrics.superseded.jsonl"), "a") as f:
                 f.writelines(superseded)
         if resumed:
-            kept.append(_line(timed({"event": "resume", "step": step, "world_size": resumed["world_size"],
-                               "checkpoint": resumed["path"]})))
+            kept.append(
+                _line(
+                    timed(
+                        {
+                            "event": "resume",
+                            "step": step,
+                            "world_size": resumed["world_size"],
+                            "checkpoint": resumed["path"],
+                        }
+                    )
+                )
+            )
         if not superseded and not resumed:
             return
         tmp = f"{self.path}.tmp{os.getpid()}"
@@ -219,9 +229,14 @@ def summary(run_dir: str) -> dict:
     restarts = [i for i, r in enumerate(rows) if r.get("event") in ("resume", "restart")]
     lost = 0.0
     for i in restarts:  # from the last row written before the restart to the first step after it
-        before = [r["time"] for r in rows[:i] + superseded if isinstance(r.get("time"), (int, float))
-                  and r["time"] <= rows[i].get("time", float("inf"))]
-        after = next((r["time"] for r in rows[i + 1:] if "loss" in r and isinstance(r.get("time"), (int, float))), None)
+        before = [
+            r["time"]
+            for r in rows[:i] + superseded
+            if isinstance(r.get("time"), (int, float)) and r["time"] <= rows[i].get("time", float("inf"))
+        ]
+        after = next(
+            (r["time"] for r in rows[i + 1 :] if "loss" in r and isinstance(r.get("time"), (int, float))), None
+        )
         if before and after is not None:
             lost += after - max(before)
     best = min(train, key=lambda r: r["loss"]) if train else None
@@ -245,12 +260,15 @@ def _summary_line(s: dict) -> str:
         return "-" if v is None else format(v, fmt)
 
     speed = next(k for k in s if k.startswith("median_"))
-    text = (f"{s['run_dir']}: {s['steps']} steps, loss {num(s['last_loss'])} (best {num(s['best_loss'])} at step "
-            f"{s['best_step'] if s['best_step'] is not None else '-'})")
+    text = (
+        f"{s['run_dir']}: {s['steps']} steps, loss {num(s['last_loss'])} (best {num(s['best_loss'])} at step "
+        f"{s['best_step'] if s['best_step'] is not None else '-'})"
+    )
     if s["last_eval"]:
         text += ", eval at step {step}: ".format(**s["last_eval"]) + ", ".join(
-            f"{k} {v:.4f}" for k, v in s["last_eval"].items() if k != "step" and isinstance(v, (int, float)))
-    text += f", median {num(s[speed], '.1f')} {speed[len('median_'):].replace('_per_s', '/s')}"
+            f"{k} {v:.4f}" for k, v in s["last_eval"].items() if k != "step" and isinstance(v, (int, float))
+        )
+    text += f", median {num(s[speed], '.1f')} {speed[len('median_') :].replace('_per_s', '/s')}"
     text += f", {s['restarts']} restart(s) costing {s['restart_time_s']:.1f} s of wall time"
     return text
 
@@ -291,8 +309,9 @@ def plot(run_dirs: list[str], out: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m trainer.metrics",
-                                     description="Summarise runs from their metrics.jsonl, and plot them.")
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer.metrics", description="Summarise runs from their metrics.jsonl, and plot them."
+    )
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     parser.add_argument("--plot", metavar="FILE.png", help="plot loss and eval loss against step into this PNG")
     parser.add_argument("--json", action="store_true", help="one JSON object per run instead of a line")

@@ -67,8 +67,10 @@ def horizon(args: OptimArgs, total_steps: int) -> int:
 def schedule_warning(args: OptimArgs, total_steps: int) -> str | None:
     """A line for a schedule that does not do what its numbers suggest, or None."""
     if args.schedule == "warmup_cosine" and total_steps < args.warmup_steps:
-        return (f"train.steps={total_steps} ends inside the warm-up (optim.warmup_steps={args.warmup_steps}): the lr "
-                f"never reaches its peak {args.lr:g}; lower optim.warmup_steps or raise train.steps")
+        return (
+            f"train.steps={total_steps} ends inside the warm-up (optim.warmup_steps={args.warmup_steps}): the lr "
+            f"never reaches its peak {args.lr:g}; lower optim.warmup_steps or raise train.steps"
+        )
     return None
 
 
@@ -77,21 +79,33 @@ def schedule_change(saved: dict, args: OptimArgs, total_steps: int, step: int) -
     run's saved config (`saved`, the checkpoint's config as a dict); None when the schedule is the same."""
     saved_optim, saved_steps = saved.get("optim", {}), saved.get("train", {}).get("steps", total_steps)
     keys = ("schedule", "warmup_steps", "decay_steps", "min_lr_ratio", "step_size", "gamma")
-    changed = [f"optim.{k} {saved_optim[k]} -> {getattr(args, k)}" for k in keys
-               if k in saved_optim and saved_optim[k] != getattr(args, k)]
+    changed = [
+        f"optim.{k} {saved_optim[k]} -> {getattr(args, k)}"
+        for k in keys
+        if k in saved_optim and saved_optim[k] != getattr(args, k)
+    ]
     old_horizon = saved_optim.get("decay_steps") or saved_steps
     if args.schedule == "warmup_cosine" and old_horizon != horizon(args, total_steps):
-        changed.insert(0, f"train.steps {saved_steps} -> {total_steps}" if saved_steps != total_steps else
-                       f"the decay's end {old_horizon} -> {horizon(args, total_steps)}")
+        changed.insert(
+            0,
+            f"train.steps {saved_steps} -> {total_steps}"
+            if saved_steps != total_steps
+            else f"the decay's end {old_horizon} -> {horizon(args, total_steps)}",
+        )
     if not changed:
         return None
     before = _saved_args(saved_optim, args)
     was = args.lr * lr_factor(before, saved_steps, step)
     now = args.lr * lr_factor(args, total_steps, step)
-    line = f"the lr schedule changed ({', '.join(changed)}): the lr at step {step + 1} is {now:.4g} (it would have been {was:.4g})"
+    line = (
+        f"the lr schedule changed ({', '.join(changed)}): the lr at step {step + 1} is {now:.4g} (it would have "
+        f"been {was:.4g})"
+    )
     if args.schedule == "warmup_cosine" and args.decay_steps is None and saved_steps != total_steps:
-        line += (f"; the cosine decay now ends at step {total_steps} instead of {old_horizon}: to keep the original "
-                 f"decay, set optim.decay_steps={old_horizon}")
+        line += (
+            f"; the cosine decay now ends at step {total_steps} instead of {old_horizon}: to keep the original "
+            f"decay, set optim.decay_steps={old_horizon}"
+        )
     return line
 
 

@@ -7,8 +7,9 @@ onto `fully_shard` arguments here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -148,8 +149,12 @@ def average_batchnorm_stats(model: nn.Module) -> None:
     rank's copy) would depend on the rank. The trainer calls this before both. The mean of the
     variances leaves out the spread of the ranks' means, as SyncBatchNorm's running statistics do
     not; num_batches_tracked is the same on every rank (every rank takes every step)."""
-    stats = [buffer for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
-             and m.running_mean is not None for buffer in (m.running_mean, m.running_var)]
+    stats = [
+        buffer
+        for m in model.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None
+        for buffer in (m.running_mean, m.running_var)
+    ]
     if not stats or not dist.is_initialized() or dist.get_world_size() == 1:
         return
     flat = torch.cat([s.flatten().double() for s in stats])

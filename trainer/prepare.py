@@ -68,7 +68,9 @@ def input_files(paths: list[str]) -> list[str]:
         elif os.path.isfile(path):
             files.append(path)
         elif os.path.exists(path):
-            raise PrepareError(f"input {path} is neither a file nor a folder; give text or .jsonl files, or folders of them")
+            raise PrepareError(
+                f"input {path} is neither a file nor a folder; give text or .jsonl files, or folders of them"
+            )
         else:
             raise PrepareError(f"input file {path} not found")
     return files
@@ -91,7 +93,9 @@ def held_out(index: int, fraction: float) -> bool:
 def tokenizer_file(path: str) -> str:
     file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
     if not os.path.isfile(file):
-        raise PrepareError(f"{file} not found; --tokenizer takes a tokenizer.json or a Hugging Face model folder holding one")
+        raise PrepareError(
+            f"{file} not found; --tokenizer takes a tokenizer.json or a Hugging Face model folder holding one"
+        )
     return file
 
 
@@ -109,9 +113,13 @@ def eos_token(path: str, tokenizer, explicit: str | None) -> tuple[str, int]:
         if token_id is not None:
             return name, token_id
     if explicit:
-        raise PrepareError(f"--eos {explicit!r} is not a token of {tokenizer_file(path)}; give one of its special tokens")
-    raise PrepareError(f"{tokenizer_file(path)} has none of the usual end-of-document tokens ({', '.join(EOS_CANDIDATES)}); "
-                       f"name its own with --eos")
+        raise PrepareError(
+            f"--eos {explicit!r} is not a token of {tokenizer_file(path)}; give one of its special tokens"
+        )
+    raise PrepareError(
+        f"{tokenizer_file(path)} has none of the usual end-of-document tokens ({', '.join(EOS_CANDIDATES)}); "
+        f"name its own with --eos"
+    )
 
 
 def documents(files: list[str], text_key: str):
@@ -120,7 +128,9 @@ def documents(files: list[str], text_key: str):
         try:
             yield from _file_documents(file, text_key)
         except UnicodeDecodeError as e:
-            raise PrepareError(f"{file} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8") from None
+            raise PrepareError(
+                f"{file} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8"
+            ) from None
 
 
 def _file_documents(file: str, text_key: str):
@@ -133,8 +143,10 @@ def _file_documents(file: str, text_key: str):
                 try:
                     text = json.loads(line)[text_key]
                 except (json.JSONDecodeError, KeyError, TypeError):
-                    raise PrepareError(f"{file}:{number}: expected a JSON object with a {text_key!r} string; "
-                                       f"fix the line or pass --text-key") from None
+                    raise PrepareError(
+                        f"{file}:{number}: expected a JSON object with a {text_key!r} string; "
+                        f"fix the line or pass --text-key"
+                    ) from None
                 yield text, len(line.encode())
     else:
         with open(file, encoding="utf-8") as f:
@@ -204,8 +216,16 @@ class _Output:
             os.remove(self.tmp)
 
 
-def prepare(files: list[str], tokenizer: str, out: str, workers: int = 1, eos: str | None = None,
-            text_key: str = "text", progress: bool = True, eval_fraction: float = 0.0) -> dict:
+def prepare(
+    files: list[str],
+    tokenizer: str,
+    out: str,
+    workers: int = 1,
+    eos: str | None = None,
+    text_key: str = "text",
+    progress: bool = True,
+    eval_fraction: float = 0.0,
+) -> dict:
     """Tokenize `files` (files or folders) into `out` and its sidecar, and with `eval_fraction` the
     held-out documents into eval_path(out); returns the sidecar's content (the eval file's under "eval")."""
     from tokenizers import Tokenizer
@@ -223,66 +243,106 @@ def prepare(files: list[str], tokenizer: str, out: str, workers: int = 1, eos: s
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     outputs = [_Output(out)] + ([_Output(eval_path(out))] if eval_fraction else [])
     try:
-        with multiprocessing.get_context("spawn").Pool(workers, initializer=_init_worker,
-                                                       initargs=(file, eos_id, dtype)) as pool:
+        with multiprocessing.get_context("spawn").Pool(
+            workers, initializer=_init_worker, initargs=(file, eos_id, dtype)
+        ) as pool:
             for train_ids, eval_ids, train_docs, eval_docs, nbytes in pool.imap(
-                    _encode, chunks(documents(files, text_key), eval_fraction=eval_fraction)):
+                _encode, chunks(documents(files, text_key), eval_fraction=eval_fraction)
+            ):
                 outputs[0].write(train_ids, train_docs)
                 if eval_fraction:
                     outputs[1].write(eval_ids, eval_docs)
                 done += nbytes
                 if progress:
-                    _bar(done / total_bytes, sum(o.tokens for o in outputs), sum(o.docs for o in outputs),
-                         time.monotonic() - started)
+                    _bar(
+                        done / total_bytes,
+                        sum(o.tokens for o in outputs),
+                        sum(o.docs for o in outputs),
+                        time.monotonic() - started,
+                    )
     except BaseException:
         for output in outputs:  # nothing half-written is left under --out's name, nor beside it
             output.discard()
         raise
     if progress:
         print(file=sys.stderr)
-    sidecar = {"tokenizer": os.path.abspath(file), "vocab_size": vocab_size, "dtype": dtype, "eos_token": eos_name,
-               "eos_id": eos_id, "files": [os.path.abspath(f) for f in files]}
+    sidecar = {
+        "tokenizer": os.path.abspath(file),
+        "vocab_size": vocab_size,
+        "dtype": dtype,
+        "eos_token": eos_name,
+        "eos_id": eos_id,
+        "files": [os.path.abspath(f) for f in files],
+    }
     if eval_fraction:
         held = outputs[1].commit({**sidecar, "split": f"eval, {eval_fraction:g} of the documents"})
-        return {**outputs[0].commit({**sidecar, "split": "train", "eval_file": os.path.abspath(eval_path(out))}),
-                "eval": held}
+        return {
+            **outputs[0].commit({**sidecar, "split": "train", "eval_file": os.path.abspath(eval_path(out))}),
+            "eval": held,
+        }
     return outputs[0].commit(sidecar)
 
 
 def _bar(fraction: float, tokens: int, docs: int, seconds: float, width: int = 30) -> None:
     filled = int(width * min(fraction, 1.0))
-    print(f"\r[{'#' * filled}{'.' * (width - filled)}] {100 * fraction:5.1f}%  {docs:,} documents  {tokens:,} tokens  "
-          f"{seconds:.0f}s", end="", file=sys.stderr, flush=True)
+    print(
+        f"\r[{'#' * filled}{'.' * (width - filled)}] {100 * fraction:5.1f}%  {docs:,} documents  {tokens:,} tokens  "
+        f"{seconds:.0f}s",
+        end="",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.prepare", description=__doc__.split("\n")[0])
-    parser.add_argument("files", nargs="+", help="input files: .jsonl (one JSON document per line) or plain text; "
-                        "a folder stands for every file below it")
+    parser.add_argument(
+        "files",
+        nargs="+",
+        help="input files: .jsonl (one JSON document per line) or plain text; a folder stands for every file below it",
+    )
     parser.add_argument("--tokenizer", required=True, help="a tokenizer.json, or a Hugging Face model folder with one")
     parser.add_argument("--out", required=True, help="the token file to write; <out>.json is its sidecar")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizing processes")
-    parser.add_argument("--eos", help="end-of-document token; default: the tokenizer's (tokenizer_config.json or a usual name)")
+    parser.add_argument(
+        "--eos", help="end-of-document token; default: the tokenizer's (tokenizer_config.json or a usual name)"
+    )
     parser.add_argument("--text-key", default="text", help="key of the text in .jsonl lines")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    parser.add_argument("--eval-fraction", type=float, default=0.0,
-                        help="hold out about this fraction of the documents into <out stem>.eval<suffix> (data.eval_path)")
+    parser.add_argument(
+        "--eval-fraction",
+        type=float,
+        default=0.0,
+        help="hold out about this fraction of the documents into <out stem>.eval<suffix> (data.eval_path)",
+    )
     args = parser.parse_args(argv)
     if args.workers < 1:
         print(f"error: --workers is {args.workers}; it must be at least 1", file=sys.stderr)
         return 2
     try:
-        result = prepare(args.files, args.tokenizer, args.out, args.workers, args.eos, args.text_key, not args.no_progress,
-                         args.eval_fraction)
+        result = prepare(
+            args.files,
+            args.tokenizer,
+            args.out,
+            args.workers,
+            args.eos,
+            args.text_key,
+            not args.no_progress,
+            args.eval_fraction,
+        )
     except PrepareError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {result['tokens']:,} tokens of {result['documents']:,} documents to {args.out} ({result['dtype']}, "
-          f"largest id {result['max_id']}, vocabulary {result['vocab_size']})")
+    print(
+        f"wrote {result['tokens']:,} tokens of {result['documents']:,} documents to {args.out} ({result['dtype']}, "
+        f"largest id {result['max_id']}, vocabulary {result['vocab_size']})"
+    )
     if "eval" in result:
         held = result["eval"]
-        print(f"held out {held['tokens']:,} tokens of {held['documents']:,} documents in {eval_path(args.out)}: "
-              f"set data.eval_path={eval_path(args.out)}")
+        print(
+            f"held out {held['tokens']:,} tokens of {held['documents']:,} documents in {eval_path(args.out)}: "
+            f"set data.eval_path={eval_path(args.out)}"
+        )
     return 0
 
 

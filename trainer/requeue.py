@@ -31,8 +31,12 @@ def cancelled(job_id):
     While such a job completes, Slurm (22.05) still shows JobState=COMPLETING, not CANCELLED; what
     tells it apart is an EndTime already passed with no PreemptTime. A preempted job has a
     PreemptTime, and a job warned before its time limit an EndTime still ahead: those are requeued."""
-    out = subprocess.run(["scontrol", "show", "job", "-o", str(job_id)], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, universal_newlines=True)
+    out = subprocess.run(
+        ["scontrol", "show", "job", "-o", str(job_id)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        universal_newlines=True,
+    )
     fields = dict(re.findall(r"(\w+)=(\S*)", out.stdout))
     state = fields.get("JobState", "")
     if state.startswith(("CANCELLED", "TIMEOUT")):
@@ -62,13 +66,20 @@ def requeue_check(run_dir, exit_code, max_attempts, job_id):
         print("{} training finished at step {}; {}".format(prefix, latest, run_dir), flush=True)
         return 0
     if exit_code == BAD_INPUT:
-        print("{} NOT requeued: the training step stopped on bad input (exit code 2, the line above says "
-              "what); fix it and submit again with the same RUN_DIR ({})".format(prefix, where),
-              file=sys.stderr, flush=True)
+        print(
+            "{} NOT requeued: the training step stopped on bad input (exit code 2, the line above says "
+            "what); fix it and submit again with the same RUN_DIR ({})".format(prefix, where),
+            file=sys.stderr,
+            flush=True,
+        )
         return BAD_INPUT
     if exit_code == LEASE_LOST:
-        print("{} NOT requeued: another run took over the run dir's lease (exit code 3, the line above says "
-              "which); two runs must not share a RUN_DIR ({})".format(prefix, run_dir), file=sys.stderr, flush=True)
+        print(
+            "{} NOT requeued: another run took over the run dir's lease (exit code 3, the line above says "
+            "which); two runs must not share a RUN_DIR ({})".format(prefix, run_dir),
+            file=sys.stderr,
+            flush=True,
+        )
         return LEASE_LOST
 
     state_file = os.path.join(run_dir, "slurm", "requeue.json")
@@ -86,16 +97,22 @@ def requeue_check(run_dir, exit_code, max_attempts, job_id):
         json.dump({"job_id": job_id, "step": latest, "attempts_without_progress": attempts}, f)
 
     if attempts >= max_attempts:
-        print("{} NOT requeued: {} attempts in a row saved no new checkpoint ({}, last exit code {}). Read "
-              "the log above, fix the cause, then submit again with the same RUN_DIR to resume."
-              .format(prefix, attempts, where, exit_code), file=sys.stderr, flush=True)
+        print(
+            "{} NOT requeued: {} attempts in a row saved no new checkpoint ({}, last exit code {}). Read "
+            "the log above, fix the cause, then submit again with the same RUN_DIR to resume.".format(
+                prefix, attempts, where, exit_code
+            ),
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
     if cancelled(job_id):
         print("{} cancelled or at its time limit; not requeued ({})".format(prefix, where), flush=True)
         return 0
     print("{} stopped at {} (exit code {}); requeueing".format(prefix, where, exit_code), flush=True)
-    result = subprocess.run(["scontrol", "requeue", str(job_id)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            universal_newlines=True)
+    result = subprocess.run(
+        ["scontrol", "requeue", str(job_id)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True
+    )
     if result.returncode != 0:
         print("{} scontrol requeue failed: {}".format(prefix, result.stderr.strip()), file=sys.stderr, flush=True)
         return 1

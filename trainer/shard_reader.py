@@ -53,9 +53,15 @@ from trainer import checksums
 
 # The storage classes a pickled tensor names, by dtype (torch.serialization's own list).
 _STORAGE_DTYPES = {
-    "FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
-    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
+    "FloatStorage": torch.float32,
+    "DoubleStorage": torch.float64,
+    "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16,
+    "LongStorage": torch.int64,
+    "IntStorage": torch.int32,
+    "ShortStorage": torch.int16,
+    "CharStorage": torch.int8,
+    "ByteStorage": torch.uint8,
     "BoolStorage": torch.bool,
 }
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # a zip local file header (PKWARE APPNOTE 4.3.7)
@@ -69,6 +75,7 @@ _BLOCK_BYTES = 16 << 20  # the read-ahead's read size
 @dataclasses.dataclass(frozen=True)
 class _Stored:
     """Where and how one archived tensor's bytes lie in its file."""
+
     start: int  # file offset of the first byte of the tensor's data
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -108,9 +115,12 @@ class ShardReader(FileSystemReader):
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         for items in per_file.values():
             items.sort(key=lambda i: self.storage_data[i.storage_index].offset)
-        spans = {os.path.join(self.path, path): [(self.storage_data[i.storage_index].offset,
-                                                  self.storage_data[i.storage_index].length) for i in items]
-                 for path, items in per_file.items()}
+        spans = {
+            os.path.join(self.path, path): [
+                (self.storage_data[i.storage_index].offset, self.storage_data[i.storage_index].length) for i in items
+            ]
+            for path, items in per_file.items()
+        }
         checked = [os.path.join(self.path, name) for name in self.checked_here()]
         spans.update({path: [] for path in checked if path not in spans})  # last: read only to be checked
         rest: list[ReadItem] = []
@@ -137,8 +147,13 @@ class ShardReader(FileSystemReader):
         # Written in place only where its bytes are exactly the flat data: PyTorch calls a tensor
         # contiguous whose flat view still has another stride (one element viewed with stride 2),
         # and a negative or conjugate view holds its values with a flag the bytes do not carry.
-        direct = (target.device.type == "cpu" and target.is_contiguous() and target.reshape(-1).stride() == (1,)
-                  and not target.is_neg() and not target.is_conj())
+        direct = (
+            target.device.type == "cpu"
+            and target.is_contiguous()
+            and target.reshape(-1).stride() == (1,)
+            and not target.is_neg()
+            and not target.is_conj()
+        )
         dest = target if direct else torch.empty(stored.shape, dtype=stored.dtype)
         _read_exactly(f, stored.start, dest)
         if not _is_descriptor(f.read(24), dest.nbytes):  # the zip agrees where the data ends
@@ -160,14 +175,27 @@ def _layout(name: str) -> torch.layout:
 # Everything DCP's .metadata is made of (torch 2.x): its dataclasses, torch.Size, dtypes and layouts
 # (torch.layout pickles through torch.serialization._get_layout) and the checkpoint's path.
 _METADATA_CLASSES = {
-    **{("torch.distributed.checkpoint.metadata", name): getattr(dcp_metadata, name) for name in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
-        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")},
+    **{
+        ("torch.distributed.checkpoint.metadata", name): getattr(dcp_metadata, name)
+        for name in (
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "_MEM_FORMAT_ENCODING",
+        )
+    },
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
     ("torch", "Size"): torch.Size,
     ("torch.serialization", "_get_layout"): _layout,
-    **{(module, name): getattr(pathlib, name) for module in ("pathlib", "pathlib._local")
-       for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")},
+    **{
+        (module, name): getattr(pathlib, name)
+        for module in ("pathlib", "pathlib._local")
+        for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")
+    },
 }
 
 
@@ -193,14 +221,20 @@ def load_metadata(path: str | os.PathLike) -> dcp_metadata.Metadata:
         try:
             metadata = _MetadataPickle(f).load()
         except Refused as e:
-            raise Refused(f"{os.path.basename(path)} is refused: {e}, which is not part of DCP's checkpoint metadata; "
-                          f"load it only if you trust where it came from") from None
+            raise Refused(
+                f"{os.path.basename(path)} is refused: {e}, which is not part of DCP's checkpoint metadata; "
+                f"load it only if you trust where it came from"
+            ) from None
     if not isinstance(metadata, dcp_metadata.Metadata) or not isinstance(metadata.storage_data, dict):
-        raise Refused(f"{os.path.basename(path)} is refused: it holds a {type(metadata).__name__}, not DCP's checkpoint metadata")
+        raise Refused(
+            f"{os.path.basename(path)} is refused: it holds a {type(metadata).__name__}, not DCP's checkpoint metadata"
+        )
     for info in metadata.storage_data.values():  # DCP's shard files lie in the checkpoint folder itself
         name = getattr(info, "relative_path", None)
         if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
-            raise Refused(f"{os.path.basename(path)} is refused: it names shard file {name!r}, not a file of its folder")
+            raise Refused(
+                f"{os.path.basename(path)} is refused: it names shard file {name!r}, not a file of its folder"
+            )
     return metadata
 
 
@@ -221,8 +255,10 @@ class _PlainBytes:
             plain = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:
             named = re.search(r"GLOBAL (\S+) was not an allowed global", str(e))
-            raise Refused(f"{self.storage_data[item.storage_index].relative_path}: item {item.dest_index.fqn} is refused: "
-                          f"{f'it names {named.group(1)}' if named else 'it is not plain data'}, which plain data never does") from None
+            raise Refused(
+                f"{self.storage_data[item.storage_index].relative_path}: item {item.dest_index.fqn} is refused: "
+                f"{f'it names {named.group(1)}' if named else 'it is not plain data'}, which plain data never does"
+            ) from None
         value = io.BytesIO()
         torch.save(plain, value)
         value.seek(0)
@@ -260,7 +296,7 @@ def _locate(f, offset: int, length: int) -> _Stored | None:
     pos = 0
     while pos + _LOCAL_HEADER.size <= len(head):
         sig, _, _, flags, method, _, _, _, size, _, name_len, extra_len = _LOCAL_HEADER.unpack_from(head, pos)
-        name = head[pos + _LOCAL_HEADER.size:pos + _LOCAL_HEADER.size + name_len].decode(errors="replace")
+        name = head[pos + _LOCAL_HEADER.size : pos + _LOCAL_HEADER.size + name_len].decode(errors="replace")
         start = pos + _LOCAL_HEADER.size + name_len + extra_len
         if sig != _LOCAL_SIG or method != zipfile.ZIP_STORED or start > len(head):
             return None
@@ -294,7 +330,8 @@ def _descriptor(head: bytes, start: int) -> tuple[int | None, int]:
 def _is_descriptor(tail: bytes, nbytes: int) -> bool:
     """Whether `tail`, read right after a record's data, is the descriptor of `nbytes` of data."""
     return tail[:4] == _DESCRIPTOR_SIG and any(
-        len(tail) >= 8 + sizes.size and sizes.unpack_from(tail, 8) == (nbytes, nbytes) for sizes in _DESCRIPTOR_SIZES)
+        len(tail) >= 8 + sizes.size and sizes.unpack_from(tail, 8) == (nbytes, nbytes) for sizes in _DESCRIPTOR_SIZES
+    )
 
 
 def _tensor(records: dict[str, bytes], name: str, start: int, end: int) -> _Stored | None:
@@ -305,9 +342,14 @@ def _tensor(records: dict[str, bytes], name: str, start: int, end: int) -> _Stor
         key, dtype, numel, storage_offset, shape, stride = _TensorPickle(io.BytesIO(records["data.pkl"])).load()
     except (_NotPlain, pickle.UnpicklingError, TypeError, ValueError):
         return None
-    contiguous = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-    if (name != f"data/{key}" or storage_offset != 0 or numel != math.prod(shape) or stride != contiguous
-            or start + numel * dtype.itemsize > end):
+    contiguous = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    if (
+        name != f"data/{key}"
+        or storage_offset != 0
+        or numel != math.prod(shape)
+        or stride != contiguous
+        or start + numel * dtype.itemsize > end
+    ):
         return None
     return _Stored(start, dtype, shape)
 
@@ -329,8 +371,9 @@ class _ReadAhead:
         self.verified = {path: checksums.record(path) for path in check}
         self.verified = {path: want for path, want in self.verified.items() if want is not None}
         # file -> its (offset, length)s, in the order the load reads them; whole for verified files
-        self.spans = {path: [(0, self.verified[path]["size"])] if path in self.verified else s
-                      for path, s in spans.items()}
+        self.spans = {
+            path: [(0, self.verified[path]["size"])] if path in self.verified else s for path, s in spans.items()
+        }
         self.ahead = ahead
         self.done = 0  # bytes of `spans` the load has finished
         self.read = 0  # bytes of `spans` read ahead
@@ -428,11 +471,13 @@ class _ReadAhead:
                     n = f.readinto(block[:n])
                     if not n:
                         break
-                h.update(view[pos:pos + n] if m is not None else block[:n])
+                h.update(view[pos : pos + n] if m is not None else block[:n])
                 self.read += n
                 pos += n
                 hashed = pos // mmap.PAGESIZE * mmap.PAGESIZE
-                if m is not None and hashed - unmapped >= _BLOCK_BYTES:  # out of this process's RSS (Slurm counts it), still cached
+                if (
+                    m is not None and hashed - unmapped >= _BLOCK_BYTES
+                ):  # out of this process's RSS (Slurm counts it), still cached
                     m.madvise(mmap.MADV_DONTNEED, unmapped, hashed - unmapped)
                     unmapped = hashed
         self.read = max(self.read, end)

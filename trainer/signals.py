@@ -83,4 +83,3 @@ def stop_with_launcher() -> None:
 def pending() -> bool:
     """Whether this process has received a stop signal: its own answer, before the ranks agree."""
     return _received is not None
-

@@ -27,7 +27,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 import time
@@ -91,16 +90,22 @@ def query_partition(name: str | None) -> Partition:
             raise SubmitError("this cluster has no default partition; choose one with PARTITION=")
     elif name not in names:
         raise SubmitError(f"PARTITION={name}: unknown partition (this cluster has: {', '.join(sorted(set(names)))})")
-    nodes = [line.split() for line in _run(["sinfo", "-h", "-N", "-p", name, "-o", "%N %G %c"]).splitlines() if line.strip()]
+    nodes = [
+        line.split() for line in _run(["sinfo", "-h", "-N", "-p", name, "-o", "%N %G %c"]).splitlines() if line.strip()
+    ]
     if not nodes:
         raise SubmitError(f"PARTITION={name} has no nodes")
     info = _run(["scontrol", "show", "partition", name, "-o"])
     grace = re.search(r"\bGraceTime=(\d+)", info)
     preemptable = re.search(r"\bPreemptMode=(\S+)", info)
     preempted = preemptable is not None and preemptable.group(1) not in ("OFF", "NONE")
-    return Partition(name, min(gres_gpus(g) for _, g, _ in nodes), min(int(c.rstrip("+")) for _, _, c in nodes),
-                     int(grace.group(1)) if grace and preempted else None,
-                     tuple(sorted(set().union(*(gres_gpu_types(g) for _, g, _ in nodes)))))
+    return Partition(
+        name,
+        min(gres_gpus(g) for _, g, _ in nodes),
+        min(int(c.rstrip("+")) for _, _, c in nodes),
+        int(grace.group(1)) if grace and preempted else None,
+        tuple(sorted(set().union(*(gres_gpu_types(g) for _, g, _ in nodes)))),
+    )
 
 
 def has_pyxis() -> bool:
@@ -188,15 +193,17 @@ def container_image(text: str, runtime: str | None) -> tuple[str, str]:
     if is_file:
         path = Path(text).expanduser().resolve()
         if not path.is_file():
-            raise SubmitError(f"CONTAINER={text}: no such file (give an image file, or a registry reference such as "
-                              f"nvcr.io#nvidia/pytorch:25.01-py3)")
+            raise SubmitError(
+                f"CONTAINER={text}: no such file (give an image file, or a registry reference such as "
+                f"nvcr.io#nvidia/pytorch:25.01-py3)"
+            )
         runtime = runtime or ("apptainer" if text.endswith(".sif") else "pyxis")
         return str(path), runtime
     runtime = runtime or "pyxis"
     if not re.fullmatch(r"(docker://)?[\w.\-/:#@]+", text):
         raise SubmitError(f"CONTAINER={text}: not an image file or registry reference")
     if runtime == "pyxis" and text.startswith("docker://"):
-        ref = text[len("docker://"):]
+        ref = text[len("docker://") :]
         first, sep, rest = ref.partition("/")
         if sep and ("." in first or ":" in first or first == "localhost"):  # a registry host
             ref = f"{first}#{rest}"
@@ -225,8 +232,10 @@ def choose_run_dir(given: str, from_args: list[str], config: Path) -> tuple[Path
         raise SubmitError(str(e)) from None
     if in_config:
         return Path(str(in_config)).expanduser().resolve(), f"run_dir in {config.name}"
-    return ((REPO_DIR / "runs" / f"{config.stem}-{time.strftime('%Y%m%d-%H%M%S')}").resolve(),
-            "a new folder: neither RUN_DIR, ARGS run_dir= nor the config names one")
+    return (
+        (REPO_DIR / "runs" / f"{config.stem}-{time.strftime('%Y%m%d-%H%M%S')}").resolve(),
+        "a new folder: neither RUN_DIR, ARGS run_dir= nor the config names one",
+    )
 
 
 def check_run_dir_text(run_dir: Path, launcher: str) -> None:
@@ -236,19 +245,26 @@ def check_run_dir_text(run_dir: Path, launcher: str) -> None:
     characters that need no quoting pass."""
     text = str(run_dir)
     if bad := re.search(r"[\x00-\x1f\x7f]", text):
-        raise SubmitError(f"RUN_DIR={text!r}: a control character ({bad.group()!r}) cannot stand in the batch "
-                          f"script's #SBATCH lines; choose a folder name without one")
+        raise SubmitError(
+            f"RUN_DIR={text!r}: a control character ({bad.group()!r}) cannot stand in the batch "
+            f"script's #SBATCH lines; choose a folder name without one"
+        )
     for char, name in (("%", "a '%'"), ("\\", "a backslash")):
         if char in text:
-            raise SubmitError(f"RUN_DIR={text!r}: {name}, which Slurm's log file name (#SBATCH --output) reads as "
-                              f"a pattern; choose a folder name without one")
+            raise SubmitError(
+                f"RUN_DIR={text!r}: {name}, which Slurm's log file name (#SBATCH --output) reads as "
+                f"a pattern; choose a folder name without one"
+            )
     if launcher == "submitit" and re.search(r"[^\w@+=:,./-]", text):
-        raise SubmitError(f"RUN_DIR={text!r}: submitit writes it into #SBATCH lines quoted for the shell, which "
-                          f"sbatch does not read; use letters, digits and @+=:,./- only, or LAUNCHER=sbatch")
+        raise SubmitError(
+            f"RUN_DIR={text!r}: submitit writes it into #SBATCH lines quoted for the shell, which "
+            f"sbatch does not read; use letters, digits and @+=:,./- only, or LAUNCHER=sbatch"
+        )
 
 
 def parse_job(args: argparse.Namespace, partition: Partition) -> Job:
     """Check every input that can be checked on the login node; raise SubmitError."""
+
     def number(name: str, text: str, minimum: int) -> int:
         if not re.fullmatch(r"\d+", text or "") or int(text) < minimum:
             raise SubmitError(f"{name}={text!r}: expected a whole number >= {minimum}")
@@ -260,20 +276,33 @@ def parse_job(args: argparse.Namespace, partition: Partition) -> Job:
             return have, why_default
         value = number(name, text, minimum)
         if value > have:
-            raise SubmitError(f"{name}={value} but the nodes of partition {partition.name} have {have} {unit}; "
-                              f"use {name}={have} or fewer")
+            raise SubmitError(
+                f"{name}={value} but the nodes of partition {partition.name} have {have} {unit}; "
+                f"use {name}={have} or fewer"
+            )
         return value, name
 
     reasons = {}
     nodes = number("NODES", args.nodes, 1)
     gpus, reasons["gpus_per_node"] = per_node(
-        "GPUS_PER_NODE", args.gpus_per_node, 0, partition.gpus_per_node, "GPU(s) each (gres)",
-        f"every GPU of a node of partition {partition.name} (gres gpu:{partition.gpus_per_node})" if partition.gpus_per_node
-        else f"partition {partition.name} declares no GPUs: one CPU process per node")
+        "GPUS_PER_NODE",
+        args.gpus_per_node,
+        0,
+        partition.gpus_per_node,
+        "GPU(s) each (gres)",
+        f"every GPU of a node of partition {partition.name} (gres gpu:{partition.gpus_per_node})"
+        if partition.gpus_per_node
+        else f"partition {partition.name} declares no GPUs: one CPU process per node",
+    )
     cpus, reasons["cpus_per_node"] = per_node(
-        "CPUS_PER_NODE", args.cpus_per_node, 1, partition.cpus_per_node, "CPUs each",
+        "CPUS_PER_NODE",
+        args.cpus_per_node,
+        1,
+        partition.cpus_per_node,
+        "CPUs each",
         f"all CPUs of a node of partition {partition.name}: the launcher, its {gpus or 1} rank(s) and their data "
-        f"loaders share them")
+        f"loaders share them",
+    )
     warn = number("WARN", args.warn_seconds, 1)
     max_attempts = number("MAX_ATTEMPTS", args.max_attempts, 1)
     config = Path(args.config).resolve()
@@ -304,8 +333,10 @@ def parse_job(args: argparse.Namespace, partition: Partition) -> Job:
             raise SubmitError("CONTAINER is supported by the sbatch launcher only (LAUNCHER=sbatch)")
         for path, what in ((run_dir, "RUN_DIR"), (REPO_DIR, "the repository")):
             if re.search(r"[,:]", str(path)):
-                raise SubmitError(f"{what} {path}: ',' and ':' separate the container's mounts (--container-mounts, "
-                                  f"--bind); choose a folder without them")
+                raise SubmitError(
+                    f"{what} {path}: ',' and ':' separate the container's mounts (--container-mounts, "
+                    f"--bind); choose a folder without them"
+                )
     else:  # the nodes run this checkout and this interpreter: say so if they look out of their reach
         for path, what in ((REPO_DIR, "the repository"), (Path(sys.executable).parent, "the Python environment")):
             try:
@@ -314,10 +345,23 @@ def parse_job(args: argparse.Namespace, partition: Partition) -> Job:
                 print(f"submit: warning: {e}; if they cannot, the job fails at start", file=sys.stderr)
     if args.net_if and not re.fullmatch(r"[\w.\-:^,]+", args.net_if):
         raise SubmitError(f"NET_IF={args.net_if!r}: not an interface name (e.g. ib0, or ^docker,lo to exclude)")
-    return Job(nodes=nodes, gpus_per_node=gpus, cpus_per_node=cpus, config=config, run_dir=run_dir,
-               overrides=overrides, time=time_limit, partition=args.partition or None,
-               container=container, runtime=runtime, net_if=args.net_if or None, warn_seconds=warn,
-               max_attempts=max_attempts, reasons=reasons, gpu_mem_gb=args.gpu_mem_gb)
+    return Job(
+        nodes=nodes,
+        gpus_per_node=gpus,
+        cpus_per_node=cpus,
+        config=config,
+        run_dir=run_dir,
+        overrides=overrides,
+        time=time_limit,
+        partition=args.partition or None,
+        container=container,
+        runtime=runtime,
+        net_if=args.net_if or None,
+        warn_seconds=warn,
+        max_attempts=max_attempts,
+        reasons=reasons,
+        gpu_mem_gb=args.gpu_mem_gb,
+    )
 
 
 def gpu_memory(job: Job, partition: Partition) -> tuple[int | None, str]:
@@ -335,13 +379,17 @@ def gpu_memory(job: Job, partition: Partition) -> tuple[int | None, str]:
             raise SubmitError(f"GPU_MEM_GB={job.gpu_mem_gb!r}: give the memory of one GPU in GB, e.g. 80")
         return int(value * 1e9), f"GPU_MEM_GB={job.gpu_mem_gb}"
     if not partition.gpu_types:
-        return None, (f"not checked: the nodes of partition {partition.name} name no GPU type in gres, so their "
-                      f"memory is unknown; give it to check: GPU_MEM_GB=80 (--gpu-mem-gb)")
+        return None, (
+            f"not checked: the nodes of partition {partition.name} name no GPU type in gres, so their "
+            f"memory is unknown; give it to check: GPU_MEM_GB=80 (--gpu-mem-gb)"
+        )
     known = {t: gpu_type_bytes(t) for t in partition.gpu_types}
     unknown = [t for t, b in known.items() if b is None]
     if unknown:
-        return None, (f"not checked: partition {partition.name} has GPUs of type {', '.join(unknown)} (gres), whose "
-                      f"memory trainer.memory does not know; give it to check: GPU_MEM_GB=80 (--gpu-mem-gb)")
+        return None, (
+            f"not checked: partition {partition.name} has GPUs of type {', '.join(unknown)} (gres), whose "
+            f"memory trainer.memory does not know; give it to check: GPU_MEM_GB=80 (--gpu-mem-gb)"
+        )
     smallest = min(known, key=known.get)
     return known[smallest], f"{smallest} (gres of partition {partition.name})"
 
@@ -359,8 +407,9 @@ def _check_gpu_memory(job: Job, partition: Partition, cfg, world: int) -> None:
         need = memory.preflight(cfg, world, job.gpus_per_node, have, what, nodes=job.nodes, nodes_option="NODES={}")
     except ConfigError as e:
         raise ConfigError(f"{job.config}: {e}") from None
-    job.reasons["memory"] = (f"about {memory.gb(need.total)} per GPU estimated, of the {memory.gb(have)} of {what} "
-                             f"({need.total / have:.0%})")
+    job.reasons["memory"] = (
+        f"about {memory.gb(need.total)} per GPU estimated, of the {memory.gb(have)} of {what} ({need.total / have:.0%})"
+    )
     job.memory = need.breakdown("    ")
 
 
@@ -388,8 +437,10 @@ def check_config(job: Job, partition: Partition | None = None, planning: bool = 
     budget = signals.shutdown_budget(job.warn_seconds)
     if budget < estimate:
         need = int(estimate) + signals.EXIT_MARGIN_S + 1
-        raise SubmitError(f"WARN={job.warn_seconds} leaves the ranks {budget} s to save, but one save takes about "
-                          f"{estimate:.0f} s ({how}); use --warn-seconds {need} or more")
+        raise SubmitError(
+            f"WARN={job.warn_seconds} leaves the ranks {budget} s to save, but one save takes about "
+            f"{estimate:.0f} s ({how}); use --warn-seconds {need} or more"
+        )
     job.reasons["save"] = f"about {estimate:.1f} s per save ({how}); the ranks get {budget} s after the warning"
     return estimate
 
@@ -406,8 +457,9 @@ def sbatch_quote(value: str) -> str:
     return re.sub(r'([\s"#\\])', r"\\\1", value)
 
 
-def render_sbatch(job: Job, repo_dir: Path = REPO_DIR, python: str = sys.executable,
-                  host_python: str = "python3") -> str:
+def render_sbatch(
+    job: Job, repo_dir: Path = REPO_DIR, python: str = sys.executable, host_python: str = "python3"
+) -> str:
     """The batch script for job. Lines whose only placeholder is empty are left out.
 
     Every value is quoted for where it lands: on #SBATCH lines as sbatch reads them, elsewhere as a
@@ -417,12 +469,24 @@ def render_sbatch(job: Job, repo_dir: Path = REPO_DIR, python: str = sys.executa
     if job.runtime == "apptainer":
         nv = ["--nv"] if job.gpus_per_node else []
         container_options = ""
-        container_exec = " ".join(["apptainer", "exec", *nv, "--bind", q(f"{repo_dir},{job.run_dir}"),
-                                   "--pwd", q(str(repo_dir)), q(job.container)])
+        container_exec = " ".join(
+            [
+                "apptainer",
+                "exec",
+                *nv,
+                "--bind",
+                q(f"{repo_dir},{job.run_dir}"),
+                "--pwd",
+                q(str(repo_dir)),
+                q(job.container),
+            ]
+        )
     elif job.runtime == "pyxis":
-        container_options = (f"--container-image={q(job.container)} "
-                             f"--container-mounts={q(f'{repo_dir}:{repo_dir},{job.run_dir}:{job.run_dir}')} "
-                             f"--container-workdir={q(str(repo_dir))}")
+        container_options = (
+            f"--container-image={q(job.container)} "
+            f"--container-mounts={q(f'{repo_dir}:{repo_dir},{job.run_dir}:{job.run_dir}')} "
+            f"--container-workdir={q(str(repo_dir))}"
+        )
         container_exec = ""
     else:
         container_options = container_exec = ""
@@ -453,8 +517,11 @@ def render_sbatch(job: Job, repo_dir: Path = REPO_DIR, python: str = sys.executa
     for line in TEMPLATE.read_text().splitlines():
         names = re.findall(r"\{\{(\w+)\}\}", line)
         text = {n: words[n] if n in words else values[n] for n in names}
-        if names and all(text[n] == "" for n in names) and re.fullmatch(
-                r"\s*(#SBATCH --[\w-]+=)?(\{\{\w+\}\}\s*)+\\?", line):
+        if (
+            names
+            and all(text[n] == "" for n in names)
+            and re.fullmatch(r"\s*(#SBATCH --[\w-]+=)?(\{\{\w+\}\}\s*)+\\?", line)
+        ):
             continue
         sbatch_line = line.startswith("#SBATCH")
         for n in names:
@@ -471,21 +538,44 @@ def describe(job: Job, partition: Partition) -> str:
     rows = [
         ("nodes", str(job.nodes), "NODES"),
         ("GPUs per node", str(job.gpus_per_node), job.reasons.get("gpus_per_node", "")),
-        ("ranks", f"{job.nodes * job.nproc_per_node} ({job.nodes} x {job.nproc_per_node})", "one per GPU, or one per node without GPUs"),
+        (
+            "ranks",
+            f"{job.nodes * job.nproc_per_node} ({job.nodes} x {job.nproc_per_node})",
+            "one per GPU, or one per node without GPUs",
+        ),
         ("CPUs per node", str(job.cpus_per_node), job.reasons.get("cpus_per_node", "")),
-        ("memory", "all of each node (--mem=0)", "whole nodes (--exclusive): one job per node; EDIT the script on sites that share nodes"),
-        ("partition", job.partition or f"{partition.name} (default)", "PARTITION" if job.partition else "the cluster's default"),
+        (
+            "memory",
+            "all of each node (--mem=0)",
+            "whole nodes (--exclusive): one job per node; EDIT the script on sites that share nodes",
+        ),
+        (
+            "partition",
+            job.partition or f"{partition.name} (default)",
+            "PARTITION" if job.partition else "the cluster's default",
+        ),
         ("time limit", job.time or "the partition's default", "TIME" if job.time else "no TIME given"),
-        ("stop warning", f"SIGUSR1 {job.warn_seconds} s before the limit", f"WARN; the ranks get {signals.shutdown_budget(job.warn_seconds)} s "
-                                                                      f"to save, {signals.EXIT_MARGIN_S} s stay for the requeue check"),
-        ("preemption", f"GraceTime {partition.grace_time_s} s" if partition.grace_time_s is not None else "not preemptable",
-         f"partition {partition.name}"),
+        (
+            "stop warning",
+            f"SIGUSR1 {job.warn_seconds} s before the limit",
+            f"WARN; the ranks get {signals.shutdown_budget(job.warn_seconds)} s "
+            f"to save, {signals.EXIT_MARGIN_S} s stay for the requeue check",
+        ),
+        (
+            "preemption",
+            f"GraceTime {partition.grace_time_s} s" if partition.grace_time_s is not None else "not preemptable",
+            f"partition {partition.name}",
+        ),
         ("GPU memory", job.reasons.get("memory", "not checked (no GPUs)"), ""),
         ("checkpoint save", job.reasons.get("save", "not estimated"), ""),
         ("network", job.net_if or "NCCL's and gloo's own choice", "NET_IF" if job.net_if else "no NET_IF given"),
         ("container", f"{job.container} ({job.runtime})" if job.container else "none: this checkout and venv", ""),
-        ("run dir", str(job.run_dir), f"{job.reasons.get('run_dir', 'given')}; must be on a filesystem every node "
-                                      f"sees; checked on the nodes at start"),
+        (
+            "run dir",
+            str(job.run_dir),
+            f"{job.reasons.get('run_dir', 'given')}; must be on a filesystem every node "
+            f"sees; checked on the nodes at start",
+        ),
     ]
     width = max(len(r[0]) for r in rows)
     return "\n".join(f"  {name:<{width}}  {value}" + (f"   [{why}]" if why else "") for name, value, why in rows)
@@ -528,10 +618,17 @@ class LaunchTask:
         port = self._rendezvous_port(env)
         from trainer import launch
 
-        code = launch.main([f"--nnodes={env.num_nodes}", f"--node-rank={env.node}",
-                            f"--nproc-per-node={self.job.nproc_per_node}",
-                            f"--rdzv-endpoint={env.hostnames[0]}:{port}", f"--rdzv-id={env.job_id}",
-                            f"--grace-seconds={self.job.warn_seconds}", *self.job.train_args()])
+        code = launch.main(
+            [
+                f"--nnodes={env.num_nodes}",
+                f"--node-rank={env.node}",
+                f"--nproc-per-node={self.job.nproc_per_node}",
+                f"--rdzv-endpoint={env.hostnames[0]}:{port}",
+                f"--rdzv-id={env.job_id}",
+                f"--grace-seconds={self.job.warn_seconds}",
+                *self.job.train_args(),
+            ]
+        )
         if env.global_rank == 0:
             status = requeue_check(self.job.run_dir, code, self.job.max_attempts, env.job_id.split("_")[0])
             from trainer import layout
@@ -558,8 +655,10 @@ class LaunchTask:
         deadline = time.time() + 120
         while not path.is_file():
             if time.time() > deadline:
-                raise RuntimeError(f"task {env.global_rank}: no rendezvous port from task 0 in {path} after 120 s; "
-                                   f"is the run dir on a filesystem every node sees?")
+                raise RuntimeError(
+                    f"task {env.global_rank}: no rendezvous port from task 0 in {path} after 120 s; "
+                    f"is the run dir on a filesystem every node sees?"
+                )
             time.sleep(0.5)
         return json.loads(path.read_text())["port"]
 
@@ -579,10 +678,16 @@ def submit_submitit(job: Job) -> str:
     folder = job.run_dir / "slurm" / "submitit"
     executor = submitit.AutoExecutor(folder=folder, cluster="slurm")
     srun_args = ["--open-mode=append", f"--cpus-per-task={job.cpus_per_node}"]  # appended logs after a requeue
-    params = dict(nodes=job.nodes, tasks_per_node=1, cpus_per_task=job.cpus_per_node,
-                  timeout_min=_submitit_minutes(job.time), name=f"train-{job.run_dir.name}",
-                  slurm_signal_delay_s=job.warn_seconds, slurm_srun_args=srun_args,
-                  slurm_additional_parameters={"requeue": True, "exclusive": True, "mem": "0"})
+    params = dict(
+        nodes=job.nodes,
+        tasks_per_node=1,
+        cpus_per_task=job.cpus_per_node,
+        timeout_min=_submitit_minutes(job.time),
+        name=f"train-{job.run_dir.name}",
+        slurm_signal_delay_s=job.warn_seconds,
+        slurm_srun_args=srun_args,
+        slurm_additional_parameters={"requeue": True, "exclusive": True, "mem": "0"},
+    )
     if job.gpus_per_node:
         params["gpus_per_node"] = job.gpus_per_node
     if job.partition:
@@ -611,11 +716,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--time", default="", help="Slurm time limit; empty: the partition's default")
     p.add_argument("--partition", default="", help="empty: the cluster's default partition")
     p.add_argument("--container", default="", help=".sqsh or .sif file, or a registry image reference")
-    p.add_argument("--container-runtime", default="", choices=["", "pyxis", "apptainer"],
-                   help="empty: apptainer for .sif files, pyxis otherwise")
+    p.add_argument(
+        "--container-runtime",
+        default="",
+        choices=["", "pyxis", "apptainer"],
+        help="empty: apptainer for .sif files, pyxis otherwise",
+    )
     p.add_argument("--net-if", default="", help="network interface for NCCL and gloo (e.g. ib0); empty: their choice")
     p.add_argument("--launcher", default="sbatch", choices=["sbatch", "submitit"])
-    p.add_argument("--gpu-mem-gb", default="", help="memory of one GPU in GB; empty: from the partition's GPU type (gres)")
+    p.add_argument(
+        "--gpu-mem-gb", default="", help="memory of one GPU in GB; empty: from the partition's GPU type (gres)"
+    )
     p.add_argument("--warn-seconds", default="120", help="time-limit warning, seconds before the limit")
     p.add_argument("--max-attempts", default="3", help="attempts without a new checkpoint before giving up")
     p.add_argument("--dry-run", action="store_true", help="print the resources and the batch script; submit nothing")
@@ -630,8 +741,10 @@ def main(argv: list[str] | None = None) -> int:
         job = parse_job(args, partition)
         check_config(job, partition, planning=args.dry_run)
         if job.runtime == "pyxis" and not args.dry_run and not has_pyxis():
-            raise SubmitError(f"CONTAINER={args.container}: this cluster's srun has no Pyxis plugin "
-                              f"(--container-image); use an Apptainer .sif, or no container")
+            raise SubmitError(
+                f"CONTAINER={args.container}: this cluster's srun has no Pyxis plugin "
+                f"(--container-image); use an Apptainer .sif, or no container"
+            )
         if args.dry_run:
             print(f"# {args.launcher} job, not submitted (DRY_RUN):\n{describe(job, partition)}")
             if job.memory:

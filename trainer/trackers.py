@@ -52,8 +52,11 @@ def _write_ids(run_dir: str, ids: dict) -> None:
 
 
 def _numbers(row: dict) -> dict[str, float]:
-    return {k: float(v) for k, v in row.items()
-            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+    return {
+        k: float(v)
+        for k, v in row.items()
+        if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    }
 
 
 def _tag(key: str) -> str:
@@ -78,8 +81,9 @@ class Trackers:
         if args.wandb:
             import wandb
 
-            self.wandb = wandb.init(project=args.project or name, name=name, id=ids.get("wandb"), resume="allow",
-                                    dir=run_dir, config=config)
+            self.wandb = wandb.init(
+                project=args.project or name, name=name, id=ids.get("wandb"), resume="allow", dir=run_dir, config=config
+            )
             ids["wandb"] = self.wandb.id
             self.writers.append(self._wandb)
         if args.mlflow:

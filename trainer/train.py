@@ -12,7 +12,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from trainer import checkpoint, data, dist as distributed, hangs, hf, layout, models, optim, parallel, signals
+from trainer import checkpoint, data, hangs, hf, layout, models, optim, parallel, signals
+from trainer import dist as distributed
 from trainer.config import Config, dump, to_dict
 from trainer.lease import Lease, LeaseError, LeaseLost
 from trainer.metrics import Reporter, peak_flops, peak_memory_gb, timed
@@ -66,7 +67,9 @@ def evaluate(model, cfg: Config, env: distributed.Env, dataset, compute_dtype) -
     model.eval()
     micro, _ = batch_plan(cfg, env.world_size)
     start = 2**61 if len(dataset) >= 2**62 else 0  # generated data: a range training never reaches
-    batches = data.loader(dataset, cfg.data, cfg.train.seed, start, micro * env.world_size, micro, env.rank, env.world_size)
+    batches = data.loader(
+        dataset, cfg.data, cfg.train.seed, start, micro * env.world_size, micro, env.rank, env.world_size
+    )
     totals = torch.zeros(3, dtype=torch.float64, device=env.device)  # loss sum, correct, count
     family = models.spec(cfg.model)
     for _ in range(cfg.eval.batches):
@@ -139,15 +142,33 @@ def _stuck_ranks(env: distributed.Env, timeout_s: int, error: Exception, run_dir
             time.sleep(0.2)
         step = store.get(f"trainer/step/{env.rank}").decode()
         who = ", ".join(f"rank {r} (last seen at step {store.get(f'trainer/step/{r}').decode()})" for r in silent)
-        hangs.dump(run_dir, store, env.rank, int(step), why, {"silent": [hangs.silent_line(
-            r, store.get(f"trainer/where/{r}").decode(), store.get(f"trainer/step/{r}").decode()) for r in silent]}, error)
-        return (f"at step {step}, rank {env.rank} waited {timeout_s} s (parallel.timeout_s) for {who or 'another rank'}, "
-                f"which did not answer; the run stops so that it can be restarted (under Slurm it is requeued) "
-                f"[{first_line}]")
+        hangs.dump(
+            run_dir,
+            store,
+            env.rank,
+            int(step),
+            why,
+            {
+                "silent": [
+                    hangs.silent_line(
+                        r, store.get(f"trainer/where/{r}").decode(), store.get(f"trainer/step/{r}").decode()
+                    )
+                    for r in silent
+                ]
+            },
+            error,
+        )
+        return (
+            f"at step {step}, rank {env.rank} waited {timeout_s} s (parallel.timeout_s) for {who or 'another rank'}, "
+            f"which did not answer; the run stops so that it can be restarted (under Slurm it is requeued) "
+            f"[{first_line}]"
+        )
     except Exception:  # noqa: BLE001 - the store may be gone with the launcher: say what is known
         hangs.dump(run_dir, store, env.rank, step, why, error=error)
-        return (f"rank {env.rank} waited {timeout_s} s (parallel.timeout_s) for a rank that did not answer; the run stops "
-                f"so that it can be restarted [{first_line}]")
+        return (
+            f"rank {env.rank} waited {timeout_s} s (parallel.timeout_s) for a rank that did not answer; the run stops "
+            f"so that it can be restarted [{first_line}]"
+        )
 
 
 def _take_lease(run_dir: str, env: distributed.Env, group) -> Lease | None:
@@ -186,8 +207,16 @@ def _datasets(cfg: Config, env: distributed.Env, group) -> tuple:
     return sets
 
 
-def _train(cfg: Config, env: distributed.Env, control, io_group, lease: Lease | None, watchdog: hangs.Watchdog,
-           train_set, eval_set) -> None:
+def _train(
+    cfg: Config,
+    env: distributed.Env,
+    control,
+    io_group,
+    lease: Lease | None,
+    watchdog: hangs.Watchdog,
+    train_set,
+    eval_set,
+) -> None:
     run_dir = cfg.run_dir
     micro, accum = batch_plan(cfg, env.world_size)
     B = cfg.train.global_batch_size
@@ -198,8 +227,16 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, lease: Lease | 
     scheduler = optim.scheduler(optimizer, cfg.optim, cfg.train.steps)
     scaler = _grad_scaler(cfg, env)
     compute_dtype = parallel.autocast_dtype(model, cfg.parallel)
-    ckpt = checkpoint.Checkpointer(cfg.checkpoint, run_dir, env.rank, env.world_size, io_group, model, optimizer,
-                                   parts={"scheduler": scheduler, "scaler": scaler})
+    ckpt = checkpoint.Checkpointer(
+        cfg.checkpoint,
+        run_dir,
+        env.rank,
+        env.world_size,
+        io_group,
+        model,
+        optimizer,
+        parts={"scheduler": scheduler, "scaler": scaler},
+    )
     if lease:  # rank 0 reads the lease again right before it commits or deletes a checkpoint
         ckpt.still_owner = lease.check
     reporter = Reporter(run_dir, cfg.log, cfg.train.steps, env.is_main)
@@ -210,15 +247,22 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, lease: Lease | 
         step, samples = meta["step"], meta["samples"]
         saved_lr = meta.get("config", {}).get("optim", {}).get("lr", cfg.optim.lr)
         if saved_lr != cfg.optim.lr:
-            reporter.message(f"optim.lr is {cfg.optim.lr:g}, the checkpoint's was {saved_lr:g}: the schedule goes on from "
-                             f"step {step} with the new peak")
+            reporter.message(
+                f"optim.lr is {cfg.optim.lr:g}, the checkpoint's was {saved_lr:g}: the schedule goes on from "
+                f"step {step} with the new peak"
+            )
         change = optim.schedule_change(meta.get("config", {}), cfg.optim, cfg.train.steps, step)
         if change:
             reporter.message(change)
         optim.set_peak_lr(scheduler, cfg.optim, cfg.train.steps)
-        reporter.message(f"resumed from {meta['path']} at step {step} (saved by {meta['world_size']} processes, loaded in {meta['load_time_s']:.2f}s)")
+        reporter.message(
+            f"resumed from {meta['path']} at step {step} (saved by {meta['world_size']} processes, loaded in "
+            f"{meta['load_time_s']:.2f}s)"
+        )
         if cfg.model.init_from:
-            reporter.message(f"model.init_from={cfg.model.init_from} is not used: this run dir has checkpoints of its own")
+            reporter.message(
+                f"model.init_from={cfg.model.init_from} is not used: this run dir has checkpoints of its own"
+            )
     elif cfg.model.init_from:  # a new run from a Hugging Face folder: its weights, step 0
         started = time.perf_counter()
         try:
@@ -238,7 +282,9 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, lease: Lease | 
     if warning:
         reporter.message(f"warning: {warning}")
     if step >= cfg.train.steps:
-        reporter.message(f"nothing to do: step {step} reached train.steps={cfg.train.steps}; raise train.steps to continue")
+        reporter.message(
+            f"nothing to do: step {step} reached train.steps={cfg.train.steps}; raise train.steps to continue"
+        )
         if env.is_main:
             layout.write_status(run_dir, state="finished")
         if reporter.trackers:
@@ -251,12 +297,16 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, lease: Lease | 
     flops_per_token = count_flops(parallel.unwrap(model)) if count_flops else None
     peak = peak_flops(env.device)
     n_params = sum(p.numel() for p in model.parameters())  # sharded: numel() is the global size
-    reporter.message(f"training {cfg.model.name} ({n_params / 1e6:.2f}M params) on {env.world_size} x {env.device.type}, "
-                     f"strategy {cfg.parallel.strategy}, {micro} samples x {accum} micro-batches per rank, steps {step}->{cfg.train.steps}")
+    reporter.message(
+        f"training {cfg.model.name} ({n_params / 1e6:.2f}M params) on {env.world_size} x {env.device.type}, "
+        f"strategy {cfg.parallel.strategy}, {micro} samples x {accum} micro-batches per rank, steps "
+        f"{step}->{cfg.train.steps}"
+    )
 
     model.train()
-    ckpt.plan(cfg.train.steps, step, _auto_interval(cfg, env) if cfg.checkpoint.interval == "auto" else None,
-              reporter.message)
+    ckpt.plan(
+        cfg.train.steps, step, _auto_interval(cfg, env) if cfg.checkpoint.interval == "auto" else None, reporter.message
+    )
     window_start, window_steps = time.perf_counter(), 0  # throughput over the steps since the last row
     # This rank's compute time in the window: CPU seconds of this process in the step's own work (data,
     # forward, backward, clip, optimizer), so the waits for other ranks in the collectives FSDP runs
@@ -315,12 +365,23 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, lease: Lease | 
         if step % cfg.log.interval == 0 or step == cfg.train.steps:
             times = torch.zeros(env.world_size, device=env.device)
             times[env.rank] = compute_s / window_steps
-            agreed = torch.cat([torch.stack([loss_sum.float(), (first_bad >= 0).float(),
-                                             torch.full((), float(signals.pending()), device=env.device),
-                                             torch.full((), float(bool(lease and lease.lost)), device=env.device)]),
-                                times])
+            agreed = torch.cat(
+                [
+                    torch.stack(
+                        [
+                            loss_sum.float(),
+                            (first_bad >= 0).float(),
+                            torch.full((), float(signals.pending()), device=env.device),
+                            torch.full((), float(bool(lease and lease.lost)), device=env.device),
+                        ]
+                    ),
+                    times,
+                ]
+            )
             dist.all_reduce(agreed)  # sums (gloo has no AVG)
-            loss_total, diverged, stops, lost, *times = agreed.tolist()  # waits for the device: the timing below is real
+            loss_total, diverged, stops, lost, *times = (
+                agreed.tolist()
+            )  # waits for the device: the timing below is real
             if lost:
                 _raise_lease_lost(lease, run_dir, step, ckpt)
             if diverged:
@@ -328,17 +389,30 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, lease: Lease | 
             stopping = stops > 0
             loss = loss_total / env.world_size
             elapsed = (time.perf_counter() - window_start) / window_steps
-            row = {"step": step, "loss": loss, "lr": lr, "world_size": env.world_size,
-                   "samples_per_s": B / elapsed, "step_time_s": elapsed, "peak_mem_gb": peak_memory_gb(env.device)}
+            row = {
+                "step": step,
+                "loss": loss,
+                "lr": lr,
+                "world_size": env.world_size,
+                "samples_per_s": B / elapsed,
+                "step_time_s": elapsed,
+                "peak_mem_gb": peak_memory_gb(env.device),
+            }
             slowest = max(range(env.world_size), key=times.__getitem__)
-            row.update(compute_s_min=min(times), compute_s_median=statistics.median(times), compute_s_max=times[slowest],
-                       slowest_rank=slowest)
+            row.update(
+                compute_s_min=min(times),
+                compute_s_median=statistics.median(times),
+                compute_s_max=times[slowest],
+                slowest_rank=slowest,
+            )
             for r in stragglers.update(times) if env.is_main else []:
                 where = dist.distributed_c10d._get_default_store().get(f"trainer/where/{r}").decode().split(" ")[0]
-                reporter.message(f"straggler at step {step}: rank {r} on node {where} needed {times[r]:.3g} s of compute "
-                                 f"per step, more than {cfg.log.straggler_factor:g} x the median "
-                                 f"{row['compute_s_median']:.3g} s (log.straggler_factor) for "
-                                 f"{hangs.STRAGGLER_WINDOWS} logged windows in a row")
+                reporter.message(
+                    f"straggler at step {step}: rank {r} on node {where} needed {times[r]:.3g} s of compute "
+                    f"per step, more than {cfg.log.straggler_factor:g} x the median "
+                    f"{row['compute_s_median']:.3g} s (log.straggler_factor) for "
+                    f"{hangs.STRAGGLER_WINDOWS} logged windows in a row"
+                )
             if grad_norm is not None:
                 row["grad_norm"] = _full(grad_norm).item()
             if scaler:
@@ -373,7 +447,9 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, lease: Lease | 
             ckpt.save_due(step, {"samples": samples, "config": to_dict(cfg)}, stopping)
         if stopping:
             if not os.environ.get(signals.MARKS_ENV):  # else the launcher says it, with the signal's name
-                reporter.message(f"stopped by signal after step {step}; the checkpoint is saved, a restart resumes here")
+                reporter.message(
+                    f"stopped by signal after step {step}; the checkpoint is saved, a restart resumes here"
+                )
             break
 
     watchdog.stop()  # what follows (the last async save's end) is not a step
@@ -387,10 +463,12 @@ def _train(cfg: Config, env: distributed.Env, control, io_group, lease: Lease | 
     if env.is_main:
         layout.write_status(run_dir, state="stopped" if step < cfg.train.steps else "finished", step=step)
     if step == cfg.train.steps:
-        reporter.message(f"finished at step {step}: checkpoint {layout.step_path(run_dir, step)}, metrics {run_dir}/metrics.jsonl; "
-                         f"next: python -m trainer.metrics {run_dir} (summary), python -m trainer.export {run_dir} "
-                         f"--format hf --out DIR, python -m trainer.generate {run_dir} --prompt TEXT, "
-                         f"python -m trainer.evaluate {run_dir}")
+        reporter.message(
+            f"finished at step {step}: checkpoint {layout.step_path(run_dir, step)}, metrics {run_dir}/metrics.jsonl; "
+            f"next: python -m trainer.metrics {run_dir} (summary), python -m trainer.export {run_dir} "
+            f"--format hf --out DIR, python -m trainer.generate {run_dir} --prompt TEXT, "
+            f"python -m trainer.evaluate {run_dir}"
+        )
     dist.barrier(group=control)
 
 
@@ -430,9 +508,11 @@ def _raise_diverged(first_bad: torch.Tensor, ckpt: checkpoint.Checkpointer) -> N
     ckpt.close()
     where = f"at step {int(first_bad.item())}" if first_bad.item() >= 0 else "on another rank"
     last = f"step {ckpt.last_saved}" if ckpt.last_saved is not None else "none"
-    raise Diverged(f"training diverged: the loss or gradient norm became NaN or infinite ({where}); nothing after "
-                   f"it was saved (newest checkpoint: {last}). Lower optim.lr or set train.grad_clip, then resume "
-                   f"with checkpoint.resume_from=<an earlier checkpoint> in a new run_dir")
+    raise Diverged(
+        f"training diverged: the loss or gradient norm became NaN or infinite ({where}); nothing after "
+        f"it was saved (newest checkpoint: {last}). Lower optim.lr or set train.grad_clip, then resume "
+        f"with checkpoint.resume_from=<an earlier checkpoint> in a new run_dir"
+    )
 
 
 def _raise_lease_lost(lease: Lease | None, run_dir: str, step: int, ckpt: checkpoint.Checkpointer) -> None:
@@ -441,9 +521,11 @@ def _raise_lease_lost(lease: Lease | None, run_dir: str, step: int, ckpt: checkp
     ckpt.close()
     if lease is None:
         raise LeaseLost(f"lost the lease of run_dir {run_dir} (rank 0 says to whom)")
-    raise LeaseLost(f"lost the lease of run_dir {run_dir} {lease.lost} at step {step}: this run stopped, and nothing "
-                    f"was committed or deleted after the loss; two runs must not share a run dir: let that run go on, "
-                    f"or stop it and start this one again")
+    raise LeaseLost(
+        f"lost the lease of run_dir {run_dir} {lease.lost} at step {step}: this run stopped, and nothing "
+        f"was committed or deleted after the loss; two runs must not share a run dir: let that run go on, "
+        f"or stop it and start this one again"
+    )
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

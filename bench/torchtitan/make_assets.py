@@ -58,8 +58,14 @@ def make_tokenizer(words: list[str]) -> None:
         "model_max_length": 2048,
         # add_bos_token / add_eos_token left out: torchtitan's text dataset asks for both itself
         "added_tokens_decoder": {
-            str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                     "single_word": False, "special": True}
+            str(i): {
+                "content": t,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
             for i, t in enumerate(SPECIALS)
         },
     }

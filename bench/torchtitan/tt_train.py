@@ -20,7 +20,6 @@ import os
 import sys
 
 import torch
-
 from torchtitan.models.llama3 import llama3_args
 from torchtitan.models.llama3.model.args import RoPEScalingArgs, TransformerModelArgs
 
@@ -136,7 +135,8 @@ def main() -> None:
     if os.environ.get("TT_FSDP1", "0") == "1":
         force_fsdp_on_one_rank()
 
-    from torchtitan.train import Trainer, main as tt_main
+    from torchtitan.train import Trainer
+    from torchtitan.train import main as tt_main
 
     tt_main(Trainer)
 

@@ -93,4 +93,3 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated units of a built model without its family at hand: what it says itself (our
     models' `blocks()`), else torchvision's rule. The trainer asks the family's `blocks`."""
     return model.blocks() if hasattr(model, "blocks") else vision.repeated_units(model)
-

@@ -7,8 +7,9 @@ run's `Family` (`trainer.models.spec(cfg.model)`) to build, wrap, check, count a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn as nn
@@ -58,4 +59,6 @@ class Family:
     # model.init_from and export --format hf refuse it). They raise trainer.hf.HFError.
     hf_args: Callable[[str, ModelArgs], ModelArgs] | None = None  # args with a folder's config.json's shape
     hf_load: Callable[[nn.Module, str], None] | None = None  # a folder's weights into the built (sharded) model
-    hf_save: Callable[..., list[str]] | None = None  # a full state dict as a folder: hf_save(state, args, out, max_shard_bytes, dtype)
+    hf_save: Callable[..., list[str]] | None = (
+        None  # a full state dict as a folder: hf_save(state, args, out, max_shard_bytes, dtype)
+    )

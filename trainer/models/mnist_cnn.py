@@ -38,11 +38,18 @@ class MnistCNN(nn.Module):
 def check(args: ModelArgs, data, fail, resolved) -> None:
     """Image data of MNIST's kind, and at least two classes."""
     if data.name in ("synthetic", "tokens"):
-        fail("data.name", f"is {data.name!r} but {args.name} classifies images; use mnist, imagefolder or synthetic_images")
+        fail(
+            "data.name",
+            f"is {data.name!r} but {args.name} classifies images; use mnist, imagefolder or synthetic_images",
+        )
     if args.num_classes < 2:
         fail("model.num_classes", f"is {args.num_classes}; it must be at least 2")
     if data.name not in ("mnist", "synthetic_images"):
-        fail("data.name", f"{data.name!r} does not fit model {args.name!r}: MNIST goes with mnist_cnn, imagefolder with torchvision models")
+        fail(
+            "data.name",
+            f"{data.name!r} does not fit model {args.name!r}: MNIST goes with mnist_cnn, imagefolder with "
+            "torchvision models",
+        )
 
 
 FAMILY = Family(

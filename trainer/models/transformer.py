@@ -56,8 +56,16 @@ TRANSFORMER_SIZES = {
     "125m": TransformerShape(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_dim=2048, vocab_size=32000),
     "1b": TransformerShape(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, vocab_size=32000),
     # Llama-3.1-8B in full: its shape, vocabulary, RoPE base and RoPE scaling.
-    "8b": TransformerShape(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256,
-                           rope_theta=500000.0, rope_scaling=RopeScaling()),
+    "8b": TransformerShape(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=14336,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        rope_scaling=RopeScaling(),
+    ),
 }
 
 
@@ -79,8 +87,9 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -
     return torch.where(medium, blended, scaled)
 
 
-def rope_tables(head_dim: int, seq_len: int, theta: float = 10000.0,
-                scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    head_dim: int, seq_len: int, theta: float = 10000.0, scaling: RopeScaling | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     freqs = rope_frequencies(head_dim, theta, scaling)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), freqs)
     return angles.cos(), angles.sin()
@@ -245,8 +254,11 @@ def _check_shape(m: ModelArgs, fail) -> None:
         if getattr(m, key) < 1:
             fail(f"model.{key}", f"is {getattr(m, key)}; it must be at least 1")
     if m.dim % m.n_heads or (m.dim // m.n_heads) % 2:
-        fail("model.n_heads", f"{m.n_heads} heads do not split model.dim={m.dim} into heads of an even size; "
-             f"choose a divisor of {m.dim} that leaves an even head size")
+        fail(
+            "model.n_heads",
+            f"{m.n_heads} heads do not split model.dim={m.dim} into heads of an even size; "
+            f"choose a divisor of {m.dim} that leaves an even head size",
+        )
     if m.n_heads % m.n_kv_heads:
         fail("model.n_kv_heads", f"{m.n_kv_heads} does not divide model.n_heads={m.n_heads}; choose a divisor")
     for key in ("norm_eps", "rope_theta"):
@@ -257,8 +269,10 @@ def _check_shape(m: ModelArgs, fail) -> None:
         if s.factor <= 0 or s.original_max_position_embeddings < 1:
             fail("model.rope_scaling", "factor and original_max_position_embeddings must be positive")
         if not 0 < s.low_freq_factor < s.high_freq_factor:
-            fail("model.rope_scaling", f"needs 0 < low_freq_factor < high_freq_factor (they are {s.low_freq_factor} "
-                 f"and {s.high_freq_factor})")
+            fail(
+                "model.rope_scaling",
+                f"needs 0 < low_freq_factor < high_freq_factor (they are {s.low_freq_factor} and {s.high_freq_factor})",
+            )
 
 
 # The Hugging Face adapter is trainer/hf.py; it imports this module, so it is imported when first used.
@@ -276,8 +290,9 @@ def hf_load(model: Transformer, folder: str) -> None:
     hf.load_weights(model, folder)
 
 
-def hf_save(state: dict[str, torch.Tensor], args: ModelArgs, out: str, max_shard_bytes: int,
-            dtype: torch.dtype) -> list[str]:
+def hf_save(
+    state: dict[str, torch.Tensor], args: ModelArgs, out: str, max_shard_bytes: int, dtype: torch.dtype
+) -> list[str]:
     from trainer import hf
 
     return hf.save(state, args, out, max_shard_bytes, dtype)

@@ -42,10 +42,15 @@ def problem(args: ModelArgs) -> str | None:
     if args.name.startswith("vit_"):
         patch = int(args.name.rsplit("_", 1)[1])
         if args.image_size % patch:
-            return (f"{args.name} cuts images into {patch}x{patch} patches, but model.image_size={args.image_size} is "
-                    f"not a multiple of {patch}; use e.g. {max(patch, args.image_size // patch * patch)}")
+            return (
+                f"{args.name} cuts images into {patch}x{patch} patches, but model.image_size={args.image_size} is "
+                f"not a multiple of {patch}; use e.g. {max(patch, args.image_size // patch * patch)}"
+            )
     if args.name == "inception_v3" and args.image_size < 75:
-        return f"inception_v3 needs images of at least 75x75 pixels (model.image_size={args.image_size}); use 75 or more (299 is its usual size)"
+        return (
+            f"inception_v3 needs images of at least 75x75 pixels (model.image_size={args.image_size}); use 75 or "
+            f"more (299 is its usual size)"
+        )
     if args.name == "maxvit_t" and args.image_size % 32:
         return f"maxvit_t needs model.image_size to be a multiple of 32 (it is {args.image_size}); use e.g. 224"
     return None
@@ -80,11 +85,18 @@ def check(args: ModelArgs, data, fail, resolved) -> None:
     if why:
         fail("model.image_size", why)
     if data.name in ("synthetic", "tokens"):
-        fail("data.name", f"is {data.name!r} but {args.name} classifies images; use mnist, imagefolder or synthetic_images")
+        fail(
+            "data.name",
+            f"is {data.name!r} but {args.name} classifies images; use mnist, imagefolder or synthetic_images",
+        )
     if args.num_classes < 2:
         fail("model.num_classes", f"is {args.num_classes}; it must be at least 2")
     if data.name == "mnist":
-        fail("data.name", f"{data.name!r} does not fit model {args.name!r}: MNIST goes with mnist_cnn, imagefolder with torchvision models")
+        fail(
+            "data.name",
+            f"{data.name!r} does not fit model {args.name!r}: MNIST goes with mnist_cnn, imagefolder with "
+            "torchvision models",
+        )
 
 
 FAMILY = Family(
