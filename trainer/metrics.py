@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import resource
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -78,14 +79,79 @@ def setup_logging(rank: int) -> None:
     )
 
 
+@dataclass
+class Speed:
+    """What a training row's throughput and MFU are computed from."""
+
+    samples_per_step: int  # the global batch
+    tokens_per_sample: int | None = None  # language models: the sequence length; None: no token figures
+    flops_per_token: float | None = None  # the model's training FLOPs per token; None: no MFU
+    peak_flops: float | None = None  # one device's peak (metrics.peak_flops); None: no MFU
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")  # whose peak memory the rows report
+
+
 class Reporter:
     def __init__(self, run_dir: str, args: LogArgs, total_steps: int, is_main: bool):
         self.path = os.path.join(run_dir, "metrics.jsonl")
-        self.total_steps, self.is_main = total_steps, is_main
+        self.args, self.total_steps, self.is_main = args, total_steps, is_main
         self.live = is_main and args.progress and sys.stdout.isatty()
         self.started = time.perf_counter()
         self.first_step: int | None = None
         self.trackers = None  # trainer.trackers.Trackers on rank 0 when any is configured
+        self.speed = Speed(1)
+        self.window = (0, time.perf_counter())  # the step and time of the last row (or the start)
+        self.stragglers = None
+        self.node_of = lambda rank: "?"  # a rank's node, for the straggler line
+
+    def begin(self, step: int, speed: Speed, node_of=None) -> None:
+        """Right before the first step: rows measure from here; `node_of(rank)` names a rank's node."""
+        from trainer.hangs import Stragglers
+
+        self.speed, self.window = speed, (step, time.perf_counter())
+        self.stragglers = Stragglers(self.args.straggler_factor)
+        if node_of is not None:
+            self.node_of = node_of
+
+    def training_row(self, step: int, values: dict, compute_times: list[float]) -> None:
+        """The row of a logged step, on every rank alike: `values` (loss, lr, ...) and what the reporter
+        measures itself: throughput and step time over the steps since the last row, tokens and MFU
+        where the model counts them, peak memory, and the spread of the ranks' compute time per step
+        (`compute_times`, one per rank), naming a straggler in a line."""
+        since, started = self.window
+        elapsed = (time.perf_counter() - started) / max(1, step - since)
+        sp = self.speed
+        row = {
+            "step": step,
+            **values,
+            "world_size": sp.world_size,
+            "samples_per_s": sp.samples_per_step / elapsed,
+            "step_time_s": elapsed,
+            "peak_mem_gb": peak_memory_gb(sp.device),
+        }
+        slowest = max(range(len(compute_times)), key=compute_times.__getitem__)
+        row.update(
+            compute_s_min=min(compute_times),
+            compute_s_median=statistics.median(compute_times),
+            compute_s_max=compute_times[slowest],
+            slowest_rank=slowest,
+        )
+        if self.is_main and self.stragglers is not None:
+            from trainer.hangs import STRAGGLER_WINDOWS
+
+            for rank in self.stragglers.update(compute_times):
+                self.message(
+                    f"straggler at step {step}: rank {rank} on node {self.node_of(rank)} needed "
+                    f"{compute_times[rank]:.3g} s of compute per step, more than {self.args.straggler_factor:g} x the "
+                    f"median {row['compute_s_median']:.3g} s (log.straggler_factor) for {STRAGGLER_WINDOWS} logged "
+                    f"windows in a row"
+                )
+        if sp.tokens_per_sample:
+            row["tokens_per_s"] = sp.samples_per_step * sp.tokens_per_sample / elapsed
+            if sp.flops_per_token and sp.peak_flops:
+                row["mfu"] = sp.flops_per_token * row["tokens_per_s"] / (sp.peak_flops * sp.world_size)
+        self.row(row)
+        self.window = (step, time.perf_counter())
 
     def write(self, values: dict) -> None:
         """Append one row to metrics.jsonl, as given (rows of the run: `timed(...)`), and hand it to the

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import statistics
 import time
 from datetime import timedelta
 
@@ -16,7 +15,7 @@ from trainer import checkpoint, data, hangs, hf, layout, models, optim, parallel
 from trainer import dist as distributed
 from trainer.config import Config, dump, to_dict
 from trainer.lease import Lease, LeaseError, LeaseLost
-from trainer.metrics import Reporter, peak_flops, peak_memory_gb, timed
+from trainer.metrics import Reporter, Speed, peak_flops, timed
 
 log = logging.getLogger("trainer")
 
@@ -293,9 +292,6 @@ def _train(
 
     batches = data.loader(train_set, cfg.data, cfg.train.seed, samples, B, micro, env.rank, env.world_size)
     trace = _open_trace(run_dir, env.rank) if cfg.data.trace else None
-    count_flops = models.spec(cfg.model).flops_per_token
-    flops_per_token = count_flops(parallel.unwrap(model)) if count_flops else None
-    peak = peak_flops(env.device)
     n_params = sum(p.numel() for p in model.parameters())  # sharded: numel() is the global size
     reporter.message(
         f"training {cfg.model.name} ({n_params / 1e6:.2f}M params) on {env.world_size} x {env.device.type}, "
@@ -307,12 +303,23 @@ def _train(
     ckpt.plan(
         cfg.train.steps, step, _auto_interval(cfg, env) if cfg.checkpoint.interval == "auto" else None, reporter.message
     )
-    window_start, window_steps = time.perf_counter(), 0  # throughput over the steps since the last row
-    # This rank's compute time in the window: CPU seconds of this process in the step's own work (data,
-    # forward, backward, clip, optimizer), so the waits for other ranks in the collectives FSDP runs
-    # inside forward and backward do not count (a wall clock would give every rank the slowest one's
-    # time). On GPUs this is the host's share (data, Python, kernel launches), not the kernels'.
-    compute_s, stragglers = 0.0, hangs.Stragglers(cfg.log.straggler_factor)
+    count_flops = models.spec(cfg.model).flops_per_token
+    lm = count_flops is not None
+    speed = Speed(
+        B,
+        cfg.model.seq_len if lm else None,
+        count_flops(parallel.unwrap(model)) if lm else None,
+        peak_flops(env.device),
+        env.world_size,
+        env.device,
+    )
+    store = dist.distributed_c10d._get_default_store()  # where each rank runs: set in train()
+    reporter.begin(step, speed, node_of=lambda r: store.get(f"trainer/where/{r}").decode().split(" ")[0])
+    # This rank's compute time since the last row: CPU seconds of this process in the step's own work
+    # (data, forward, backward, clip, optimizer), so the waits for other ranks in the collectives FSDP
+    # runs inside forward and backward do not count (a wall clock would give every rank the slowest
+    # one's time). On GPUs this is the host's share (data, Python, kernel launches), not the kernels'.
+    compute_s, window_steps = 0.0, 0
     # First step whose loss or gradient norm was not finite, or -1; on the device: read (a sync) only
     # when logging and before saving, so nothing non-finite is ever written or committed.
     first_bad = torch.full((), -1, device=env.device)
@@ -358,72 +365,22 @@ def _train(
         first_bad = torch.where(bad & (first_bad < 0), step, first_bad)
         compute_s += time.process_time() - compute_start
 
-        # log: one all-reduce carries the loss, whether a rank diverged, whether a rank must stop,
-        # whether rank 0 lost the run dir's lease (its renewal thread or a commit found another owner)
-        # and each rank's compute time per step (rank r's at index 4 + r, zeros elsewhere)
+        # log: one all-reduce (_agree) carries the loss, the stop, divergence and lease flags, the compute times
         stopping = None  # not agreed yet at this step
         if step % cfg.log.interval == 0 or step == cfg.train.steps:
-            times = torch.zeros(env.world_size, device=env.device)
-            times[env.rank] = compute_s / window_steps
-            agreed = torch.cat(
-                [
-                    torch.stack(
-                        [
-                            loss_sum.float(),
-                            (first_bad >= 0).float(),
-                            torch.full((), float(signals.pending()), device=env.device),
-                            torch.full((), float(bool(lease and lease.lost)), device=env.device),
-                        ]
-                    ),
-                    times,
-                ]
-            )
-            dist.all_reduce(agreed)  # sums (gloo has no AVG)
-            loss_total, diverged, stops, lost, *times = (
-                agreed.tolist()
-            )  # waits for the device: the timing below is real
+            loss_total, diverged, stops, lost, times = _agree(env, loss_sum, first_bad, lease, compute_s / window_steps)
             if lost:
                 _raise_lease_lost(lease, run_dir, step, ckpt)
             if diverged:
                 _raise_diverged(first_bad, ckpt)
             stopping = stops > 0
-            loss = loss_total / env.world_size
-            elapsed = (time.perf_counter() - window_start) / window_steps
-            row = {
-                "step": step,
-                "loss": loss,
-                "lr": lr,
-                "world_size": env.world_size,
-                "samples_per_s": B / elapsed,
-                "step_time_s": elapsed,
-                "peak_mem_gb": peak_memory_gb(env.device),
-            }
-            slowest = max(range(env.world_size), key=times.__getitem__)
-            row.update(
-                compute_s_min=min(times),
-                compute_s_median=statistics.median(times),
-                compute_s_max=times[slowest],
-                slowest_rank=slowest,
-            )
-            for r in stragglers.update(times) if env.is_main else []:
-                where = dist.distributed_c10d._get_default_store().get(f"trainer/where/{r}").decode().split(" ")[0]
-                reporter.message(
-                    f"straggler at step {step}: rank {r} on node {where} needed {times[r]:.3g} s of compute "
-                    f"per step, more than {cfg.log.straggler_factor:g} x the median "
-                    f"{row['compute_s_median']:.3g} s (log.straggler_factor) for "
-                    f"{hangs.STRAGGLER_WINDOWS} logged windows in a row"
-                )
+            values = {"loss": loss_total / env.world_size, "lr": lr}
             if grad_norm is not None:
-                row["grad_norm"] = _full(grad_norm).item()
+                values["grad_norm"] = _full(grad_norm).item()
             if scaler:
-                row["loss_scale"] = scaler.get_scale()
-            if flops_per_token:
-                tokens_per_s = B * cfg.model.seq_len / elapsed
-                row["tokens_per_s"] = tokens_per_s
-                if peak:
-                    row["mfu"] = flops_per_token * tokens_per_s / (peak * env.world_size)
-            reporter.row(row)
-            window_start, window_steps, compute_s = time.perf_counter(), 0, 0.0
+                values["loss_scale"] = scaler.get_scale()
+            reporter.training_row(step, values, times)
+            compute_s, window_steps = 0.0, 0
 
         # evaluate
         if eval_set is not None and step % cfg.eval.interval == 0:
@@ -479,6 +436,27 @@ def _auto_interval(cfg: Config, env: distributed.Env) -> checkpoint.AutoInterval
     nodes = max(1, env.world_size // env.local_world_size)
     save_s, how = checkpoint.save_seconds(cfg, nodes, cfg.run_dir)
     return checkpoint.AutoInterval(mtbf_hours * 3600, save_s, how.split(":")[0])
+
+
+def _agree(env: distributed.Env, loss_sum, first_bad, lease, compute_s: float) -> tuple:
+    """At a logged step, in one all-reduce (each extra collective is a point where the faster rank
+    waits): (the loss summed over the ranks, whether a rank diverged, whether a rank got a stop
+    signal, whether rank 0 lost the run dir's lease, each rank's compute seconds per step). Rank r's
+    time rides at index 4 + r, zeros elsewhere, so the sum gives every rank the whole list."""
+    times = torch.zeros(env.world_size, device=env.device)
+    times[env.rank] = compute_s
+    flags = [float(signals.pending()), float(bool(lease and lease.lost))]
+    agreed = torch.cat(
+        [
+            loss_sum.float().reshape(1),
+            (first_bad >= 0).float().reshape(1),
+            torch.tensor(flags, device=env.device),
+            times,
+        ]
+    )
+    dist.all_reduce(agreed)  # sums (gloo has no AVG)
+    loss_total, diverged, stops, lost, *times = agreed.tolist()  # waits for the device: the row's timing is real
+    return loss_total, diverged, stops, lost, times
 
 
 def _agreed_max(group, *values: float) -> list[float]:
