@@ -104,7 +104,9 @@ def test_a_runs_life_as_the_readme_walks_it(tmp_path):
         if "trainer.generate" in argv:
             assert len(proc.stdout.split()) >= 8
         if "evaluate" in argv:
-            assert json.loads(proc.stdout.strip().splitlines()[-1])["eval_batches"] == 8
+            # the JSON row; under `make test` the nested make adds its "Entering/Leaving directory" lines
+            row = next(line for line in reversed(proc.stdout.splitlines()) if line.startswith("{"))
+            assert json.loads(row)["eval_batches"] == 8
     steps = [r["step"] for r in rows(run_dir)]
     assert steps == sorted(set(steps)) and steps[-1] == 40  # each step once, after the stop and the resume
     assert (run_dir / "loss.png").stat().st_size > 1000
