@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import warnings
 import zlib
 
@@ -413,3 +414,42 @@ def test_payloads_never_run_on_resume_resume_from_or_export(tmp_path):
         proc.stderr[-3000:]
     )
     assert ".distcp: item optim.param_groups" in errors[0] and "is refused: it names io.open" in errors[0], errors[0]
+
+
+def test_metadata_with_enum_members_pickled_by_name_loads_and_getattr_stays_closed(tmp_path):
+    """Some Pythons (the CUDA image's Debian 3.11) pickle an Enum member as getattr(its class, its
+    name): the image's own checkpoints were refused. getattr may give such a member and nothing else."""
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+
+    from trainer.shard_reader import Refused, load_metadata
+
+    encoding = dcp_metadata._MEM_FORMAT_ENCODING
+    properties = dcp_metadata.TensorProperties(dtype=torch.float32)
+    meta = dcp_metadata.Metadata(
+        state_dict_metadata={"w": dcp_metadata.TensorStorageMetadata(properties, torch.Size([2]), [])},
+        storage_data={},
+    )
+
+    def by_name(self, proto):
+        return getattr, (self.__class__, self._name_)
+
+    original = encoding.__reduce_ex__
+    encoding.__reduce_ex__ = by_name
+    try:
+        data = pickle.dumps(meta)
+    finally:
+        encoding.__reduce_ex__ = original
+    assert b"getattr" in data
+    (tmp_path / ".metadata").write_bytes(data)
+    loaded = load_metadata(tmp_path / ".metadata")
+    assert loaded.state_dict_metadata["w"].properties.memory_format == torch.contiguous_format
+
+    for target, name, why in (
+        (dcp_metadata.Metadata, "__init__", "builtins.getattr of Metadata"),
+        (encoding, "__class__", "_MEM_FORMAT_ENCODING.__class__, not one of its members"),
+        (encoding, "mro", "_MEM_FORMAT_ENCODING.mro, not one of its members"),
+    ):
+        args = pickle.dumps((target, name), protocol=2)[2:-1]  # the argument tuple, without PROTO and STOP
+        (tmp_path / ".metadata").write_bytes(b"\x80\x02cbuiltins\ngetattr\n" + args + b"R.")
+        with pytest.raises(Refused, match=rf"\.metadata is refused: it names {re.escape(why)}"):
+            load_metadata(tmp_path / ".metadata")

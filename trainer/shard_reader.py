@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import io
 import math
 import mmap
@@ -199,6 +200,17 @@ _METADATA_CLASSES = {
 }
 
 
+def _enum_member(cls, name):
+    """What `getattr` may do in DCP's metadata: give a member of one of its Enum classes
+    (_MEM_FORMAT_ENCODING), as some Python versions pickle an Enum member (getattr(class, name)),
+    e.g. the Debian 3.11 of the CUDA image. Anything else is refused."""
+    if not (isinstance(cls, type) and issubclass(cls, enum.Enum) and cls in _METADATA_CLASSES.values()):
+        raise Refused(f"it names builtins.getattr of {getattr(cls, '__name__', type(cls).__name__)}")
+    if not isinstance(name, str) or name not in cls.__members__:
+        raise Refused(f"it names {cls.__name__}.{name!s:.40}, not one of its members")
+    return cls[name]
+
+
 class _MetadataPickle(pickle.Unpickler):
     """Unpickles DCP's metadata and nothing else: a name outside _METADATA_CLASSES and torch's
     dtypes is refused before anything is imported or called."""
@@ -208,6 +220,8 @@ class _MetadataPickle(pickle.Unpickler):
             return _METADATA_CLASSES[module, name]
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member  # an Enum member pickled by name: getattr(its class, its name)
         raise Refused(f"it names {module}.{name}")
 
     def persistent_load(self, pid):
