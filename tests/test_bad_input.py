@@ -715,8 +715,9 @@ def test_a_hub_cache_snapshot_is_accepted_and_its_links_stay_in_its_blobs(capsys
         ({**HF_CONFIG, "num_attention_heads": 0}, "num_attention_heads is 0; it must be a whole number of at least 1"),
         ({**HF_CONFIG, "rms_norm_eps": "small"}, "rms_norm_eps is 'small'; it must be a number"),
         ([HF_CONFIG], "holds a JSON list, not a mapping of settings; replace it with the model's config.json"),
+        ({**HF_CONFIG, "tie_word_embeddings": "false"}, "tie_word_embeddings is 'false'; it must be true or false"),
     ],
-    ids=["str", "zero_heads", "str_float", "list"],
+    ids=["str", "zero_heads", "str_float", "list", "str_bool"],
 )
 def test_init_from_with_a_bad_config_json(capsys, tmp_path, config, message):
     folder = hf_folder(tmp_path, config)

@@ -116,6 +116,13 @@ def _number(config: dict, key: str, where: str, default: float) -> float:
     return float(value)
 
 
+def _flag(config: dict, key: str, where: str, default: bool) -> bool:
+    value = config.get(key, default)
+    if not isinstance(value, bool):  # bool("false") is True: a string must not pass as a flag
+        raise HFError(f"{where}: {key} is {value!r}; it must be true or false")
+    return value
+
+
 def shape_from_config(config: dict, where: str) -> dict:
     """ModelArgs shape keys (and max_position_embeddings) from a LlamaConfig mapping; a value of the
     wrong type or range is an HFError naming the key (the shape itself is checked by trainer.check)."""
@@ -168,7 +175,7 @@ def shape_from_config(config: dict, where: str) -> dict:
         "norm_eps": _number(config, "rms_norm_eps", where, 1e-6),
         "rope_theta": theta,
         "rope_scaling": scaling,
-        "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
+        "tie_embeddings": _flag(config, "tie_word_embeddings", where, False),
         "max_position_embeddings": optional("max_position_embeddings"),
     }
 
