@@ -17,11 +17,11 @@ import tempfile
 from typing import TYPE_CHECKING
 
 from trainer.config import Config, ConfigError, load_run, resolve, resolve_batch
-from trainer.data import token_file_problem
 from trainer.layout import RUN_DIR_FILES, RUN_DIR_FOLDERS
 from trainer.models import choices as model_choices
 from trainer.models import find as find_family
 from trainer.optim import schedule_warning
+from trainer.prepare import token_file_problem
 
 if TYPE_CHECKING:
     import torch
