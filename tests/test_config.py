@@ -259,12 +259,6 @@ def test_resolved_config_is_written(tmp_path):
     assert written["model"]["dim"] == 64 and written["model"]["rope_theta"] == 10000.0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue #25 item 4, not done yet: trainer.config imports the Args classes from "
-    "modules that import torch (checkpoint, data, metrics, parallel, models), and validate asks the "
-    "model families, whose modules define their networks",
-)
 def test_the_config_and_its_validation_need_no_torch(tmp_path):
     """A login node's `make check` / `make submit` read and validate the config before any step that
     needs torch: with torch unimportable, configs/default.yaml loads and validates for 2 processes

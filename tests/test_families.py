@@ -1,18 +1,21 @@
-"""A model family is one module and one line in trainer.models.FAMILIES, and nothing outside
-trainer/models asks which family a run uses."""
+"""A model family is a spec (no torch), its network and one line in trainer.models.FAMILIES, and
+nothing outside trainer/models asks which family a run uses."""
 
 from __future__ import annotations
 
 import json
 import math
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import ROOT, TINY, rows, train, weights
-from toy_family import FAMILY, TinyMLP
+from conftest import ROOT, TINY, env, rows, train, weights
+from tests.toy_family_net import TinyMLP
+from toy_family import FAMILY
 from trainer import models
 from trainer.check import validate
 from trainer.config import ConfigError, load
@@ -39,8 +42,30 @@ def test_nothing_outside_the_models_package_asks_the_family():
     assert family_questions(ROOT / "trainer") == []
 
 
+def test_the_family_specs_need_no_torch(tmp_path):
+    """The config check reads the families' specs where there is no torch (a login node): with torch
+    unimportable, the shipped specs and the toy one (added the documented way) import, an MNIST CNN
+    config and a toy one validate, and only building the toy model needs torch (its network module)."""
+    code = (
+        'import sys; sys.modules["torch"] = None  # any import of torch now raises ImportError\n'
+        "from tests.toy_family import FAMILY\n"
+        "from trainer import models\n"
+        "from trainer.check import validate\n"
+        "from trainer.config import load\n"
+        "models.FAMILIES['toy_mlp'] = FAMILY\n"
+        f"for args in ({TOY!r}, ['model.name=mnist_cnn', 'data.name=synthetic_images']):\n"
+        f"    print(validate(load(None, [*args, 'run_dir={tmp_path / 'run'}']), 1))\n"
+        "try:\n"
+        f"    FAMILY.build(load(None, {TOY!r}).model)\n"
+        "except ImportError as e:\n"
+        "    print(e)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout == "[]\n[]\nimport of torch halted; None in sys.modules\n", proc.stderr
+
+
 @pytest.mark.slow
-def test_a_family_added_in_one_file_and_one_line_checks_and_trains(tmp_path, monkeypatch):
+def test_a_family_added_as_a_spec_a_network_and_one_line_checks_and_trains(tmp_path, monkeypatch):
     monkeypatch.setitem(models.FAMILIES, "toy_mlp", FAMILY)  # the one line (the run below has it too)
     # the config check asks the family, and lists it among the names there are
     with pytest.raises(ConfigError) as e:

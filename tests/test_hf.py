@@ -19,6 +19,7 @@ from trainer.config import (
     ConfigError,
     resolve,
 )
+from trainer.models import transformer_net
 
 SCALING = {
     "rope_type": "llama3",
@@ -143,7 +144,7 @@ def test_8b_is_llama_3_1_8b():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
-    torch.testing.assert_close(models.rope_frequencies(128, 500000.0, shape.rope_scaling), inv_freq.float())
+    torch.testing.assert_close(transformer_net.rope_frequencies(128, 500000.0, shape.rope_scaling), inv_freq.float())
 
 
 @pytest.mark.slow

@@ -17,11 +17,11 @@ import tempfile
 from typing import TYPE_CHECKING
 
 from trainer.config import Config, ConfigError, load_run, resolve, resolve_batch
-from trainer.data import token_file_problem
 from trainer.layout import RUN_DIR_FILES, RUN_DIR_FOLDERS
 from trainer.models import choices as model_choices
 from trainer.models import find as find_family
 from trainer.optim import schedule_warning
+from trainer.prepare import token_file_problem
 
 if TYPE_CHECKING:
     import torch
@@ -46,7 +46,8 @@ def validate(
     `ranks_per_node`, what they need must fit this machine's memory (CPU training; a GPU's memory
     is checked by each rank, check_gpu_memory: asking for it here would create a CUDA context).
     `planning`: the run is for another machine (a GPU target, a dry run from a login node), so the
-    data files and the run dir this one cannot see are returned as warnings instead of raised."""
+    data files and the run dir this one cannot see are returned as warnings instead of raised.
+    Only the memory check, the last, imports torch: the config alone is checked without it."""
     warnings: list[str] = []
 
     def fail(key: str, message: str):
@@ -189,9 +190,6 @@ def validate(
             f"(global_batch_size {t.global_batch_size} / {world_size} processes); use a divisor of {per_rank}",
         )
 
-    if ranks_per_node and not _cuda_available():
-        _check_memory(cfg, world_size, ranks_per_node, fail)
-
     # parallelism
     p = cfg.parallel
     if p.strategy != "fsdp" and p.cpu_offload:
@@ -222,6 +220,10 @@ def validate(
         if not planning:
             raise
         warnings.append(f"{e} (not an error when planning for another machine: it must hold there)")
+
+    # memory: what the ranks of this node need, estimated on the meta device (torch)
+    if ranks_per_node and not _cuda_available():
+        _check_memory(cfg, world_size, ranks_per_node, fail)
     return warnings
 
 
@@ -394,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg, where, notes = load_run(args.config, args.overrides)
         planning = bool(args.gpu_mem_gb)  # a GPU target: this machine is not the one that trains
         warnings = []
-        if args.nproc is not None:
+        if args.nproc is not None:  # this machine's devices (torch tells them), then the config
             try:
                 check_devices(args.nproc)
             except ConfigError as e:

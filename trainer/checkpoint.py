@@ -35,8 +35,7 @@ import uuid
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -46,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from trainer import checksums, layout
 from trainer.checksums import ChecksumWriter
+from trainer.config import CheckpointArgs
 from trainer.layout import read_meta, step_path
 from trainer.shard_reader import Refused, ShardReader, load_metadata
 
@@ -59,21 +59,6 @@ log = logging.getLogger("trainer")
 # 3.3.4): 466 job interruptions in 54 days of pre-training on 16,384 H100 GPUs. A job of G GPUs is
 # interrupted G times as often.
 GPU_MTBF_HOURS = 54 * 24 * 16384 / 466
-
-
-@dataclass
-class CheckpointArgs:
-    # Optimizer steps between saves; 0: save only at the end and when stopped; auto: the Young-Daly
-    # interval sqrt(2 x blocking save seconds x mtbf), in steps, from the run's own save and step times.
-    interval: int | Literal["auto"] = 100
-    # Mean time between interruptions of the whole job in hours (interval=auto); None: the Llama 3
-    # report's GPU_MTBF_HOURS (45,566 GPU-hours) divided by the job's processes.
-    mtbf_hours: float | None = None
-    keep: int = 3  # newest complete checkpoints kept, older ones are deleted; 0 keeps all
-    keep_every: int = 0  # also keep forever every checkpoint whose step is a multiple of this; 0: none
-    async_save: bool = False  # write shards in the background while training goes on
-    resume_from: str | None = None  # a checkpoint folder a new run starts from; once run_dir has its own, they win
-    timeout_s: int = 3600  # limit for the collectives of one save or load (slow filesystems)
 
 
 def young_daly_interval(save_s: float, mtbf_s: float, step_s: float) -> int:

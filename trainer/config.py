@@ -1,8 +1,14 @@
 """The run configuration: typed sections, loaded from YAML plus dotted command-line overrides.
 
-Precedence: dataclass defaults, then the YAML file, then `key.sub=value` overrides. Each section is
-defined beside the code it configures; this module only nests them and checks what a user wrote.
-Every mistake becomes a `ConfigError` whose message says what, where and what to do.
+Precedence: dataclass defaults, then the YAML file, then `key.sub=value` overrides. Every mistake
+becomes a `ConfigError` whose message says what, where and what to do.
+
+Reading and checking a config needs no torch (a login node's `make check` and `make submit`): this
+module imports none, nor does any module it imports. So a section is defined beside the code it
+configures where that module imports torch only in the functions that use it (optim, launch, the
+model section in the models package, whose specs keep their networks apart, as torchtitan keeps a
+model's args apart from its model code); the sections of the modules that need torch to be imported
+at all (train, eval, data, parallel, checkpoint, log) are defined here, each imported by its module.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import stat
 import types
 import typing
 from dataclasses import dataclass, field
@@ -18,14 +25,10 @@ from typing import Any, Literal
 
 import yaml
 
-from trainer.checkpoint import CheckpointArgs
-from trainer.data import DataArgs, special_file
 from trainer.launch import LaunchArgs
 from trainer.layout import CONFIG_FILE
-from trainer.metrics import LogArgs
 from trainer.models import ModelArgs
 from trainer.optim import OptimArgs
-from trainer.parallel import ParallelArgs
 
 
 class ConfigError(Exception):
@@ -52,6 +55,70 @@ class TrainArgs:
 class EvalArgs:
     interval: int = 0  # optimizer steps between evaluations; 0 disables them
     batches: int = 4  # micro-batches per rank in one evaluation
+
+
+@dataclass
+class DataArgs:
+    name: Literal["synthetic", "tokens", "mnist", "imagefolder", "synthetic_images"] = "synthetic"
+    path: str | None = None  # token file, MNIST root or ImageFolder root (for the training split)
+    eval_path: str | None = None  # the same for evaluation; None: a held-out part of the stream
+    token_dtype: Literal["uint16", "uint32"] = "uint16"  # element type of a token file
+    download: bool = True  # MNIST: download into `path` when the files are not there
+    num_workers: int = 0  # DataLoader worker processes per rank
+    trace: bool = False  # append each rank's global sample indices to run_dir/trace/ (debugging)
+
+
+@dataclass
+class ParallelArgs:
+    strategy: Literal["fsdp", "ddp", "none"] = "fsdp"  # none: plain single-process training
+    # full: shard params, grads and optimizer state (FULL_SHARD, ZeRO-3); grad_op: keep params
+    # unsharded between forward and backward (SHARD_GRAD_OP, ZeRO-2); hybrid: full shard inside a
+    # group of `shard_size` ranks, replicate across groups (HYBRID_SHARD, a 2-D mesh).
+    sharding: Literal["full", "grad_op", "hybrid"] = "full"
+    shard_size: int | None = None  # hybrid: ranks per shard group; None: the ranks of one node
+    # block: one FSDP unit per model block (transformer layer, ResNet block); size: one unit per
+    # module holding at least `wrap_min_params` parameters not already wrapped below it.
+    wrap: Literal["block", "size"] = "block"
+    wrap_min_params: int = 100_000  # size policy threshold, in parameters
+    param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # compute dtype
+    reduce_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # gradient reduction dtype
+    # float16 only: the loss scale the run starts from (GradScaler's init_scale); it halves at each step
+    # whose gradients overflow (that step is skipped) and doubles after 2000 steps without one. > 0.
+    loss_scale: float = 65536.0
+    cpu_offload: bool = False  # keep sharded params, grads and optimizer state in host memory
+    activation_checkpointing: bool = False  # recompute each block's activations in backward
+    compile: bool = False  # torch.compile each block and the loss
+    # Seconds a collective of the training process group waits for a rank that does not answer;
+    # then the run stops with an error naming the step (exit code 1), so that Slurm can requeue it.
+    timeout_s: int = 600
+
+
+@dataclass
+class CheckpointArgs:
+    # Optimizer steps between saves; 0: save only at the end and when stopped; auto: the Young-Daly
+    # interval sqrt(2 x blocking save seconds x mtbf), in steps, from the run's own save and step times.
+    interval: int | Literal["auto"] = 100
+    # Mean time between interruptions of the whole job in hours (interval=auto); None: the Llama 3
+    # report's trainer.checkpoint.GPU_MTBF_HOURS (45,566 GPU-hours) divided by the job's processes.
+    mtbf_hours: float | None = None
+    keep: int = 3  # newest complete checkpoints kept, older ones are deleted; 0 keeps all
+    keep_every: int = 0  # also keep forever every checkpoint whose step is a multiple of this; 0: none
+    async_save: bool = False  # write shards in the background while training goes on
+    resume_from: str | None = None  # a checkpoint folder a new run starts from; once run_dir has its own, they win
+    timeout_s: int = 3600  # limit for the collectives of one save or load (slow filesystems)
+
+
+@dataclass
+class LogArgs:
+    interval: int = 10  # optimizer steps between metric rows
+    progress: bool = True  # live progress line on a terminal (rank 0 only)
+    tensorboard: bool = False  # also write TensorBoard event files to <run_dir>/tensorboard (trainer/trackers.py)
+    wandb: bool = False  # also log to a Weights & Biases run, the same one after each restart
+    mlflow: bool = False  # also log to an MLflow run at MLFLOW_TRACKING_URI, the same one after each restart
+    project: str | None = None  # W&B project / MLflow experiment; None: the run dir's name
+    # A rank whose compute time per step (a metrics row's compute_s_*) exceeds this many times the
+    # median of all ranks' for 3 logged windows in a row is named as a straggler (rank and node); > 1.
+    straggler_factor: float = 1.5
 
 
 @dataclass
@@ -297,6 +364,24 @@ def _parse(text: str, where: str, lines: bool = False) -> Any:
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         todo = "fix the syntax" if lines else "fix the value"
         raise ConfigError(f"{at}: invalid YAML ({problem}); {todo}") from None
+
+
+def special_file(path: str) -> str | None:
+    """What `path` is when it is neither a regular file, a folder nor missing ("a FIFO (named pipe)",
+    ...), told by stat alone: opening a FIFO to read waits for a writer."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    for test, what in (
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return what
+    return None
 
 
 def _read_yaml(path: str) -> dict:

@@ -9,25 +9,14 @@ the number of samples consumed to resume the exact stream on any number of proce
 from __future__ import annotations
 
 import os
-import stat
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-
-@dataclass
-class DataArgs:
-    name: Literal["synthetic", "tokens", "mnist", "imagefolder", "synthetic_images"] = "synthetic"
-    path: str | None = None  # token file, MNIST root or ImageFolder root (for the training split)
-    eval_path: str | None = None  # the same for evaluation; None: a held-out part of the stream
-    token_dtype: Literal["uint16", "uint32"] = "uint16"  # element type of a token file
-    download: bool = True  # MNIST: download into `path` when the files are not there
-    num_workers: int = 0  # DataLoader worker processes per rank
-    trace: bool = False  # append each rank's global sample indices to run_dir/trace/ (debugging)
+from trainer.config import DataArgs
+from trainer.prepare import token_file_problem
 
 
 class DataError(Exception):
@@ -66,49 +55,6 @@ class SyntheticLM(Dataset):
             walk.append(token)
         tokens = torch.from_numpy(np.array(walk, dtype=np.int64))
         return tokens[:-1], tokens[1:]
-
-
-def special_file(path: str) -> str | None:
-    """What `path` is when it is neither a regular file, a folder nor missing ("a FIFO (named pipe)",
-    ...), told by stat alone: opening a FIFO to read waits for a writer."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        return None
-    for test, what in (
-        (stat.S_ISFIFO, "a FIFO (named pipe)"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-    ):
-        if test(mode):
-            return what
-    return None
-
-
-def token_file_problem(path: str, dtype: str, seq_len: int) -> str | None:
-    """What is wrong with a token file that its size tells (the ids are checked as the ranks read it)."""
-    if os.path.isdir(path):
-        return f"{path} is a folder; give a token file (a flat {dtype} array of token ids)"
-    kind = special_file(path)
-    if kind:
-        return f"{path} is {kind}, not a regular file; give a token file (a flat {dtype} array of token ids)"
-    if not os.path.isfile(path):
-        return f"token file {path} does not exist; point it at a flat {dtype} token file"
-    size, itemsize = os.path.getsize(path), np.dtype(dtype).itemsize
-    if size == 0:
-        return f"token file {path} is empty; point it at a file of at least model.seq_len+1 = {seq_len + 1} tokens"
-    if size % itemsize:
-        return (
-            f"token file {path} has {size} bytes, not a whole number of {itemsize}-byte {dtype} tokens; check "
-            f"data.token_dtype, or whether the file was cut short"
-        )
-    if size // itemsize < seq_len + 1:
-        return (
-            f"token file {path} holds {size // itemsize} tokens, fewer than model.seq_len+1 = {seq_len + 1}; "
-            f"lower model.seq_len or give a longer file"
-        )
-    return None
 
 
 def _sidecar_vouches(path: str, tokens: int, vocab_size: int) -> bool:

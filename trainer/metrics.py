@@ -21,20 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer.config import LogArgs
+
 log = logging.getLogger("trainer")
-
-
-@dataclass
-class LogArgs:
-    interval: int = 10  # optimizer steps between metric rows
-    progress: bool = True  # live progress line on a terminal (rank 0 only)
-    tensorboard: bool = False  # also write TensorBoard event files to <run_dir>/tensorboard (trainer/trackers.py)
-    wandb: bool = False  # also log to a Weights & Biases run, the same one after each restart
-    mlflow: bool = False  # also log to an MLflow run at MLFLOW_TRACKING_URI, the same one after each restart
-    project: str | None = None  # W&B project / MLflow experiment; None: the run dir's name
-    # A rank whose compute time per step (a metrics row's compute_s_*) exceeds this many times the
-    # median of all ranks' for 3 logged windows in a row is named as a straggler (rank and node); > 1.
-    straggler_factor: float = 1.5
 
 
 # Dense bf16 peak FLOP/s by device name, from the vendors' data sheets. The first key found in the

@@ -8,42 +8,16 @@ onto `fully_shard` arguments here.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from trainer.config import ParallelArgs
 from trainer.dist import Env
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class ParallelArgs:
-    strategy: Literal["fsdp", "ddp", "none"] = "fsdp"  # none: plain single-process training
-    # full: shard params, grads and optimizer state (FULL_SHARD, ZeRO-3); grad_op: keep params
-    # unsharded between forward and backward (SHARD_GRAD_OP, ZeRO-2); hybrid: full shard inside a
-    # group of `shard_size` ranks, replicate across groups (HYBRID_SHARD, a 2-D mesh).
-    sharding: Literal["full", "grad_op", "hybrid"] = "full"
-    shard_size: int | None = None  # hybrid: ranks per shard group; None: the ranks of one node
-    # block: one FSDP unit per model block (transformer layer, ResNet block); size: one unit per
-    # module holding at least `wrap_min_params` parameters not already wrapped below it.
-    wrap: Literal["block", "size"] = "block"
-    wrap_min_params: int = 100_000  # size policy threshold, in parameters
-    param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # compute dtype
-    reduce_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # gradient reduction dtype
-    # float16 only: the loss scale the run starts from (GradScaler's init_scale); it halves at each step
-    # whose gradients overflow (that step is skipped) and doubles after 2000 steps without one. > 0.
-    loss_scale: float = 65536.0
-    cpu_offload: bool = False  # keep sharded params, grads and optimizer state in host memory
-    activation_checkpointing: bool = False  # recompute each block's activations in backward
-    compile: bool = False  # torch.compile each block and the loss
-    # Seconds a collective of the training process group waits for a rank that does not answer;
-    # then the run stops with an error naming the step (exit code 1), so that Slurm can requeue it.
-    timeout_s: int = 600
 
 
 def has_batchnorm(model: nn.Module) -> bool:

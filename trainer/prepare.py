@@ -30,6 +30,8 @@ import time
 
 import numpy as np
 
+from trainer.config import special_file
+
 # End-of-document tokens of common tokenizers, tried in this order when neither --eos nor the
 # folder's tokenizer_config.json names one: Llama 3, GPT-2/NeoX, Llama 2/Mistral, Gemma.
 EOS_CANDIDATES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
@@ -51,6 +53,31 @@ def read_sidecar(token_file: str) -> dict | None:
         return None
     with open(path) as f:
         return json.load(f)
+
+
+def token_file_problem(path: str, dtype: str, seq_len: int) -> str | None:
+    """What is wrong with a token file that its size tells (the ids are checked as the ranks read it)."""
+    if os.path.isdir(path):
+        return f"{path} is a folder; give a token file (a flat {dtype} array of token ids)"
+    kind = special_file(path)
+    if kind:
+        return f"{path} is {kind}, not a regular file; give a token file (a flat {dtype} array of token ids)"
+    if not os.path.isfile(path):
+        return f"token file {path} does not exist; point it at a flat {dtype} token file"
+    size, itemsize = os.path.getsize(path), np.dtype(dtype).itemsize
+    if size == 0:
+        return f"token file {path} is empty; point it at a file of at least model.seq_len+1 = {seq_len + 1} tokens"
+    if size % itemsize:
+        return (
+            f"token file {path} has {size} bytes, not a whole number of {itemsize}-byte {dtype} tokens; check "
+            f"data.token_dtype, or whether the file was cut short"
+        )
+    if size // itemsize < seq_len + 1:
+        return (
+            f"token file {path} holds {size // itemsize} tokens, fewer than model.seq_len+1 = {seq_len + 1}; "
+            f"lower model.seq_len or give a longer file"
+        )
+    return None
 
 
 def input_files(paths: list[str]) -> list[str]:

@@ -419,7 +419,6 @@ def check_config(job: Job, partition: Partition | None = None, planning: bool = 
     too short for it. A run dir that holds a run is continued with its own config (config.load_run);
     `planning` (a dry run): data files and a run dir this machine cannot see are warnings."""
     from trainer.check import validate
-    from trainer.checkpoint import save_seconds  # the parameters counted on the meta device: torch
     from trainer.config import ConfigError, load_run
 
     world = job.nodes * job.nproc_per_node
@@ -433,6 +432,8 @@ def check_config(job: Job, partition: Partition | None = None, planning: bool = 
             _check_gpu_memory(job, partition, cfg, world)
     except ConfigError as e:
         raise SubmitError(str(e)) from None
+    from trainer.checkpoint import save_seconds  # the parameters counted on the meta device: torch
+
     estimate, how = save_seconds(cfg, job.nodes, str(job.run_dir))
     budget = signals.shutdown_budget(job.warn_seconds)
     if budget < estimate:

@@ -216,105 +216,26 @@ def _train(
     train_set,
     eval_set,
 ) -> None:
+    # set-up: the model and what trains it, the newest checkpoint (or model.init_from), the run dir
     run_dir = cfg.run_dir
     micro, accum = batch_plan(cfg, env.world_size)
     B = cfg.train.global_batch_size
-
     model = build_model(cfg, env)
     loss_fn = _loss_fn(cfg)
     optimizer = optim.build(model.parameters(), cfg.optim, env.device)
     scheduler = optim.scheduler(optimizer, cfg.optim, cfg.train.steps)
     scaler = _grad_scaler(cfg, env)
     compute_dtype = parallel.autocast_dtype(model, cfg.parallel)
-    ckpt = checkpoint.Checkpointer(
-        cfg.checkpoint,
-        run_dir,
-        env.rank,
-        env.world_size,
-        io_group,
-        model,
-        optimizer,
-        parts={"scheduler": scheduler, "scaler": scaler},
-    )
-    if lease:  # rank 0 reads the lease again right before it commits or deletes a checkpoint
-        ckpt.still_owner = lease.check
+    ckpt = _checkpointer(cfg, env, io_group, lease, model, optimizer, scheduler, scaler)
     reporter = Reporter(run_dir, cfg.log, cfg.train.steps, env.is_main)
-
-    step, samples = 0, 0
-    meta = ckpt.load()
-    if meta:
-        step, samples = meta["step"], meta["samples"]
-        saved_lr = meta.get("config", {}).get("optim", {}).get("lr", cfg.optim.lr)
-        if saved_lr != cfg.optim.lr:
-            reporter.message(
-                f"optim.lr is {cfg.optim.lr:g}, the checkpoint's was {saved_lr:g}: the schedule goes on from "
-                f"step {step} with the new peak"
-            )
-        change = optim.schedule_change(meta.get("config", {}), cfg.optim, cfg.train.steps, step)
-        if change:
-            reporter.message(change)
-        optim.set_peak_lr(scheduler, cfg.optim, cfg.train.steps)
-        reporter.message(
-            f"resumed from {meta['path']} at step {step} (saved by {meta['world_size']} processes, loaded in "
-            f"{meta['load_time_s']:.2f}s)"
-        )
-        if cfg.model.init_from:
-            reporter.message(
-                f"model.init_from={cfg.model.init_from} is not used: this run dir has checkpoints of its own"
-            )
-    elif cfg.model.init_from:  # a new run from a Hugging Face folder: its weights, step 0
-        started = time.perf_counter()
-        try:
-            models.spec(cfg.model).hf_load(parallel.unwrap(model), cfg.model.init_from)
-        except hf.HFError as e:
-            raise checkpoint.CheckpointError(f"model.init_from: {e}") from None
-        reporter.message(f"initialised from {cfg.model.init_from} in {time.perf_counter() - started:.2f}s")
-    if env.is_main:  # the start is accepted: only now the run dir's config and status change
-        dump(cfg, os.path.join(run_dir, "config.yaml"))
-        layout.write_status(run_dir, state="running", steps=cfg.train.steps, step=step)
-    reporter.start(step, meta)  # rows after `step` are an earlier start's: each step's row once
-    if env.is_main and (cfg.log.tensorboard or cfg.log.wandb or cfg.log.mlflow):
-        from trainer.trackers import Trackers
-
-        reporter.trackers = Trackers(run_dir, cfg.log, to_dict(cfg), meta["step"] if meta else None)
-    warning = optim.schedule_warning(cfg.optim, cfg.train.steps)
-    if warning:
-        reporter.message(f"warning: {warning}")
+    step, samples, meta = _resume(cfg, ckpt, model, scheduler, reporter)
+    _accept_start(cfg, env, reporter, step, meta)
     if step >= cfg.train.steps:
-        reporter.message(
-            f"nothing to do: step {step} reached train.steps={cfg.train.steps}; raise train.steps to continue"
-        )
-        if env.is_main:
-            layout.write_status(run_dir, state="finished")
-        if reporter.trackers:
-            reporter.trackers.close()
+        _nothing_to_do(cfg, env, reporter, step)
         return
-
     batches = data.loader(train_set, cfg.data, cfg.train.seed, samples, B, micro, env.rank, env.world_size)
     trace = _open_trace(run_dir, env.rank) if cfg.data.trace else None
-    n_params = sum(p.numel() for p in model.parameters())  # sharded: numel() is the global size
-    reporter.message(
-        f"training {cfg.model.name} ({n_params / 1e6:.2f}M params) on {env.world_size} x {env.device.type}, "
-        f"strategy {cfg.parallel.strategy}, {micro} samples x {accum} micro-batches per rank, steps "
-        f"{step}->{cfg.train.steps}"
-    )
-
-    model.train()
-    ckpt.plan(
-        cfg.train.steps, step, _auto_interval(cfg, env) if cfg.checkpoint.interval == "auto" else None, reporter.message
-    )
-    count_flops = models.spec(cfg.model).flops_per_token
-    lm = count_flops is not None
-    speed = Speed(
-        B,
-        cfg.model.seq_len if lm else None,
-        count_flops(parallel.unwrap(model)) if lm else None,
-        peak_flops(env.device),
-        env.world_size,
-        env.device,
-    )
-    store = dist.distributed_c10d._get_default_store()  # where each rank runs: set in train()
-    reporter.begin(step, speed, node_of=lambda r: store.get(f"trainer/where/{r}").decode().split(" ")[0])
+    _begin_steps(cfg, env, model, ckpt, reporter, step)
     # This rank's compute time since the last row: CPU seconds of this process in the step's own work
     # (data, forward, backward, clip, optimizer), so the waits for other ranks in the collectives FSDP
     # runs inside forward and backward do not count (a wall clock would give every rank the slowest
@@ -409,6 +330,133 @@ def _train(
                 )
             break
 
+    # tear-down
+    _finish(cfg, env, control, lease, watchdog, ckpt, reporter, trace, step)
+
+
+def _checkpointer(
+    cfg: Config, env: distributed.Env, io_group, lease: Lease | None, model, optimizer, scheduler, scaler
+):
+    """The run's checkpoint manager and the named parts it saves beside the model and optimizer."""
+    ckpt = checkpoint.Checkpointer(
+        cfg.checkpoint,
+        cfg.run_dir,
+        env.rank,
+        env.world_size,
+        io_group,
+        model,
+        optimizer,
+        parts={"scheduler": scheduler, "scaler": scaler},
+    )
+    if lease:  # rank 0 reads the lease again right before it commits or deletes a checkpoint
+        ckpt.still_owner = lease.check
+    return ckpt
+
+
+def _resume(cfg: Config, ckpt: checkpoint.Checkpointer, model, scheduler, reporter: Reporter) -> tuple:
+    """(step, samples consumed, the checkpoint's meta or None): the newest checkpoint loaded, with a
+    line for each change of the schedule; without one, a new run from model.init_from's weights."""
+    step, samples = 0, 0
+    meta = ckpt.load()
+    if meta:
+        step, samples = meta["step"], meta["samples"]
+        saved_lr = meta.get("config", {}).get("optim", {}).get("lr", cfg.optim.lr)
+        if saved_lr != cfg.optim.lr:
+            reporter.message(
+                f"optim.lr is {cfg.optim.lr:g}, the checkpoint's was {saved_lr:g}: the schedule goes on from "
+                f"step {step} with the new peak"
+            )
+        change = optim.schedule_change(meta.get("config", {}), cfg.optim, cfg.train.steps, step)
+        if change:
+            reporter.message(change)
+        optim.set_peak_lr(scheduler, cfg.optim, cfg.train.steps)
+        reporter.message(
+            f"resumed from {meta['path']} at step {step} (saved by {meta['world_size']} processes, loaded in "
+            f"{meta['load_time_s']:.2f}s)"
+        )
+        if cfg.model.init_from:
+            reporter.message(
+                f"model.init_from={cfg.model.init_from} is not used: this run dir has checkpoints of its own"
+            )
+    elif cfg.model.init_from:  # a new run from a Hugging Face folder: its weights, step 0
+        started = time.perf_counter()
+        try:
+            models.spec(cfg.model).hf_load(parallel.unwrap(model), cfg.model.init_from)
+        except hf.HFError as e:
+            raise checkpoint.CheckpointError(f"model.init_from: {e}") from None
+        reporter.message(f"initialised from {cfg.model.init_from} in {time.perf_counter() - started:.2f}s")
+    return step, samples, meta
+
+
+def _accept_start(cfg: Config, env: distributed.Env, reporter: Reporter, step: int, meta: dict | None) -> None:
+    """The start is accepted: only now the run dir's config and status change, the metrics rows of an
+    earlier start after `step` move aside, and the trackers (rank 0's) start."""
+    if env.is_main:
+        dump(cfg, os.path.join(cfg.run_dir, "config.yaml"))
+        layout.write_status(cfg.run_dir, state="running", steps=cfg.train.steps, step=step)
+    reporter.start(step, meta)  # rows after `step` are an earlier start's: each step's row once
+    if env.is_main and (cfg.log.tensorboard or cfg.log.wandb or cfg.log.mlflow):
+        from trainer.trackers import Trackers
+
+        reporter.trackers = Trackers(cfg.run_dir, cfg.log, to_dict(cfg), meta["step"] if meta else None)
+    warning = optim.schedule_warning(cfg.optim, cfg.train.steps)
+    if warning:
+        reporter.message(f"warning: {warning}")
+
+
+def _nothing_to_do(cfg: Config, env: distributed.Env, reporter: Reporter, step: int) -> None:
+    """A start at or past train.steps: say so, mark the run finished, close the trackers."""
+    reporter.message(f"nothing to do: step {step} reached train.steps={cfg.train.steps}; raise train.steps to continue")
+    if env.is_main:
+        layout.write_status(cfg.run_dir, state="finished")
+    if reporter.trackers:
+        reporter.trackers.close()
+
+
+def _begin_steps(
+    cfg: Config, env: distributed.Env, model, ckpt: checkpoint.Checkpointer, reporter: Reporter, step: int
+) -> None:
+    """Before the first step: the line that says what trains, the checkpointer's save plan, and the
+    reporter's speed (tokens/s and MFU for an LM) and straggler names."""
+    micro, accum = batch_plan(cfg, env.world_size)
+    n_params = sum(p.numel() for p in model.parameters())  # sharded: numel() is the global size
+    reporter.message(
+        f"training {cfg.model.name} ({n_params / 1e6:.2f}M params) on {env.world_size} x {env.device.type}, "
+        f"strategy {cfg.parallel.strategy}, {micro} samples x {accum} micro-batches per rank, steps "
+        f"{step}->{cfg.train.steps}"
+    )
+    model.train()
+    ckpt.plan(
+        cfg.train.steps, step, _auto_interval(cfg, env) if cfg.checkpoint.interval == "auto" else None, reporter.message
+    )
+    count_flops = models.spec(cfg.model).flops_per_token
+    lm = count_flops is not None
+    speed = Speed(
+        cfg.train.global_batch_size,
+        cfg.model.seq_len if lm else None,
+        count_flops(parallel.unwrap(model)) if lm else None,
+        peak_flops(env.device),
+        env.world_size,
+        env.device,
+    )
+    store = dist.distributed_c10d._get_default_store()  # where each rank runs: set in train()
+    reporter.begin(step, speed, node_of=lambda r: store.get(f"trainer/where/{r}").decode().split(" ")[0])
+
+
+def _finish(
+    cfg: Config,
+    env: distributed.Env,
+    control,
+    lease: Lease | None,
+    watchdog: hangs.Watchdog,
+    ckpt: checkpoint.Checkpointer,
+    reporter: Reporter,
+    trace,
+    step: int,
+) -> None:
+    """After the last step (or a stop): the watchdog, the last async save, the trackers and the trace
+    closed in this order; a lease lost at the last save raised; the status and the closing line."""
+    run_dir = cfg.run_dir
     watchdog.stop()  # what follows (the last async save's end) is not a step
     ckpt.close()
     if reporter.trackers:

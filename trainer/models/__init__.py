@@ -1,17 +1,18 @@
 """The model families and the one table of them: the transformer LM, the tutorial's MNIST CNN, and
 torchvision's classifiers.
 
-Each family is one module here that ends with its `Family` (family.py): how to build the model, its
-repeated units, its config checks, its input, its loss and evaluation kind, its FLOPs, its Hugging
-Face adapter. `spec(cfg.model)` is the run's; nothing outside this package asks which family it is.
-Adding a family is one module and one line in FAMILIES (README, "Adding a model family").
+Each family is a spec module here that ends with its `Family` (family.py): how to build the model,
+its repeated units, its config checks, its input, its loss and evaluation kind, its FLOPs, its
+Hugging Face adapter. `spec(cfg.model)` is the run's; nothing outside this package asks which family
+it is. The specs and this module import no torch, so the config and its checks need none; each
+family's network (an nn.Module) is a module of its own that the spec's `build` imports. Adding a
+family is a spec, its network and one line in FAMILIES (README, "Adding a model family").
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch.nn as nn
+from typing import TYPE_CHECKING
 
 from trainer.models import mnist_cnn, transformer, vision
 from trainer.models.family import Family, loss_fn  # noqa: F401 - loss_fn: imported from here
@@ -20,9 +21,11 @@ from trainer.models.transformer import (  # noqa: F401 - the names trainer.hf, b
     TRANSFORMER_SIZES,
     RopeScaling,
     TransformerShape,
-    rope_frequencies,
     transformer_shape,
 )
+
+if TYPE_CHECKING:
+    import torch.nn as nn
 
 # model.name -> its family. A model.name not here is torchvision's if torchvision has a
 # classification model of that name (vision.py).

@@ -1,8 +1,11 @@
 """What the trainer knows of one model family (torchtitan's `TrainSpec`): plain functions, no base class.
 
-Each family's module (transformer.py, mnist_cnn.py, vision.py) ends with its `FAMILY`; the table is
-`trainer.models.FAMILIES`. Nothing outside trainer/models asks which family a run uses: it asks the
+Each family's spec module (transformer.py, mnist_cnn.py, vision.py) ends with its `FAMILY`; the table
+is `trainer.models.FAMILIES`. Nothing outside trainer/models asks which family a run uses: it asks the
 run's `Family` (`trainer.models.spec(cfg.model)`) to build, wrap, check, count and evaluate.
+
+A spec imports no torch (the config and its checks read it on machines that need none): its network
+is a module of its own (transformer_net.py, mnist_cnn_net.py) that `build` imports when it is called.
 """
 
 from __future__ import annotations
@@ -11,16 +14,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-
 if TYPE_CHECKING:
+    import torch
+    import torch.nn as nn
+
     from trainer.models import ModelArgs
 
 
 def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over samples (over tokens for the LM)."""
+    import torch.nn.functional as F  # here: the specs import this module without torch
+
     return F.cross_entropy(logits.flatten(0, -2).float(), target.flatten())
 
 

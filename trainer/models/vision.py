@@ -1,15 +1,16 @@
 """The torchvision family: every torchvision classification model (resnet18, vit_b_16, ...), built
-untrained for model.num_classes at model.image_size. torchvision is imported when first needed."""
+untrained for model.num_classes at model.image_size. Its networks are torchvision's: torchvision
+(and torch) are imported when first needed, to build one or to know the model names there are."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch.nn as nn
-
 from trainer.models.family import Family
 
 if TYPE_CHECKING:
+    import torch.nn as nn
+
     from trainer.models import ModelArgs
 
 
@@ -60,6 +61,8 @@ def repeated_units(model: nn.Module) -> list[nn.Module]:
     """The repeated units of a torchvision model (ResNet bottlenecks, ViT encoder blocks, ...): every
     instance of the module class that repeats most often (not nested in another instance of it);
     ties go to the larger class."""
+    import torch.nn as nn
+
     by_class: dict[type, list[nn.Module]] = {}
     for module in model.modules():
         if module is model or isinstance(module, (nn.Sequential, nn.ModuleList)):
