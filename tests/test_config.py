@@ -259,15 +259,22 @@ def test_resolved_config_is_written(tmp_path):
     assert written["model"]["dim"] == 64 and written["model"]["rope_theta"] == 10000.0
 
 
-def test_the_config_and_its_validation_need_no_torch(tmp_path):
+@pytest.mark.parametrize("start", ["scratch", "hf"])
+def test_the_config_and_its_validation_need_no_torch(tmp_path, start):
     """A login node's `make check` / `make submit` read and validate the config before any step that
     needs torch: with torch unimportable, configs/default.yaml loads and validates for 2 processes
-    (the CPU memory check, ranks_per_node, is the step that needs torch: not asked for here)."""
+    (the CPU memory check, ranks_per_node, is the step that needs torch: not asked for here), also
+    when it starts from a Hugging Face folder (config.json and the weights' headers are read)."""
+    overrides = [f"run_dir={tmp_path / 'run'}"]
+    if start == "hf":
+        from test_bad_input import hf_folder
+
+        overrides.append(f"model.init_from={hf_folder(tmp_path)}")
     code = (
         'import sys; sys.modules["torch"] = None  # any import of torch now raises ImportError\n'
         "from trainer.config import load_run\n"
         "from trainer.check import validate\n"
-        f"cfg, where, notes = load_run('configs/default.yaml', ['run_dir={tmp_path / 'run'}'])\n"
+        f"cfg, where, notes = load_run('configs/default.yaml', {overrides!r})\n"
         "print(validate(cfg, 2, where=where, ranks_per_node=None), cfg.model.name)\n"
     )
     proc = subprocess.run(

@@ -20,10 +20,12 @@ import math
 import os
 import re
 import shutil
-
-import torch
+from typing import TYPE_CHECKING
 
 from trainer.models import ModelArgs, RopeScaling, TransformerShape, transformer_shape
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("trainer")
 
@@ -295,7 +297,7 @@ def _header(path: str) -> list[str]:
     from safetensors import SafetensorError, safe_open
 
     try:
-        with safe_open(path, framework="pt") as f:
+        with safe_open(path, framework="numpy") as f:  # only the header is read: no torch needed
             return list(f.keys())
     except (OSError, SafetensorError) as e:
         raise HFError(
@@ -303,12 +305,12 @@ def _header(path: str) -> list[str]:
         ) from None
 
 
-@torch.no_grad()
 def load_weights(model: torch.nn.Module, folder: str) -> None:
     """Copy the weights of the HF folder into `model`, whose parameters may be FSDP-sharded DTensors.
 
     Each rank reads only the rows of its own shard of each tensor (safetensors slices), file by
     file, so no rank ever holds the full model."""
+    import torch
     from safetensors import safe_open
 
     files = weight_files(folder)
@@ -333,7 +335,7 @@ def load_weights(model: torch.nn.Module, folder: str) -> None:
     for hf in wanted:
         by_file.setdefault(files[hf], []).append(hf)
     for file, names in sorted(by_file.items()):
-        with safe_open(file, framework="pt") as f:
+        with safe_open(file, framework="pt") as f, torch.no_grad():
             for hf in names:
                 param = params[wanted[hf]]
                 source = f.get_slice(hf)
@@ -370,14 +372,16 @@ def parse_size(text: str) -> int:
 
 
 def save(
-    state: dict[str, torch.Tensor], args: ModelArgs, out: str, max_shard_bytes: int, dtype: torch.dtype = torch.float32
+    state: dict[str, torch.Tensor], args: ModelArgs, out: str, max_shard_bytes: int, dtype: torch.dtype | None = None
 ) -> list[str]:
     """Write our full state dict as an HF folder; returns the files written. Tensors go into shards
     of at most `max_shard_bytes` (a larger tensor gets one of its own), listed in an index file when
     there is more than one, as `save_pretrained` does. A run that started from an HF folder that is
     still there passes on its tokenizer files and special token ids."""
+    import torch
     from safetensors.torch import save_file
 
+    dtype = dtype or torch.float32
     shape = transformer_shape(args)
     tensors = {hf_name(k): v.to(dtype).contiguous() for k, v in state.items()}  # tied: no lm_head, as HF
     shards: list[dict[str, torch.Tensor]] = [{}]
