@@ -15,7 +15,7 @@ from trainer import checkpoint, data, hangs, hf, layout, models, optim, parallel
 from trainer import dist as distributed
 from trainer.config import Config, dump, to_dict
 from trainer.lease import Lease, LeaseError, LeaseLost
-from trainer.metrics import Reporter, Speed, peak_flops, timed
+from trainer.metrics import Reporter, Speed, peak_flops, start_times, timed
 
 log = logging.getLogger("trainer")
 
@@ -88,9 +88,11 @@ def evaluate(model, cfg: Config, env: distributed.Env, dataset, compute_dtype) -
 
 
 def train(cfg: Config) -> None:
+    times = {"imported": time.time()}  # the start's moments, for the resume row (metrics.start_times)
     env = distributed.init(timeout_s=cfg.parallel.timeout_s)
     control = distributed.cpu_group(timeout_s=cfg.parallel.timeout_s)  # stop flag, rank-0 decisions
     io_group = distributed.cpu_group(timeout_s=cfg.checkpoint.timeout_s)  # DCP, also from its own thread
+    times["process_group"] = time.time()
     run_dir = cfg.run_dir
     datasets = _datasets(cfg, env, control)  # bad data stops the run here, before the run dir is touched
     distributed.check_nodes(run_dir, control)
@@ -99,7 +101,7 @@ def train(cfg: Config) -> None:
     store.set(f"trainer/where/{env.rank}", f"{hangs.node()} {os.getpid()}")  # named in hang files and straggler lines
     watchdog = hangs.Watchdog(run_dir, env.rank, cfg.parallel.timeout_s, store)  # armed by the loop's first step
     try:
-        _train(cfg, env, control, io_group, lease, watchdog, *datasets)
+        _train(cfg, env, control, io_group, lease, watchdog, times, *datasets)
     except RuntimeError as e:  # torch.distributed.DistBackendError is one
         watchdog.stop()
         if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
@@ -213,6 +215,7 @@ def _train(
     io_group,
     lease: Lease | None,
     watchdog: hangs.Watchdog,
+    times: dict,
     train_set,
     eval_set,
 ) -> None:
@@ -241,7 +244,9 @@ def _train(
     reporter = Reporter(run_dir, cfg.log, cfg.train.steps, env.is_main)
 
     step, samples = 0, 0
+    times["load_start"] = time.time()
     meta = ckpt.load()
+    times["loaded"] = time.time()
     if meta:
         step, samples = meta["step"], meta["samples"]
         saved_lr = meta.get("config", {}).get("optim", {}).get("lr", cfg.optim.lr)
@@ -272,7 +277,8 @@ def _train(
     if env.is_main:  # the start is accepted: only now the run dir's config and status change
         dump(cfg, os.path.join(run_dir, "config.yaml"))
         layout.write_status(run_dir, state="running", steps=cfg.train.steps, step=step)
-    reporter.start(step, meta)  # rows after `step` are an earlier start's: each step's row once
+    # rows after `step` are an earlier start's: each step's row once; a resume row with the start's moments
+    reporter.start(step, meta, start_times(**times))
     if env.is_main and (cfg.log.tensorboard or cfg.log.wandb or cfg.log.mlflow):
         from trainer.trackers import Trackers
 
