@@ -1,7 +1,7 @@
 """Goodput on the local Slurm cluster (`make slurm-up`): a job under a failure schedule beside the
 same job undisturbed, and each recovery's time in parts.
 
-    .venv/bin/python -m bench.goodput --out goodput.json [--rounds 3] [--nodes 4] [--steps 90]
+    .venv/bin/python -m bench.goodput --out goodput.json [--rounds 3] [--nodes 4] [--steps 60]
 
 A round runs the job undisturbed (its wall time: the undisturbed time), then again under SCHEDULE:
 each event strikes once the run has logged its step since the previous recovery. Events:
@@ -30,6 +30,7 @@ import argparse
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -259,7 +260,7 @@ def run_job(run_dir: Path, nodes: int, steps: int, timeout_s: int, schedule: lis
     )
     if out.returncode != 0:
         raise RuntimeError(f"submit failed: {out.stderr.strip()[-300:]}")
-    job = out.stdout.split("submitted job ")[1].split()[0]
+    job = re.search(r"submitted job (\d+)", out.stdout).group(1)
     metrics = run_dir / "metrics.jsonl"
     try:
         _, began = wait_until(lambda: job_info(job).get("JobState") == "RUNNING", 120, "the job to run")
@@ -311,7 +312,7 @@ def main() -> int:
     parser.add_argument("--scratch", default=str(ROOT / "runs" / "bench-goodput"), help="run dirs every node sees")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--nodes", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=90, help="steps of the job")
+    parser.add_argument("--steps", type=int, default=60, help="steps of the job")
     parser.add_argument("--timeout-s", type=int, default=10, help="parallel.timeout_s: how long a hang goes unseen")
     args = parser.parse_args()
     if not cluster_up():
