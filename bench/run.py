@@ -109,6 +109,36 @@ GOALS = {
         None,
         None,
     ),
+    "goodput": (
+        "a multi-node job on the local Slurm cluster under a failure schedule (a rank killed, a rank stopped, a "
+        "preemption): the same job's wall time undisturbed / disturbed (Slurm's requeue hold left out)",
+        None,
+        None,
+    ),
+    "goodput_steps_redone": ("steps trained twice in the disturbed job (a count)", None, None),
+    "recovery_crash_s": ("a killed rank: seconds from the kill to the first step again", None, None),
+    "recovery_hang_s": (
+        "a stopped rank: seconds from the SIGSTOP to the first step again (parallel.timeout_s of it unseen)",
+        None,
+        None,
+    ),
+    "recovery_preemption_s": (
+        "a preemption: seconds from the preempting job's submission to the first step again (hold left out)",
+        None,
+        None,
+    ),
+    "restart_vs_goal": (
+        "a restart in the allocation (crash, hang): seconds from the launcher seeing the failure to the first step, "
+        "over the issue's goal: 3 x the checkpoint load + the rendezvous (agents' and process group's)",
+        "<=",
+        1.0,
+    ),
+    "goodput_llama3_1024": (
+        "expected goodput of a 1024-GPU job at Llama 3's interruption rate with this recovery time and the Young-Daly "
+        "checkpoint interval: (1 - C/tau)(1 - (tau/2 + R)/M)",
+        None,
+        None,
+    ),
     "gpu_mfu": ("model FLOPs utilisation of a 1B bf16 torch.compile'd run on each GPU of this machine", ">=", 0.55),
     "gpu_tokens_per_s": ("tokens per second of that run, all GPUs", None, None),
     "gpu_peak_mem_gb": ("peak GPU memory allocated by that run, per GPU", None, None),
@@ -741,6 +771,41 @@ def preemption(ctx) -> tuple[dict, dict, dict]:
     return figures, notes, {"preemption": rounds}
 
 
+def goodput(ctx) -> tuple[dict, dict, dict]:
+    """bench/goodput.py on the local Slurm cluster (make slurm-up); not measured without it."""
+    from bench import goodput as worker
+    from bench import preemption as cluster
+
+    keys = MEASURED_BY[goodput]
+    if not cluster.cluster_up():
+        return (*not_measured(keys, "the local Slurm cluster is not up (make slurm-up)"), {})
+    out = ctx.scratch / "goodput.json"
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "bench.goodput", "--out", str(out), "--rounds", str(ctx.args.goodput_rounds)]
+    log = ctx.scratch / "goodput.log"
+    timeout = ctx.budget.need(150, "one goodput round")
+    with open(log, "w") as f:
+        try:
+            subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            print(f"bench: goodput: timed out after {timeout:.0f}s, keeping the rounds that finished", flush=True)
+    if not out.exists():
+        raise Failed(f"no round finished (log: {log.relative_to(ROOT)})")
+    r = json.loads(out.read_text())
+    summary = worker.summarise(r)
+    figures = {
+        "goodput": figure("goodput", summary["goodput"]),
+        "goodput_steps_redone": figure("goodput_steps_redone", summary["steps_redone"], exact=True),
+        "recovery_crash_s": figure("recovery_crash_s", summary["total_s"]["crash"]),
+        "recovery_hang_s": figure("recovery_hang_s", summary["total_s"]["hang"]),
+        "recovery_preemption_s": figure("recovery_preemption_s", summary["total_s"]["preemption"]),
+        "restart_vs_goal": figure("restart_vs_goal", summary["restart_vs_goal"]),
+        "goodput_llama3_1024": figure("goodput_llama3_1024", summary["llama3"]),
+    }
+    notes = {key: summary["note"] for key in figures}
+    return figures, notes, {"goodput": {**r, "summary": summary}}
+
+
 def gpu(ctx) -> tuple[dict, dict, dict]:
     """MFU, tokens/s and peak memory of short bf16 runs of the 1b transformer on all local GPUs, with
     and without torch.compile; one micro-batch per step, as large as the GPU's memory comfortably takes."""
@@ -835,6 +900,19 @@ MEASUREMENTS = [
         preemption,
         ["preempt_to_committed_s", "preempt_to_requeued_s", "preempt_restart_s", "preempt_restart_vs_load"],
         60,
+    ),
+    (
+        goodput,
+        [
+            "goodput",
+            "goodput_steps_redone",
+            "recovery_crash_s",
+            "recovery_hang_s",
+            "recovery_preemption_s",
+            "restart_vs_goal",
+            "goodput_llama3_1024",
+        ],
+        150,
     ),
     (gpu, ["gpu_mfu", "gpu_tokens_per_s", "gpu_peak_mem_gb", "gpu_mfu_eager"], 2 * 150),  # 0 without a GPU
 ]
@@ -934,6 +1012,7 @@ def markdown(info: dict, figures: dict, notes: dict, details: dict, sizes: str) 
                 f"| {p['processes']} | {p['threads_per_process']} | {number(f['median']) if f['median'] else '-'} | "
                 f"{ci} |"
             )
+    lines += details.get("goodput", {}).get("summary", {}).get("table", [])
     lines += ["", "What each figure compares, and how it was measured:", ""]
     for key, (what, _, _) in GOALS.items():
         lines.append(f"- `{key}`: {what}. {notes.get(key, '')}")
@@ -978,6 +1057,9 @@ def main() -> int:
     )
     parser.add_argument(
         "--preempt-rounds", type=int, default=5, help="preemptions on the local Slurm cluster (~40 s each)"
+    )
+    parser.add_argument(
+        "--goodput-rounds", type=int, default=3, help="goodput rounds on the local Slurm cluster (~3 min each)"
     )
     parser.add_argument("--gpu-steps", type=int, default=30, help="steps of each GPU run")
     parser.add_argument(
@@ -1033,6 +1115,8 @@ def main() -> int:
     results = ROOT / args.results
     results.mkdir(parents=True, exist_ok=True)
     stem = results / f"{info['date']}-{info['host']}"
+    if args.only and gpu not in ran:  # some measurements only: named after them, beside the full run's
+        stem = Path(f"{stem}-{'-'.join(name.replace('_', '-') for name in args.only)}")
     if gpu in ran and info["gpus"]:  # GPU figures: named after the GPU, beside the CPU's
         stem = Path(f"{stem}-{info['gpus'][0].split()[-1].lower()}")
     Path(f"{stem}.md").write_text(text)

@@ -241,6 +241,12 @@ class Monitor:
             if not os.path.exists(os.path.join(self.folder, f"rank_{rank}.txt")):
                 take_stack(self.folder, rank, pid)
 
+    def settle(self, timeout: float = OWN_DUMP_WAIT_S + 15) -> None:
+        """Before the launcher kills its ranks: once a hang folder was written, wait (at most `timeout`
+        seconds) until the stacks of this node's ranks are in it."""
+        if self._thread.is_alive() and (self.folder or self.newest()):
+            self._thread.join(timeout)
+
     def report(self) -> str | None:
         """Write report.txt into the hang folder of this start, if there is one; its path."""
         self.stop()

@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -247,6 +248,15 @@ def _ended(pid: int) -> bool:
         return True
 
 
+def _failed(pid: int) -> bool:
+    """Whether child process `pid` has ended other than with exit code 0, without reaping it."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped already: torchrun knows
+        return False
+    return info is not None and not (info.si_code == os.CLD_EXITED and info.si_status == 0)
+
+
 def _no_restart(marks: str) -> str | None:
     """Why the failed ranks must not be restarted (they said so: trainer/__main__.py), or None."""
     for name, why in ((BAD_INPUT_MARK, "bad input"), (DIVERGED_MARK, "divergence"), (LEASE_LOST_MARK, "a lost lease")):
@@ -255,7 +265,7 @@ def _no_restart(marks: str) -> str | None:
     return None
 
 
-def _restarting_agent(run_dir: str, marks: str, outcome: dict):
+def _restarting_agent(run_dir: str, marks: str, outcome: dict, monitor: hangs.Monitor):
     """torchrun's agent (LocalElasticAgent), which also finds the rank that failed first (kept in
     outcome["first"]) and, before each of torchrun's restarts, says it in one line and a
     metrics.jsonl row, or cancels the restarts left when the ranks stopped on bad input or divergence.
@@ -263,9 +273,39 @@ def _restarting_agent(run_dir: str, marks: str, outcome: dict):
     from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
+    from trainer.metrics import START_ENV, process_started
+
+    launched = process_started()
+
     class RestartingAgent(LocalElasticAgent):
+        def _stop_workers(self, worker_group):
+            """Before a restart (and after the last failure): kill the ranks at once. torchrun would
+            send SIGTERM and wait 30 s for each one that does not exit, but a restart resumes from the
+            newest committed checkpoint, so nothing a rank still holds is kept, and the ranks it waits
+            for are the stuck ones: stopped (SIGSTOP), or blocked in a collective with a dead rank.
+            A hang's stacks are taken first (trainer/hangs.py Monitor)."""
+            monitor.settle()
+            self._shutdown(signal.SIGKILL)
+            outcome["stopped"] = time.time()
+
+        def _start_workers(self, worker_group):
+            """The ranks get this start's moments (metrics.START_ENV) for their resume row."""
+            moments = {"launcher": launched, "rendezvous": round(time.time(), 3)}
+            if "stopped" in outcome:
+                moments["stopped"] = round(outcome.pop("stopped"), 3)
+            os.environ[START_ENV] = json.dumps(moments)
+            return super()._start_workers(worker_group)
+
         def _monitor_workers(self, worker_group):
             ended = {w.global_rank for w in worker_group.workers if w.id is not None and _ended(w.id)}
+            if any(_failed(w.id) for w in worker_group.workers if w.id is not None):
+                # torchrun would stop the others with SIGTERM and wait 30 s for each that stays: as
+                # in _stop_workers, kill them at once, once a hang's stacks are taken.
+                monitor.settle()
+                for w in worker_group.workers:
+                    if w.id is not None and not _ended(w.id):
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(w.id, signal.SIGKILL)
             result = super()._monitor_workers(worker_group)  # stops every rank once one has failed
             if result.state != WorkerState.FAILED or not result.failures:
                 return result
@@ -380,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
 
     outcome: dict = {}
     agent_class = launcher_api.LocalElasticAgent
-    launcher_api.LocalElasticAgent = _restarting_agent(cfg.run_dir, marks, outcome)
+    launcher_api.LocalElasticAgent = _restarting_agent(cfg.run_dir, marks, outcome, monitor)
     try:
         try:
             torchrun.run(args)

@@ -2,7 +2,8 @@
 
 Every row has `time` (Unix seconds). Training rows have `loss`; evaluation rows `eval_loss`; event
 rows `event`: "resume" (this start continues from a checkpoint: its `step`, `world_size` and
-`checkpoint`) and "restart" (the launcher restarted the ranks after one failed: trainer/launch.py).
+`checkpoint`, and `start`: the moments of this start, below) and "restart" (the launcher restarted the
+ranks after one failed: trainer/launch.py; its `time` is when the launcher saw the failure).
 A start keeps each step's row once: rows of steps after the one it starts from, logged by an
 earlier start that did not save them, move to metrics.superseded.jsonl.
 """
@@ -24,6 +25,33 @@ import torch
 from trainer.config import LogArgs
 
 log = logging.getLogger("trainer")
+
+# The launcher's moments of a start, handed to its ranks as JSON in this variable (Unix seconds):
+# `launcher` its process began, `stopped` torchrun's agent had stopped the ranks before (a restart
+# inside the allocation only), `rendezvous` the agent's rendezvous was done and it started the ranks.
+START_ENV = "TRAINER_START_TIMES"
+
+
+def process_started() -> float:
+    """Unix seconds at which this process began (Linux /proc, to 10 ms); now where /proc is missing."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return round(time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK"), 3)
+    except (OSError, ValueError, IndexError):
+        return round(time.time(), 3)
+
+
+def start_times(**mine: float) -> dict:
+    """The moments of this start for the resume row: the launcher's (START_ENV), this process's start
+    and `mine` (the rank's own: imports done, process group, load start and end), rounded to 1 ms."""
+    try:
+        given = json.loads(os.environ.get(START_ENV, "{}"))
+    except ValueError:
+        given = {}
+    return {**given, "process": process_started(), **{k: round(v, 3) for k, v in mine.items()}}
 
 
 # Dense bf16 peak FLOP/s by device name, from the vendors' data sheets. The first key found in the
@@ -151,10 +179,11 @@ class Reporter:
             if self.trackers:
                 self.trackers.log(values)
 
-    def start(self, step: int, resumed: dict | None) -> None:
+    def start(self, step: int, resumed: dict | None, times: dict | None = None) -> None:
         """Before this start's first step: the rows after `step` (an earlier start's, not saved) move
         to metrics.superseded.jsonl, and a resume row follows when `resumed` (the checkpoint's meta)
-        says this start continues from a checkpoint. metrics.jsonl is replaced atomically."""
+        says this start continues from a checkpoint, with `times` (start_times()) as its `start`.
+        metrics.jsonl is replaced atomically."""
         if not self.is_main:
             return
         try:
@@ -177,6 +206,7 @@ class Reporter:
                             "step": step,
                             "world_size": resumed["world_size"],
                             "checkpoint": resumed["path"],
+                            **({"start": times} if times else {}),
                         }
                     )
                 )

@@ -15,7 +15,7 @@ from trainer import checkpoint, data, hangs, hf, layout, models, optim, parallel
 from trainer import dist as distributed
 from trainer.config import Config, dump, to_dict
 from trainer.lease import Lease, LeaseError, LeaseLost
-from trainer.metrics import Reporter, Speed, peak_flops, timed
+from trainer.metrics import Reporter, Speed, peak_flops, start_times, timed
 
 log = logging.getLogger("trainer")
 
@@ -88,9 +88,11 @@ def evaluate(model, cfg: Config, env: distributed.Env, dataset, compute_dtype) -
 
 
 def train(cfg: Config) -> None:
+    times = {"imported": time.time()}  # the start's moments, for the resume row (metrics.start_times)
     env = distributed.init(timeout_s=cfg.parallel.timeout_s)
     control = distributed.cpu_group(timeout_s=cfg.parallel.timeout_s)  # stop flag, rank-0 decisions
     io_group = distributed.cpu_group(timeout_s=cfg.checkpoint.timeout_s)  # DCP, also from its own thread
+    times["process_group"] = time.time()
     run_dir = cfg.run_dir
     datasets = _datasets(cfg, env, control)  # bad data stops the run here, before the run dir is touched
     distributed.check_nodes(run_dir, control)
@@ -99,7 +101,7 @@ def train(cfg: Config) -> None:
     store.set(f"trainer/where/{env.rank}", f"{hangs.node()} {os.getpid()}")  # named in hang files and straggler lines
     watchdog = hangs.Watchdog(run_dir, env.rank, cfg.parallel.timeout_s, store)  # armed by the loop's first step
     try:
-        _train(cfg, env, control, io_group, lease, watchdog, *datasets)
+        _train(cfg, env, control, io_group, lease, watchdog, times, *datasets)
     except RuntimeError as e:  # torch.distributed.DistBackendError is one
         watchdog.stop()
         if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
@@ -213,6 +215,7 @@ def _train(
     io_group,
     lease: Lease | None,
     watchdog: hangs.Watchdog,
+    times: dict,
     train_set,
     eval_set,
 ) -> None:
@@ -228,8 +231,8 @@ def _train(
     compute_dtype = parallel.autocast_dtype(model, cfg.parallel)
     ckpt = _checkpointer(cfg, env, io_group, lease, model, optimizer, scheduler, scaler)
     reporter = Reporter(run_dir, cfg.log, cfg.train.steps, env.is_main)
-    step, samples, meta = _resume(cfg, ckpt, model, scheduler, reporter)
-    _accept_start(cfg, env, reporter, step, meta)
+    step, samples, meta = _resume(cfg, ckpt, model, scheduler, reporter, times)
+    _accept_start(cfg, env, reporter, step, meta, times)
     if step >= cfg.train.steps:
         _nothing_to_do(cfg, env, reporter, step)
         return
@@ -289,7 +292,7 @@ def _train(
         # log: one all-reduce (_agree) carries the loss, the stop, divergence and lease flags, the compute times
         stopping = None  # not agreed yet at this step
         if step % cfg.log.interval == 0 or step == cfg.train.steps:
-            loss_total, diverged, stops, lost, times = _agree(env, loss_sum, first_bad, lease, compute_s / window_steps)
+            loss_total, diverged, stops, lost, cpu_s = _agree(env, loss_sum, first_bad, lease, compute_s / window_steps)
             if lost:
                 _raise_lease_lost(lease, run_dir, step, ckpt)
             if diverged:
@@ -300,7 +303,7 @@ def _train(
                 values["grad_norm"] = _full(grad_norm).item()
             if scaler:
                 values["loss_scale"] = scaler.get_scale()
-            reporter.training_row(step, values, times)
+            reporter.training_row(step, values, cpu_s)
             compute_s, window_steps = 0.0, 0
 
         # evaluate
@@ -353,11 +356,14 @@ def _checkpointer(
     return ckpt
 
 
-def _resume(cfg: Config, ckpt: checkpoint.Checkpointer, model, scheduler, reporter: Reporter) -> tuple:
+def _resume(cfg: Config, ckpt: checkpoint.Checkpointer, model, scheduler, reporter: Reporter, times: dict) -> tuple:
     """(step, samples consumed, the checkpoint's meta or None): the newest checkpoint loaded, with a
-    line for each change of the schedule; without one, a new run from model.init_from's weights."""
+    line for each change of the schedule; without one, a new run from model.init_from's weights.
+    The load's start and end go into `times`."""
     step, samples = 0, 0
+    times["load_start"] = time.time()
     meta = ckpt.load()
+    times["loaded"] = time.time()
     if meta:
         step, samples = meta["step"], meta["samples"]
         saved_lr = meta.get("config", {}).get("optim", {}).get("lr", cfg.optim.lr)
@@ -388,13 +394,16 @@ def _resume(cfg: Config, ckpt: checkpoint.Checkpointer, model, scheduler, report
     return step, samples, meta
 
 
-def _accept_start(cfg: Config, env: distributed.Env, reporter: Reporter, step: int, meta: dict | None) -> None:
+def _accept_start(
+    cfg: Config, env: distributed.Env, reporter: Reporter, step: int, meta: dict | None, times: dict
+) -> None:
     """The start is accepted: only now the run dir's config and status change, the metrics rows of an
-    earlier start after `step` move aside, and the trackers (rank 0's) start."""
+    earlier start after `step` move aside (a resume row holds the start's moments, `times`), and the
+    trackers (rank 0's) start."""
     if env.is_main:
         dump(cfg, os.path.join(cfg.run_dir, "config.yaml"))
         layout.write_status(cfg.run_dir, state="running", steps=cfg.train.steps, step=step)
-    reporter.start(step, meta)  # rows after `step` are an earlier start's: each step's row once
+    reporter.start(step, meta, start_times(**times))  # rows after `step` are an earlier start's: each step's row once
     if env.is_main and (cfg.log.tensorboard or cfg.log.wandb or cfg.log.mlflow):
         from trainer.trackers import Trackers
 
