@@ -20,6 +20,7 @@ import yaml
 
 from trainer.checkpoint import CheckpointArgs
 from trainer.data import DataArgs, special_file
+from trainer.health import HealthArgs
 from trainer.launch import LaunchArgs
 from trainer.layout import CONFIG_FILE
 from trainer.metrics import LogArgs
@@ -66,6 +67,7 @@ class Config:
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
     log: LogArgs = field(default_factory=LogArgs)
     launch: LaunchArgs = field(default_factory=LaunchArgs)
+    health: HealthArgs = field(default_factory=HealthArgs)
 
 
 def resolve_batch(cfg: Config, world_size: int) -> Config:
