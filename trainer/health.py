@@ -218,7 +218,7 @@ def check_node(args: HealthArgs, run_dir: str, node: str, gpu_check=None) -> Nod
             return result
         worst = {name: max((e[name] for e in errors.values()), default=0.0) for name in MATMUL_TOLERANCE}
         passed.append(
-            f"{seen} GPU(s) as assigned, matmul agrees with the CPU ("
+            f"{seen} GPU(s){' as assigned' if assigned_gpus() else ''}, matmul agrees with the CPU ("
             + ", ".join(f"{name} {error:.1e}" for name, error in worst.items())
             + ")"
         )
