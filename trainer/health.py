@@ -347,7 +347,7 @@ def check_allreduce(args: HealthArgs, env, node: str) -> None:
     backend = "nccl" if env.device.type == "cuda" else "gloo"
     line, failed = busbw_line(seconds.item(), nbytes, world, backend, len(set(nodes)), args.min_busbw_gbps)
     if env.rank == 0 and not failed:
-        print(line, file=sys.stderr, flush=True)
+        print(line, flush=True)  # on stdout, as the launcher's line of a node that passed
     if failed:
         raise HealthError(line)
 

@@ -328,9 +328,10 @@ def _health_check(cfg) -> int:
         result = health.check_node(cfg.health, cfg.run_dir, node)
     except health.HealthError as e:
         result = health.NodeCheck(node, failure=str(e))
-    print(result.line(), file=sys.stderr, flush=True)
-    if not result.failure:
+    if not result.failure:  # on stdout, as the ranks' progress: stderr holds what went wrong
+        print(result.line(), flush=True)
         return 0
+    print(result.line(), file=sys.stderr, flush=True)
     job = os.environ.get("SLURM_JOB_ID")
     if job:
         try:
