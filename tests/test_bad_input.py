@@ -139,6 +139,14 @@ def test_overrides_before_config_are_accepted(capsys, tmp_path):
         ("optim.betas=[1.0, 0.95]", "optim.betas[0]: is 1.0; it must be in [0, 1), e.g. 0.9"),
         ("optim.betas=[0.9, -0.1]", "optim.betas[1]: is -0.1; it must be in [0, 1), e.g. 0.95"),
         ("optim.momentum=-1", "optim.momentum: is -1.0; it must be in [0, 1), e.g. 0.9"),
+        ("health.min_busbw_gbps=-1", "health.min_busbw_gbps: is -1.0; it must be 0 or more (GB/s; 0: not judged)"),
+        ("health.min_write_mbps=nan", "health.min_write_mbps: is nan; give a finite number"),
+        ("health.max_excluded=-1", "health.max_excluded: is -1; it must be 0 or more"),
+        ("health.command_timeout_s=0", "health.command_timeout_s: is 0; it must be at least 1"),
+        (
+            "health.command_timeout_s=1000000000",
+            "health.command_timeout_s: is 1000000000; it must be at most 604800 (7 days)",
+        ),
         (
             "model.dropout=0.5",
             "model.dropout: is 0.5; it must be in [0, 0.5): the MNIST CNN's second dropout is twice it",

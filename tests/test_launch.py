@@ -78,6 +78,17 @@ def test_signal_to_the_launcher_alone_saves_exits_0_and_resumes(tmp_path):
         r"finds no usable CUDA device",
         err,
     ), err
+    # The health check, on stdout: the node's line (no GPU judged: torch sees none), rank 0's all-reduce.
+    assert re.search(
+        r"^health: \S+: passed in [\d.]+ s: no GPU used \(trains on the CPU\), run dir write \d+ MB/s$", out, re.M
+    ), out
+    assert re.search(
+        r"^health: all-reduce of 4\.2 MB across 2 ranks on 1 node\(s\) \(gloo\): [\d.]+ GB/s bus bandwidth "
+        r"\(measured, not judged on the CPU\)$",
+        out,
+        re.M,
+    ), out
+    assert "health:" not in err
     # A restart resumes where it stopped and finishes; every step is logged once.
     proc = launch(run_dir, f"train.steps={stopped + 3}", "log.interval=1")
     out, err = proc.communicate(timeout=120)

@@ -98,3 +98,61 @@ def test_host_modules_run_on_python_3_6():
         text=True,
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.skipif(SYSTEM_PYTHON is None, reason="no system python3 in /usr/bin")
+def test_a_node_that_failed_the_health_check_is_excluded_up_to_max_excluded(tmp_path):
+    """The failing node's launcher left a record (trainer/health.py): the job is requeued, then the
+    node added to the job's ExcNodeList, keeping the node excluded already; status.json lists it.
+    One node more than health.max_excluded over the job's life: not requeued, one line, exit 4."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls"
+    (bin_dir / "scontrol").write_text(
+        f'#!/bin/sh\necho "$@" >> {calls}\necho "JobId=7 JobState=RUNNING ExcNodeList=n1 NodeList=n[2-3]"\n'
+    )
+    (bin_dir / "scontrol").chmod(0o755)
+    run_dir = tmp_path / "run"
+    records = run_dir / "slurm" / "health"
+    records.mkdir(parents=True)
+
+    def failed(job: str, node: str) -> None:
+        reason = f'health.command `test "$HEALTH_NODE" != {node}` exited 1 (no output)'
+        record = {"job": job, "node": node, "reason": reason, "max_excluded": 2, "time": 1.0}
+        (records / f"{job}.{node}.json").write_text(json.dumps(record))
+
+    failed("7", "n3")
+    failed("8", "n4")  # another job's: not this one's business
+    out = requeue(run_dir, 143, "7", bin_dir)  # the other nodes were stopped by srun: any exit code
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == (
+        "requeue-check: job 7: node(s) n3 failed the health check; requeueing without them (excluded: n1,n3; "
+        "1 of health.max_excluded=2)"
+    )
+    assert calls.read_text().splitlines() == [
+        "show job -o 7",  # cancelled?
+        "show job -o 7",  # the nodes excluded already
+        "requeue 7",
+        "update jobid=7 ExcNodeList=n1,n3",  # pending again: Slurm takes it now
+    ]
+    status = json.loads((run_dir / "status.json").read_text())
+    assert [(e["node"], e["job"], e["reason"]) for e in status["excluded_nodes"]] == [
+        ("n3", "7", 'health.command `test "$HEALTH_NODE" != n3` exited 1 (no output)')
+    ]
+    assert sorted(p.name for p in records.iterdir()) == ["8.n4.json"]  # each record is read once
+    assert not (run_dir / "slurm" / "requeue.json").exists()  # not an attempt without progress
+
+    failed("7", "n2")
+    assert requeue(run_dir, 4, "7", bin_dir).returncode == 0  # 2 of 2
+    failed("7", "n4")
+    calls.write_text("")
+    out = requeue(run_dir, 4, "7", bin_dir)
+    assert out.returncode == 4 and out.stdout == ""
+    assert out.stderr.strip() == (
+        "requeue-check: job 7: NOT requeued: node(s) n4 failed the health check, and excluding them would make 3 "
+        "excluded node(s) over the job's life, more than health.max_excluded=2 (excluded already: n3, n2). See the "
+        "'health:' lines above; repair the nodes or raise health.max_excluded, then submit again with the same "
+        "RUN_DIR"
+    )
+    assert "requeue" not in calls.read_text()
+    assert [e["node"] for e in json.loads((run_dir / "status.json").read_text())["excluded_nodes"]] == ["n3", "n2"]

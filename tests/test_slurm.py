@@ -396,6 +396,52 @@ def test_a_node_that_cannot_see_the_run_dir_is_named_before_training():
 
 
 @cluster
+def test_a_node_that_fails_the_health_check_is_named_excluded_and_the_job_runs_without_it(runs):
+    """health.command fails on n2 alone: n2 says so in one line, the job is requeued with n2 in its
+    ExcNodeList, the next attempt trains on two other nodes and finishes, and status.json lists n2.
+    The health lines of the nodes that passed and of the ranks' all-reduce (gloo, 2 nodes) are there."""
+    run_dir = runs / "health"
+    job = submit_job(
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "1",
+        "--run-dir",
+        str(run_dir),
+        "train.steps=4",
+        "log.interval=2",
+        'health.command=test "$HEALTH_NODE" != n2',
+    )
+    info = wait_job(job, timeout=150)
+    log = log_text(run_dir, job)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log
+    failed = [line for line in log.splitlines() if re.match(r"\d+: health: n2: ", line)]
+    assert [line.split(": ", 1)[1] for line in failed] == [
+        'health: n2: health.command `test "$HEALTH_NODE" != n2` exited 1 (no output)'
+    ], log
+    requeued = f"requeue-check: job {job}: node(s) n2 failed the health check; requeueing without them (excluded: n2; "
+    assert requeued in log
+    assert (
+        info["ExcNodeList"] == "n2"
+        and "n2"
+        not in subprocess.run(
+            ["scontrol", "show", "hostnames", info["NodeList"]], capture_output=True, text=True
+        ).stdout.split()
+    ), info
+    assert re.search(r"^\d+: health: n[134]: passed in [\d.]+ s: no GPU used .*health\.command passed", log, re.M), log
+    assert re.search(
+        r"^0: health: all-reduce of 4\.2 MB across 2 ranks on 2 node\(s\) \(gloo\): [\d.]+ GB/s bus bandwidth",
+        log,
+        re.M,
+    ), log
+    assert [row["step"] for row in metrics(run_dir)] == [2, 4]
+    excluded = layout.read_status(run_dir)["excluded_nodes"]
+    assert [(e["node"], e["job"]) for e in excluded] == [("n2", job)], excluded
+    assert excluded[0]["reason"].startswith("health.command `test"), excluded
+    assert not list((run_dir / "slurm" / "health").iterdir()), "each record is read once"
+
+
+@cluster
 def test_dry_run_prints_resources_with_reasons_and_the_script_and_submits_nothing(runs):
     run_dir = runs / "dry-run"
     before = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout

@@ -19,9 +19,10 @@ from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError, load_run, resolve
 from trainer.data import DataError
 from trainer.dist import NodeError, exit_process, read_env, shutdown
+from trainer.health import HealthError
 from trainer.lease import LeaseError, LeaseLost
 from trainer.metrics import setup_logging
-from trainer.requeue import LEASE_LOST
+from trainer.requeue import HEALTH_FAILED, LEASE_LOST
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     except LeaseLost as e:  # another run has the run dir now: neither a success nor bad input, not requeued
         launch.mark(launch.LEASE_LOST_MARK)  # not restarted: the run dir is another run's
         return fail(str(e), code=LEASE_LOST)
+    except HealthError as e:  # the all-reduce below its floor: rank 0 said it; not restarted in the allocation
+        launch.mark(launch.HEALTH_MARK)
+        return fail(str(e), code=HEALTH_FAILED)
     except Diverged as e:
         launch.mark(launch.DIVERGED_MARK)  # not restarted: it would diverge again
         return fail(str(e), code=1)  # not bad input: the run itself failed

@@ -28,8 +28,9 @@ if TYPE_CHECKING:
 
 # Largest train.seed: numpy's legacy seed limit; (seed x 1_000_003 + 2**32) stays within torch's 2**64.
 MAX_SEED = 2**32 - 1
-# Largest parallel.timeout_s and checkpoint.timeout_s in seconds: a week. timedelta ends at 8.6e13 s,
-# c10d's clocks (int64 nanoseconds) at 9.2e9 s; a collective that waits a week is lost anyway.
+# Largest parallel.timeout_s, checkpoint.timeout_s and health.command_timeout_s in seconds: a week.
+# timedelta ends at 8.6e13 s, c10d's clocks (int64 nanoseconds) at 9.2e9 s; a collective that waits
+# a week is lost anyway.
 MAX_TIMEOUT_S = 7 * 24 * 3600
 
 
@@ -77,6 +78,18 @@ def validate(
         ("optim.lr", o.lr, o.lr > 0, "it must be positive"),
         ("parallel.loss_scale", cfg.parallel.loss_scale, cfg.parallel.loss_scale > 0, "it must be positive"),
         ("optim.weight_decay", o.weight_decay, o.weight_decay >= 0, "it must be 0 or more"),
+        (
+            "health.min_busbw_gbps",
+            cfg.health.min_busbw_gbps,
+            cfg.health.min_busbw_gbps >= 0,
+            "it must be 0 or more (GB/s; 0: not judged)",
+        ),
+        (
+            "health.min_write_mbps",
+            cfg.health.min_write_mbps,
+            cfg.health.min_write_mbps >= 0,
+            "it must be 0 or more (MB/s; 0: not judged)",
+        ),
         ("optim.betas[0]", o.betas[0], 0 <= o.betas[0] < 1, "it must be in [0, 1), e.g. 0.9"),
         ("optim.betas[1]", o.betas[1], 0 <= o.betas[1] < 1, "it must be in [0, 1), e.g. 0.95"),
         ("optim.momentum", o.momentum, 0 <= o.momentum < 1, "it must be in [0, 1), e.g. 0.9"),
@@ -105,6 +118,7 @@ def validate(
         "checkpoint.timeout_s": cfg.checkpoint.timeout_s,
         "model.image_size": cfg.model.image_size,
         "parallel.timeout_s": cfg.parallel.timeout_s,
+        "health.command_timeout_s": cfg.health.command_timeout_s,
     }
     if cfg.train.micro_batch_size is not None:
         positive["train.micro_batch_size"] = cfg.train.micro_batch_size
@@ -125,7 +139,7 @@ def validate(
             "log.straggler_factor",
             f"is {cfg.log.straggler_factor}; it must be more than 1 (times the median compute time)",
         )
-    for key in ("parallel.timeout_s", "checkpoint.timeout_s"):
+    for key in ("parallel.timeout_s", "checkpoint.timeout_s", "health.command_timeout_s"):
         if positive[key] > MAX_TIMEOUT_S:
             fail(key, f"is {positive[key]}; it must be at most {MAX_TIMEOUT_S} (7 days)")
     if cfg.checkpoint.mtbf_hours is not None and not cfg.checkpoint.mtbf_hours > 0:
@@ -143,9 +157,13 @@ def validate(
         "data.num_workers": cfg.data.num_workers,
         "optim.warmup_steps": cfg.optim.warmup_steps,
         "launch.max_restarts": cfg.launch.max_restarts,
+        "health.max_excluded": cfg.health.max_excluded,
     }.items():
         if value < 0:
             fail(key, f"is {value}; it must be 0 or more")
+
+    if "\0" in cfg.health.command:
+        fail("health.command", "holds a NUL byte; give a shell command line, e.g. /etc/nhc/nhc")
 
     # model and data
     m, d = cfg.model, cfg.data

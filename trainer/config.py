@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 import yaml
 
+from trainer.health import HealthArgs
 from trainer.launch import LaunchArgs
 from trainer.layout import CONFIG_FILE
 from trainer.models import ModelArgs
@@ -133,6 +134,7 @@ class Config:
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
     log: LogArgs = field(default_factory=LogArgs)
     launch: LaunchArgs = field(default_factory=LaunchArgs)
+    health: HealthArgs = field(default_factory=HealthArgs)
 
 
 def resolve_batch(cfg: Config, world_size: int) -> Config:

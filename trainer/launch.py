@@ -8,6 +8,8 @@
 `make run`, compose, the sbatch script and the submitit task all start training through this. It
 
 * checks the config and this node's devices before anything starts, so bad input is one line;
+* checks this node's health (trainer/health.py: its GPUs, the run dir's write speed, the site's
+  health.command), in one line; a failing node exits 4 and, under Slurm, is excluded at the requeue;
 * says which device the ranks will use: NCCL + cuda where torch sees GPUs, else gloo + CPU, and
   says so explicitly when Slurm assigned GPUs that torch cannot use;
 * runs torchrun's agent in this process (one rank per process it starts), with the stop signals
@@ -19,7 +21,8 @@
   never restart;
 * maps the outcome to exit codes: 0 finished or stopped cleanly (the checkpoint is saved),
   2 bad input (the rank's one line is above), 3 the run dir's lease was lost to another run (not
-  requeued), anything else a failure.
+  requeued), 4 a failed health check (trainer/health.py: this node's, or the all-reduce's), anything
+  else a failure.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import time
 from dataclasses import dataclass
 
 from trainer import hangs, layout, signals
-from trainer.requeue import LEASE_LOST
+from trainer.requeue import HEALTH_FAILED, LEASE_LOST
 
 
 @dataclass
@@ -72,7 +75,7 @@ BAD_INPUT = 2
 # the same input may be signalled before it has seen their exit codes, and must still exit 2 (not
 # 143), or the requeue check requeues bad input.
 MARKS_ENV = signals.MARKS_ENV
-BAD_INPUT_MARK, DIVERGED_MARK, LEASE_LOST_MARK = "bad-input", "diverged", "lease-lost"
+BAD_INPUT_MARK, DIVERGED_MARK, LEASE_LOST_MARK, HEALTH_MARK = "bad-input", "diverged", "lease-lost", "health"
 
 
 def mark(name: str) -> None:
@@ -259,7 +262,12 @@ def _failed(pid: int) -> bool:
 
 def _no_restart(marks: str) -> str | None:
     """Why the failed ranks must not be restarted (they said so: trainer/__main__.py), or None."""
-    for name, why in ((BAD_INPUT_MARK, "bad input"), (DIVERGED_MARK, "divergence"), (LEASE_LOST_MARK, "a lost lease")):
+    for name, why in (
+        (BAD_INPUT_MARK, "bad input"),
+        (DIVERGED_MARK, "divergence"),
+        (LEASE_LOST_MARK, "a lost lease"),
+        (HEALTH_MARK, "a failed health check"),
+    ):
         if os.path.exists(os.path.join(marks, name)):
             return why
     return None
@@ -350,6 +358,29 @@ def write_row(run_dir: str, row: dict) -> None:
         _say(f"could not write the restart's row to {run_dir}/metrics.jsonl: {e}")
 
 
+def _health_check(cfg) -> int:
+    """This node's health check (trainer/health.py): its one line, and 0, or HEALTH_FAILED after
+    leaving the record the requeue check reads (under Slurm: that check runs after every node's end)."""
+    from trainer import health
+
+    node = node_name()
+    try:
+        result = health.check_node(cfg.health, cfg.run_dir, node)
+    except health.HealthError as e:
+        result = health.NodeCheck(node, failure=str(e))
+    if not result.failure:  # on stdout, as the ranks' progress: stderr holds what went wrong
+        print(result.line(), flush=True)
+        return 0
+    print(result.line(), file=sys.stderr, flush=True)
+    job = os.environ.get("SLURM_JOB_ID")
+    if job:
+        try:
+            health.record(cfg.run_dir, job, node, result.failure, cfg.health.max_excluded)
+        except OSError as e:
+            _say(f"could not record the failed health check in {cfg.run_dir}: {e}")
+    return HEALTH_FAILED
+
+
 def main(argv: list[str] | None = None) -> int:
     for sig in signals.STOP_SIGNALS:
         signal.signal(sig, _remember)
@@ -382,6 +413,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return BAD_INPUT
     _say(device_line(nproc))
+    if cfg.health.enabled:
+        code = _health_check(cfg)
+        if code:
+            return code
 
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -430,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
                 return BAD_INPUT  # the rank said what is wrong, in one line
             if LEASE_LOST in codes and all(c == LEASE_LOST or c < 0 for c in codes):
                 return LEASE_LOST  # another run took the run dir: rank 0 said which, in one line
+            if HEALTH_FAILED in codes and all(c == HEALTH_FAILED or c < 0 for c in codes):
+                return HEALTH_FAILED  # the all-reduce was below its floor: rank 0 said it, in one line
             report = monitor.report()
             if report:
                 _say(f"a rank stopped answering: see {report} (the stacks of the ranks are beside it)")

@@ -13,8 +13,10 @@ import datetime
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 from trainer import layout
 
@@ -23,6 +25,10 @@ BAD_INPUT = 2
 # Exit code of a training step whose run dir was taken over by another run (trainer/lease.py): that
 # run goes on in it; a requeued attempt would be refused, or worse, start over its checkpoints.
 LEASE_LOST = 3
+# Exit code of a node's launcher whose node failed the health check (trainer/health.py); it first
+# leaves a record in <run_dir>/slurm/health/<job>.<node>.json, which this check reads.
+HEALTH_FAILED = 4
+HEALTH_RECORDS = ("slurm", "health")
 
 
 def cancelled(job_id):
@@ -82,6 +88,10 @@ def requeue_check(run_dir, exit_code, max_attempts, job_id):
         )
         return LEASE_LOST
 
+    failed = health_records(run_dir, job_id)
+    if failed:
+        return requeue_without(run_dir, job_id, failed, prefix)
+
     state_file = os.path.join(run_dir, "slurm", "requeue.json")
     try:
         with open(state_file) as f:
@@ -116,6 +126,83 @@ def requeue_check(run_dir, exit_code, max_attempts, job_id):
     if result.returncode != 0:
         print("{} scontrol requeue failed: {}".format(prefix, result.stderr.strip()), file=sys.stderr, flush=True)
         return 1
+    return 0
+
+
+def health_records(run_dir, job_id):
+    """The health check's records of job_id's nodes that failed it (trainer/health.py), oldest first."""
+    folder = os.path.join(run_dir, *HEALTH_RECORDS)
+    try:
+        names = sorted(n for n in os.listdir(folder) if n.startswith("{}.".format(job_id)) and n.endswith(".json"))
+    except OSError:
+        return []
+    records = []
+    for name in names:
+        try:
+            with open(os.path.join(folder, name)) as f:
+                found = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(found, dict) and found.get("job") == job_id and found.get("node"):
+            records.append(dict(found, path=os.path.join(folder, name)))
+    return sorted(records, key=lambda r: r.get("time", 0))
+
+
+def _scontrol(*args):
+    return subprocess.run(
+        ["scontrol"] + list(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True
+    )
+
+
+def requeue_without(run_dir, job_id, failed, prefix):
+    """Requeue job_id with the nodes that failed the health check added to its excluded nodes (those
+    excluded already are kept), unless that would exclude more than health.max_excluded nodes over
+    the job's life; status.json lists every excluded node with the reason. Returns an exit code."""
+    status = layout.read_status(run_dir)
+    excluded = [e for e in status.get("excluded_nodes", []) if isinstance(e, dict)]
+    mine = [e["node"] for e in excluded if e.get("job") == job_id]
+    new = [r for r in failed if r["node"] not in mine]
+    limit = min(int(r.get("max_excluded", 0)) for r in failed)
+    names = ", ".join(r["node"] for r in new) or ", ".join(r["node"] for r in failed)
+    for r in failed:
+        os.remove(r["path"])  # read once: a later attempt's failure is a new record
+    if cancelled(job_id):
+        print("{} cancelled or at its time limit; not requeued".format(prefix), flush=True)
+        return 0
+    if len(mine) + len(new) > limit:
+        print(
+            "{} NOT requeued: node(s) {} failed the health check, and excluding them would make {} excluded "
+            "node(s) over the job's life, more than health.max_excluded={} (excluded already: {}). See the "
+            "'health:' lines above; repair the nodes or raise health.max_excluded, then submit again with "
+            "the same RUN_DIR".format(prefix, names, len(mine) + len(new), limit, ", ".join(mine) or "none"),
+            file=sys.stderr,
+            flush=True,
+        )
+        return HEALTH_FAILED
+    before = dict(re.findall(r"(\w+)=(\S*)", _scontrol("show", "job", "-o", str(job_id)).stdout)).get("ExcNodeList")
+    exclude = ",".join([n for n in [before] if n and n != "(null)"] + [r["node"] for r in new])
+    # The requeue ends this job's processes, this one among them (SIGTERM; SIGKILL after KillWait):
+    # it must live on to set the excluded nodes, which Slurm takes only once the job is pending again.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print(
+        "{} node(s) {} failed the health check; requeueing without them (excluded: {}; {} of "
+        "health.max_excluded={})".format(prefix, names, exclude, len(mine) + len(new), limit),
+        flush=True,
+    )
+    result = _scontrol("requeue", str(job_id))
+    if result.returncode != 0:
+        print("{} scontrol requeue failed: {}".format(prefix, result.stderr.strip()), file=sys.stderr, flush=True)
+        return 1
+    result = _scontrol("update", "jobid={}".format(job_id), "ExcNodeList={}".format(exclude))
+    if result.returncode != 0:
+        print(
+            "{} could not exclude {}: scontrol update failed: {}".format(prefix, exclude, result.stderr.strip()),
+            file=sys.stderr,
+            flush=True,
+        )
+    now = time.time()
+    added = [{"node": r["node"], "job": job_id, "reason": r.get("reason", ""), "time": now} for r in new]
+    layout.write_status(run_dir, excluded_nodes=excluded + added)
     return 0
 
 

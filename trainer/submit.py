@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from trainer import signals
-from trainer.requeue import requeue_check
+from trainer.requeue import HEALTH_FAILED, requeue_check
 
 REPO_DIR = Path(__file__).resolve().parent.parent
 TEMPLATE = REPO_DIR / "slurm" / "train.sbatch.in"
@@ -630,6 +630,8 @@ class LaunchTask:
                 *self.job.train_args(),
             ]
         )
+        if code == HEALTH_FAILED and env.global_rank != 0:
+            sys.exit(code)  # ends the other tasks (srun --kill-on-bad-exit): task 0 requeues without this node
         if env.global_rank == 0:
             status = requeue_check(self.job.run_dir, code, self.job.max_attempts, env.job_id.split("_")[0])
             from trainer import layout
@@ -679,6 +681,7 @@ def submit_submitit(job: Job) -> str:
     folder = job.run_dir / "slurm" / "submitit"
     executor = submitit.AutoExecutor(folder=folder, cluster="slurm")
     srun_args = ["--open-mode=append", f"--cpus-per-task={job.cpus_per_node}"]  # appended logs after a requeue
+    srun_args.append("--kill-on-bad-exit=1")  # a node that fails its health check ends the others, as sbatch's
     params = dict(
         nodes=job.nodes,
         tasks_per_node=1,

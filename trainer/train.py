@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from trainer import checkpoint, data, hangs, hf, layout, models, optim, parallel, signals
+from trainer import checkpoint, data, hangs, health, hf, layout, models, optim, parallel, signals
 from trainer import dist as distributed
 from trainer.config import Config, dump, to_dict
 from trainer.lease import Lease, LeaseError, LeaseLost
@@ -93,6 +93,8 @@ def train(cfg: Config) -> None:
     control = distributed.cpu_group(timeout_s=cfg.parallel.timeout_s)  # stop flag, rank-0 decisions
     io_group = distributed.cpu_group(timeout_s=cfg.checkpoint.timeout_s)  # DCP, also from its own thread
     times["process_group"] = time.time()
+    if cfg.health.enabled:  # before the first step: the fabric between the nodes (trainer/health.py)
+        health.check_allreduce(cfg.health, env, hangs.node())
     run_dir = cfg.run_dir
     datasets = _datasets(cfg, env, control)  # bad data stops the run here, before the run dir is touched
     distributed.check_nodes(run_dir, control)
