@@ -453,3 +453,40 @@ def test_metadata_with_enum_members_pickled_by_name_loads_and_getattr_stays_clos
         (tmp_path / ".metadata").write_bytes(b"\x80\x02cbuiltins\ngetattr\n" + args + b"R.")
         with pytest.raises(Refused, match=rf"\.metadata is refused: it names {re.escape(why)}"):
             load_metadata(tmp_path / ".metadata")
+
+
+def test_a_run_dirs_config_runs_its_health_command_only_when_only_we_can_write_it(tmp_path):
+    """The run dir's config.yaml is the base of every later start, and health.command is run on every
+    node: a config.yaml that someone else could have written (group- or world-writable, another
+    owner, a link) must not make a start run its command. One line; the command never runs."""
+    from trainer.config import ConfigError, dump, load, load_run
+
+    marker = tmp_path / "ran"
+    run = tmp_path / "run"
+    run.mkdir()
+    saved = run / "config.yaml"
+    dump(load(None, [f"run_dir={run}", f"health.command=touch {marker}"]), str(saved))
+    os.chmod(saved, 0o644)
+    cfg, _, _ = load_run(None, [f"run_dir={run}"])  # ours, writable by us only: used
+    assert cfg.health.command == f"touch {marker}"
+    os.chmod(saved, 0o664)
+    with pytest.raises(ConfigError) as e:
+        load_run(None, [f"run_dir={run}"])
+    assert str(e.value) == (
+        f"{saved}: sets health.command (run on every node) but is writable by its group or others; make it "
+        f"writable by you only (chmod go-w {saved}), or give health.command= on the command line"
+    )
+    cfg, _, _ = load_run(None, [f"run_dir={run}", "health.command=exit 0"])  # the command line's wins
+    assert cfg.health.command == "exit 0"
+    os.chmod(saved, 0o644)
+    if os.geteuid() == 0:  # root can give the file to someone else
+        os.chown(saved, 4321, -1)
+        with pytest.raises(ConfigError, match=r"\(run on every node\) but is owned by uid 4321, not by you"):
+            load_run(None, [f"run_dir={run}"])
+        os.chown(saved, 0, -1)
+    elsewhere = tmp_path / "elsewhere.yaml"
+    saved.rename(elsewhere)
+    saved.symlink_to(elsewhere)
+    with pytest.raises(ConfigError, match=r"config.yaml: sets health.command \(run on every node\) but is a link"):
+        load_run(None, [f"run_dir={run}"])
+    assert not marker.exists()

@@ -223,9 +223,10 @@ def load_run(path: str | None, overrides: list[str] = ()) -> tuple[Config, str, 
     if not os.path.isfile(saved):
         return cfg, path or "defaults", []
     saved_raw = _read_yaml(saved)
+    given = {item.partition("=")[0] for item in overrides}
+    _check_saved_command(saved, saved_raw, given)
     file_raw = _read_yaml(path) if path is not None else {}
     raw = _merge(file_raw, {**saved_raw, "run_dir": cfg.run_dir})
-    given = {item.partition("=")[0] for item in overrides}
     if given & {"model.size", "model.init_from"} and isinstance(raw.get("model"), dict):
         # The saved shape was resolved from the old size (or folder): the new one resolves it anew,
         # except for the keys given here too.
@@ -258,6 +259,28 @@ def load_run(path: str | None, overrides: list[str] = ()) -> tuple[Config, str, 
             f"used; to change one, give key=value on the command line"
         )
     return result, saved, lines
+
+
+def _check_saved_command(saved: str, raw: dict, given: set[str]) -> None:
+    """A ConfigError where the run dir's config.yaml sets health.command, which every node runs, and
+    someone other than us could have written the file: a link, another owner, writable by the group
+    or others. The command line's health.command replaces it, so the file's is not run."""
+    command = raw.get("health", {}).get("command") if isinstance(raw.get("health"), dict) else None
+    if not command or "health.command" in given:
+        return
+    st = os.lstat(saved)
+    if stat.S_ISLNK(st.st_mode):
+        problem = "is a link"
+    elif st.st_uid != os.geteuid():
+        problem = f"is owned by uid {st.st_uid}, not by you"
+    elif st.st_mode & 0o022:
+        problem = "is writable by its group or others"
+    else:
+        return
+    raise ConfigError(
+        f"{saved}: sets health.command (run on every node) but {problem}; make it writable by you only "
+        f"(chmod go-w {saved}), or give health.command= on the command line"
+    )
 
 
 def _merge(base: dict, top: dict) -> dict:
