@@ -446,7 +446,9 @@ def test_bad_input_is_one_line_before_submitting(args, message):
 # ---- rendered batch scripts for what cannot run here (GPUs, containers) -------------------------
 
 
-def _gpu_job(container: str | None, runtime: str | None = None, net_if: str | None = None) -> submit.Job:
+def _gpu_job(
+    container: str | None, runtime: str | None = None, net_if: str | None = None, min_nodes: int | None = None
+) -> submit.Job:
     return submit.Job(
         nodes=4,
         gpus_per_node=8,
@@ -461,6 +463,7 @@ def _gpu_job(container: str | None, runtime: str | None = None, net_if: str | No
         net_if=net_if,
         warn_seconds=300,
         max_attempts=3,
+        min_nodes=min_nodes,
     )
 
 
@@ -471,6 +474,7 @@ def _gpu_job(container: str | None, runtime: str | None = None, net_if: str | No
         ("gpu-8x4-pyxis.sbatch", _gpu_job("/shared/images/trainer.sqsh", "pyxis")),
         ("gpu-8x4-pyxis-registry.sbatch", _gpu_job("nvcr.io#nvidia/pytorch:25.01-py3", "pyxis")),
         ("gpu-8x4-apptainer.sbatch", _gpu_job("/shared/images/trainer.sif", "apptainer")),
+        ("gpu-8x3-4.sbatch", _gpu_job(None, min_nodes=3)),
     ],
 )
 def test_rendered_batch_script_matches_golden(name, job):
@@ -712,3 +716,52 @@ def test_a_dry_run_plans_with_data_this_machine_cannot_see(stub_cluster, capsys,
         *capsys.readouterr(),
     )
     assert code == 2 and "data.path: token file /cluster/only/train.bin does not exist" in err  # a real submit refuses
+
+
+def test_min_nodes_asks_slurm_for_a_node_range(stub_cluster, capsys, monkeypatch):
+    """MIN_NODES=3 NODES=4: sbatch gets --nodes=3-4, the dry run says why and what the ranks are."""
+    monkeypatch.chdir(REPO)
+    code, out, err = _dry_run(
+        capsys,
+        "--nodes",
+        "4",
+        "--min-nodes",
+        "3",
+        "--run-dir",
+        "/shared/runs/range",
+        "--",
+        "train.global_batch_size=12",
+    )
+    assert code == 0, err
+    assert "#SBATCH --nodes=3-4\n" in out
+    assert re.search(r"nodes +3-4 +\[MIN_NODES-NODES: Slurm starts it on as many as it can give", out), out
+    assert re.search(r"ranks +4 \(4 x 1\), 3 on 3 nodes ", out), out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--nodes", "4", "--min-nodes", "3", "--", "train.global_batch_size=32"],
+            "MIN_NODES=3 NODES=4: train.global_batch_size 32 cannot be shared by the ranks of 3 (3 ranks); node "
+            "counts that work: 4; narrow the range, or use a train.global_batch_size every count divides, e.g. 12",
+        ),
+        (
+            ["--nodes", "4", "--min-nodes", "2", "--", "train.global_batch_size=8", "train.micro_batch_size=2"],
+            "MIN_NODES=2 NODES=4: train.global_batch_size 8 cannot be shared by the ranks of 3 (3 ranks) x "
+            "train.micro_batch_size 2; node counts that work: 2, 4; narrow the range, or use a "
+            "train.global_batch_size every count divides, e.g. 24",
+        ),
+        (
+            ["--nodes", "2", "--min-nodes", "3"],
+            "MIN_NODES=3 is more than NODES=2; the job runs on MIN_NODES..NODES nodes",
+        ),
+        (["--nodes", "2", "--min-nodes", "0"], "MIN_NODES='0': expected a whole number >= 1"),
+    ],
+)
+def test_a_node_range_the_batch_cannot_divide_is_one_line(stub_cluster, capsys, monkeypatch, args, message):
+    """Every node count of MIN_NODES..NODES must share train.global_batch_size: a job resumed on the
+    nodes left keeps it. Refused before anything is submitted, naming the counts and what works."""
+    monkeypatch.chdir(REPO)
+    code, out, err = _dry_run(capsys, "--run-dir", "/shared/runs/range", *args)
+    assert code == 2 and out == "" and err == f"submit: error: {message}\n", err
