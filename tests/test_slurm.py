@@ -258,6 +258,63 @@ def test_preempted_job_requeues_and_matches_uninterrupted_run(runs):
         assert torch.equal(got[key], want[key]), f"{key} differs after preemption"
 
 
+def job_processes(job_id: str, **wanted: str) -> list[int]:
+    """The processes of job_id whose environment has every NAME=value of `wanted` (e.g. RANK="1",
+    SLURMD_NODENAME="n2"): found by what they are, not by guessing pids (slurmstepd daemonizes, so
+    a job's processes are not in its slurmd's process tree)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            pairs = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        environ = dict(p.decode(errors="replace").split("=", 1) for p in pairs if b"=" in p)
+        if environ.get("SLURM_JOB_ID") == job_id and all(environ.get(k) == v for k, v in wanted.items()):
+            found.append(int(proc.name))
+    return found
+
+
+@cluster
+def test_a_killed_rank_restarts_every_rank_in_the_allocation(runs):
+    """kill -9 of rank 1 (the second node's) mid-run in a 2-node job: every rank restarts from the
+    newest checkpoint in the same allocation (not requeued: Restarts stays 0), said in one line and a
+    restart row; every step once, and the weights of the uninterrupted run of the same shape."""
+    steps = ["train.steps=60", *COMMON]  # the preemption test's run: its reference is reused
+    run_dir, reference = runs / "restarted", runs / "reference"
+    job = submit_job("--nodes", "2", "--gpus-per-node", "1", "--run-dir", str(run_dir), *steps)
+    wait_for(lambda: layout.latest_committed_step(run_dir), 120, "the first checkpoint")
+    workers = [p for p in job_processes(job, RANK="1") if "trainer.launch" not in _cmdline(Path(f"/proc/{p}"))]
+    assert len(workers) == 1, workers
+    os.kill(workers[0], 9)
+    info = wait_job(job)
+    log = log_text(run_dir, job)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", log
+    found = re.findall(
+        r"^\d: launch: rank 1 on (n\d) failed with exit code -9 \(SIGKILL\); restart 1 of 3: every rank starts "
+        r"again from step (\d+), the newest checkpoint$",
+        log,
+        re.M,
+    )
+    assert len(found) == 1 and len(re.findall(r"launch: .*restart \d of", log)) == 1, log
+    node, resumed = found[0][0], int(found[0][1])
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    events = [(r["event"], r["step"], r.get("node")) for r in logged if "event" in r]
+    assert events == [("restart", resumed, node), ("resume", resumed, None)], events
+    assert [r["step"] for r in metrics(run_dir)] == list(range(5, 61, 5))
+    if layout.latest_committed_step(reference) != 60:  # run alone: the reference made here
+        reference = runs / "restart-reference"
+        assert (
+            wait_job(submit_job("--nodes", "2", "--gpus-per-node", "1", "--run-dir", str(reference), *steps))[
+                "JobState"
+            ]
+            == "COMPLETED"
+        )
+    ours, theirs = final_state(run_dir), final_state(reference)
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
 @cluster
 def test_sbatch_job_warned_the_cgroup_way_saves_requeues_and_resumes(runs):
     """The time-limit warning (#SBATCH --signal=USR1@N) as proctrack/cgroup delivers it: SIGUSR1 to
