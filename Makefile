@@ -20,6 +20,9 @@ IMAGE_ARGS ?=
 # the partition's nodes (gres); an empty RUN_DIR takes ARGS' run_dir=, else the config's, else runs/<config>-<date>. DRY_RUN=1 prints the
 # resources with the reason for each, and the batch script, and submits nothing.
 NODES         ?= 1
+# The fewest nodes the job may run on: Slurm gets --nodes=MIN_NODES-NODES, and a job whose node died
+# is requeued on the nodes left; empty: exactly NODES.
+MIN_NODES     ?=
 GPUS_PER_NODE ?=
 CPUS_PER_NODE ?=
 TIME          ?=
@@ -98,8 +101,8 @@ up: ## train with Docker Compose in the foreground on all GPUs (CPU=1: on the CP
 docker-engine: ## start a local Docker engine (Debian, root; vfs storage, host networking)
 	docker/engine-up.sh
 
-submit: venv ## submit to Slurm: NODES=4 [GPU_MEM_GB= GPUS_PER_NODE= CONFIG= RUN_DIR= TIME= PARTITION= CONTAINER= NET_IF= LAUNCHER=submitit DRY_RUN=1 ARGS=]
-	@$(PY) -m trainer.submit --nodes "$(NODES)" --gpus-per-node "$(GPUS_PER_NODE)" --cpus-per-node "$(CPUS_PER_NODE)" \
+submit: venv ## submit to Slurm: NODES=4 [MIN_NODES=3 GPU_MEM_GB= GPUS_PER_NODE= CONFIG= RUN_DIR= TIME= PARTITION= CONTAINER= NET_IF= LAUNCHER=submitit DRY_RUN=1 ARGS=]
+	@$(PY) -m trainer.submit --nodes "$(NODES)" --min-nodes "$(MIN_NODES)" --gpus-per-node "$(GPUS_PER_NODE)" --cpus-per-node "$(CPUS_PER_NODE)" \
 	    --config "$(CONFIG)" --run-dir "$(RUN_DIR)" --time "$(TIME)" --partition "$(PARTITION)" \
 	    --container "$(CONTAINER)" --net-if "$(NET_IF)" --warn-seconds "$(WARN)" --launcher "$(LAUNCHER)" \
 	    --gpu-mem-gb "$(GPU_MEM_GB)" \

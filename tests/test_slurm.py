@@ -258,6 +258,63 @@ def test_preempted_job_requeues_and_matches_uninterrupted_run(runs):
         assert torch.equal(got[key], want[key]), f"{key} differs after preemption"
 
 
+def job_processes(job_id: str, **wanted: str) -> list[int]:
+    """The processes of job_id whose environment has every NAME=value of `wanted` (e.g. RANK="1",
+    SLURMD_NODENAME="n2"): found by what they are, not by guessing pids (slurmstepd daemonizes, so
+    a job's processes are not in its slurmd's process tree)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            pairs = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        environ = dict(p.decode(errors="replace").split("=", 1) for p in pairs if b"=" in p)
+        if environ.get("SLURM_JOB_ID") == job_id and all(environ.get(k) == v for k, v in wanted.items()):
+            found.append(int(proc.name))
+    return found
+
+
+@cluster
+def test_a_killed_rank_restarts_every_rank_in_the_allocation(runs):
+    """kill -9 of rank 1 (the second node's) mid-run in a 2-node job: every rank restarts from the
+    newest checkpoint in the same allocation (not requeued: Restarts stays 0), said in one line and a
+    restart row; every step once, and the weights of the uninterrupted run of the same shape."""
+    steps = ["train.steps=60", *COMMON]  # the preemption test's run: its reference is reused
+    run_dir, reference = runs / "restarted", runs / "reference"
+    job = submit_job("--nodes", "2", "--gpus-per-node", "1", "--run-dir", str(run_dir), *steps)
+    wait_for(lambda: layout.latest_committed_step(run_dir), 120, "the first checkpoint")
+    workers = [p for p in job_processes(job, RANK="1") if "trainer.launch" not in _cmdline(Path(f"/proc/{p}"))]
+    assert len(workers) == 1, workers
+    os.kill(workers[0], 9)
+    info = wait_job(job)
+    log = log_text(run_dir, job)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", log
+    found = re.findall(
+        r"^\d: launch: rank 1 on (n\d) failed with exit code -9 \(SIGKILL\); restart 1 of 3: every rank starts "
+        r"again from step (\d+), the newest checkpoint$",
+        log,
+        re.M,
+    )
+    assert len(found) == 1 and len(re.findall(r"launch: .*restart \d of", log)) == 1, log
+    node, resumed = found[0][0], int(found[0][1])
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    events = [(r["event"], r["step"], r.get("node")) for r in logged if "event" in r]
+    assert events == [("restart", resumed, node), ("resume", resumed, None)], events
+    assert [r["step"] for r in metrics(run_dir)] == list(range(5, 61, 5))
+    if layout.latest_committed_step(reference) != 60:  # run alone: the reference made here
+        reference = runs / "restart-reference"
+        assert (
+            wait_job(submit_job("--nodes", "2", "--gpus-per-node", "1", "--run-dir", str(reference), *steps))[
+                "JobState"
+            ]
+            == "COMPLETED"
+        )
+    ours, theirs = final_state(run_dir), final_state(reference)
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
 @cluster
 def test_sbatch_job_warned_the_cgroup_way_saves_requeues_and_resumes(runs):
     """The time-limit warning (#SBATCH --signal=USR1@N) as proctrack/cgroup delivers it: SIGUSR1 to
@@ -492,7 +549,9 @@ def test_bad_input_is_one_line_before_submitting(args, message):
 # ---- rendered batch scripts for what cannot run here (GPUs, containers) -------------------------
 
 
-def _gpu_job(container: str | None, runtime: str | None = None, net_if: str | None = None) -> submit.Job:
+def _gpu_job(
+    container: str | None, runtime: str | None = None, net_if: str | None = None, min_nodes: int | None = None
+) -> submit.Job:
     return submit.Job(
         nodes=4,
         gpus_per_node=8,
@@ -507,6 +566,7 @@ def _gpu_job(container: str | None, runtime: str | None = None, net_if: str | No
         net_if=net_if,
         warn_seconds=300,
         max_attempts=3,
+        min_nodes=min_nodes,
     )
 
 
@@ -517,6 +577,7 @@ def _gpu_job(container: str | None, runtime: str | None = None, net_if: str | No
         ("gpu-8x4-pyxis.sbatch", _gpu_job("/shared/images/trainer.sqsh", "pyxis")),
         ("gpu-8x4-pyxis-registry.sbatch", _gpu_job("nvcr.io#nvidia/pytorch:25.01-py3", "pyxis")),
         ("gpu-8x4-apptainer.sbatch", _gpu_job("/shared/images/trainer.sif", "apptainer")),
+        ("gpu-8x3-4.sbatch", _gpu_job(None, min_nodes=3)),
     ],
 )
 def test_rendered_batch_script_matches_golden(name, job):
@@ -758,3 +819,52 @@ def test_a_dry_run_plans_with_data_this_machine_cannot_see(stub_cluster, capsys,
         *capsys.readouterr(),
     )
     assert code == 2 and "data.path: token file /cluster/only/train.bin does not exist" in err  # a real submit refuses
+
+
+def test_min_nodes_asks_slurm_for_a_node_range(stub_cluster, capsys, monkeypatch):
+    """MIN_NODES=3 NODES=4: sbatch gets --nodes=3-4, the dry run says why and what the ranks are."""
+    monkeypatch.chdir(REPO)
+    code, out, err = _dry_run(
+        capsys,
+        "--nodes",
+        "4",
+        "--min-nodes",
+        "3",
+        "--run-dir",
+        "/shared/runs/range",
+        "--",
+        "train.global_batch_size=12",
+    )
+    assert code == 0, err
+    assert "#SBATCH --nodes=3-4\n" in out
+    assert re.search(r"nodes +3-4 +\[MIN_NODES-NODES: Slurm starts it on as many as it can give", out), out
+    assert re.search(r"ranks +4 \(4 x 1\), 3 on 3 nodes ", out), out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--nodes", "4", "--min-nodes", "3", "--", "train.global_batch_size=32"],
+            "MIN_NODES=3 NODES=4: train.global_batch_size 32 cannot be shared by the ranks of 3 (3 ranks); node "
+            "counts that work: 4; narrow the range, or use a train.global_batch_size every count divides, e.g. 12",
+        ),
+        (
+            ["--nodes", "4", "--min-nodes", "2", "--", "train.global_batch_size=8", "train.micro_batch_size=2"],
+            "MIN_NODES=2 NODES=4: train.global_batch_size 8 cannot be shared by the ranks of 3 (3 ranks) x "
+            "train.micro_batch_size 2; node counts that work: 2, 4; narrow the range, or use a "
+            "train.global_batch_size every count divides, e.g. 24",
+        ),
+        (
+            ["--nodes", "2", "--min-nodes", "3"],
+            "MIN_NODES=3 is more than NODES=2; the job runs on MIN_NODES..NODES nodes",
+        ),
+        (["--nodes", "2", "--min-nodes", "0"], "MIN_NODES='0': expected a whole number >= 1"),
+    ],
+)
+def test_a_node_range_the_batch_cannot_divide_is_one_line(stub_cluster, capsys, monkeypatch, args, message):
+    """Every node count of MIN_NODES..NODES must share train.global_batch_size: a job resumed on the
+    nodes left keeps it. Refused before anything is submitted, naming the counts and what works."""
+    monkeypatch.chdir(REPO)
+    code, out, err = _dry_run(capsys, "--run-dir", "/shared/runs/range", *args)
+    assert code == 2 and out == "" and err == f"submit: error: {message}\n", err

@@ -67,7 +67,9 @@ def init(timeout_s: float) -> Env:
     else:
         backend = "gloo"
     timeout = timedelta(seconds=timeout_s)
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    # trainer.launch's rendezvous round (the same on every node; TRAINER_RDZV_ROUND), else torchrun's
+    # restart count (which differs between nodes when one restarted for another's failure).
+    restart = int(os.environ.get("TRAINER_RDZV_ROUND") or os.environ.get("TORCHELASTIC_RESTART_COUNT") or "0")
     if restart:
         # A restart inside the allocation (trainer/launch.py) talks to the same store as the attempt
         # before, whose keys are still there: a rank could read a dead rank's gloo address. Each

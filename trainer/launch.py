@@ -69,6 +69,8 @@ def node_name() -> str:
 
 
 BAD_INPUT = 2
+# The rendezvous round of the ranks' start, the same on every node (set for the ranks by the agent).
+ROUND_ENV = "TRAINER_RDZV_ROUND"
 # A rank that stops on bad input or divergence marks it in this node-local folder (named by the
 # launcher) before it exits: neither is restarted. Under Slurm, `srun --kill-on-bad-exit=1`
 # terminates every node's task as soon as the first one exits: a launcher whose own ranks stopped on
@@ -303,6 +305,15 @@ def _restarting_agent(run_dir: str, marks: str, outcome: dict, monitor: hangs.Mo
                 moments["stopped"] = round(outcome.pop("stopped"), 3)
             os.environ[START_ENV] = json.dumps(moments)
             return super()._start_workers(worker_group)
+
+        def _rendezvous(self, worker_group):
+            super()._rendezvous(worker_group)
+            # The ranks' process group keys (trainer/dist.py) are per rendezvous round, which every
+            # node agrees on. The restart count is not: a node whose ranks had not failed yet
+            # restarts for the others' new round without counting one.
+            state = getattr(getattr(worker_group.spec.rdzv_handler, "_state_holder", None), "state", None)
+            restarts = worker_group.spec.max_restarts - self._remaining_restarts
+            os.environ[ROUND_ENV] = str(getattr(state, "round", restarts))
 
         def _monitor_workers(self, worker_group):
             ended = {w.global_rank for w in worker_group.workers if w.id is not None and _ended(w.id)}

@@ -1,7 +1,7 @@
 """Submit training to Slurm from a login node.
 
-    python -m trainer.submit --nodes 4 [--gpus-per-node N] [--cpus-per-node N] [--config F] [--run-dir D]
-                             [--time T] [--partition P] [--container IMG] [--net-if IFACE]
+    python -m trainer.submit --nodes 4 [--min-nodes 3] [--gpus-per-node N] [--cpus-per-node N] [--config F]
+                             [--run-dir D] [--time T] [--partition P] [--container IMG] [--net-if IFACE]
                              [--launcher sbatch|submitit] [--dry-run] [k=v ...]
 
 `make submit` calls it. Everything that can be known without the compute nodes is checked here,
@@ -135,12 +135,25 @@ class Job:
     warn_seconds: int  # time-limit warning sent this long before the limit
     max_attempts: int  # attempts in a row without a new checkpoint before giving up
     reasons: dict[str, str] = dataclasses.field(default_factory=dict)  # resource -> why this value
+    # The fewest nodes the job may start, or be requeued, on (Slurm's --nodes=MIN-NODES): after a node
+    # dies the job goes on with the nodes left; None: exactly `nodes`.
+    min_nodes: int | None = None
     gpu_mem_gb: str = ""  # GPU_MEM_GB: memory of one GPU in GB; empty: from the partition's GPU type
     memory: str = ""  # the memory estimate's breakdown, per part (printed by --dry-run)
 
     @property
     def nproc_per_node(self) -> int:
         return self.gpus_per_node or 1
+
+    @property
+    def node_counts(self) -> range:
+        """Every node count the job may run on."""
+        return range(self.min_nodes or self.nodes, self.nodes + 1)
+
+    @property
+    def nodes_text(self) -> str:
+        """--nodes as Slurm takes it: 4, or the range 3-4."""
+        return f"{self.min_nodes}-{self.nodes}" if self.min_nodes and self.min_nodes < self.nodes else str(self.nodes)
 
     def train_args(self) -> list[str]:
         """The launcher's trainer arguments."""
@@ -284,6 +297,9 @@ def parse_job(args: argparse.Namespace, partition: Partition) -> Job:
 
     reasons = {}
     nodes = number("NODES", args.nodes, 1)
+    min_nodes = number("MIN_NODES", args.min_nodes, 1) if args.min_nodes else None
+    if min_nodes is not None and min_nodes > nodes:
+        raise SubmitError(f"MIN_NODES={min_nodes} is more than NODES={nodes}; the job runs on MIN_NODES..NODES nodes")
     gpus, reasons["gpus_per_node"] = per_node(
         "GPUS_PER_NODE",
         args.gpus_per_node,
@@ -361,6 +377,7 @@ def parse_job(args: argparse.Namespace, partition: Partition) -> Job:
         max_attempts=max_attempts,
         reasons=reasons,
         gpu_mem_gb=args.gpu_mem_gb,
+        min_nodes=min_nodes,
     )
 
 
@@ -394,23 +411,58 @@ def gpu_memory(job: Job, partition: Partition) -> tuple[int | None, str]:
     return known[smallest], f"{smallest} (gres of partition {partition.name})"
 
 
-def _check_gpu_memory(job: Job, partition: Partition, cfg, world: int) -> None:
-    """The memory preflight for the partition's GPUs; its outcome goes into job.reasons and job.memory."""
+def _check_gpu_memory(job: Job, partition: Partition, cfg) -> None:
+    """The memory preflight for the partition's GPUs, on the fewest nodes the job may run on (the
+    most memory per GPU); its outcome goes into job.reasons and job.memory."""
     from trainer import memory
     from trainer.config import ConfigError
 
+    nodes = job.node_counts[0]
+    world = nodes * job.nproc_per_node
     have, what = gpu_memory(job, partition)
     if have is None:
         job.reasons["memory"] = what
         return
     try:
-        need = memory.preflight(cfg, world, job.gpus_per_node, have, what, nodes=job.nodes, nodes_option="NODES={}")
+        need = memory.preflight(cfg, world, job.gpus_per_node, have, what, nodes=nodes, nodes_option="NODES={}")
     except ConfigError as e:
         raise ConfigError(f"{job.config}: {e}") from None
     job.reasons["memory"] = (
         f"about {memory.gb(need.total)} per GPU estimated, of the {memory.gb(have)} of {what} ({need.total / have:.0%})"
     )
     job.memory = need.breakdown("    ")
+
+
+def check_node_range(cfg, job: Job) -> None:
+    """Refuse a node range (MIN_NODES..NODES) with a node count whose ranks cannot share
+    train.global_batch_size: after a node dies the job resumes on fewer nodes with the same global
+    batch (the accumulation recomputed), and must not then stop on bad input."""
+    import math
+
+    from trainer.config import resolve_batch
+
+    if len(job.node_counts) < 2:
+        return
+    bad = []
+    for n in job.node_counts:
+        world = n * job.nproc_per_node
+        t = resolve_batch(cfg, world).train
+        per_rank, rest = divmod(t.global_batch_size, world)
+        if rest or (t.micro_batch_size and per_rank % t.micro_batch_size):
+            bad.append(n)
+    if not bad:
+        return
+    good = [n for n in job.node_counts if n not in bad]
+    micro = cfg.train.micro_batch_size or 1
+    fits = math.lcm(*(n * job.nproc_per_node * micro for n in job.node_counts))
+    counts = ", ".join(f"{n} ({n * job.nproc_per_node} ranks)" for n in bad)
+    works = f"node counts that work: {', '.join(map(str, good))}" if good else "no node count in the range works"
+    micro_text = f" x train.micro_batch_size {micro}" if cfg.train.micro_batch_size else ""
+    raise SubmitError(
+        f"MIN_NODES={job.min_nodes} NODES={job.nodes}: train.global_batch_size {cfg.train.global_batch_size} "
+        f"cannot be shared by the ranks of {counts}{micro_text}; {works}; narrow the range, or use a "
+        f"train.global_batch_size every count divides, e.g. {fits}"
+    )
 
 
 def check_config(job: Job, partition: Partition | None = None, planning: bool = False) -> float:
@@ -426,10 +478,11 @@ def check_config(job: Job, partition: Partition | None = None, planning: bool = 
         overrides = [f"run_dir={job.run_dir}", *job.overrides]
         cfg, where, notes = load_run(str(job.config), overrides)
         warnings = validate(cfg, world, where=where, overrides=overrides, planning=planning)
+        check_node_range(cfg, job)
         for line in [*notes, *(f"warning: {w}" for w in warnings)]:
             print(line)
         if job.gpus_per_node and partition is not None:
-            _check_gpu_memory(job, partition, cfg, world)
+            _check_gpu_memory(job, partition, cfg)
     except ConfigError as e:
         raise SubmitError(str(e)) from None
     from trainer.checkpoint import save_seconds  # the parameters counted on the meta device: torch
@@ -500,7 +553,7 @@ def render_sbatch(
     }
     values = {  # quoted below for the line they land in
         "JOB_NAME": f"train-{job.run_dir.name}",
-        "NODES": str(job.nodes),
+        "NODES": job.nodes_text,
         "GPUS_PER_NODE": str(job.gpus_per_node) if job.gpus_per_node else "",
         "CPUS_PER_NODE": str(job.cpus_per_node),
         "PARTITION": job.partition or "",
@@ -537,11 +590,19 @@ def render_sbatch(
 def describe(job: Job, partition: Partition) -> str:
     """The resources the job asks for, each with why (printed by --dry-run and on submission)."""
     rows = [
-        ("nodes", str(job.nodes), "NODES"),
+        (
+            "nodes",
+            job.nodes_text,
+            "NODES"
+            if len(job.node_counts) < 2
+            else "MIN_NODES-NODES: Slurm starts it on as many as it can give, "
+            "and requeues it on the nodes left when one dies; the same global batch on each count",
+        ),
         ("GPUs per node", str(job.gpus_per_node), job.reasons.get("gpus_per_node", "")),
         (
             "ranks",
-            f"{job.nodes * job.nproc_per_node} ({job.nodes} x {job.nproc_per_node})",
+            f"{job.nodes * job.nproc_per_node} ({job.nodes} x {job.nproc_per_node})"
+            + (f", {job.min_nodes * job.nproc_per_node} on {job.min_nodes} nodes" if len(job.node_counts) > 1 else ""),
             "one per GPU, or one per node without GPUs",
         ),
         ("CPUs per node", str(job.cpus_per_node), job.reasons.get("cpus_per_node", "")),
@@ -591,7 +652,7 @@ def submit_sbatch(job: Job) -> str:
     if out.returncode != 0:
         raise SubmitError(f"sbatch refused the job: {out.stderr.strip()}")
     job_id = out.stdout.strip().split(";")[0]
-    print(f"submitted job {job_id}: {job.nodes} node(s) x {job.nproc_per_node} process(es)")
+    print(f"submitted job {job_id}: {job.nodes_text} node(s) x {job.nproc_per_node} process(es)")
     print(f"  log:     {job.run_dir}/slurm/{job_id}.out")
     print(f"  run dir: {job.run_dir}")
     print(f"  script:  {script}")
@@ -690,7 +751,8 @@ def submit_submitit(job: Job) -> str:
         name=f"train-{job.run_dir.name}",
         slurm_signal_delay_s=job.warn_seconds,
         slurm_srun_args=srun_args,
-        slurm_additional_parameters={"requeue": True, "exclusive": True, "mem": "0"},
+        # A node range (MIN_NODES) goes to sbatch as it is: submitit's `nodes` is one number.
+        slurm_additional_parameters={"requeue": True, "exclusive": True, "mem": "0", "nodes": job.nodes_text},
     )
     if job.gpus_per_node:
         params["gpus_per_node"] = job.gpus_per_node
@@ -701,7 +763,7 @@ def submit_submitit(job: Job) -> str:
         params["slurm_setup"] = [f"export NCCL_SOCKET_IFNAME={net_if} GLOO_SOCKET_IFNAME={net_if}"]
     executor.update_parameters(**params)
     submitted = executor.submit(LaunchTask(job))
-    print(f"submitted job {submitted.job_id} (submitit): {job.nodes} node(s) x {job.nproc_per_node} process(es)")
+    print(f"submitted job {submitted.job_id} (submitit): {job.nodes_text} node(s) x {job.nproc_per_node} process(es)")
     print(f"  log:     {folder}/{submitted.job_id}_0_log.out (task 0; _1_, _2_... for the other nodes)")
     print(f"  run dir: {job.run_dir}")
     return submitted.job_id
@@ -713,6 +775,12 @@ def submit_submitit(job: Job) -> str:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m trainer.submit", description="Submit training to Slurm.")
     p.add_argument("--nodes", default="1", help="number of nodes")
+    p.add_argument(
+        "--min-nodes",
+        default="",
+        help="fewest nodes the job may run on (--nodes=MIN-NODES): after a node dies it goes on with the rest; "
+        "empty: NODES",
+    )
     p.add_argument("--gpus-per-node", default="", help="GPUs per node; empty: all GPUs of the partition's nodes (gres)")
     p.add_argument("--cpus-per-node", default="", help="CPUs per node; empty: all CPUs of the partition's nodes")
     p.add_argument("--config", default="configs/default.yaml")
