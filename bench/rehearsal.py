@@ -4,13 +4,15 @@
 
 It brings the local cluster up with 8 nodes (slurm/local/up.sh 8; each node 2 fake GPUs through
 gres), submits a job of 8 nodes x 2 ranks (the batch script of `make submit NODES=8`, submitted with
-sbatch's --nodes=6-8 on the command line: main's `make submit` has no MIN_NODES yet; the default
+sbatch's --nodes=6-8 and --nodelist of the 8 on the command line: main's `make submit` has no
+MIN_NODES yet, and Slurm gives a range its minimum unless the list asks for more; the default
 config's tiny transformer, CPU and gloo, global batch 48 so that 16 and 12 ranks both divide it),
 lets it train a few steps, then submits an exclusive job to the `urgent` partition on 2 of its
 nodes, as tests/test_slurm.py does: Slurm preempts the training job (SIGTERM, GraceTime 15 s, it
-saves at the step boundary, the requeue check requeues it). It is released from Slurm's ~120 s
-hold on a requeued job, starts again on the 6 nodes left (the urgent job keeps the other 2) and
-resumes from the checkpoint with 12 ranks. Checked: every step's metrics row appears exactly once,
+saves at the step boundary, the requeue check requeues it). Its node list is dropped (`scontrol
+update jobid=J ReqNodeList=`), it is released from Slurm's ~120 s hold on a requeued job, starts
+again on the 6 nodes left (the urgent job keeps the other 2) and resumes from the checkpoint with
+12 ranks. Checked: every step's metrics row appears exactly once,
 16 ranks before the preemption and 12 after, and the resumed log says so. Timed: each phase, from
 this process's view (every 20 ms). At the end, whatever happened, the cluster is brought back to
 its 4 nodes (slurm/local/up.sh), the layout the tests expect.
@@ -58,10 +60,11 @@ def training_rows(run_dir: Path) -> list[dict]:
 
 def submit_range(run_dir: Path, steps: int) -> str:
     """Submit the job as `make submit NODES=8` renders it, but with sbatch's --nodes=6-8 on the
-    command line, which overrides the script's --nodes=8: Slurm gives it 8 nodes while 8 are free,
-    and 6 once 2 are taken. (`scontrol update jobid=J NumNodes=6-8` on the requeued job is not
-    enough: it keeps its 8 tasks, and srun in the 6-node allocation fails with "More processors
-    requested than permitted", also with NumTasks=6 NumCPUs=12 updated too.)"""
+    command line, which overrides the script's --nodes=8, and --nodelist of all 8 nodes: Slurm
+    (cons_tres) gives a node range its minimum, so the list makes the first run take 8; rehearse()
+    drops it from the requeued job. (`scontrol update jobid=J NumNodes=6-8` on a requeued 8-node
+    job is not enough: it keeps its 8 tasks, and srun in the 6-node allocation fails with "More
+    processors requested than permitted", also with NumTasks=6 NumCPUs=12 updated too.)"""
     overrides = ["train.global_batch_size=48", f"train.steps={steps}", "checkpoint.interval=0", "log.interval=1"]
     args = submit._parser().parse_args(["--nodes", "8", "--run-dir", str(run_dir), *overrides, "log.progress=false"])
     partition = submit.query_partition(None)
@@ -70,7 +73,13 @@ def submit_range(run_dir: Path, steps: int) -> str:
     script = run_dir / "slurm" / "train.sbatch"
     script.parent.mkdir(parents=True, exist_ok=True)
     script.write_text(submit.render_sbatch(job))
-    out = subprocess.run(["sbatch", "--parsable", "--nodes=6-8", str(script)], capture_output=True, text=True, cwd=ROOT)
+    every = subprocess.run(["sinfo", "-h", "-p", "main", "-o", "%N"], capture_output=True, text=True).stdout.strip()
+    out = subprocess.run(
+        ["sbatch", "--parsable", "--nodes=6-8", f"--nodelist={every}", str(script)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     if out.returncode != 0:
         raise RuntimeError(f"sbatch refused the job: {out.stderr.strip()}")
     return out.stdout.strip().split(";")[0]
@@ -104,8 +113,9 @@ def rehearse(run_dir: Path, steps: int, before: int) -> dict:
             120,
             "the requeue",
         )
-        # Out of Slurm's hold (not before the second after the requeue: slurmd refuses a credential
-        # not newer than the revocation).
+        # Any 6 to 8 nodes now; then out of Slurm's hold (not before the second after the requeue:
+        # slurmd refuses a credential not newer than the revocation).
+        subprocess.run(["scontrol", "update", f"jobid={job}", "ReqNodeList="], check=True, capture_output=True)
         time.sleep(2)
         subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], check=True, capture_output=True)
         t["released"] = time.monotonic()
@@ -172,7 +182,12 @@ def main() -> int:
         result["back_to_4_nodes_s"] = timed(UP)  # whatever happened: the layout every test expects
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
-    ok = result["state"] == "COMPLETED" and result["every_step_once"] and result["resumed_line"]
+    ok = (
+        result["state"] == "COMPLETED"
+        and result["every_step_once"]
+        and result["world_sizes"] == [[12, False], [16, True]]  # (ranks, step <= the preempted step)
+        and result["resumed_line"]
+    )
     print(f"bench.rehearsal: {'passed' if ok else 'FAILED'}; wrote {args.out}")
     return 0 if ok else 1
 

@@ -801,6 +801,8 @@ def scale_tables(r: dict) -> list[str]:
                 f"| {n} | {cell(p['from_last_arrival_s'])} | {cell(p['rank0_init_s'])} | "
                 f"{cell(p['launch_to_last_arrival_s'])} |"
             )
+    for n, p in sorted(r.get("store", {}).items(), key=lambda kv: int(kv[0])):
+        lines += ["", f"One TCPStore, {n} process(es) writing: {cell(p['writes_per_s'])} writes/s."]
     return lines
 
 

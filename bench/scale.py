@@ -29,6 +29,8 @@ runs in a fresh process (rank 0's peak memory: its VmHWM above its RSS before th
 Rendezvous, with processes: torchrun --standalone --nproc-per-node=N for N in --rendezvous, each rank
 timing trainer.dist.init (the TCPStore rendezvous and gloo's process group) and a barrier after it.
 On this host all ranks share 2 cores, so from the last rank's arrival is the figure, not from launch.
+And the writes per second one TCPStore serves (the trainer writes its step there once per rank per
+step), from --store-clients processes writing as fast as they can.
 """
 
 from __future__ import annotations
@@ -330,6 +332,49 @@ def rendezvous_round(world: int, scratch: Path) -> dict:
     }
 
 
+def store_client(port: int, client: int, seconds: float, out) -> None:
+    """One client of store_round: the trainer's per-step write (trainer/train.py _reached) in a loop."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    store.set(f"ready/{client}", "1")
+    store.wait(["go"])
+    n, began = 0, time.perf_counter()
+    while time.perf_counter() < began + seconds:
+        store.set(f"trainer/step/{client}", str(n))
+        n += 1
+    store.get(f"trainer/step/{client}")  # a set does not wait for the store; a get answers after every set
+    out.put((n, time.perf_counter() - began))
+
+
+def store_round(clients: int, seconds: float = 3.0) -> dict:
+    """Writes per second that one TCPStore (the rendezvous store every rank talks to) serves to
+    `clients` processes writing as fast as they can: an upper bound on the ranks it can take at one
+    write per rank per step (ranks <= writes/s x step seconds). All on this host's 2 cores."""
+    import multiprocessing
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from trainer import dist as distributed
+
+    port = distributed.free_port("127.0.0.1")
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=store_client, args=(port, c, seconds, out)) for c in range(clients)]
+    for p in procs:
+        p.start()
+    server.wait([f"ready/{c}" for c in range(clients)])
+    server.set("go", "1")
+    done = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join()
+    return {"clients": clients, "writes_per_s": sum(n for n, _ in done) / max(s for _, s in done)}
+
+
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -378,6 +423,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of each point (each in a fresh process)")
     parser.add_argument("--whole", type=int, nargs="*", default=[1024], help="rank counts to plan the whole state at")
     parser.add_argument("--rendezvous", type=int, nargs="*", default=[2, 4, 8, 16], help="torchrun sizes")
+    parser.add_argument("--store-clients", type=int, nargs="*", default=[1, 4], help="writers to one TCPStore")
     parser.add_argument("--scratch", default=str(ROOT / "runs" / "bench-scale"))
     parser.add_argument("--plan-round", type=int, help=argparse.SUPPRESS)  # one round, in a fresh process
     parser.add_argument("--plan-whole", action="store_true", help=argparse.SUPPRESS)
@@ -393,17 +439,22 @@ def main() -> int:
         parser.error("--out is required")
 
     factor = len(state_items(llama_shapes(), True)) / len(state_items(llama_shapes(), False))
-    result: dict = {"slice_to_whole": factor, "planning": {}, "whole": {}, "rendezvous": {}}
-    raw: dict = {"planning": {n: [] for n in args.ranks}, "rendezvous": {n: [] for n in args.rendezvous}}
+    result: dict = {"slice_to_whole": factor, "planning": {}, "whole": {}, "rendezvous": {}, "store": {}}
+    raw: dict = {
+        "planning": {n: [] for n in args.ranks},
+        "rendezvous": {n: [] for n in args.rendezvous},
+        "store": {n: [] for n in args.store_clients},
+    }
     scratch = Path(args.scratch)
 
     def write() -> None:
         for n, rs in raw["planning"].items():
             if rs:
                 result["planning"][n] = {"rounds": rs, **summary(rs, PLAN_KEYS, factor)}
-        for n, rs in raw["rendezvous"].items():
-            if rs:
-                result["rendezvous"][n] = {"rounds": rs, **{k: stats.figure([x[k] for x in rs]) for k in rs[0]}}
+        for part in ("rendezvous", "store"):
+            for n, rs in raw[part].items():
+                if rs:
+                    result[part][n] = {"rounds": rs, **{k: stats.figure([x[k] for x in rs]) for k in rs[0]}}
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 
     for i in range(args.rounds):
@@ -416,14 +467,19 @@ def main() -> int:
             raw["rendezvous"][n].append(rendezvous_round(n, scratch))
             print(f"bench.scale: round {i + 1}, rendezvous of {n}: {raw['rendezvous'][n][-1]}", flush=True)
             write()
+        for n in args.store_clients:
+            raw["store"][n].append(store_round(n))
+            print(f"bench.scale: round {i + 1}, store writes: {raw['store'][n][-1]}", flush=True)
+            write()
     for n in args.whole:
         whole = fresh(["--plan-round", str(n), "--plan-whole"], 1800)
-        part = raw["planning"].get(n, [None])[0]
+        rounds = raw["planning"].get(n, [])
+        part = {k: stats.median([x[k] for x in rounds]) for k in PLAN_KEYS} if rounds else {}
         result["whole"][n] = {
             "round": whole,
-            # the whole state's seconds / the slice's x factor, per phase: how well the factor predicts it
+            # the whole state's value / the slice's median x factor, per phase: how well the factor predicts it
             "measured_vs_extrapolated": {
-                k: whole[k] / (part[k] * factor) for k in PLAN_KEYS if part and part[k] and "manifest" not in k
+                k: whole[k] / (part[k] * factor) for k in PLAN_KEYS if part.get(k) and "manifest" not in k
             },
         }
         print(f"bench.scale: the whole state at {n} ranks: {whole}", flush=True)
