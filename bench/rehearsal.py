@@ -10,9 +10,10 @@ config's tiny transformer, CPU and gloo, global batch 48 so that 16 and 12 ranks
 lets it train a few steps, then submits an exclusive job to the `urgent` partition on 2 of its
 nodes, as tests/test_slurm.py does: Slurm preempts the training job (SIGTERM, GraceTime 15 s, it
 saves at the step boundary, the requeue check requeues it). Its node list is dropped (`scontrol
-update jobid=J ReqNodeList=`), it is released from Slurm's ~120 s hold on a requeued job, starts
+update jobid=J ReqNodeList= NumTasks=6 NumCPUs=12`), it is released from Slurm's ~120 s hold on a requeued job, starts
 again on the 6 nodes left (the urgent job keeps the other 2) and resumes from the checkpoint with
-12 ranks. Checked: every step's metrics row appears exactly once,
+12 ranks. One line is added to the rendered batch script (SRUN_FIX below): without it srun
+cannot start in the smaller allocation of a requeued job. Checked: every step's metrics row appears exactly once,
 16 ranks before the preemption and 12 after, and the resumed log says so. Timed: each phase, from
 this process's view (every 20 ms). At the end, whatever happened, the cluster is brought back to
 its 4 nodes (slurm/local/up.sh), the layout the tests expect.
@@ -36,6 +37,13 @@ from trainer import layout, submit
 
 ROOT = Path(__file__).resolve().parent.parent
 UP = ["bash", str(ROOT / "slurm" / "local" / "up.sh")]
+# What main's batch script lacks to resume on fewer nodes after a requeue: the requeued job's
+# environment keeps its first launch's SLURM_NTASKS and SLURM_NPROCS (8, one per node), also after
+# `scontrol update NumTasks=6`, and srun in the 6-node allocation then asks for 8 tasks x 2 CPUs:
+# "Unable to create step: More processors requested than permitted". One task per node of this
+# allocation is what the script means.
+SRUN_FIX_AFTER = "set -euo pipefail\n"
+SRUN_FIX = 'export SLURM_NTASKS="$SLURM_JOB_NUM_NODES" SLURM_NPROCS="$SLURM_JOB_NUM_NODES"  # bench/rehearsal.py\n'
 
 
 def wait_until(predicate, timeout: float, what: str):
@@ -72,7 +80,9 @@ def submit_range(run_dir: Path, steps: int) -> str:
     submit.check_config(job, partition, planning=False)
     script = run_dir / "slurm" / "train.sbatch"
     script.parent.mkdir(parents=True, exist_ok=True)
-    script.write_text(submit.render_sbatch(job))
+    text = submit.render_sbatch(job)
+    assert SRUN_FIX_AFTER in text, "slurm/train.sbatch.in changed: see SRUN_FIX"
+    script.write_text(text.replace(SRUN_FIX_AFTER, SRUN_FIX_AFTER + SRUN_FIX, 1))
     every = subprocess.run(["sinfo", "-h", "-p", "main", "-o", "%N"], capture_output=True, text=True).stdout.strip()
     out = subprocess.run(
         ["sbatch", "--parsable", "--nodes=6-8", f"--nodelist={every}", str(script)],
@@ -115,7 +125,9 @@ def rehearse(run_dir: Path, steps: int, before: int) -> dict:
         )
         # Any 6 to 8 nodes now; then out of Slurm's hold (not before the second after the requeue:
         # slurmd refuses a credential not newer than the revocation).
-        subprocess.run(["scontrol", "update", f"jobid={job}", "ReqNodeList="], check=True, capture_output=True)
+        # Slurm keeps the first run's counts of tasks and CPUs: 6 nodes' worth.
+        update = ["ReqNodeList=", "NumNodes=6-8", "NumTasks=6", "NumCPUs=12"]
+        subprocess.run(["scontrol", "update", f"jobid={job}", *update], check=True, capture_output=True)
         time.sleep(2)
         subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], check=True, capture_output=True)
         t["released"] = time.monotonic()
