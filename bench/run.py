@@ -762,10 +762,12 @@ def scale(ctx) -> tuple[dict, dict, dict]:
 
 def scale_tables(r: dict) -> list[str]:
     """The markdown of bench/scale.py's result: medians [95% interval] of each point."""
-    cell = lambda f, unit=1.0, fmt="{:.3g}": (
-        fmt.format(f["median"] / unit)
-        + (f" [{number(f['ci95'][0] / unit)}-{number(f['ci95'][1] / unit)}]" if f["ci95"] else "")
-    )
+
+    def cell(f: dict, unit: float = 1.0) -> str:
+        short = lambda x: f"{x:,.0f}" if abs(x) >= 1000 else number(x)
+        ci = f" [{short(f['ci95'][0] / unit)}-{short(f['ci95'][1] / unit)}]" if f["ci95"] else ""
+        return short(f["median"] / unit) + ci
+
     lines = [
         "",
         f"DCP planning for the Llama-3.1-8B state (model + AdamW, FSDP2 Shard(0) over N ranks), the "
