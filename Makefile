@@ -108,8 +108,9 @@ submit: venv ## submit to Slurm: NODES=4 [MIN_NODES=3 GPU_MEM_GB= GPUS_PER_NODE=
 	    --gpu-mem-gb "$(GPU_MEM_GB)" \
 	    $(if $(filter 1,$(DRY_RUN)),--dry-run) -- $(ARGS)
 
-slurm-up: ## start the local 4-node Slurm cluster for trying jobs and for tests (root; Debian packages)
-	bash slurm/local/up.sh
+# NODES for slurm-up only when given (make slurm-up NODES=8): its default is 4 nodes, not submit's 1.
+slurm-up: ## start the local Slurm cluster, 4 nodes (NODES=8: 8; again without NODES: back to 4) for jobs and tests (root)
+	bash slurm/local/up.sh $(if $(filter command line environment,$(origin NODES)),$(NODES))
 
 slurm-down: ## stop the local Slurm cluster
 	bash slurm/local/down.sh

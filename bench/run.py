@@ -806,6 +806,73 @@ def goodput(ctx) -> tuple[dict, dict, dict]:
     return figures, notes, {"goodput": {**r, "summary": summary}}
 
 
+def scale(ctx) -> tuple[dict, dict, dict]:
+    """bench/scale.py: DCP's planning, the checkpoint's metadata and manifest for 1k to 16k ranks
+    (synthetic plans, no processes), and the rendezvous of 2 to 16 local ranks. Curves, no goal; the
+    rounds that finished count if it runs out of time."""
+    out = ctx.scratch / "scale.json"
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "bench.scale", "--out", str(out), "--rounds", str(ctx.args.scale_rounds)]
+    log = ctx.scratch / "scale.log"
+    timeout = ctx.budget.need(120, "one round of the scale measurements")
+    with open(log, "w") as f:
+        try:
+            subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            print(f"bench: scale: timed out after {timeout:.0f}s, keeping the rounds that finished", flush=True)
+    if not out.exists():
+        raise Failed(f"no round finished (log: {log.relative_to(ROOT)})")
+    return {}, {}, {"scale": json.loads(out.read_text())}
+
+
+def scale_tables(r: dict) -> list[str]:
+    """The markdown of bench/scale.py's result: medians [95% interval] of each point."""
+
+    def cell(f: dict, unit: float = 1.0) -> str:
+        short = lambda x: f"{x:,.0f}" if abs(x) >= 1000 else number(x)
+        ci = f" [{short(f['ci95'][0] / unit)}-{short(f['ci95'][1] / unit)}]" if f["ci95"] else ""
+        return short(f["median"] / unit) + ci
+
+    lines = [
+        "",
+        f"DCP planning for the Llama-3.1-8B state (model + AdamW, FSDP2 Shard(0) over N ranks), the "
+        f"coordinator's (rank 0's) work at a save and one rank's at a load; measured on a slice of 48 items "
+        f"per rank, x {r['slice_to_whole']:.2f} for the whole state (bench/scale.py). Seconds unless said:",
+        "",
+        "| ranks | gather plans | global plan | scatter | finish | rank 0 peak GB | .metadata MB | plans MB to rank 0 "
+        "| unpickle .metadata | restricted unpickle | load local plan | manifest.json MB | read manifest |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for n, p in sorted(r.get("planning", {}).items(), key=lambda kv: int(kv[0])):
+        lines.append(
+            f"| {n} | {cell(p['gather_s'])} | {cell(p['global_plan_s'])} | {cell(p['scatter_s'])} | "
+            f"{cell(p['finish_s'])} | {cell(p['coordinator_peak_bytes'], 1e9)} | {cell(p['metadata_bytes'], 1e6)} | "
+            f"{cell(p['plans_bytes'], 1e6)} | {cell(p['metadata_unpickle_s'])} | "
+            f"{cell(p['metadata_restricted_unpickle_s'])} | {cell(p['load_local_plan_s'])} | "
+            f"{cell(p['manifest_bytes'], 1e6)} | {cell(p['manifest_read_s'])} |"
+        )
+    for n, w in r.get("whole", {}).items():
+        ratios = ", ".join(f"{k} {v:.2f}" for k, v in w["measured_vs_extrapolated"].items())
+        lines += ["", f"The whole state planned at {n} ranks / the slice x factor: {ratios}."]
+    if r.get("rendezvous"):
+        lines += [
+            "",
+            "Rendezvous on this host (torchrun --standalone, trainer.dist.init + a barrier, gloo), seconds:",
+            "",
+            "| ranks | from the last rank's arrival to all past the barrier | rank 0's init | launch to the last "
+            "arrival |",
+            "|---|---|---|---|",
+        ]
+        for n, p in sorted(r["rendezvous"].items(), key=lambda kv: int(kv[0])):
+            lines.append(
+                f"| {n} | {cell(p['from_last_arrival_s'])} | {cell(p['rank0_init_s'])} | "
+                f"{cell(p['launch_to_last_arrival_s'])} |"
+            )
+    for n, p in sorted(r.get("store", {}).items(), key=lambda kv: int(kv[0])):
+        lines += ["", f"One TCPStore, {n} process(es) writing: {cell(p['writes_per_s'])} writes/s."]
+    return lines
+
+
 def gpu(ctx) -> tuple[dict, dict, dict]:
     """MFU, tokens/s and peak memory of short bf16 runs of the 1b transformer on all local GPUs, with
     and without torch.compile; one micro-batch per step, as large as the GPU's memory comfortably takes."""
@@ -914,6 +981,7 @@ MEASUREMENTS = [
         ],
         150,
     ),
+    (scale, [], 120),
     (gpu, ["gpu_mfu", "gpu_tokens_per_s", "gpu_peak_mem_gb", "gpu_mfu_eager"], 2 * 150),  # 0 without a GPU
 ]
 MEASURED_BY = {measure: keys for measure, keys, _ in MEASUREMENTS}
@@ -1013,6 +1081,8 @@ def markdown(info: dict, figures: dict, notes: dict, details: dict, sizes: str) 
                 f"{ci} |"
             )
     lines += details.get("goodput", {}).get("summary", {}).get("table", [])
+    if details.get("scale"):
+        lines += scale_tables(details["scale"])
     lines += ["", "What each figure compares, and how it was measured:", ""]
     for key, (what, _, _) in GOALS.items():
         lines.append(f"- `{key}`: {what}. {notes.get(key, '')}")
@@ -1060,6 +1130,9 @@ def main() -> int:
     )
     parser.add_argument(
         "--goodput-rounds", type=int, default=3, help="goodput rounds on the local Slurm cluster (~3 min each)"
+    )
+    parser.add_argument(
+        "--scale-rounds", type=int, default=3, help="rounds of bench/scale.py (~4 min each on the 2-core VM)"
     )
     parser.add_argument("--gpu-steps", type=int, default=30, help="steps of each GPU run")
     parser.add_argument(
@@ -1119,6 +1192,8 @@ def main() -> int:
         stem = Path(f"{stem}-{'-'.join(name.replace('_', '-') for name in args.only)}")
     if gpu in ran and info["gpus"]:  # GPU figures: named after the GPU, beside the CPU's
         stem = Path(f"{stem}-{info['gpus'][0].split()[-1].lower()}")
+    elif ran == {scale}:  # the scale figures alone: beside the full report, not over it
+        stem = Path(f"{stem}-scale")
     Path(f"{stem}.md").write_text(text)
     report = {
         **figures,

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -614,6 +615,53 @@ def test_gres_gpu_counts():
     assert submit.gres_gpus("gpu:a100:4(S:0-1),gpu:h100:4") == 8
     assert submit.gres_gpus("gpu:2,mps:100") == 2
     assert submit.gres_gpus("(null)") == 0
+
+
+# ---- the local cluster's configuration for N nodes (slurm/local/up.sh --render) -----------------
+
+
+def _render(folder: Path, *count: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(REPO / "slurm" / "local" / "up.sh"), "--render", str(folder), *count],
+        capture_output=True,
+        text=True,
+    )
+
+
+def _node_lines(folder: Path) -> list[str]:
+    text = (folder / "slurm.conf").read_text() + (folder / "gres.conf").read_text()
+    return [line.split(" CPUs=")[0] for line in text.splitlines() if line.startswith(("NodeName=", "PartitionName="))]
+
+
+@pytest.mark.parametrize(
+    "count, nodes, ports",
+    [([], "n[1-4]", "17001-17004"), (["8"], "n[1-8]", "17001-17008"), (["1"], "n1", "17001")],
+)
+def test_local_cluster_renders_its_node_count(tmp_path, count, nodes, ports):
+    """4 nodes unless given (the lines main always had), 8 for the rehearsal of a bigger cluster:
+    each node keeps its own slurmd port and 2 GPUs (gres), both partitions span all of them."""
+    out = _render(tmp_path, *count)
+    assert out.returncode == 0, out.stderr
+    host = socket.gethostname()
+    assert _node_lines(tmp_path) == [
+        f"NodeName={nodes} NodeHostname={host} NodeAddr=127.0.0.1 Port={ports}",
+        f"PartitionName=main Nodes={nodes} Default=YES PriorityTier=1 PreemptMode=REQUEUE GraceTime=15 "
+        "MaxTime=INFINITE State=UP",
+        f"PartitionName=urgent Nodes={nodes} PriorityTier=10 PreemptMode=OFF MaxTime=INFINITE State=UP",
+        f"NodeName={nodes} Name=gpu File=/dev/fakegpu[0-1]",
+    ]
+    assert "Gres=gpu:2 " in (tmp_path / "slurm.conf").read_text()
+    assert "@" not in (tmp_path / "slurm.conf").read_text() + (tmp_path / "gres.conf").read_text()
+
+
+@pytest.mark.parametrize("count", ["0", "eight", "100", "8 9"])
+def test_local_cluster_refuses_a_bad_node_count_in_one_line(tmp_path, count):
+    out = _render(tmp_path, count)
+    assert out.returncode == 2
+    assert out.stderr == (
+        f"slurm/local/up.sh: NODES='{count}' is not a node count from 1 to 99; e.g. make slurm-up NODES=8\n"
+    )
+    assert list(tmp_path.iterdir()) == []
 
 
 # ---- values reach the batch script's shell as data, never as code ------------------------------

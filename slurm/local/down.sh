@@ -1,8 +1,8 @@
 #!/bin/bash
-# Stop the local Slurm cluster started by slurm/local/up.sh: the four slurmd, slurmctld and munged.
-# Jobs still running are cancelled first. Safe to run when nothing is running.
+# Stop the local Slurm cluster started by slurm/local/up.sh: every slurmd (whatever the node count),
+# slurmctld and munged. Jobs still running are cancelled first. Safe to run when nothing is running.
+# --keep-munge: leave munged running (up.sh, when it restarts the cluster with another node count).
 set -euo pipefail
-nodes=(n1 n2 n3 n4)
 
 # Stop the daemon whose pid is in file $1 and wait until it is gone.
 stop() {
@@ -25,7 +25,11 @@ if [ -s /run/slurm-local/slurmctld.pid ] && command -v scancel >/dev/null; then
         sleep 1
     done
 fi
-for n in "${nodes[@]}"; do stop "/run/slurm-local/slurmd-$n.pid"; done
+for pidfile in /run/slurm-local/slurmd-*.pid; do
+    if [ -e "$pidfile" ]; then stop "$pidfile"; fi
+done
 stop /run/slurm-local/slurmctld.pid
-stop /run/munge/munged.pid
+if [ "${1:-}" != --keep-munge ]; then
+    stop /run/munge/munged.pid
+fi
 echo "slurm-down: stopped"

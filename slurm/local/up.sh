@@ -1,14 +1,43 @@
 #!/bin/bash
-# Start a local Slurm cluster for development and tests: munged, slurmctld and four emulated nodes
-# n1..n4 (one slurmd each) on this host. Idempotent: what already runs is left as it is.
+# Start a local Slurm cluster for development and tests: munged, slurmctld and N emulated nodes
+# n1..nN (one slurmd each, N=4 unless given: `up.sh 8`, `make slurm-up NODES=8`) on this host.
+# Idempotent: what already runs is left as it is. A different node count than the running cluster's
+# restarts slurmctld and the slurmds (a reconfigure does not change the node list), so going from 8
+# nodes back to 4 (`up.sh`) and up again works; other helpers and the tests expect the 4 of main.
 # Like a real GPU cluster: each node declares 2 GPUs through gres (dummy devices /dev/fakegpu0-1),
 # and each node has a node-local disk at /nodelocal (its own tmpfs, in a mount namespace of its
 # slurmd), so a run dir there is seen by one node only, as on a real node-local scratch disk.
 # Needs root and the Debian packages slurmctld, slurmd, slurm-client, munge (installed if missing).
+# `up.sh --render DIR [N]` only writes the rendered slurm.conf and gres.conf into DIR (no root).
 # Stop everything with slurm/local/down.sh.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-nodes=(n1 n2 n3 n4)
+
+render_to=
+if [ "${1:-}" = --render ]; then
+    render_to="${2:?up.sh --render DIR [NODES]: give the folder to write into}"
+    shift 2
+fi
+count="${1:-4}"
+if ! [[ "$count" =~ ^[1-9][0-9]?$ ]]; then
+    echo "slurm/local/up.sh: NODES='$count' is not a node count from 1 to 99; e.g. make slurm-up NODES=8" >&2
+    exit 2
+fi
+nodes=()
+for i in $(seq "$count"); do nodes+=("n$i"); done
+
+# Template $1 with this cluster's values: @HOST@ this host's name, @NODES@ the node list (n[1-4]),
+# @PORTS@ their slurmd ports (17001-17004: one per node, all on this host).
+render() {
+    local list="n[1-$count]" ports="17001-$((17000 + count))"
+    if [ "$count" = 1 ]; then list=n1 ports=17001; fi
+    sed -e "s/@HOST@/$(hostname)/g" -e "s/@NODES@/$list/g" -e "s/@PORTS@/$ports/g" "$1"
+}
+
+if [ -n "$render_to" ]; then
+    for f in slurm.conf gres.conf; do render "$here/$f.in" > "$render_to/$f"; done
+    exit 0
+fi
 
 if [ "$(id -u)" != 0 ]; then
     echo "slurm/local/up.sh: needs root (it installs packages and writes /etc/slurm)" >&2
@@ -38,8 +67,10 @@ fi
 mkdir -p /etc/slurm /run/slurm-local /var/log/slurm-local /var/spool/slurm-local/ctld
 for n in "${nodes[@]}"; do mkdir -p "/var/spool/slurm-local/$n"; done
 changed=0
+# The node list the running controller was started with: a change needs a restart, not a reconfigure.
+old_nodes="$(grep -s '^NodeName=' /etc/slurm/slurm.conf | cut -d' ' -f1 || true)"
 for f in slurm.conf gres.conf; do
-    sed "s/@HOST@/$(hostname)/g" "$here/$f.in" > "/etc/slurm/$f.new"
+    render "$here/$f.in" > "/etc/slurm/$f.new"
     if ! cmp -s "/etc/slurm/$f.new" "/etc/slurm/$f"; then
         mv "/etc/slurm/$f.new" "/etc/slurm/$f"
         changed=1
@@ -53,12 +84,25 @@ for i in 0 1; do
 done
 mkdir -p /nodelocal
 
-# Node names resolve like on a real cluster (the rendezvous endpoint is the first node's name).
-if ! grep -qE '^127\.0\.0\.1[[:space:]]+n1 n2 n3 n4$' /etc/hosts; then
-    echo "127.0.0.1 n1 n2 n3 n4" >> /etc/hosts
+# Node names resolve like on a real cluster (the rendezvous endpoint is the first node's name): the
+# names /etc/hosts lacks are added on one line.
+missing=()
+for n in "${nodes[@]}"; do
+    grep -qE "^127\.0\.0\.1([[:space:]]+[^[:space:]]+)*[[:space:]]+$n([[:space:]]|$)" /etc/hosts || missing+=("$n")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+    echo "127.0.0.1 ${missing[*]}" >> /etc/hosts
 fi
 
 alive() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+
+# Another node count: stop the controller and every slurmd (those of nodes no longer listed too),
+# so that all start again below from the new slurm.conf.
+new_nodes="$(grep '^NodeName=' /etc/slurm/slurm.conf | cut -d' ' -f1)"
+if [ -n "$old_nodes" ] && [ "$old_nodes" != "$new_nodes" ]; then
+    echo "slurm-up: the node list changes (${old_nodes#NodeName=} -> ${new_nodes#NodeName=}): restarting slurmctld and the slurmds"
+    bash "$here/down.sh" --keep-munge
+fi
 
 # Controller and nodes.
 if alive /run/slurm-local/slurmctld.pid; then
@@ -75,8 +119,10 @@ for n in "${nodes[@]}"; do
 done
 
 # Wait until all nodes are idle (or busy with jobs); nodes left DOWN by an earlier run are resumed.
+pidfiles=(/run/slurm-local/slurmctld.pid)
+for n in "${nodes[@]}"; do pidfiles+=("/run/slurm-local/slurmd-$n.pid"); done
 for _ in $(seq 60); do
-    for pidfile in /run/slurm-local/slurmctld.pid /run/slurm-local/slurmd-n{1,2,3,4}.pid; do
+    for pidfile in "${pidfiles[@]}"; do
         if [ -e "$pidfile" ] && ! alive "$pidfile"; then
             echo "slurm-up: $(basename "$pidfile" .pid) died; see /var/log/slurm-local/" >&2
             tail -n 5 /var/log/slurm-local/*.log >&2
@@ -85,10 +131,10 @@ for _ in $(seq 60); do
     done
     states="$(sinfo -h -N -p main -o '%N %t' 2>/dev/null || true)"
     if echo "$states" | grep -qE ' (down|drain)'; then
-        scontrol update nodename=n[1-4] state=resume 2>/dev/null || true
+        scontrol update nodename="n[1-$count]" state=resume 2>/dev/null || true
     fi
-    if [ "$(echo "$states" | grep -cE ' (idle|mix|alloc)$')" = 4 ]; then
-        echo "slurm-up: nodes n1..n4 are up (sinfo below)"
+    if [ "$(echo "$states" | grep -cE ' (idle|mix|alloc)$')" = "$count" ]; then
+        echo "slurm-up: nodes n1..n$count are up (sinfo below)"
         sinfo
         exit 0
     fi

@@ -1,0 +1,208 @@
+"""Rehearse a bigger cluster on the local one: 8 emulated nodes, a 16-rank job, preempted, resumed on 12.
+
+    sudo .venv/bin/python -m bench.rehearsal [--steps 40] [--out bench/results/<date>-vm-rehearsal.json]
+
+It brings the local cluster up with 8 nodes (slurm/local/up.sh 8; each node 2 fake GPUs through
+gres), submits a job of 8 nodes x 2 ranks (the batch script of `make submit NODES=8`, submitted with
+sbatch's --nodes=6-8 and --nodelist of the 8 on the command line: main's `make submit` has no
+MIN_NODES yet, and Slurm gives a range its minimum unless the list asks for more; the default
+config's tiny transformer, CPU and gloo, global batch 48 so that 16 and 12 ranks both divide it),
+lets it train a few steps, then submits an exclusive job to the `urgent` partition on 2 of its
+nodes, as tests/test_slurm.py does: Slurm preempts the training job (SIGTERM, GraceTime 15 s, it
+saves at the step boundary, the requeue check requeues it). Its node list is dropped (`scontrol
+update jobid=J ReqNodeList= NumTasks=6 NumCPUs=12`), it is released from Slurm's ~120 s hold on a requeued job, starts
+again on the 6 nodes left (the urgent job keeps the other 2) and resumes from the checkpoint with
+12 ranks. One line is added to the rendered batch script (SRUN_FIX below): without it srun
+cannot start in the smaller allocation of a requeued job. Checked: every step's metrics row appears exactly once,
+16 ranks before the preemption and 12 after, and the resumed log says so. Timed: each phase, from
+this process's view (every 20 ms). At the end, whatever happened, the cluster is brought back to
+its 4 nodes (slurm/local/up.sh), the layout the tests expect.
+
+Not a test: it needs 8 nodes (the tests run on 4, the CI cluster too) and takes 4-6 minutes on the
+2-core VM, most of it 16 and then 12 Python processes importing torch and stepping on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.preemption import POLL_S, job_info, rows
+from trainer import layout, submit
+
+ROOT = Path(__file__).resolve().parent.parent
+UP = ["bash", str(ROOT / "slurm" / "local" / "up.sh")]
+# What main's batch script lacks to resume on fewer nodes after a requeue: the requeued job's
+# environment keeps its first launch's SLURM_NTASKS and SLURM_NPROCS (8, one per node), also after
+# `scontrol update NumTasks=6`, and srun in the 6-node allocation then asks for 8 tasks x 2 CPUs:
+# "Unable to create step: More processors requested than permitted". One task per node of this
+# allocation is what the script means.
+SRUN_FIX_AFTER = "set -euo pipefail\n"
+SRUN_FIX = 'export SLURM_NTASKS="$SLURM_JOB_NUM_NODES" SLURM_NPROCS="$SLURM_JOB_NUM_NODES"  # bench/rehearsal.py\n'
+
+
+def wait_until(predicate, timeout: float, what: str):
+    """Poll `predicate` every POLL_S; (its value, the time it first held)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value, time.monotonic()
+        time.sleep(POLL_S)
+    raise TimeoutError(f"{what}: not within {timeout:.0f}s")
+
+
+def timed(cmd: list[str]) -> float:
+    began = time.monotonic()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return time.monotonic() - began
+
+
+def training_rows(run_dir: Path) -> list[dict]:
+    return [r for r in rows(run_dir) if "step_time_s" in r]
+
+
+def submit_range(run_dir: Path, steps: int) -> str:
+    """Submit the job as `make submit NODES=8` renders it, but with sbatch's --nodes=6-8 on the
+    command line, which overrides the script's --nodes=8, and --nodelist of all 8 nodes: Slurm
+    (cons_tres) gives a node range its minimum, so the list makes the first run take 8; rehearse()
+    drops it from the requeued job. (`scontrol update jobid=J NumNodes=6-8` on a requeued 8-node
+    job is not enough: it keeps its 8 tasks, and srun in the 6-node allocation fails with "More
+    processors requested than permitted", also with NumTasks=6 NumCPUs=12 updated too.)"""
+    overrides = ["train.global_batch_size=48", f"train.steps={steps}", "checkpoint.interval=0", "log.interval=1"]
+    args = submit._parser().parse_args(["--nodes", "8", "--run-dir", str(run_dir), *overrides, "log.progress=false"])
+    partition = submit.query_partition(None)
+    job = submit.parse_job(args, partition)
+    submit.check_config(job, partition, planning=False)
+    script = run_dir / "slurm" / "train.sbatch"
+    script.parent.mkdir(parents=True, exist_ok=True)
+    text = submit.render_sbatch(job)
+    assert SRUN_FIX_AFTER in text, "slurm/train.sbatch.in changed: see SRUN_FIX"
+    script.write_text(text.replace(SRUN_FIX_AFTER, SRUN_FIX_AFTER + SRUN_FIX, 1))
+    every = subprocess.run(["sinfo", "-h", "-p", "main", "-o", "%N"], capture_output=True, text=True).stdout.strip()
+    out = subprocess.run(
+        ["sbatch", "--parsable", "--nodes=6-8", f"--nodelist={every}", str(script)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"sbatch refused the job: {out.stderr.strip()}")
+    return out.stdout.strip().split(";")[0]
+
+
+def rehearse(run_dir: Path, steps: int, before: int) -> dict:
+    """Submit, preempt once, resume on 6 nodes, wait for the end; times and what was seen."""
+    t: dict[str, float] = {"submit": time.monotonic()}
+    job = submit_range(run_dir, steps)
+    urgent = None
+    try:
+        _, t["running"] = wait_until(lambda: job_info(job).get("JobState") == "RUNNING", 120, "the job to run")
+        nodes = job_info(job)["NodeList"]
+        _, t["first_step"] = wait_until(lambda: training_rows(run_dir), 300, "the first step on 16 ranks")
+        wait_until(lambda: len(training_rows(run_dir)) >= before, 300, f"{before} steps")
+        hostnames = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True, text=True)
+        taken = ",".join(hostnames.stdout.split()[-2:])  # the last 2 of the job's 8 nodes
+        t["request"] = time.monotonic()
+        urgent = subprocess.run(
+            ["sbatch", "--parsable", "-p", "urgent", "--exclusive", "-N2", f"--nodelist={taken}"]
+            + ["-o", str(run_dir / "urgent-%j.out"), "--wrap", "sleep 900"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        stopped_at, t["committed"] = wait_until(
+            lambda: layout.latest_committed_step(run_dir), 120, "the preemption's checkpoint"
+        )
+        _, t["requeued"] = wait_until(
+            lambda: job_info(job).get("JobState") == "PENDING" and job_info(job).get("Restarts") == "1",
+            120,
+            "the requeue",
+        )
+        # Any 6 to 8 nodes now; then out of Slurm's hold (not before the second after the requeue:
+        # slurmd refuses a credential not newer than the revocation).
+        # Slurm keeps the first run's counts of tasks and CPUs: 6 nodes' worth.
+        update = ["ReqNodeList=", "NumNodes=6-8", "NumTasks=6", "NumCPUs=12"]
+        subprocess.run(["scontrol", "update", f"jobid={job}", *update], check=True, capture_output=True)
+        time.sleep(2)
+        subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], check=True, capture_output=True)
+        t["released"] = time.monotonic()
+        _, t["running_again"] = wait_until(lambda: job_info(job).get("JobState") == "RUNNING", 120, "the restart")
+        resumed_nodes = job_info(job)["NodeList"]
+        _, t["resumed_step"] = wait_until(
+            lambda: any(r["step"] > stopped_at for r in training_rows(run_dir)), 300, "the first step on 12 ranks"
+        )
+        state, t["end"] = wait_until(
+            lambda: (
+                job_info(job).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
+                and job_info(job)["JobState"]
+            ),
+            600,
+            "the end of the job",
+        )
+    finally:
+        subprocess.run(["scancel", job, *([urgent] if urgent else [])], capture_output=True)
+    log = (run_dir / "slurm" / f"{job}.out").read_text(errors="replace")
+    trained = training_rows(run_dir)
+    seen = [r["step"] for r in trained]
+    resumed = re.search(r"resumed from \S+ at step (\d+) \(saved by (\d+) processes, loaded in ([0-9.]+)s", log)
+    step_s = lambda world: [r["step_time_s"] for r in trained if r["world_size"] == world][1:]  # 1st: warm-up
+    median = lambda xs: sorted(xs)[len(xs) // 2] if xs else None
+    result = {
+        "job": job,
+        "state": state,
+        "nodes_before": nodes,
+        "nodes_after": resumed_nodes,
+        "stopped_at": stopped_at,
+        "every_step_once": seen == list(range(1, steps + 1)),
+        "world_sizes": sorted({(r["world_size"], r["step"] <= stopped_at) for r in trained}),
+        "resumed_line": resumed.group(0) if resumed else None,
+        "load_s": float(resumed.group(3)) if resumed else None,
+        "step_s_16_ranks": median(step_s(16)),
+        "step_s_12_ranks": median(step_s(12)),
+        "submit_to_running_s": t["running"] - t["submit"],
+        "running_to_first_step_16_s": t["first_step"] - t["running"],
+        "request_to_committed_s": t["committed"] - t["request"],
+        "committed_to_requeued_s": t["requeued"] - t["committed"],
+        "released_to_running_s": t["running_again"] - t["released"],
+        "running_to_first_step_12_s": t["resumed_step"] - t["running_again"],
+        "submit_to_end_s": t["end"] - t["submit"],
+    }
+    result["world_sizes"] = [list(x) for x in result["world_sizes"]]
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=40, help="steps of the job")
+    parser.add_argument("--before", type=int, default=8, help="steps trained before the preemption")
+    results = ROOT / "bench" / "results"
+    parser.add_argument("--out", default=str(results / f"{time.strftime('%Y-%m-%d')}-vm-rehearsal.json"))
+    parser.add_argument("--run-dir", default=str(ROOT / "runs" / "rehearsal"), help="a folder every node sees")
+    args = parser.parse_args()
+    run_dir = Path(args.run_dir).resolve()
+    submit.check_shared(run_dir, nodes=8)
+    subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+    result = {"up_8_nodes_s": timed([*UP, "8"])}
+    try:
+        result.update(rehearse(run_dir, args.steps, args.before))
+    finally:
+        result["back_to_4_nodes_s"] = timed(UP)  # whatever happened: the layout every test expects
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result, indent=1))
+    ok = (
+        result["state"] == "COMPLETED"
+        and result["every_step_once"]
+        and result["world_sizes"] == [[12, False], [16, True]]  # (ranks, step <= the preempted step)
+        and result["resumed_line"]
+    )
+    print(f"bench.rehearsal: {'passed' if ok else 'FAILED'}; wrote {args.out}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

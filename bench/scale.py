@@ -1,0 +1,491 @@
+"""How a checkpoint's planning, its metadata and the rendezvous grow with the number of ranks.
+
+    .venv/bin/python -m bench.scale --out scale.json [--ranks 1024 ... 16384] [--rounds 3] [--rendezvous 2 4 8 16]
+
+DCP's planning, without processes: each rank's SavePlan is built as DCP builds it for the trainer's
+state ({"model": ..., "optim": ...} from get_state_dict) of the Llama-3.1-8B shape (configs/llama-8b.yaml,
+built on the meta device), every parameter and both AdamW moments a DTensor sharded Shard(0) over N
+ranks as FSDP2 shards them (uneven: the last ranks' chunks short or empty), the optimizer's `step` a
+plain tensor on every rank. The coordinator's work at a save is then done as on rank 0, in order:
+
+  gather        unpickle the N ranks' plans (dist.gather_object: rank 0 unpickles every one)
+  global_plan   DefaultSavePlanner.create_global_plan: dedup, the metadata's chunk lists, validation
+  scatter       pickle the N global plans back (dist.scatter_object_list)
+  finish        unpickle the N ranks' write results, build storage_data, pickle .metadata (its bytes)
+
+and at a load, on every rank: unpickle .metadata (pickle.loads; and trainer.shard_reader.load_metadata,
+the restricted unpickler the trainer uses), then DefaultLoadPlanner.create_local_plan for one rank (the
+middle one) of the same N against it. Also the size of our manifest.json for N ranks (3 files each:
+the shard file, its .xxh3 record, rng/rank_R.pt) and the seconds to read and check its digest.
+
+The whole 8B state is 1164 items per rank (291 tensors x model, exp_avg, exp_avg_sq, step); at 16k ranks
+that is 19M Python objects, more than this VM holds. So each round plans a slice of it, every item of
+the slice at the real N: the embedding, the first block (9 tensors), the final norm and the output
+(12 of the 291 parameters, 48 items per rank). Every phase above loops over items (or their chunks,
+whose number per item is the same for every parameter): the whole state's figure is the slice's x
+1164/48. `--whole N` plans the whole state once at N ranks to check that factor. Each round of each N
+runs in a fresh process (rank 0's peak memory: its VmHWM above its RSS before the plans).
+
+Rendezvous, with processes: torchrun --standalone --nproc-per-node=N for N in --rendezvous, each rank
+timing trainer.dist.init (the TCPStore rendezvous and gloo's process group) and a barrier after it.
+On this host all ranks share 2 cores, so from the last rank's arrival is the figure, not from launch.
+And the writes per second one TCPStore serves (the trainer writes its step there once per rank per
+step), from --store-clients processes writing as fast as they can.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import json
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench import stats
+
+SLICE = ("tok_embeddings.weight", "layers.0.", "norm.weight", "output.weight")  # parameters planned per round
+MOMENTS = ("exp_avg", "exp_avg_sq")
+FILES_PER_RANK = ("__{r}_0.distcp", "__{r}_0.distcp.xxh3", "rng/rank_{r:05d}.pt")  # a checkpoint's, per rank
+
+
+# ---------------------------------------------------------------------------------------------------
+# Synthetic plans
+
+
+def llama_shapes(config: str = "configs/llama-8b.yaml") -> dict[str, tuple[int, ...]]:
+    """Parameter name -> shape of the config's model, built on the meta device (no memory)."""
+    import torch
+
+    from trainer import config as config_module
+    from trainer import models
+
+    cfg = config_module.load(str(ROOT / config))
+    with torch.device("meta"):
+        model = models.spec(cfg.model).build(cfg.model)
+    return {name: tuple(p.shape) for name, p in model.state_dict().items()}
+
+
+def state_items(shapes: dict[str, tuple[int, ...]], whole: bool) -> list[tuple[str, tuple[int, ...], bool]]:
+    """(flattened key, global shape, sharded) of each tensor of the trainer's checkpoint state, as
+    DCP flattens {"model": model_state, "optim": optim_state}; only the SLICE unless `whole`."""
+    items = []
+    for name, shape in shapes.items():
+        if not whole and not name.startswith(SLICE):
+            continue
+        items.append((f"model.{name}", shape, True))
+        items += [(f"optim.state.{name}.{m}", shape, True) for m in MOMENTS]
+        items.append((f"optim.state.{name}.step", (), False))
+    return items
+
+
+def shard(shape: tuple[int, ...], world: int, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(local sizes, global offsets) of `rank`'s chunk of a tensor sharded Shard(0) over `world`
+    ranks, as DTensor computes them for FSDP2: torch.chunk's split of dim 0 (ceil(d/world) rows per
+    rank), an empty chunk placed at the end of the dimension."""
+    from torch.distributed.tensor import Shard
+
+    rows, start = Shard(0)._local_shard_size_and_offset(shape[0], world, rank)
+    if rows == 0:
+        start = shape[0]
+    return (rows, *shape[1:]), (start, *(0,) * (len(shape) - 1))
+
+
+def save_plan(items, world: int, rank: int, mappings: dict):
+    """Rank `rank`'s SavePlan, as DefaultSavePlanner.create_local_plan makes it (planner_data: the
+    flattening's mappings, which every rank sends)."""
+    import torch
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+    out = []
+    for key, shape, sharded in items:
+        props = TensorProperties(dtype=torch.float32)
+        if sharded:
+            sizes, offsets = shard(shape, world, rank)
+            kind, global_size = WriteItemType.SHARD, torch.Size(shape)
+        else:
+            sizes, offsets, kind, global_size = (), (), WriteItemType.TENSOR, torch.Size(())
+        out.append(
+            WriteItem(
+                index=MetadataIndex(key, torch.Size(offsets)),
+                type=kind,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
+                    properties=props,
+                    size=global_size,
+                ),
+            )
+        )
+    return SavePlan(out, planner_data=mappings)
+
+
+def mappings_of(items) -> dict:
+    """DCP's flatten_state_dict mappings: flattened key -> its path in the nested state dict."""
+    out = {}
+    for key, _, _ in items:
+        top, rest = key.split(".", 1)
+        if top == "model":
+            out[key] = ("model", rest)
+        else:
+            name, moment = rest[len("state.") :].rsplit(".", 1)
+            out[key] = ("optim", "state", name, moment)
+    return out
+
+
+def write_results(plan, rank: int) -> list:
+    """What rank `rank`'s writer returns for its global plan: each item in its one shard file."""
+    import math
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    out, offset = [], 0
+    for item in plan.items:
+        length = 4 * math.prod(item.tensor_data.chunk.sizes) + 1100  # float32 bytes + torch.save's zip headers
+        out.append(WriteResult(item.index, length, _StorageInfo(f"__{rank}_0.distcp", offset, length)))
+        offset += length
+    return out
+
+
+class LocalShard:
+    """A rank's chunk of one tensor, as the load planner asks it (DTensor's __create_chunk_list__)."""
+
+    def __init__(self, shape, sizes, offsets):
+        import torch
+
+        self.shape, self.sizes, self.offsets = torch.Size(shape), torch.Size(sizes), torch.Size(offsets)
+
+    def size(self):
+        return self.shape
+
+    def __create_chunk_list__(self):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        return [ChunkStorageMetadata(offsets=self.offsets, sizes=self.sizes)]
+
+
+def load_state(items, world: int, rank: int) -> dict:
+    """Rank `rank`'s state to load into, flattened as the load planner sees it."""
+    out = {}
+    for key, shape, sharded in items:
+        sizes, offsets = shard(shape, world, rank) if sharded else ((), ())
+        out[key] = LocalShard(shape, sizes, offsets)
+    return out
+
+
+def manifest(world: int) -> bytes:
+    """manifest.json of a checkpoint of `world` ranks, as trainer/checksums.write_manifest writes it."""
+    from trainer import checksums
+
+    files = {".metadata": {"size": 1, "xxh3_64": 2**63}, "meta.json": {"size": 1, "xxh3_64": 2**63}}
+    for r in range(world):
+        for name in FILES_PER_RANK:
+            files[name.format(r=r)] = {"size": 2**30 + r, "xxh3_64": 2**63 + r}  # full-width numbers
+    return json.dumps({"files": files, "xxh3_64": checksums._digest(files)}, indent=1, sort_keys=True).encode()
+
+
+def vm(field: str) -> int:
+    """This process's /proc/self/status `field` (VmRSS, VmHWM) in bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def plan_round(world: int, whole: bool) -> dict:
+    """One round at `world` ranks: seconds and bytes of each phase (the module's docstring)."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+
+    from trainer import checksums, shard_reader
+
+    items = state_items(llama_shapes(), whole)
+    mappings = mappings_of(items)
+    base = vm("VmRSS")
+    r: dict = {"world": world, "items_per_rank": len(items), "whole": whole}
+
+    began = time.perf_counter()
+    blobs = [pickle.dumps(save_plan(items, world, rank, mappings)) for rank in range(world)]  # each rank's own
+    r["build_and_pickle_one_plan_s"] = (time.perf_counter() - began) / world
+    r["plans_bytes"] = sum(map(len, blobs))
+
+    t = time.perf_counter()
+    plans = [pickle.loads(b) for b in blobs]
+    r["gather_s"] = time.perf_counter() - t
+    del blobs
+    t = time.perf_counter()
+    global_plans, metadata = DefaultSavePlanner().create_global_plan(plans)
+    r["global_plan_s"] = time.perf_counter() - t
+    del plans
+    t = time.perf_counter()
+    scattered = [pickle.dumps(p) for p in global_plans]
+    r["scatter_s"] = time.perf_counter() - t
+    r["scatter_bytes"] = sum(map(len, scattered))
+    del scattered
+
+    results = [pickle.dumps(write_results(p, rank)) for rank, p in enumerate(global_plans)]  # each rank's own
+    del global_plans
+    t = time.perf_counter()
+    storage = {}
+    for blob in results:
+        storage.update({w.index: w.storage_data for w in pickle.loads(blob)})
+    metadata = dataclasses.replace(metadata, storage_data=storage)
+    data = pickle.dumps(metadata)
+    r["finish_s"] = time.perf_counter() - t
+    r["metadata_bytes"] = len(data)
+    del results, storage
+    r["coordinator_peak_bytes"] = vm("VmHWM") - base
+
+    t = time.perf_counter()
+    loaded = pickle.loads(data)
+    r["metadata_unpickle_s"] = time.perf_counter() - t
+    with tempfile.NamedTemporaryFile(suffix=".metadata") as f:
+        f.write(data)
+        f.flush()
+        t = time.perf_counter()
+        shard_reader.load_metadata(f.name)
+        r["metadata_restricted_unpickle_s"] = time.perf_counter() - t
+    del data
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner({}, loaded, is_coordinator=False)
+    # What set_up_planner does with a state dict, less _init_state_dict, which materialises meta
+    # tensors (there are none) and would take the stand-ins for something else.
+    planner.original_state_dict = state = load_state(items, world, world // 2)
+    planner.state_dict, planner.mappings = flatten_state_dict(state)
+    t = time.perf_counter()
+    load_plan = planner.create_local_plan()
+    r["load_local_plan_s"] = time.perf_counter() - t
+    r["load_plan_bytes"] = len(pickle.dumps(load_plan))
+    r["load_read_items"] = len(load_plan.items)
+
+    text = manifest(world)
+    r["manifest_bytes"] = len(text)
+    t = time.perf_counter()
+    m = json.load(io.BytesIO(text))
+    assert m["xxh3_64"] == checksums._digest(m["files"])
+    r["manifest_read_s"] = time.perf_counter() - t
+    return r
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rendezvous
+
+
+def rendezvous_worker(out: Path) -> None:
+    """In each rank under torchrun: time trainer.dist.init and a barrier; write rank_<R>.json."""
+    arrived = time.time()
+    import torch.distributed as dist
+
+    from trainer import dist as distributed
+
+    imported = time.time()
+    env = distributed.init(timeout_s=300)
+    initialised = time.time()
+    dist.barrier()
+    done = time.time()
+    (out / f"rank_{env.rank}.json").write_text(
+        json.dumps({"started": arrived, "arrived": imported, "initialised": initialised, "done": done})
+    )
+    dist.destroy_process_group()
+
+
+def rendezvous_round(world: int, scratch: Path) -> dict:
+    """One torchrun of `world` ranks: seconds from the last rank's arrival at init to every rank past
+    the barrier, and rank 0's own init."""
+    folder = scratch / f"rendezvous_{world}"
+    subprocess.run(["rm", "-rf", str(folder)], check=True)
+    folder.mkdir(parents=True)
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
+    launched = time.time()
+    subprocess.run(
+        [
+            torchrun,
+            "--standalone",
+            f"--nproc-per-node={world}",
+            "-m",
+            "bench.scale",
+            "--rendezvous-worker",
+            str(folder),
+        ],
+        check=True,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        timeout=600,
+    )
+    ranks = [json.loads((folder / f"rank_{r}.json").read_text()) for r in range(world)]
+    subprocess.run(["rm", "-rf", str(folder)], check=True)
+    last = max(x["arrived"] for x in ranks)
+    return {
+        "world": world,
+        "from_last_arrival_s": max(x["done"] for x in ranks) - last,
+        "rank0_init_s": ranks[0]["initialised"] - ranks[0]["arrived"],
+        "launch_to_last_arrival_s": last - launched,
+    }
+
+
+def store_client(port: int, client: int, seconds: float, out) -> None:
+    """One client of store_round: the trainer's per-step write (trainer/train.py _reached) in a loop."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    store.set(f"ready/{client}", "1")
+    store.wait(["go"])
+    n, began = 0, time.perf_counter()
+    while time.perf_counter() < began + seconds:
+        store.set(f"trainer/step/{client}", str(n))
+        n += 1
+    store.get(f"trainer/step/{client}")  # a set does not wait for the store; a get answers after every set
+    out.put((n, time.perf_counter() - began))
+
+
+def store_round(clients: int, seconds: float = 3.0) -> dict:
+    """Writes per second that one TCPStore (the rendezvous store every rank talks to) serves to
+    `clients` processes writing as fast as they can: an upper bound on the ranks it can take at one
+    write per rank per step (ranks <= writes/s x step seconds). All on this host's 2 cores."""
+    import multiprocessing
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from trainer import dist as distributed
+
+    port = distributed.free_port("127.0.0.1")
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=store_client, args=(port, c, seconds, out)) for c in range(clients)]
+    for p in procs:
+        p.start()
+    server.wait([f"ready/{c}" for c in range(clients)])
+    server.set("go", "1")
+    done = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join()
+    return {"clients": clients, "writes_per_s": sum(n for n, _ in done) / max(s for _, s in done)}
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def fresh(args: list[str], timeout: float) -> dict:
+    """Run `python -m bench.scale ARGS --json -` in a fresh process; its result."""
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.scale", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"bench.scale {' '.join(args)}: exit {out.returncode}: {out.stderr.strip()[-400:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+PLAN_KEYS = (
+    "gather_s",
+    "global_plan_s",
+    "scatter_s",
+    "finish_s",
+    "coordinator_peak_bytes",
+    "metadata_bytes",
+    "plans_bytes",
+    "metadata_unpickle_s",
+    "metadata_restricted_unpickle_s",
+    "load_local_plan_s",
+    "load_plan_bytes",
+    "manifest_bytes",
+    "manifest_read_s",
+)
+
+
+def summary(rounds: list[dict], keys, factor: float = 1.0) -> dict:
+    """key -> bench/stats.py figure of its rounds (scaled by `factor` where it counts items)."""
+    scaled = {"manifest_bytes", "manifest_read_s"}  # per rank, not per item: the same for any slice
+    return {k: stats.figure([x[k] * (1 if k in scaled else factor) for x in rounds]) for k in keys}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", help="result JSON, rewritten after every round")
+    parser.add_argument("--ranks", type=int, nargs="*", default=[1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of each point (each in a fresh process)")
+    parser.add_argument("--whole", type=int, nargs="*", default=[1024], help="rank counts to plan the whole state at")
+    parser.add_argument("--rendezvous", type=int, nargs="*", default=[2, 4, 8, 16], help="torchrun sizes")
+    parser.add_argument("--store-clients", type=int, nargs="*", default=[1, 4], help="writers to one TCPStore")
+    parser.add_argument("--scratch", default=str(ROOT / "runs" / "bench-scale"))
+    parser.add_argument("--plan-round", type=int, help=argparse.SUPPRESS)  # one round, in a fresh process
+    parser.add_argument("--plan-whole", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--rendezvous-worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rendezvous_worker:
+        rendezvous_worker(Path(args.rendezvous_worker))
+        return 0
+    if args.plan_round:
+        print(json.dumps(plan_round(args.plan_round, args.plan_whole)))
+        return 0
+    if not args.out:
+        parser.error("--out is required")
+
+    factor = len(state_items(llama_shapes(), True)) / len(state_items(llama_shapes(), False))
+    result: dict = {"slice_to_whole": factor, "planning": {}, "whole": {}, "rendezvous": {}, "store": {}}
+    raw: dict = {
+        "planning": {n: [] for n in args.ranks},
+        "rendezvous": {n: [] for n in args.rendezvous},
+        "store": {n: [] for n in args.store_clients},
+    }
+    scratch = Path(args.scratch)
+
+    def write() -> None:
+        for n, rs in raw["planning"].items():
+            if rs:
+                result["planning"][n] = {"rounds": rs, **summary(rs, PLAN_KEYS, factor)}
+        for part in ("rendezvous", "store"):
+            for n, rs in raw[part].items():
+                if rs:
+                    result[part][n] = {"rounds": rs, **{k: stats.figure([x[k] for x in rs]) for k in rs[0]}}
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+    for i in range(args.rounds):
+        order = args.ranks if i % 2 == 0 else args.ranks[::-1]
+        for n in order:
+            raw["planning"][n].append(fresh(["--plan-round", str(n)], 1800))
+            print(f"bench.scale: round {i + 1}, {n} ranks: {raw['planning'][n][-1]}", flush=True)
+            write()
+        for n in args.rendezvous if i % 2 == 0 else args.rendezvous[::-1]:
+            raw["rendezvous"][n].append(rendezvous_round(n, scratch))
+            print(f"bench.scale: round {i + 1}, rendezvous of {n}: {raw['rendezvous'][n][-1]}", flush=True)
+            write()
+        for n in args.store_clients:
+            raw["store"][n].append(store_round(n))
+            print(f"bench.scale: round {i + 1}, store writes: {raw['store'][n][-1]}", flush=True)
+            write()
+    for n in args.whole:
+        whole = fresh(["--plan-round", str(n), "--plan-whole"], 1800)
+        rounds = raw["planning"].get(n, [])
+        part = {k: stats.median([x[k] for x in rounds]) for k in PLAN_KEYS} if rounds else {}
+        result["whole"][n] = {
+            "round": whole,
+            # the whole state's value / the slice's median x factor, per phase: how well the factor predicts it
+            "measured_vs_extrapolated": {
+                k: whole[k] / (part[k] * factor) for k in PLAN_KEYS if part.get(k) and "manifest" not in k
+            },
+        }
+        print(f"bench.scale: the whole state at {n} ranks: {whole}", flush=True)
+        write()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

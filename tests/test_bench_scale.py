@@ -1,0 +1,60 @@
+"""bench/scale.py plans a checkpoint of thousands of ranks without their processes: its synthetic
+plans must be the plans DCP makes for a model FSDP2 shards, rank for rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from bench import scale
+from trainer import config, models
+
+
+@pytest.mark.parametrize("shape", [(10, 3), (2, 5), (7,), (128256, 4096)])
+@pytest.mark.parametrize("world", [1, 3, 4, 16])
+def test_shard_is_dtensors_chunk_of_every_rank(shape, world):
+    for rank in range(world):
+        assert scale.shard(shape, world, rank) == _compute_local_shape_and_global_offset(
+            shape, (world,), [rank], [Shard(0)]
+        )
+
+
+def test_synthetic_plan_is_dcps_plan_of_an_fsdp2_model():
+    """The tiny transformer fully_shard'ed over 48 ranks (a fake process group: this one process is
+    rank 40): DCP's own local SavePlan and bench.scale's, item for item. Rank 40 holds rows 240-245
+    of the 256-row embedding and an empty chunk of every 64-row tensor. One rank per process: the
+    device mesh keeps the first rank it saw."""
+    world, rank = 48, 40
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    try:
+        cfg = config.load("configs/default.yaml")
+        model = models.spec(cfg.model).build(cfg.model)
+        for block in model.layers:
+            fully_shard(block)
+        fully_shard(model)
+        planner = DefaultSavePlanner()
+        planner.set_up_planner({"model": get_model_state_dict(model)}, is_coordinator=False)
+        real = planner.create_local_plan()
+    finally:
+        dist.destroy_process_group()
+    items = [(f"model.{name}", tuple(p.shape), True) for name, p in model.state_dict().items()]
+    ours = scale.save_plan(items, world, rank, scale.mappings_of(items))
+    assert [i.index for i in ours.items] == [i.index for i in real.items]
+    assert [i.type for i in ours.items] == [i.type for i in real.items]
+    assert [i.tensor_data for i in ours.items] == [i.tensor_data for i in real.items]
+    assert ours.planner_data == real.planner_data
+    sizes = {i.index.fqn: i.tensor_data.chunk.sizes[0] for i in real.items}
+    assert sizes["model.tok_embeddings.weight"] == 6 and sizes["model.layers.0.attention.wq.weight"] == 0
+
+
+def test_a_planning_round_resumes_each_rank_from_its_own_chunks():
+    """A round at 8 ranks of the Llama-8B slice: 48 items per rank, each read back whole by one read."""
+    r = scale.plan_round(8, whole=False)
+    assert r["items_per_rank"] == 48 == r["load_read_items"]
+    assert r["metadata_bytes"] > 0 and r["manifest_bytes"] > 0
