@@ -34,8 +34,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from trainer import hangs, layout, signals
-from trainer.requeue import LEASE_LOST
+from trainer import hangs, heartbeat, layout, signals
+from trainer.requeue import LEASE_LOST, NODE_LOST
 
 
 @dataclass
@@ -65,6 +65,9 @@ def node_name() -> str:
 
 
 BAD_INPUT = 2
+# The job's --nodes as Slurm was asked (4, or a range 3-4): set by the batch script and the submitit
+# task, said when a node dies.
+NODES_ENV = "TRAINER_SLURM_NODES"
 # The rendezvous round of the ranks' start, the same on every node (set for the ranks by the agent).
 ROUND_ENV = "TRAINER_RDZV_ROUND"
 # A rank that stops on bad input or divergence marks it in this node-local folder (named by the
@@ -257,10 +260,37 @@ def _no_restart(marks: str) -> str | None:
     return None
 
 
-def _restarting_agent(run_dir: str, marks: str, outcome: dict):
+def _resume_point(run_dir: str) -> str:
+    step = layout.latest_committed_step(run_dir)
+    return f"step {step}, the newest checkpoint" if step is not None else "the start (no checkpoint yet)"
+
+
+def lost_nodes_line(lost: list[str], nnodes: int, run_dir: str) -> str:
+    """One line for a node that stopped answering: which, and what happens next."""
+    names = ", ".join(lost)
+    what = f"node {names} stopped answering" if len(lost) == 1 else f"nodes {names} stopped answering"
+    resume = _resume_point(run_dir)
+    asked = os.environ.get(NODES_ENV, "")  # the job's --nodes (the batch script, the submitit task)
+    if not os.environ.get("SLURM_JOB_ID"):
+        after = f"this launch ends; start it again on the nodes left and it resumes from {resume}"
+    elif "-" in asked and nnodes - len(lost) >= int(asked.split("-")[0]):
+        after = f"the job ends, Slurm requeues it on the nodes left (--nodes={asked}) and it resumes from {resume}"
+    else:
+        need = asked.split("-")[0] if asked else str(nnodes)
+        after = (
+            f"the job ends, Slurm requeues it and it waits for {need} nodes (--nodes={asked or nnodes}; "
+            f"MIN_NODES lets it go on with fewer), then resumes from {resume}"
+        )
+    return f"{node_name()}: {what} (no heartbeat for {heartbeat.SILENT_S:.0f} s); {after}"
+
+
+def _restarting_agent(run_dir: str, marks: str, outcome: dict, endpoint: str = "", nnodes: int = 1):
     """torchrun's agent (LocalElasticAgent), which also finds the rank that failed first (kept in
     outcome["first"]) and, before each of torchrun's restarts, says it in one line and a
     metrics.jsonl row, or cancels the restarts left when the ranks stopped on bad input or divergence.
+    In a multi-node launch (`endpoint`), a failure whose cause is a node that stopped answering
+    (trainer/heartbeat.py) is not restarted (the rendezvous would wait for that node): the node is
+    named in one line, kept in outcome["lost"], and the launch ends.
     Stop signals never get here: the agent raises SignalException instead of restarting."""
     from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -281,13 +311,19 @@ def _restarting_agent(run_dir: str, marks: str, outcome: dict):
             if result.state != WorkerState.FAILED or not result.failures:
                 return result
             rank, failure = outcome["first"] = first_failure(result.failures, ended)
+            lost = heartbeat.silent_nodes(run_dir, endpoint, node_name()) if endpoint else []
+            if lost:
+                outcome["lost"] = lost
+                self._remaining_restarts = 0
+                _say(lost_nodes_line(lost, nnodes, run_dir))
+                return result
             if _no_restart(marks) or self._remaining_restarts <= 0:
                 self._remaining_restarts = 0
                 return result
             restart = worker_group.spec.max_restarts - self._remaining_restarts + 1
             step = layout.latest_committed_step(run_dir)
             node = node_name()
-            start = f"step {step}, the newest checkpoint" if step is not None else "the start (no checkpoint yet)"
+            start = _resume_point(run_dir)
             _say(
                 f"rank {rank} on {node} {_cause(failure)}; restart {restart} of {worker_group.spec.max_restarts}: "
                 f"every rank starts again from {start}"
@@ -391,11 +427,17 @@ def main(argv: list[str] | None = None) -> int:
 
     outcome: dict = {}
     agent_class = launcher_api.LocalElasticAgent
-    launcher_api.LocalElasticAgent = _restarting_agent(cfg.run_dir, marks, outcome)
+    endpoint = a.rdzv_endpoint if a.nnodes > 1 else ""
+    launcher_api.LocalElasticAgent = _restarting_agent(cfg.run_dir, marks, outcome, endpoint, a.nnodes)
+    beating = heartbeat.Heartbeat(cfg.run_dir, node_name(), endpoint) if endpoint else None
+    if beating:
+        beating.start()
     try:
         try:
             torchrun.run(args)
         except ChildFailedError as e:
+            if outcome.get("lost"):
+                return NODE_LOST  # said in one line by the agent
             codes = {f.exitcode for f in e.failures.values()}
             if os.path.exists(bad_input) or (BAD_INPUT in codes and all(c == BAD_INPUT or c < 0 for c in codes)):
                 return BAD_INPUT  # the rank said what is wrong, in one line
@@ -423,7 +465,13 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 128 + int(e.sigval)
         except Exception as e:  # noqa: BLE001 - rendezvous and agent failures: one line, not a traceback
-            _say(f"torchrun failed: {type(e).__name__}: {e}")
+            # The rendezvous store lives on the first node: a dead first node is seen here first.
+            lost = heartbeat.silent_nodes(cfg.run_dir, endpoint, node_name()) if endpoint else []
+            if lost:
+                _say(lost_nodes_line(lost, a.nnodes, cfg.run_dir))
+                return NODE_LOST
+            first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""  # not a C++ stack
+            _say(f"torchrun failed: {type(e).__name__}: {first_line}")
             return 1
         return 0
     except SignalException:  # a further signal while the outcome above was being mapped
@@ -434,6 +482,8 @@ def main(argv: list[str] | None = None) -> int:
         for sig in signals.STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
         launcher_api.LocalElasticAgent = agent_class  # main() may run again in this process (submitit)
+        if beating:
+            beating.stop()
         shutil.rmtree(marks, ignore_errors=True)
         monitor.stop()
 

@@ -23,6 +23,8 @@ BAD_INPUT = 2
 # Exit code of a training step whose run dir was taken over by another run (trainer/lease.py): that
 # run goes on in it; a requeued attempt would be refused, or worse, start over its checkpoints.
 LEASE_LOST = 3
+# Exit code of a training step that ended because a node stopped answering (trainer/launch.py).
+NODE_LOST = 4
 
 
 def cancelled(job_id):

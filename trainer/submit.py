@@ -679,6 +679,7 @@ class LaunchTask:
         port = self._rendezvous_port(env)
         from trainer import launch
 
+        os.environ[launch.NODES_ENV] = self.job.nodes_text  # as the batch script exports it
         code = launch.main(
             [
                 f"--nnodes={env.num_nodes}",
