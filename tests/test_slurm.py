@@ -339,6 +339,8 @@ def test_a_node_that_dies_is_named_and_the_job_resumes_on_the_nodes_left(runs):
     every step once. The node is brought back afterwards."""
     run_dir = runs / "dead-node"
     batch = ["train.global_batch_size=12", "train.micro_batch_size=1"]
+    idle = ["sinfo", "-h", "-N", "-p", "main", "-t", "idle", "-o", "%N"]
+    wait_for(lambda: len(subprocess.run(idle, capture_output=True, text=True).stdout.split()) == 4, 60, "4 idle nodes")
     job = make_submit(
         "NODES=4",
         "MIN_NODES=3",
