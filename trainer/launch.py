@@ -357,10 +357,25 @@ def write_row(run_dir: str, row: dict) -> None:
         _say(f"could not write the restart's row to {run_dir}/metrics.jsonl: {e}")
 
 
+def _quiet_cpp_warnings() -> None:
+    """This process's torch logs no C++ warnings or errors. Its agent talks to the rendezvous store on the first
+    node; once that node is gone (dead, or already ended), each try logs a warning with some thirty
+    C++ frames, which says less than the launcher's own line. Set before torch is imported (libc10
+    reads it then), and taken out of the environment again once it is, so the ranks keep theirs."""
+    if "torch" in sys.modules or "TORCH_CPP_LOG_LEVEL" in os.environ:
+        return
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"  # errors too: each is an exception the launcher says
+    import torch  # noqa: F401 - reads the level now
+
+    del os.environ["TORCH_CPP_LOG_LEVEL"]
+
+
 def main(argv: list[str] | None = None) -> int:
     for sig in signals.STOP_SIGNALS:
         signal.signal(sig, _remember)
     a = _parser().parse_intermixed_args(argv)  # overrides may come before --config too
+    if a.nnodes > 1:
+        _quiet_cpp_warnings()
     started = time.time()
     # Config errors are the same on every node: the first node says it. A node's own problem
     # (its devices, checked first) is said by that node, with its name.

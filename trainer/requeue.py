@@ -52,6 +52,19 @@ def cancelled(job_id):
     return end <= datetime.datetime.now()
 
 
+def requeued_by_slurm(job_id):
+    """Whether Slurm requeues the job already: a node of it failed (NODE_FAIL, --requeue), and the
+    controller ends this attempt and queues the next itself. A second requeue must not follow."""
+    out = subprocess.run(
+        ["scontrol", "show", "job", "-o", str(job_id)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        universal_newlines=True,
+    )
+    state = dict(re.findall(r"(\w+)=(\S*)", out.stdout)).get("JobState", "")
+    return state.startswith(("NODE_FAIL", "REQUEUE", "PENDING"))
+
+
 def requeue_check(run_dir, exit_code, max_attempts, job_id):
     """Requeue job_id unless training finished or stopped making progress; return an exit code.
 
@@ -110,6 +123,9 @@ def requeue_check(run_dir, exit_code, max_attempts, job_id):
         return 1
     if cancelled(job_id):
         print("{} cancelled or at its time limit; not requeued ({})".format(prefix, where), flush=True)
+        return 0
+    if requeued_by_slurm(job_id):
+        print("{} a node failed and Slurm requeues the job itself ({})".format(prefix, where), flush=True)
         return 0
     print("{} stopped at {} (exit code {}); requeueing".format(prefix, where, exit_code), flush=True)
     result = subprocess.run(
