@@ -354,8 +354,7 @@ def test_a_node_that_dies_is_named_and_the_job_resumes_on_the_nodes_left(runs):
         kill_node(job, "n3")
         info = wait_job(job, timeout=240)
         log = log_text(run_dir, job)
-        print(log)
-        assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log
+        assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log  # requeued once, by Slurm
     finally:
         subprocess.run(["scancel", job])
         subprocess.run(["bash", str(REPO / "slurm/local/up.sh")], capture_output=True)
@@ -369,11 +368,15 @@ def test_a_node_that_dies_is_named_and_the_job_resumes_on_the_nodes_left(runs):
     assert sorted(n for _, n in lines) == ["n1", "n2", "n4"], log
     assert "TCPStore" not in log and "RendezvousConnectionError" not in log, log
     resumed = int(saved[0])
+    assert {int(n) for n in saved} == {resumed} and "requeueing" not in log, log
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(5, 61, 5)), rows
     assert {r["world_size"] for r in rows if r["step"] <= resumed} == {4}
     assert {r["world_size"] for r in rows if r["step"] > resumed} == {3}
-    assert "on 4 x cpu" in log and "3 samples" in log
+    # The same global batch of 12: 1 sample x 3 micro-batches on each of 4 ranks, then x 4 on 3.
+    assert re.search(r"on 4 x cpu, .*, 1 samples x 3 micro-batches per rank, steps 0->60$", log, re.M), log
+    assert re.search(rf"on 3 x cpu, .*, 1 samples x 4 micro-batches per rank, steps {resumed}->60$", log, re.M), log
+    assert f"resumed from {run_dir}/checkpoints/step_{resumed:08d} at step {resumed} (saved by 4 processes" in log
     assert layout.latest_committed_step(run_dir) == 60
 
 

@@ -40,6 +40,12 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
+    def failed(self, round_: str, rank: int, exit_code: int, noticed: float) -> None:
+        """Say in the next beats (and this one, at once) that this node's ranks failed in rendezvous
+        round `round_`: rank `rank` with `exit_code`, noticed at time `noticed` (time.time())."""
+        self.record["failure"] = {"round": round_, "rank": rank, "exit_code": exit_code, "time": noticed}
+        self._write()
+
     def start(self) -> None:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         self._write()
@@ -64,6 +70,21 @@ class Heartbeat:
 
 def beats(run_dir: str, endpoint: str) -> dict[str, int]:
     """{node: its counter} of the heartbeats of this launch (the same endpoint) now in the run dir."""
+    return {node: record.get("beat") for node, record in records(run_dir, endpoint).items()}
+
+
+def failures(run_dir: str, endpoint: str, round_: str) -> dict[str, dict]:
+    """{node: its failure} of the nodes of this launch whose ranks failed in rendezvous round `round_`."""
+    found = {}
+    for node, record in records(run_dir, endpoint).items():
+        failure = record.get("failure")
+        if isinstance(failure, dict) and failure.get("round") == round_:
+            found[node] = failure
+    return found
+
+
+def records(run_dir: str, endpoint: str) -> dict[str, dict]:
+    """{node: its heartbeat record} of this launch (the same endpoint) now in the run dir."""
     found = {}
     try:
         names = os.listdir(folder(run_dir))
@@ -78,7 +99,7 @@ def beats(run_dir: str, endpoint: str) -> dict[str, int]:
         except (OSError, ValueError):  # being rewritten: read it on the next pass
             continue
         if isinstance(record, dict) and record.get("endpoint") == endpoint:
-            found[str(record.get("node"))] = record.get("beat")
+            found[str(record.get("node"))] = record
     return found
 
 

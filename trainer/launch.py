@@ -284,13 +284,15 @@ def lost_nodes_line(lost: list[str], nnodes: int, run_dir: str) -> str:
     return f"{node_name()}: {what} (no heartbeat for {heartbeat.SILENT_S:.0f} s); {after}"
 
 
-def _restarting_agent(run_dir: str, marks: str, outcome: dict, endpoint: str = "", nnodes: int = 1):
+def _restarting_agent(run_dir: str, marks: str, outcome: dict, beating=None, nnodes: int = 1):
     """torchrun's agent (LocalElasticAgent), which also finds the rank that failed first (kept in
     outcome["first"]) and, before each of torchrun's restarts, says it in one line and a
     metrics.jsonl row, or cancels the restarts left when the ranks stopped on bad input or divergence.
-    In a multi-node launch (`endpoint`), a failure whose cause is a node that stopped answering
-    (trainer/heartbeat.py) is not restarted (the rendezvous would wait for that node): the node is
-    named in one line, kept in outcome["lost"], and the launch ends.
+    In a multi-node launch (`beating`: this node's heartbeat.Heartbeat), a failure whose cause is a
+    node that stopped answering (trainer/heartbeat.py) is not restarted (the rendezvous would wait for
+    that node): the node is named in one line, kept in outcome["lost"], and the launch ends. Of the
+    nodes whose ranks failed in the same round, only the one whose failure came first (a death by a
+    signal before an exit, then the earlier) says the restart: the others' ranks failed after it.
     Stop signals never get here: the agent raises SignalException instead of restarting."""
     from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -311,7 +313,17 @@ def _restarting_agent(run_dir: str, marks: str, outcome: dict, endpoint: str = "
             if result.state != WorkerState.FAILED or not result.failures:
                 return result
             rank, failure = outcome["first"] = first_failure(result.failures, ended)
-            lost = heartbeat.silent_nodes(run_dir, endpoint, node_name()) if endpoint else []
+            lost, after_another = [], False
+            if beating:
+                endpoint, round_, noticed = beating.record["endpoint"], os.environ.get(ROUND_ENV, ""), time.time()
+                beating.failed(round_, rank, failure.exitcode, noticed)
+                lost = heartbeat.silent_nodes(run_dir, endpoint, node_name())
+                mine = (failure.exitcode >= 0, noticed)
+                after_another = any(
+                    (f.get("exit_code", 0) >= 0, f.get("time", noticed)) < mine
+                    for node, f in heartbeat.failures(run_dir, endpoint, round_).items()
+                    if node != node_name()
+                )
             if lost:
                 outcome["lost"] = lost
                 self._remaining_restarts = 0
@@ -319,6 +331,8 @@ def _restarting_agent(run_dir: str, marks: str, outcome: dict, endpoint: str = "
                 return result
             if _no_restart(marks) or self._remaining_restarts <= 0:
                 self._remaining_restarts = 0
+                return result
+            if after_another:  # restarted all the same, said by the node whose rank failed first
                 return result
             restart = worker_group.spec.max_restarts - self._remaining_restarts + 1
             step = layout.latest_committed_step(run_dir)
@@ -443,8 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     outcome: dict = {}
     agent_class = launcher_api.LocalElasticAgent
     endpoint = a.rdzv_endpoint if a.nnodes > 1 else ""
-    launcher_api.LocalElasticAgent = _restarting_agent(cfg.run_dir, marks, outcome, endpoint, a.nnodes)
     beating = heartbeat.Heartbeat(cfg.run_dir, node_name(), endpoint) if endpoint else None
+    launcher_api.LocalElasticAgent = _restarting_agent(cfg.run_dir, marks, outcome, beating, a.nnodes)
     if beating:
         beating.start()
     try:
