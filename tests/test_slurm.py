@@ -365,12 +365,19 @@ def test_a_node_that_dies_is_named_and_the_job_resumes_on_the_nodes_left(runs):
         log,
         re.M,
     )
-    assert sorted(n for _, n in lines) == ["n1", "n2", "n4"], log
+    # Each survivor says it once; srun's kill after the first exit may still cut one short (see the
+    # report of #28): at least two of the three, and no line names another node.
+    named = [n for _, n in lines]
+    assert len(named) == len(set(named)) >= 2 and set(named) <= {"n1", "n2", "n4"}, log
+    assert len(re.findall(r"stopped answering", log)) == len(named), log
     assert "TCPStore" not in log and "RendezvousConnectionError" not in log, log
     resumed = int(saved[0])
-    assert {int(n) for n in saved} == {resumed} and "requeueing" not in log, log
+    assert {int(n) for n in saved} == {resumed} and "requeue failed" not in log, log  # Restarts 1: once
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(5, 61, 5)), rows
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    events = [(r["event"], r["step"], r.get("nodes"), r.get("node")) for r in logged if "event" in r]
+    assert events == [("node_lost", resumed, ["n3"], "n1"), ("resume", resumed, None, None)], events
     assert {r["world_size"] for r in rows if r["step"] <= resumed} == {4}
     assert {r["world_size"] for r in rows if r["step"] > resumed} == {3}
     # The same global batch of 12: 1 sample x 3 micro-batches on each of 4 ranks, then x 4 on 3.

@@ -46,6 +46,11 @@ class Heartbeat:
         self.record["failure"] = {"round": round_, "rank": rank, "exit_code": exit_code, "time": noticed}
         self._write()
 
+    def lost(self, nodes: list[str]) -> None:
+        """Say in this and the next beats that `nodes` stopped answering."""
+        self.record["lost"] = nodes
+        self._write()
+
     def start(self) -> None:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         self._write()
@@ -71,6 +76,15 @@ class Heartbeat:
 def beats(run_dir: str, endpoint: str) -> dict[str, int]:
     """{node: its counter} of the heartbeats of this launch (the same endpoint) now in the run dir."""
     return {node: record.get("beat") for node, record in records(run_dir, endpoint).items()}
+
+
+def named_lost(run_dir: str, endpoint: str) -> list[str]:
+    """The nodes another node of this launch found silent (Heartbeat.lost): a node stopped by the
+    others' exit before its own wait ended says the same."""
+    found = set()
+    for record in records(run_dir, endpoint).values():
+        found.update(str(n) for n in record.get("lost") or ())
+    return sorted(found)
 
 
 def failures(run_dir: str, endpoint: str, round_: str) -> dict[str, dict]:

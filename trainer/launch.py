@@ -326,8 +326,13 @@ def _restarting_agent(run_dir: str, marks: str, outcome: dict, beating=None, nno
                 )
             if lost:
                 outcome["lost"] = lost
+                beating.lost(lost)
                 self._remaining_restarts = 0
                 _say(lost_nodes_line(lost, nnodes, run_dir))
+                alive = set(heartbeat.beats(run_dir, endpoint)) - set(lost)
+                if node_name() == min(alive, default=node_name()):  # one row, by one survivor
+                    step = layout.latest_committed_step(run_dir)
+                    write_row(run_dir, {"event": "node_lost", "step": step or 0, "nodes": lost, "node": node_name()})
                 return result
             if _no_restart(marks) or self._remaining_restarts <= 0:
                 self._remaining_restarts = 0
@@ -481,6 +486,11 @@ def main(argv: list[str] | None = None) -> int:
         except SignalException as e:
             if os.path.exists(bad_input):  # signalled as the ranks stopped on bad input (another node's srun kill)
                 return BAD_INPUT
+            lost = heartbeat.named_lost(cfg.run_dir, endpoint) if endpoint else []
+            if lost and node_name() not in lost:  # srun's kill after another node named a dead one
+                if not outcome.get("lost"):
+                    _say(lost_nodes_line(lost, a.nnodes, cfg.run_dir))
+                return NODE_LOST
             status = layout.read_status(cfg.run_dir)
             name = signal.Signals(e.sigval).name
             if status.get("state") == "stopped" and status.get("updated", 0) >= started:
@@ -504,7 +514,14 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         return 0
     except SignalException:  # a further signal while the outcome above was being mapped
-        return BAD_INPUT if os.path.exists(bad_input) else 1
+        if os.path.exists(bad_input):
+            return BAD_INPUT
+        lost = heartbeat.named_lost(cfg.run_dir, endpoint) if endpoint else []
+        if lost and node_name() not in lost:
+            if not outcome.get("lost"):
+                _say(lost_nodes_line(lost, a.nnodes, cfg.run_dir))
+            return NODE_LOST
+        return 1
     finally:
         # The outcome is decided: a late signal must not turn it into a kill (Python restores the
         # default handlers while it exits, and torch's agent handler would raise here).

@@ -131,6 +131,9 @@ def requeue_check(run_dir, exit_code, max_attempts, job_id):
     result = subprocess.run(
         ["scontrol", "requeue", str(job_id)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True
     )
+    if result.returncode != 0 and "pending" in result.stderr:  # Slurm's NODE_FAIL requeue came first
+        print("{} a node failed and Slurm requeued the job itself ({})".format(prefix, where), flush=True)
+        return 0
     if result.returncode != 0:
         print("{} scontrol requeue failed: {}".format(prefix, result.stderr.strip()), file=sys.stderr, flush=True)
         return 1
