@@ -156,3 +156,20 @@ def test_a_node_that_failed_the_health_check_is_excluded_up_to_max_excluded(tmp_
     )
     assert "requeue" not in calls.read_text()
     assert [e["node"] for e in json.loads((run_dir / "status.json").read_text())["excluded_nodes"]] == ["n3", "n2"]
+
+
+def test_a_job_slurm_requeues_for_a_failed_node_is_not_requeued_twice(tmp_path):
+    """A node died: Slurm ends the attempt as NODE_FAIL and queues the next itself (--requeue); the
+    batch shell's check, if it still runs, says so and asks for no second requeue."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\necho JobState=NODE_FAIL Restarts=0\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "status.json").write_text(json.dumps({"steps": 20, "state": "running"}))
+    out = requeue(run_dir, 5, "7", bin_dir)  # the launchers ended on a lost node
+    assert out.returncode == 0 and out.stdout == (
+        "requeue-check: job 7: a node failed and Slurm requeues the job itself (no checkpoint yet)\n"
+    ), out.stdout + out.stderr
+    assert "requeue 7" not in calls.read_text()

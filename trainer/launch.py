@@ -38,8 +38,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from trainer import hangs, layout, signals
-from trainer.requeue import HEALTH_FAILED, LEASE_LOST
+from trainer import hangs, heartbeat, layout, signals
+from trainer.requeue import HEALTH_FAILED, LEASE_LOST, NODE_LOST
 
 
 @dataclass
@@ -69,6 +69,9 @@ def node_name() -> str:
 
 
 BAD_INPUT = 2
+# The job's --nodes as Slurm was asked (4, or a range 3-4): set by the batch script and the submitit
+# task, said when a node dies.
+NODES_ENV = "TRAINER_SLURM_NODES"
 # The rendezvous round of the ranks' start, the same on every node (set for the ranks by the agent).
 ROUND_ENV = "TRAINER_RDZV_ROUND"
 # A rank that stops on bad input or divergence marks it in this node-local folder (named by the
@@ -275,10 +278,39 @@ def _no_restart(marks: str) -> str | None:
     return None
 
 
-def _restarting_agent(run_dir: str, marks: str, outcome: dict, monitor: hangs.Monitor):
+def _resume_point(run_dir: str) -> str:
+    step = layout.latest_committed_step(run_dir)
+    return f"step {step}, the newest checkpoint" if step is not None else "the start (no checkpoint yet)"
+
+
+def lost_nodes_line(lost: list[str], nnodes: int, run_dir: str) -> str:
+    """One line for a node that stopped answering: which, and what happens next."""
+    names = ", ".join(lost)
+    what = f"node {names} stopped answering" if len(lost) == 1 else f"nodes {names} stopped answering"
+    resume = _resume_point(run_dir)
+    asked = os.environ.get(NODES_ENV, "")  # the job's --nodes (the batch script, the submitit task)
+    if not os.environ.get("SLURM_JOB_ID"):
+        after = f"this launch ends; start it again on the nodes left and it resumes from {resume}"
+    elif "-" in asked and nnodes - len(lost) >= int(asked.split("-")[0]):
+        after = f"the job ends, Slurm requeues it on the nodes left (--nodes={asked}) and it resumes from {resume}"
+    else:
+        need = asked.split("-")[0] if asked else str(nnodes)
+        after = (
+            f"the job ends, Slurm requeues it and it waits for {need} nodes (--nodes={asked or nnodes}; "
+            f"MIN_NODES lets it go on with fewer), then resumes from {resume}"
+        )
+    return f"{node_name()}: {what} (no heartbeat for {heartbeat.SILENT_S:.0f} s); {after}"
+
+
+def _restarting_agent(run_dir: str, marks: str, outcome: dict, monitor: hangs.Monitor, beating=None, nnodes: int = 1):
     """torchrun's agent (LocalElasticAgent), which also finds the rank that failed first (kept in
     outcome["first"]) and, before each of torchrun's restarts, says it in one line and a
     metrics.jsonl row, or cancels the restarts left when the ranks stopped on bad input or divergence.
+    In a multi-node launch (`beating`: this node's heartbeat.Heartbeat), a failure whose cause is a
+    node that stopped answering (trainer/heartbeat.py) is not restarted (the rendezvous would wait for
+    that node): the node is named in one line, kept in outcome["lost"], and the launch ends. Of the
+    nodes whose ranks failed in the same round, only the one whose failure came first (a death by a
+    signal before an exit, then the earlier) says the restart: the others' ranks failed after it.
     Stop signals never get here: the agent raises SignalException instead of restarting."""
     from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -329,13 +361,36 @@ def _restarting_agent(run_dir: str, marks: str, outcome: dict, monitor: hangs.Mo
             if result.state != WorkerState.FAILED or not result.failures:
                 return result
             rank, failure = outcome["first"] = first_failure(result.failures, ended)
+            lost, after_another = [], False
+            if beating:
+                endpoint, round_, noticed = beating.record["endpoint"], os.environ.get(ROUND_ENV, ""), time.time()
+                beating.failed(round_, rank, failure.exitcode, noticed)
+                lost = heartbeat.silent_nodes(run_dir, endpoint, node_name())
+                mine = (failure.exitcode >= 0, noticed)
+                after_another = any(
+                    (f.get("exit_code", 0) >= 0, f.get("time", noticed)) < mine
+                    for node, f in heartbeat.failures(run_dir, endpoint, round_).items()
+                    if node != node_name()
+                )
+            if lost:
+                outcome["lost"] = lost
+                beating.lost(lost)
+                self._remaining_restarts = 0
+                _say(lost_nodes_line(lost, nnodes, run_dir))
+                alive = set(heartbeat.beats(run_dir, endpoint)) - set(lost)
+                if node_name() == min(alive, default=node_name()):  # one row, by one survivor
+                    step = layout.latest_committed_step(run_dir)
+                    write_row(run_dir, {"event": "node_lost", "step": step or 0, "nodes": lost, "node": node_name()})
+                return result
             if _no_restart(marks) or self._remaining_restarts <= 0:
                 self._remaining_restarts = 0
+                return result
+            if after_another:  # restarted all the same, said by the node whose rank failed first
                 return result
             restart = worker_group.spec.max_restarts - self._remaining_restarts + 1
             step = layout.latest_committed_step(run_dir)
             node = node_name()
-            start = f"step {step}, the newest checkpoint" if step is not None else "the start (no checkpoint yet)"
+            start = _resume_point(run_dir)
             _say(
                 f"rank {rank} on {node} {_cause(failure)}; restart {restart} of {worker_group.spec.max_restarts}: "
                 f"every rank starts again from {start}"
@@ -392,10 +447,25 @@ def _health_check(cfg) -> int:
     return HEALTH_FAILED
 
 
+def _quiet_cpp_warnings() -> None:
+    """This process's torch logs no C++ warnings or errors. Its agent talks to the rendezvous store on the first
+    node; once that node is gone (dead, or already ended), each try logs a warning with some thirty
+    C++ frames, which says less than the launcher's own line. Set before torch is imported (libc10
+    reads it then), and taken out of the environment again once it is, so the ranks keep theirs."""
+    if "torch" in sys.modules or "TORCH_CPP_LOG_LEVEL" in os.environ:
+        return
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"  # errors too: each is an exception the launcher says
+    import torch  # noqa: F401 - reads the level now
+
+    del os.environ["TORCH_CPP_LOG_LEVEL"]
+
+
 def main(argv: list[str] | None = None) -> int:
     for sig in signals.STOP_SIGNALS:
         signal.signal(sig, _remember)
     a = _parser().parse_intermixed_args(argv)  # overrides may come before --config too
+    if a.nnodes > 1:
+        _quiet_cpp_warnings()
     started = time.time()
     # Config errors are the same on every node: the first node says it. A node's own problem
     # (its devices, checked first) is said by that node, with its name.
@@ -466,11 +536,17 @@ def main(argv: list[str] | None = None) -> int:
 
     outcome: dict = {}
     agent_class = launcher_api.LocalElasticAgent
-    launcher_api.LocalElasticAgent = _restarting_agent(cfg.run_dir, marks, outcome, monitor)
+    endpoint = a.rdzv_endpoint if a.nnodes > 1 else ""
+    beating = heartbeat.Heartbeat(cfg.run_dir, node_name(), endpoint) if endpoint else None
+    launcher_api.LocalElasticAgent = _restarting_agent(cfg.run_dir, marks, outcome, monitor, beating, a.nnodes)
+    if beating:
+        beating.start()
     try:
         try:
             torchrun.run(args)
         except ChildFailedError as e:
+            if outcome.get("lost"):
+                return NODE_LOST  # said in one line by the agent
             codes = {f.exitcode for f in e.failures.values()}
             if os.path.exists(bad_input) or (BAD_INPUT in codes and all(c == BAD_INPUT or c < 0 for c in codes)):
                 return BAD_INPUT  # the rank said what is wrong, in one line
@@ -487,6 +563,11 @@ def main(argv: list[str] | None = None) -> int:
         except SignalException as e:
             if os.path.exists(bad_input):  # signalled as the ranks stopped on bad input (another node's srun kill)
                 return BAD_INPUT
+            lost = heartbeat.named_lost(cfg.run_dir, endpoint) if endpoint else []
+            if lost and node_name() not in lost:  # srun's kill after another node named a dead one
+                if not outcome.get("lost"):
+                    _say(lost_nodes_line(lost, a.nnodes, cfg.run_dir))
+                return NODE_LOST
             status = layout.read_status(cfg.run_dir)
             name = signal.Signals(e.sigval).name
             if status.get("state") == "stopped" and status.get("updated", 0) >= started:
@@ -500,17 +581,32 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 128 + int(e.sigval)
         except Exception as e:  # noqa: BLE001 - rendezvous and agent failures: one line, not a traceback
-            _say(f"torchrun failed: {type(e).__name__}: {e}")
+            # The rendezvous store lives on the first node: a dead first node is seen here first.
+            lost = heartbeat.silent_nodes(cfg.run_dir, endpoint, node_name()) if endpoint else []
+            if lost:
+                _say(lost_nodes_line(lost, a.nnodes, cfg.run_dir))
+                return NODE_LOST
+            first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""  # not a C++ stack
+            _say(f"torchrun failed: {type(e).__name__}: {first_line}")
             return 1
         return 0
     except SignalException:  # a further signal while the outcome above was being mapped
-        return BAD_INPUT if os.path.exists(bad_input) else 1
+        if os.path.exists(bad_input):
+            return BAD_INPUT
+        lost = heartbeat.named_lost(cfg.run_dir, endpoint) if endpoint else []
+        if lost and node_name() not in lost:
+            if not outcome.get("lost"):
+                _say(lost_nodes_line(lost, a.nnodes, cfg.run_dir))
+            return NODE_LOST
+        return 1
     finally:
         # The outcome is decided: a late signal must not turn it into a kill (Python restores the
         # default handlers while it exits, and torch's agent handler would raise here).
         for sig in signals.STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
         launcher_api.LocalElasticAgent = agent_class  # main() may run again in this process (submitit)
+        if beating:
+            beating.stop()
         shutil.rmtree(marks, ignore_errors=True)
         monitor.stop()
 

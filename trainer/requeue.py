@@ -29,6 +29,9 @@ LEASE_LOST = 3
 # leaves a record in <run_dir>/slurm/health/<job>.<node>.json, which this check reads.
 HEALTH_FAILED = 4
 HEALTH_RECORDS = ("slurm", "health")
+# Exit code of a training step that ended because a node stopped answering (trainer/launch.py,
+# trainer/heartbeat.py): Slurm requeues the job itself (NODE_FAIL).
+NODE_LOST = 5
 
 
 def cancelled(job_id):
@@ -54,6 +57,19 @@ def cancelled(job_id):
     except ValueError:
         return False
     return end <= datetime.datetime.now()
+
+
+def requeued_by_slurm(job_id):
+    """Whether Slurm requeues the job already: a node of it failed (NODE_FAIL, --requeue), and the
+    controller ends this attempt and queues the next itself. A second requeue must not follow."""
+    out = subprocess.run(
+        ["scontrol", "show", "job", "-o", str(job_id)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        universal_newlines=True,
+    )
+    state = dict(re.findall(r"(\w+)=(\S*)", out.stdout)).get("JobState", "")
+    return state.startswith(("NODE_FAIL", "REQUEUE", "PENDING"))
 
 
 def requeue_check(run_dir, exit_code, max_attempts, job_id):
@@ -119,10 +135,16 @@ def requeue_check(run_dir, exit_code, max_attempts, job_id):
     if cancelled(job_id):
         print("{} cancelled or at its time limit; not requeued ({})".format(prefix, where), flush=True)
         return 0
+    if requeued_by_slurm(job_id):
+        print("{} a node failed and Slurm requeues the job itself ({})".format(prefix, where), flush=True)
+        return 0
     print("{} stopped at {} (exit code {}); requeueing".format(prefix, where, exit_code), flush=True)
     result = subprocess.run(
         ["scontrol", "requeue", str(job_id)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True
     )
+    if result.returncode != 0 and "pending" in result.stderr:  # Slurm's NODE_FAIL requeue came first
+        print("{} a node failed and Slurm requeued the job itself ({})".format(prefix, where), flush=True)
+        return 0
     if result.returncode != 0:
         print("{} scontrol requeue failed: {}".format(prefix, result.stderr.strip()), file=sys.stderr, flush=True)
         return 1

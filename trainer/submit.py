@@ -565,6 +565,9 @@ def render_sbatch(
         "TRAIN_PYTHON": "python3" if job.container else python,
         "HOST_PYTHON": host_python if job.container else python,
         "NPROC_PER_NODE": str(job.nproc_per_node),
+        # Left out for a node range: sbatch would count the tasks from the fewest nodes (3 of 3-4) and
+        # allocate no more nodes than tasks; srun starts one launcher per node either way.
+        "NTASKS_PER_NODE": "1" if len(job.node_counts) < 2 else "",
         "MAX_ATTEMPTS": str(job.max_attempts),
     }
     lines = []
@@ -680,6 +683,7 @@ class LaunchTask:
         port = self._rendezvous_port(env)
         from trainer import launch
 
+        os.environ[launch.NODES_ENV] = self.job.nodes_text  # as the batch script exports it
         code = launch.main(
             [
                 f"--nnodes={env.num_nodes}",
@@ -743,9 +747,10 @@ def submit_submitit(job: Job) -> str:
     executor = submitit.AutoExecutor(folder=folder, cluster="slurm")
     srun_args = ["--open-mode=append", f"--cpus-per-task={job.cpus_per_node}"]  # appended logs after a requeue
     srun_args.append("--kill-on-bad-exit=1")  # a node that fails its health check ends the others, as sbatch's
+    if len(job.node_counts) > 1:  # a range: as the batch script does (render_sbatch, NTASKS_PER_NODE)
+        srun_args.append("--ntasks-per-node=1")
     params = dict(
         nodes=job.nodes,
-        tasks_per_node=1,
         cpus_per_task=job.cpus_per_node,
         timeout_min=_submitit_minutes(job.time),
         name=f"train-{job.run_dir.name}",
@@ -754,6 +759,8 @@ def submit_submitit(job: Job) -> str:
         # A node range (MIN_NODES) goes to sbatch as it is: submitit's `nodes` is one number.
         slurm_additional_parameters={"requeue": True, "exclusive": True, "mem": "0", "nodes": job.nodes_text},
     )
+    if len(job.node_counts) < 2:
+        params["tasks_per_node"] = 1
     if job.gpus_per_node:
         params["gpus_per_node"] = job.gpus_per_node
     if job.partition:

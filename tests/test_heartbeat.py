@@ -1,0 +1,69 @@
+"""Which node stopped answering (trainer/heartbeat.py) and what the launcher says then: the files of
+the shared run dir, with real beating threads, in one process (the cluster test is in test_slurm.py)."""
+
+from __future__ import annotations
+
+import json
+
+from trainer import heartbeat, launch
+
+
+def test_the_node_whose_heartbeat_stopped_is_named(tmp_path):
+    run = str(tmp_path)
+    nodes = {n: heartbeat.Heartbeat(run, n, "n1:29500", interval_s=0.05) for n in ("n1", "n2", "n3")}
+    for beat in nodes.values():
+        beat.start()
+    try:
+        assert heartbeat.silent_nodes(run, "n1:29500", "n1", silent_s=2, poll_s=0.01) == []  # all alive
+        nodes["n3"].stop()  # as a dead node: no more beats
+        assert heartbeat.silent_nodes(run, "n1:29500", "n1", silent_s=0.5, poll_s=0.01) == ["n3"]
+        # Another launch's heartbeats (a requeued job: a new endpoint) are not this launch's nodes.
+        assert heartbeat.silent_nodes(run, "n2:29511", "n1", silent_s=0.3, poll_s=0.01) == []
+    finally:
+        for beat in nodes.values():
+            beat.stop()
+
+
+def test_a_failure_is_in_the_heartbeat_of_its_round(tmp_path):
+    beat = heartbeat.Heartbeat(str(tmp_path), "n2", "n1:29500")
+    beat.start()
+    beat.stop()
+    beat.failed("1", 3, -9, 100.5)
+    assert json.loads((tmp_path / "heartbeats" / "n2.json").read_text())["failure"] == {
+        "round": "1",
+        "rank": 3,
+        "exit_code": -9,
+        "time": 100.5,
+    }
+    assert heartbeat.failures(str(tmp_path), "n1:29500", "1") == {
+        "n2": {"round": "1", "rank": 3, "exit_code": -9, "time": 100.5}
+    }
+    assert heartbeat.failures(str(tmp_path), "n1:29500", "2") == {}
+
+
+def test_the_dead_node_line_says_what_happens_next(tmp_path, monkeypatch):
+    """Under Slurm with a node range the job is requeued on the nodes left; without one it waits
+    for all of them; outside Slurm the user starts it again. Each resumes from the newest checkpoint."""
+    ckpt = tmp_path / "checkpoints" / "step_00000010"
+    ckpt.mkdir(parents=True)
+    (ckpt / ".metadata").write_text("")
+    (ckpt / "meta.json").write_text(
+        json.dumps({"step": 10, "samples": 0, "world_size": 4, "scheduler": {}, "shapes": {}})
+    )
+    monkeypatch.setattr(launch, "node_name", lambda: "n2")
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv(launch.NODES_ENV, "3-4")
+    assert launch.lost_nodes_line(["n4"], 4, str(tmp_path)) == (
+        "n2: node n4 stopped answering (no heartbeat for 10 s); the job ends, Slurm requeues it on the nodes "
+        "left (--nodes=3-4) and it resumes from step 10, the newest checkpoint"
+    )
+    monkeypatch.setenv(launch.NODES_ENV, "4")
+    assert launch.lost_nodes_line(["n3", "n4"], 4, str(tmp_path)) == (
+        "n2: nodes n3, n4 stopped answering (no heartbeat for 10 s); the job ends, Slurm requeues it and it "
+        "waits for 4 nodes (--nodes=4; MIN_NODES lets it go on with fewer), then resumes from step 10, the "
+        "newest checkpoint"
+    )
+    monkeypatch.delenv("SLURM_JOB_ID")
+    assert launch.lost_nodes_line(["n4"], 2, str(tmp_path / "new")).endswith(
+        "; this launch ends; start it again on the nodes left and it resumes from the start (no checkpoint yet)"
+    )
