@@ -67,3 +67,28 @@ def test_the_dead_node_line_says_what_happens_next(tmp_path, monkeypatch):
     assert launch.lost_nodes_line(["n4"], 2, str(tmp_path / "new")).endswith(
         "; this launch ends; start it again on the nodes left and it resumes from the start (no checkpoint yet)"
     )
+
+
+def test_a_heartbeat_never_writes_through_a_link_in_the_run_dir(tmp_path):
+    """Someone else's link in the shared run dir, in place of the heartbeats folder or of this node's
+    file, must not make the launcher write where it leads: the link is removed and the beat written
+    in the run dir itself."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    precious = victim / "precious.txt"
+    precious.write_text("keep")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "heartbeats").symlink_to(victim)
+    beat = heartbeat.Heartbeat(str(run), "n1", "n1:29500")
+    beat.start()
+    beat.stop()
+    assert sorted(p.name for p in victim.iterdir()) == ["precious.txt"]
+    assert not (run / "heartbeats").is_symlink() and (run / "heartbeats" / "n1.json").is_file()
+
+    (run / "heartbeats" / "n2.json").symlink_to(precious)
+    beat = heartbeat.Heartbeat(str(run), "n2", "n1:29500")
+    beat.start()
+    beat.stop()
+    assert precious.read_text() == "keep"
+    assert json.loads((run / "heartbeats" / "n2.json").read_text())["node"] == "n2"

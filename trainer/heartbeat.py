@@ -52,7 +52,14 @@ class Heartbeat:
         self._write()
 
     def start(self) -> None:
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        # The run dir is shared: a link there, in place of the folder or of this node's file, is not
+        # ours to follow (someone else's, leading anywhere): it is removed, and the beats are written
+        # in the run dir itself, never through a link (_write: O_NOFOLLOW).
+        for path in (os.path.dirname(self.path), self.path):
+            if os.path.islink(path):
+                os.unlink(path)
+            if path != self.path:
+                os.makedirs(path, exist_ok=True)
         self._write()
         self._thread.start()
 
@@ -67,7 +74,8 @@ class Heartbeat:
     def _write(self) -> None:
         self.record["beat"] += 1
         try:
-            with open(self.path, "w") as f:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+            with os.fdopen(fd, "w") as f:
                 f.write(json.dumps(self.record))
         except OSError:  # a full or briefly unreachable filesystem: the next beat tries again
             pass
