@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -173,3 +174,21 @@ def test_the_launcher_outside_slurm_is_one_line_and_exit_4_without_a_record(caps
     with pytest.raises(Started):
         launch.main([*args, "health.enabled=false"])
     assert "health:" not in "".join(capsys.readouterr())
+
+
+def test_a_record_is_never_written_through_a_link_in_the_run_dir(tmp_path):
+    """The failing node's record goes into the shared run dir: a link planted in place of the records'
+    folder or at the record's temporary name does not make it write where the link leads."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    precious = victim / "precious.txt"
+    precious.write_text("keep")
+    run = tmp_path / "run"
+    (run / "slurm").mkdir(parents=True)
+    (run / "slurm" / "health").symlink_to(victim)
+    path = health.record(str(run), "7", "n2", "health.command failed", 2)
+    assert sorted(p.name for p in victim.iterdir()) == ["precious.txt"]
+    (Path(path).parent / f"7.n3.json.tmp{os.getpid()}").symlink_to(precious)
+    health.record(str(run), "7", "n3", "health.command failed", 2)
+    assert precious.read_text() == "keep"
+    assert sorted(p.name for p in Path(path).parent.iterdir()) == ["7.n2.json", "7.n3.json"]

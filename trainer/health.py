@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import suppress
 from dataclasses import dataclass
 
 from trainer.requeue import HEALTH_FAILED, HEALTH_RECORDS
@@ -288,10 +289,14 @@ def gpu_report() -> dict:
 def record(run_dir: str, job_id: str, node: str, failure: str, max_excluded: int) -> str:
     """Leave this node's failure for the requeue check of job `job_id` (trainer/requeue.py)."""
     folder = os.path.join(run_dir, *HEALTH_RECORDS)
+    if os.path.islink(folder):  # the run dir is shared: a link there is not ours to follow
+        os.unlink(folder)
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"{job_id}.{node}.json")
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
+    with suppress(FileNotFoundError):
+        os.unlink(tmp)  # an earlier attempt's, or a link planted at the name: O_EXCL makes a new file
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "w") as f:
         found = {"job": job_id, "node": node, "reason": failure, "max_excluded": max_excluded, "time": time.time()}
         json.dump(found, f)
     os.replace(tmp, path)
