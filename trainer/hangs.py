@@ -43,7 +43,7 @@ STRAGGLER_WINDOWS = 3
 TIMED_OUT_GRACE_S = 2.0
 # Seconds the launcher waits, after the first rank wrote into a hang folder, for the ranks of its
 # node to write their own stacks before it takes theirs from outside: a rank whose collective timed
-# out first waits up to 10 s for the others to say so too (trainer/train.py _stuck_ranks).
+# out first waits for the others to say so too: TIMED_OUT_GRACE_S after the newest, at most 10 s.
 OWN_DUMP_WAIT_S = 15
 
 
