@@ -532,6 +532,37 @@ def test_models_with_fixed_sizes_or_aux_outputs_are_supported(capsys, tmp_path, 
 # Memory
 
 
+# A rank's start with the memory check traced (a list of its calls) and the training left out.
+RANK_CHECKS = """
+import sys
+import trainer.train
+from trainer import check
+from trainer.__main__ import main
+traced = []
+check._check_memory = lambda *args: traced.append(args)
+trainer.train.train = lambda cfg: None
+main(sys.argv[1:])
+print(len(traced))
+"""
+
+
+def test_a_rank_checks_its_nodes_memory_unless_its_launcher_did(tmp_path):
+    """The launcher checks its node's memory before the ranks start; its ranks do not trace the
+    model on the meta device again (about 0.5 s of every start and restart); other ranks do."""
+    args = ["-c", RANK_CHECKS, "--config", DEFAULT, f"run_dir={tmp_path / 'run'}"]
+    alone = subprocess.run([sys.executable, *args], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    launched = subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        env={**env(), "TRAINER_MEMORY_CHECKED": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert alone.returncode == 0 and alone.stdout.split()[-1] == "1", alone.stderr[-2000:]
+    assert launched.returncode == 0 and launched.stdout.split()[-1] == "0", launched.stderr[-2000:]
+
+
 def test_a_batch_that_cannot_fit_is_refused(capsys, tmp_path):
     line = refused(capsys, tmp_path / "run", "train.global_batch_size=1000000000", "--nproc", "2")
     assert re.fullmatch(

@@ -201,3 +201,24 @@ def test_ranks_that_finished_exit_0_with_all_they_printed(tmp_path):
         )
         assert proc.returncode == 0, f"attempt {attempt}: {proc.stderr[-3000:]}"
         assert sorted(proc.stdout.splitlines()) == ["rank 0 averaged True counted 2", "rank 1 averaged True counted 2"]
+
+
+def test_the_launchers_rendezvous_polls_faster_only_while_it_runs(monkeypatch):
+    """torchrun's rendezvous waits 1 s between reads of its state (`_delay(seconds=1)`); while the
+    launcher runs it waits launch.rendezvous_poll_s, any other delay unchanged, and torch's own after."""
+    import time
+
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    from trainer import launch
+
+    slept = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    original = dynamic_rendezvous._delay
+    with launch._rendezvous_poll(0.2):
+        dynamic_rendezvous._delay(seconds=1)  # as torchrun calls it
+        dynamic_rendezvous._delay(seconds=0.5)
+    dynamic_rendezvous._delay(seconds=1)
+    assert dynamic_rendezvous._delay is original and slept == [0.2, 0.5, 1]
+    # 0.05 s a node from 0.2 s to torchrun's 1 s: at most 20 reads a second in all below 20 nodes
+    assert [launch.rendezvous_poll_s(n) for n in (1, 4, 10, 20, 1000)] == [0.2, 0.2, 0.5, 1.0, 1.0]

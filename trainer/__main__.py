@@ -6,6 +6,7 @@ Plain `python -m trainer ...` is the same with one process.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from trainer import signals
@@ -42,7 +43,14 @@ def main(argv: list[str] | None = None) -> int:
 
     try:  # all of this before any process group or file exists
         cfg, where, notes = load_run(args.config, args.overrides)  # a run dir's own run is the base
-        validate(cfg, env.world_size, where=where, overrides=args.overrides, ranks_per_node=env.local_world_size)
+        checked = os.environ.get(launch.MEMORY_CHECKED_ENV)  # the launcher checked this node's memory
+        validate(
+            cfg,
+            env.world_size,
+            where=where,
+            overrides=args.overrides,
+            ranks_per_node=None if checked else env.local_world_size,
+        )
         cfg = resolve(cfg, where=where, world_size=env.world_size)  # as config.yaml records it
         check_gpus(env.local_world_size)
         check_gpu_memory(cfg, env.world_size, env.device, env.local_world_size, where=where)

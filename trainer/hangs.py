@@ -37,9 +37,13 @@ _STORE_KEY = "trainer/hang_dir"
 NCCL_TRACE_ENTRIES = 2000
 # Logged windows in a row a rank must be slower than log.straggler_factor x the median to be named.
 STRAGGLER_WINDOWS = 3
+# Seconds a rank whose collective timed out waits, after the newest rank said its own did, for the
+# others to say so too (trainer/train.py _stuck_ranks): the ranks still running wait in the same
+# collective and time out within a step's spread of each other; the ones that never say so are named.
+TIMED_OUT_GRACE_S = 2.0
 # Seconds the launcher waits, after the first rank wrote into a hang folder, for the ranks of its
 # node to write their own stacks before it takes theirs from outside: a rank whose collective timed
-# out first waits up to 10 s for the others to say so too (trainer/train.py _stuck_ranks).
+# out first waits for the others to say so too: TIMED_OUT_GRACE_S after the newest, at most 10 s.
 OWN_DUMP_WAIT_S = 15
 
 

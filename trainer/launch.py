@@ -74,6 +74,9 @@ BAD_INPUT = 2
 NODES_ENV = "TRAINER_SLURM_NODES"
 # The rendezvous round of the ranks' start, the same on every node (set for the ranks by the agent).
 ROUND_ENV = "TRAINER_RDZV_ROUND"
+# Set for the ranks once this node's memory was checked for them (trainer/check.py validate): a
+# rank on the CPU then skips the same check, a model traced on the meta device (about 0.5 s a start).
+MEMORY_CHECKED_ENV = "TRAINER_MEMORY_CHECKED"
 # A rank that stops on bad input or divergence marks it in this node-local folder (named by the
 # launcher) before it exits: neither is restarted. Under Slurm, `srun --kill-on-bad-exit=1`
 # terminates every node's task as soon as the first one exits: a launcher whose own ranks stopped on
@@ -230,6 +233,36 @@ def _quiet_torchrun(mark: str) -> None:
             logging.getLogger(name).addFilter(unmarked)
 
 
+def rendezvous_poll_s(nnodes: int) -> float:
+    """Seconds between a node's reads of the rendezvous state while it waits for the others, and
+    between its checks for a node waiting to join (a restart elsewhere). torchrun reads it once a
+    second (its poll and its cache of the state); a restart waits out several of them. Here 0.05 s
+    a node, between 0.2 s and torchrun's 1 s: the nodes read the store at most 20 times a second in
+    all below 20 nodes, and once a second each, as torchrun, from there."""
+    return min(1.0, max(0.2, 0.05 * nnodes))
+
+
+@contextlib.contextmanager
+def _rendezvous_poll(poll_s: float):
+    """torchrun's rendezvous polls every `poll_s` seconds instead of every second while this runs (its
+    private `_delay`, unchanged where this torch has none: the rendezvous is then just slower)."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    original = getattr(dynamic_rendezvous, "_delay", None)
+    if original is None:
+        yield
+        return
+
+    def faster(seconds):  # torchrun's own argument name
+        original(poll_s if seconds == 1 else seconds)
+
+    dynamic_rendezvous._delay = faster
+    try:
+        yield
+    finally:
+        dynamic_rendezvous._delay = original
+
+
 def first_failure(failures: dict, ended: set[int] = frozenset()) -> tuple[int, object]:
     """(global rank, torchrun's ProcessFailure) of the failure that came first, whatever order torchrun
     reaped the processes in. `ended`: the ranks that had ended before torchrun noticed a failure and
@@ -302,7 +335,15 @@ def lost_nodes_line(lost: list[str], nnodes: int, run_dir: str) -> str:
     return f"{node_name()}: {what} (no heartbeat for {heartbeat.SILENT_S:.0f} s); {after}"
 
 
-def _restarting_agent(run_dir: str, marks: str, outcome: dict, monitor: hangs.Monitor, beating=None, nnodes: int = 1):
+def _restarting_agent(
+    run_dir: str,
+    marks: str,
+    outcome: dict,
+    monitor: hangs.Monitor,
+    beating=None,
+    nnodes: int = 1,
+    poll_s: float = 1.0,
+):
     """torchrun's agent (LocalElasticAgent), which also finds the rank that failed first (kept in
     outcome["first"]) and, before each of torchrun's restarts, says it in one line and a
     metrics.jsonl row, or cancels the restarts left when the ranks stopped on bad input or divergence.
@@ -339,6 +380,9 @@ def _restarting_agent(run_dir: str, marks: str, outcome: dict, monitor: hangs.Mo
             return super()._start_workers(worker_group)
 
         def _rendezvous(self, worker_group):
+            holder = getattr(worker_group.spec.rdzv_handler, "_state_holder", None)
+            if hasattr(holder, "_cache_duration"):  # the state read at most every poll_s, not every second
+                holder._cache_duration = min(holder._cache_duration, poll_s)
             super()._rendezvous(worker_group)
             # The ranks' process group keys (trainer/dist.py) are per rendezvous round, which every
             # node agrees on. The restart count is not: a node whose ranks had not failed yet
@@ -538,12 +582,16 @@ def main(argv: list[str] | None = None) -> int:
     agent_class = launcher_api.LocalElasticAgent
     endpoint = a.rdzv_endpoint if a.nnodes > 1 else ""
     beating = heartbeat.Heartbeat(cfg.run_dir, node_name(), endpoint) if endpoint else None
-    launcher_api.LocalElasticAgent = _restarting_agent(cfg.run_dir, marks, outcome, monitor, beating, a.nnodes)
+    launcher_api.LocalElasticAgent = _restarting_agent(
+        cfg.run_dir, marks, outcome, monitor, beating, a.nnodes, rendezvous_poll_s(a.nnodes)
+    )
     if beating:
         beating.start()
+    os.environ[MEMORY_CHECKED_ENV] = "1"  # validate() above checked it: for the ranks only
     try:
         try:
-            torchrun.run(args)
+            with _rendezvous_poll(rendezvous_poll_s(a.nnodes)):
+                torchrun.run(args)
         except ChildFailedError as e:
             if outcome.get("lost"):
                 return NODE_LOST  # said in one line by the agent
@@ -607,6 +655,7 @@ def main(argv: list[str] | None = None) -> int:
         launcher_api.LocalElasticAgent = agent_class  # main() may run again in this process (submitit)
         if beating:
             beating.stop()
+        os.environ.pop(MEMORY_CHECKED_ENV, None)
         shutil.rmtree(marks, ignore_errors=True)
         monitor.stop()
 

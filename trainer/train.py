@@ -137,10 +137,18 @@ def _stuck_ranks(env: distributed.Env, timeout_s: int, error: Exception, run_dir
         store = dist.distributed_c10d._get_default_store()
         store.set_timeout(timedelta(seconds=5))
         store.set(f"trainer/timed_out/{env.rank}", "1")
-        deadline = time.monotonic() + min(timeout_s, 10)
+        # The ranks still running wait in the same collective, entered within a step's spread: they
+        # time out within that spread of each other. A stopped rank never says so: the wait ends
+        # TIMED_OUT_GRACE_S after the newest rank said it, and at most min(timeout_s, 10) s.
+        now = time.monotonic()
+        deadline, quiet_until, silent_before = now + min(timeout_s, 10), now + hangs.TIMED_OUT_GRACE_S, None
         while True:
             silent = [r for r in range(env.world_size) if not store.check([f"trainer/timed_out/{r}"])]
-            if not silent or time.monotonic() > deadline:
+            now = time.monotonic()
+            if silent_before is not None and len(silent) < silent_before:
+                quiet_until = now + hangs.TIMED_OUT_GRACE_S
+            silent_before = len(silent)
+            if not silent or now > min(deadline, quiet_until):
                 break
             time.sleep(0.2)
         step = store.get(f"trainer/step/{env.rank}").decode()
