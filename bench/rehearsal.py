@@ -17,7 +17,7 @@ the resumed log says so. Timed: each phase, from this process's view (every 20 m
 whatever happened (also on SIGINT), the cluster is brought back to its 4 nodes (slurm/local/up.sh),
 the layout the tests expect.
 
-Not a test: it needs 8 nodes (the tests run on 4, the CI cluster too) and takes 4-6 minutes on the
+Not a test: it needs 8 nodes (the tests run on 4, the CI cluster too) and takes about 2.5 minutes on the
 2-core VM, most of it 16 and then 12 Python processes importing torch and stepping on 2 cores.
 """
 
