@@ -3,22 +3,21 @@
     sudo .venv/bin/python -m bench.rehearsal [--steps 40] [--out bench/results/<date>-vm-rehearsal.json]
 
 It brings the local cluster up with 8 nodes (slurm/local/up.sh 8; each node 2 fake GPUs through
-gres), submits a job of 8 nodes x 2 ranks (the batch script of `make submit NODES=8`, submitted with
-sbatch's --nodes=6-8 and --nodelist of the 8 on the command line: main's `make submit` has no
-MIN_NODES yet, and Slurm gives a range its minimum unless the list asks for more; the default
-config's tiny transformer, CPU and gloo, global batch 48 so that 16 and 12 ranks both divide it),
-lets it train a few steps, then submits an exclusive job to the `urgent` partition on 2 of its
-nodes, as tests/test_slurm.py does: Slurm preempts the training job (SIGTERM, GraceTime 15 s, it
-saves at the step boundary, the requeue check requeues it). Its node list is dropped (`scontrol
-update jobid=J ReqNodeList= NumTasks=6 NumCPUs=12`), it is released from Slurm's ~120 s hold on a requeued job, starts
-again on the 6 nodes left (the urgent job keeps the other 2) and resumes from the checkpoint with
-12 ranks. One line is added to the rendered batch script (SRUN_FIX below): without it srun
-cannot start in the smaller allocation of a requeued job. Checked: every step's metrics row appears exactly once,
-16 ranks before the preemption and 12 after, and the resumed log says so. Timed: each phase, from
-this process's view (every 20 ms). At the end, whatever happened, the cluster is brought back to
-its 4 nodes (slurm/local/up.sh), the layout the tests expect.
+gres) and submits the job as `make submit NODES=8 MIN_NODES=6` does (trainer.submit's own functions,
+the rendered batch script as it is: `--nodes=6-8`, which Slurm fills to 8 when they are free; the
+default config's tiny transformer, CPU and gloo, global batch 336, the one trainer.submit proposes
+so that 12, 14 and 16 ranks all divide it). It lets the job train a few steps, then submits an
+exclusive job to the `urgent` partition on 2 of its nodes, as tests/test_slurm.py does: Slurm
+preempts the training job (SIGTERM, GraceTime 15 s, it saves at the step boundary, the requeue check
+requeues it). The requeued job is released from Slurm's ~120 s hold (`scontrol update jobid=J
+StartTime=now`, as the tests do; nothing else of the job is changed), starts again on the 6 nodes
+left (the urgent job keeps the other 2) and resumes from the checkpoint with 12 ranks. Checked:
+every step's metrics row appears exactly once, 16 ranks before the preemption and 12 after, and
+the resumed log says so. Timed: each phase, from this process's view (every 20 ms). At the end,
+whatever happened (also on SIGINT), the cluster is brought back to its 4 nodes (slurm/local/up.sh),
+the layout the tests expect.
 
-Not a test: it needs 8 nodes (the tests run on 4, the CI cluster too) and takes 4-6 minutes on the
+Not a test: it needs 8 nodes (the tests run on 4, the CI cluster too) and takes about 2.5 minutes on the
 2-core VM, most of it 16 and then 12 Python processes importing torch and stepping on 2 cores.
 """
 
@@ -37,13 +36,6 @@ from trainer import layout, submit
 
 ROOT = Path(__file__).resolve().parent.parent
 UP = ["bash", str(ROOT / "slurm" / "local" / "up.sh")]
-# What main's batch script lacks to resume on fewer nodes after a requeue: the requeued job's
-# environment keeps its first launch's SLURM_NTASKS and SLURM_NPROCS (8, one per node), also after
-# `scontrol update NumTasks=6`, and srun in the 6-node allocation then asks for 8 tasks x 2 CPUs:
-# "Unable to create step: More processors requested than permitted". One task per node of this
-# allocation is what the script means.
-SRUN_FIX_AFTER = "set -euo pipefail\n"
-SRUN_FIX = 'export SLURM_NTASKS="$SLURM_JOB_NUM_NODES" SLURM_NPROCS="$SLURM_JOB_NUM_NODES"  # bench/rehearsal.py\n'
 
 
 def wait_until(predicate, timeout: float, what: str):
@@ -67,32 +59,15 @@ def training_rows(run_dir: Path) -> list[dict]:
 
 
 def submit_range(run_dir: Path, steps: int) -> str:
-    """Submit the job as `make submit NODES=8` renders it, but with sbatch's --nodes=6-8 on the
-    command line, which overrides the script's --nodes=8, and --nodelist of all 8 nodes: Slurm
-    (cons_tres) gives a node range its minimum, so the list makes the first run take 8; rehearse()
-    drops it from the requeued job. (`scontrol update jobid=J NumNodes=6-8` on a requeued 8-node
-    job is not enough: it keeps its 8 tasks, and srun in the 6-node allocation fails with "More
-    processors requested than permitted", also with NumTasks=6 NumCPUs=12 updated too.)"""
-    overrides = ["train.global_batch_size=48", f"train.steps={steps}", "checkpoint.interval=0", "log.interval=1"]
-    args = submit._parser().parse_args(["--nodes", "8", "--run-dir", str(run_dir), *overrides, "log.progress=false"])
+    """Submit as `make submit NODES=8 MIN_NODES=6 RUN_DIR=run_dir ARGS=...` does (trainer.submit.main's
+    steps, with the job id back): the batch script is rendered and submitted unchanged."""
+    overrides = ["train.global_batch_size=336", f"train.steps={steps}", "checkpoint.interval=0", "log.interval=1"]
+    argv = ["--nodes", "8", "--min-nodes", "6", "--run-dir", str(run_dir), *overrides, "log.progress=false"]
+    args = submit._parser().parse_args(argv)
     partition = submit.query_partition(None)
     job = submit.parse_job(args, partition)
     submit.check_config(job, partition, planning=False)
-    script = run_dir / "slurm" / "train.sbatch"
-    script.parent.mkdir(parents=True, exist_ok=True)
-    text = submit.render_sbatch(job)
-    assert SRUN_FIX_AFTER in text, "slurm/train.sbatch.in changed: see SRUN_FIX"
-    script.write_text(text.replace(SRUN_FIX_AFTER, SRUN_FIX_AFTER + SRUN_FIX, 1))
-    every = subprocess.run(["sinfo", "-h", "-p", "main", "-o", "%N"], capture_output=True, text=True).stdout.strip()
-    out = subprocess.run(
-        ["sbatch", "--parsable", "--nodes=6-8", f"--nodelist={every}", str(script)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )
-    if out.returncode != 0:
-        raise RuntimeError(f"sbatch refused the job: {out.stderr.strip()}")
-    return out.stdout.strip().split(";")[0]
+    return submit.submit_sbatch(job)
 
 
 def rehearse(run_dir: Path, steps: int, before: int) -> dict:
@@ -123,11 +98,8 @@ def rehearse(run_dir: Path, steps: int, before: int) -> dict:
             120,
             "the requeue",
         )
-        # Any 6 to 8 nodes now; then out of Slurm's hold (not before the second after the requeue:
-        # slurmd refuses a credential not newer than the revocation).
-        # Slurm keeps the first run's counts of tasks and CPUs: 6 nodes' worth.
-        update = ["ReqNodeList=", "NumNodes=6-8", "NumTasks=6", "NumCPUs=12"]
-        subprocess.run(["scontrol", "update", f"jobid={job}", *update], check=True, capture_output=True)
+        # Out of Slurm's hold, not before the second after the requeue: slurmd refuses a credential
+        # not newer than the revocation. Its --nodes=6-8 lets it start on the 6 left.
         time.sleep(2)
         subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], check=True, capture_output=True)
         t["released"] = time.monotonic()
