@@ -92,3 +92,12 @@ def test_a_heartbeat_never_writes_through_a_link_in_the_run_dir(tmp_path):
     beat.stop()
     assert precious.read_text() == "keep"
     assert json.loads((run / "heartbeats" / "n2.json").read_text())["node"] == "n2"
+
+
+def test_of_the_survivors_only_the_first_to_name_a_lost_node_writes_its_row(tmp_path):
+    """The node_lost row is written once, by whichever survivor names the node first (srun may stop
+    the others before they get there, whichever node they are)."""
+    (tmp_path / "heartbeats").mkdir()
+    assert heartbeat.first_to_name(str(tmp_path), "n1:29500", ["n3"]) is True
+    assert heartbeat.first_to_name(str(tmp_path), "n1:29500", ["n3"]) is False
+    assert heartbeat.first_to_name(str(tmp_path), "n1:29511", ["n3"]) is True  # the next job's launch

@@ -15,6 +15,7 @@ port, and the files of nodes it no longer has are ignored.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import threading
@@ -84,6 +85,21 @@ class Heartbeat:
 def beats(run_dir: str, endpoint: str) -> dict[str, int]:
     """{node: its counter} of the heartbeats of this launch (the same endpoint) now in the run dir."""
     return {node: record.get("beat") for node, record in records(run_dir, endpoint).items()}
+
+
+def first_to_name(run_dir: str, endpoint: str, nodes: list[str]) -> bool:
+    """Whether this node is the first of this launch to name `nodes` as lost (then it writes the one
+    metrics row): a file made with O_EXCL, atomic on NFS v3 and later as on a local disk. The first
+    to get here is the first survivor to end, whose exit makes srun stop the others."""
+    tag = hashlib.sha256(f"{endpoint} {' '.join(nodes)}".encode()).hexdigest()[:16]
+    try:
+        fd = os.open(os.path.join(folder(run_dir), f"lost-{tag}"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return False
+    except OSError:  # no run dir to write in: say it anyway
+        return True
+    os.close(fd)
+    return True
 
 
 def named_lost(run_dir: str, endpoint: str) -> list[str]:

@@ -421,8 +421,7 @@ def _restarting_agent(
                 beating.lost(lost)
                 self._remaining_restarts = 0
                 _say(lost_nodes_line(lost, nnodes, run_dir))
-                alive = set(heartbeat.beats(run_dir, endpoint)) - set(lost)
-                if node_name() == min(alive, default=node_name()):  # one row, by one survivor
+                if heartbeat.first_to_name(run_dir, endpoint, lost):  # one row, by one survivor
                     step = layout.latest_committed_step(run_dir)
                     write_row(run_dir, {"event": "node_lost", "step": step or 0, "nodes": lost, "node": node_name()})
                 return result
