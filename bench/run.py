@@ -771,6 +771,23 @@ def preemption(ctx) -> tuple[dict, dict, dict]:
     return figures, notes, {"preemption": rounds}
 
 
+def rounds_of(ctx, name: str, rounds: int, timeout: float) -> dict:
+    """Run bench/<name>.py for `rounds` rounds within `timeout` seconds (its log in the scratch
+    folder) and return the JSON it wrote; it writes after each round, so the rounds that finished
+    count when time runs out."""
+    out, log = ctx.scratch / f"{name}.json", ctx.scratch / f"{name}.log"
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", f"bench.{name}", "--out", str(out), "--rounds", str(rounds)]
+    with open(log, "w") as f:
+        try:
+            subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            print(f"bench: {name}: timed out after {timeout:.0f}s, keeping the rounds that finished", flush=True)
+    if not out.exists():
+        raise Failed(f"no round finished (log: {log.relative_to(ROOT)})")
+    return json.loads(out.read_text())
+
+
 def goodput(ctx) -> tuple[dict, dict, dict]:
     """bench/goodput.py on the local Slurm cluster (make slurm-up); not measured without it."""
     from bench import goodput as worker
@@ -779,19 +796,7 @@ def goodput(ctx) -> tuple[dict, dict, dict]:
     keys = MEASURED_BY[goodput]
     if not cluster.cluster_up():
         return (*not_measured(keys, "the local Slurm cluster is not up (make slurm-up)"), {})
-    out = ctx.scratch / "goodput.json"
-    out.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "bench.goodput", "--out", str(out), "--rounds", str(ctx.args.goodput_rounds)]
-    log = ctx.scratch / "goodput.log"
-    timeout = ctx.budget.need(150, "one goodput round")
-    with open(log, "w") as f:
-        try:
-            subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            print(f"bench: goodput: timed out after {timeout:.0f}s, keeping the rounds that finished", flush=True)
-    if not out.exists():
-        raise Failed(f"no round finished (log: {log.relative_to(ROOT)})")
-    r = json.loads(out.read_text())
+    r = rounds_of(ctx, "goodput", ctx.args.goodput_rounds, ctx.budget.need(150, "one goodput round"))
     summary = worker.summarise(r)
     figures = {
         "goodput": figure("goodput", summary["goodput"]),
@@ -810,19 +815,8 @@ def scale(ctx) -> tuple[dict, dict, dict]:
     """bench/scale.py: DCP's planning, the checkpoint's metadata and manifest for 1k to 16k ranks
     (synthetic plans, no processes), and the rendezvous of 2 to 16 local ranks. Curves, no goal; the
     rounds that finished count if it runs out of time."""
-    out = ctx.scratch / "scale.json"
-    out.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "bench.scale", "--out", str(out), "--rounds", str(ctx.args.scale_rounds)]
-    log = ctx.scratch / "scale.log"
     timeout = ctx.budget.need(120, "one round of the scale measurements")
-    with open(log, "w") as f:
-        try:
-            subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            print(f"bench: scale: timed out after {timeout:.0f}s, keeping the rounds that finished", flush=True)
-    if not out.exists():
-        raise Failed(f"no round finished (log: {log.relative_to(ROOT)})")
-    return {}, {}, {"scale": json.loads(out.read_text())}
+    return {}, {}, {"scale": rounds_of(ctx, "scale", ctx.args.scale_rounds, timeout)}
 
 
 def scale_tables(r: dict) -> list[str]:
