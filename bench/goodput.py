@@ -177,7 +177,9 @@ def recovery(rows: list[dict], event: dict) -> dict:
     if "down" in event:  # a node death: the survivors' heartbeat silence, then Slurm's NODE_FAIL requeue
         detected = min(lost) if lost else event["requeued"]  # the job ended by Slurm before any survivor named it
         parts["detection"] = detected - caused
-        parts["exit_and_node_fail"] = event["requeued"] - detected
+        down = max(event["down"], detected)
+        parts["node_fail"] = down - detected  # Slurm marks the node DOWN (SlurmdTimeout and its ping)
+        parts["requeue"] = event["requeued"] - down  # the job ends as NODE_FAIL and is requeued
         parts["held"] = event["released"] - event["requeued"]
         parts["schedule"] = event["running"] - event["released"]
         parts["batch_and_srun"] = s["launcher"] - event["running"]
