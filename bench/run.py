@@ -111,7 +111,7 @@ GOALS = {
     ),
     "goodput": (
         "a multi-node job on the local Slurm cluster under a failure schedule (a rank killed, a rank stopped, a "
-        "preemption): the same job's wall time undisturbed / disturbed (Slurm's requeue hold left out)",
+        "preemption, a node death): the same job's wall time undisturbed / disturbed (Slurm's requeue hold left out)",
         None,
         None,
     ),
@@ -124,6 +124,12 @@ GOALS = {
     ),
     "recovery_preemption_s": (
         "a preemption: seconds from the preempting job's submission to the first step again (hold left out)",
+        None,
+        None,
+    ),
+    "recovery_node_death_s": (
+        "a node death (its slurmd and the job's processes killed): seconds from the kill to the first step again on "
+        "the nodes left (hold left out; Slurm's NODE_FAIL after SlurmdTimeout, 10 s here, 300 s by default)",
         None,
         None,
     ),
@@ -804,6 +810,7 @@ def goodput(ctx) -> tuple[dict, dict, dict]:
         "recovery_crash_s": figure("recovery_crash_s", summary["total_s"]["crash"]),
         "recovery_hang_s": figure("recovery_hang_s", summary["total_s"]["hang"]),
         "recovery_preemption_s": figure("recovery_preemption_s", summary["total_s"]["preemption"]),
+        "recovery_node_death_s": figure("recovery_node_death_s", summary["total_s"]["node_death"]),
         "restart_vs_goal": figure("restart_vs_goal", summary["restart_vs_goal"]),
         "goodput_llama3_1024": figure("goodput_llama3_1024", summary["llama3"]),
     }
@@ -970,6 +977,7 @@ MEASUREMENTS = [
             "recovery_crash_s",
             "recovery_hang_s",
             "recovery_preemption_s",
+            "recovery_node_death_s",
             "restart_vs_goal",
             "goodput_llama3_1024",
         ],

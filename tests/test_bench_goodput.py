@@ -93,3 +93,55 @@ def test_goodput_at_llama3s_rate_follows_the_young_daly_formula():
     assert est["interval_steps"] == round(tau / 2.0)
     assert est["goodput"] == pytest.approx((1 - 10.0 / tau) * (1 - (tau / 2 + 60.0) / mtbf))
     assert 0.98 < est["goodput"] < 0.99
+
+
+def test_a_node_deaths_parts_run_from_the_heartbeat_silence_through_slurms_requeue():
+    start = {**START, "launcher": 125.0, "rendezvous": 127.0}
+    start.pop("stopped")
+    start.update(imported=130.0, process_group=130.5, load_start=131.5, loaded=132.0)
+    rows = [
+        {"step": 10, "loss": 2.0, "time": 99.5},
+        {"event": "node_lost", "step": 10, "nodes": ["n3"], "node": "n1", "time": 110.5},  # heartbeat silence
+        {"event": "resume", "step": 10, "world_size": 3, "start": start, "time": 132.1},
+        {"step": 11, "loss": 1.9, "time": 133.0},
+    ]
+    event = {"caused": 100.0, "down": 111.0, "requeued": 113.0, "released": 115.0, "running": 124.0}
+    r = goodput.recovery(rows, event)
+    assert r["parts"] == pytest.approx(
+        {
+            "detection": 10.5,
+            "node_fail": 0.5,
+            "requeue": 2.0,
+            "held": 2.0,
+            "schedule": 9.0,
+            "batch_and_srun": 1.0,
+            "launcher_and_rendezvous": 2.0,
+            "start_up": 3.0,
+            "process_group": 0.5,
+            "build": 1.0,
+            "load": 0.5,
+            "first_step": 1.0,
+        }
+    )
+    assert r["total_s"] == pytest.approx(33.0 - 2.0) == pytest.approx(sum(r["parts"].values()) - 2.0)
+    assert r["detection_to_first_step_s"] == pytest.approx(133.0 - 110.5 - 2.0)
+    assert r["down_s"] == pytest.approx(11.0) and r["resumed_at"] == 10
+    # Slurm ended the job before any survivor named the node: detection is the requeue, nothing before it
+    r = goodput.recovery([row for row in rows if row.get("event") != "node_lost"], event)
+    assert r["parts"]["detection"] == pytest.approx(13.0)
+    assert r["parts"]["node_fail"] == r["parts"]["requeue"] == 0.0
+
+
+def test_the_llama3_estimate_takes_a_node_deaths_recovery_also_with_real_slurms_timeout():
+    death = {"name": "node_death", "total_s": 31.0, "down_s": 11.0, "parts": {"detection": 10.5}}
+    crash = {"name": "crash", "total_s": 7.0, "parts": {"detection": 0.1, "exit": 0.3}}
+    for e in (death, crash):
+        e.update(detection_to_first_step_s=5.0, goal_s=1.0)
+    disturbed = {"events": [crash, death], "save_s": 0.1, "step_s": 0.2, "steps_redone": 5}
+    result = {"nodes": 4, "steps": 60, "timeout_s": 10, "rounds": [{"disturbed": disturbed, "goodput": 0.3}]}
+    s = goodput.summarise(result)
+    assert s["total_s"]["node_death"] == [31.0] and s["node_down_s"] == [11.0]
+    assert s["restart_vs_goal"] == [5.0]  # the crash only: a node death is no restart in the allocation
+    assert s["llama3"] == [pytest.approx(goodput.at_scale(7.0, 0.1, 0.2)["goodput"])]
+    assert s["llama3_node_death"] == [pytest.approx(goodput.at_scale(31.0, 0.1, 0.2)["goodput"])]
+    assert s["llama3_node_death_real_slurm"] == [pytest.approx(goodput.at_scale(31.0 + 290, 0.1, 0.2)["goodput"])]

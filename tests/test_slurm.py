@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.nodes import job_processes, kill_node, restore_node
+from bench.nodes import parent_pid as _ppid
 from trainer import layout, submit
 
 REPO = Path(__file__).resolve().parent.parent
@@ -97,13 +99,6 @@ def _cmdline(proc: Path) -> str:
     try:
         return (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
     except OSError:
-        return ""
-
-
-def _ppid(proc: Path) -> str:
-    try:
-        return (proc / "stat").read_text().rsplit(")", 1)[1].split()[1]
-    except (OSError, IndexError):
         return ""
 
 
@@ -259,24 +254,6 @@ def test_preempted_job_requeues_and_matches_uninterrupted_run(runs):
         assert torch.equal(got[key], want[key]), f"{key} differs after preemption"
 
 
-def job_processes(job_id: str, **wanted: str) -> list[int]:
-    """The processes of job_id whose environment has every NAME=value of `wanted` (e.g. RANK="1",
-    SLURMD_NODENAME="n2"): found by what they are, not by guessing pids (slurmstepd daemonizes, so
-    a job's processes are not in its slurmd's process tree)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            pairs = (proc / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        environ = dict(p.decode(errors="replace").split("=", 1) for p in pairs if b"=" in p)
-        if environ.get("SLURM_JOB_ID") == job_id and all(environ.get(k) == v for k, v in wanted.items()):
-            found.append(int(proc.name))
-    return found
-
-
 @cluster
 def test_a_killed_rank_restarts_every_rank_in_the_allocation(runs):
     """kill -9 of rank 1 (the second node's) mid-run in a 2-node job: every rank restarts from the
@@ -316,21 +293,6 @@ def test_a_killed_rank_restarts_every_rank_in_the_allocation(runs):
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
-def kill_node(job_id: str, node: str) -> None:
-    """Kill an emulated node as a power loss would: its slurmd, then the job's processes on it (its
-    slurmstepd daemonized out of slurmd's tree: found as the parent of the tasks whose environment
-    says SLURMD_NODENAME=node)."""
-    os.kill(int(Path(f"/run/slurm-local/slurmd-{node}.pid").read_text()), 9)
-    tasks = job_processes(job_id, SLURMD_NODENAME=node)
-    assert tasks, f"no process of job {job_id} on {node}"
-    stepds = {int(_ppid(Path(f"/proc/{p}"))) for p in tasks} - set(tasks)
-    for pid in {*stepds, *tasks}:
-        try:
-            os.kill(pid, 9)
-        except ProcessLookupError:
-            pass
-
-
 @cluster
 def test_a_node_that_dies_is_named_and_the_job_resumes_on_the_nodes_left(runs):
     """NODES=4 MIN_NODES=3, one rank per node: after the first checkpoint n3 dies (its slurmd and the
@@ -358,7 +320,7 @@ def test_a_node_that_dies_is_named_and_the_job_resumes_on_the_nodes_left(runs):
         assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log  # requeued once, by Slurm
     finally:
         subprocess.run(["scancel", job])
-        subprocess.run(["bash", str(REPO / "slurm/local/up.sh")], capture_output=True)
+        restore_node("n3")
     saved = re.findall(r"node n3 stopped answering .*resumes from step (\d+), the newest checkpoint$", log, re.M)
     lines = re.findall(
         r"^(\d): launch: (n\d): node n3 stopped answering \(no heartbeat for 10 s\); the job ends, "
