@@ -69,6 +69,32 @@ def rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
 
 
+def submit_urgent(nodes: str, run_dir: Path, hold_s: int) -> str:
+    """Submit an exclusive job to the `urgent` partition on 2 of `nodes`, holding them `hold_s`
+    seconds: Slurm preempts the training job there. Returns its job id (to cancel it afterwards)."""
+    return subprocess.run(
+        ["sbatch", "--parsable", "-p", "urgent", "--exclusive", "-N2", f"--nodelist={nodes}"]
+        + ["-o", str(run_dir / "urgent-%j.out"), "--wrap", f"sleep {hold_s}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+
+
+def wait_preempted(job: str, run_dir: Path, t: dict) -> int:
+    """Wait for the preempted job's checkpoint and its requeue (times into t["committed"] and
+    t["requeued"]); returns the step the checkpoint holds."""
+    stopped_at, t["committed"] = wait_until(
+        lambda: layout.latest_committed_step(run_dir), 120, "the preemption's checkpoint"
+    )
+    _, t["requeued"] = wait_until(
+        lambda: job_info(job).get("JobState") == "PENDING" and job_info(job).get("Restarts") == "1",
+        120,
+        "the requeue",
+    )
+    return stopped_at
+
+
 def one_round(run_dir: Path, size: str, steps: int) -> dict:
     """Submit, preempt once, wait for the resumed run's first step; the times of each event."""
     out = subprocess.run(
@@ -103,32 +129,8 @@ def one_round(run_dir: Path, size: str, steps: int) -> dict:
         nodes = job_info(job)["NodeList"]
         before = len(rows(run_dir))
         t = {"request": time.monotonic()}
-        urgent = subprocess.run(
-            [
-                "sbatch",
-                "--parsable",
-                "-p",
-                "urgent",
-                "--exclusive",
-                "-N2",
-                f"--nodelist={nodes}",
-                "-o",
-                str(run_dir / "urgent-%j.out"),
-                "--wrap",
-                "sleep 1",
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        stopped_at, t["committed"] = wait_until(
-            lambda: layout.latest_committed_step(run_dir), 120, "the preemption's checkpoint"
-        )
-        _, t["requeued"] = wait_until(
-            lambda: job_info(job).get("JobState") == "PENDING" and job_info(job).get("Restarts") == "1",
-            120,
-            "the requeue",
-        )
+        urgent = submit_urgent(nodes, run_dir, hold_s=1)
+        stopped_at = wait_preempted(job, run_dir, t)
         save_s = layout.read_status(run_dir).get("save_s")  # the stopped run's last save, before the resumed one writes
         time.sleep(2)  # slurmd refuses a launch whose credential is not newer, to the second, than the revocation
         subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], check=True, capture_output=True)

@@ -31,8 +31,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench.preemption import POLL_S, job_info, rows
-from trainer import layout, submit
+from bench.preemption import POLL_S, job_info, rows, submit_urgent, wait_preempted
+from trainer import submit
 
 ROOT = Path(__file__).resolve().parent.parent
 UP = ["bash", str(ROOT / "slurm" / "local" / "up.sh")]
@@ -83,21 +83,8 @@ def rehearse(run_dir: Path, steps: int, before: int) -> dict:
         hostnames = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True, text=True)
         taken = ",".join(hostnames.stdout.split()[-2:])  # the last 2 of the job's 8 nodes
         t["request"] = time.monotonic()
-        urgent = subprocess.run(
-            ["sbatch", "--parsable", "-p", "urgent", "--exclusive", "-N2", f"--nodelist={taken}"]
-            + ["-o", str(run_dir / "urgent-%j.out"), "--wrap", "sleep 900"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        stopped_at, t["committed"] = wait_until(
-            lambda: layout.latest_committed_step(run_dir), 120, "the preemption's checkpoint"
-        )
-        _, t["requeued"] = wait_until(
-            lambda: job_info(job).get("JobState") == "PENDING" and job_info(job).get("Restarts") == "1",
-            120,
-            "the requeue",
-        )
+        urgent = submit_urgent(taken, run_dir, hold_s=900)
+        stopped_at = wait_preempted(job, run_dir, t)
         # Out of Slurm's hold, not before the second after the requeue: slurmd refuses a credential
         # not newer than the revocation. Its --nodes=6-8 lets it start on the 6 left.
         time.sleep(2)
