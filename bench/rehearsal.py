@@ -31,21 +31,11 @@ import sys
 import time
 from pathlib import Path
 
-from bench.preemption import POLL_S, job_info, rows, submit_urgent, wait_preempted
+from bench.preemption import job_info, rows, submit_urgent, wait_preempted, wait_until
 from trainer import submit
 
 ROOT = Path(__file__).resolve().parent.parent
 UP = ["bash", str(ROOT / "slurm" / "local" / "up.sh")]
-
-
-def wait_until(predicate, timeout: float, what: str):
-    """Poll `predicate` every POLL_S; (its value, the time it first held)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value, time.monotonic()
-        time.sleep(POLL_S)
-    raise TimeoutError(f"{what}: not within {timeout:.0f}s")
 
 
 def timed(cmd: list[str]) -> float:
