@@ -101,3 +101,40 @@ def test_of_the_survivors_only_the_first_to_name_a_lost_node_writes_its_row(tmp_
     assert heartbeat.first_to_name(str(tmp_path), "n1:29500", ["n3"]) is True
     assert heartbeat.first_to_name(str(tmp_path), "n1:29500", ["n3"]) is False
     assert heartbeat.first_to_name(str(tmp_path), "n1:29511", ["n3"]) is True  # the next job's launch
+
+
+def test_a_stop_signal_while_the_lost_node_is_recorded_waits_for_its_row(tmp_path, monkeypatch):
+    """srun stops the other survivors as soon as the first one exits, with a signal the launcher's
+    handler turns into an exception. Arriving between the claim and the row, it left a claim and no
+    row: no survivor wrote the run's node_lost row (found by a clean-clone CI run). The signal now
+    waits until both are written, then reaches the handler as before."""
+    import signal
+
+    class Stopped(Exception):
+        pass
+
+    def stop(signum, frame):  # as torchrun's agent does: an exception at whatever line runs
+        raise Stopped
+
+    def newest_checkpoint(run_dir):  # the step of the row is read between the claim and the row
+        signal.raise_signal(signal.SIGTERM)
+        return 5
+
+    (tmp_path / "heartbeats").mkdir()
+    monkeypatch.setattr(launch, "node_name", lambda: "n2")
+    monkeypatch.setattr(launch.layout, "latest_committed_step", newest_checkpoint)
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        try:
+            launch.record_lost_nodes(str(tmp_path), "n1:29500", ["n3"])
+        except Stopped:
+            pass
+        else:
+            raise AssertionError("the signal was swallowed")
+        assert signal.getsignal(signal.SIGTERM) is stop
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["event"], r["step"], r["nodes"], r["node"]) for r in rows] == [("node_lost", 5, ["n3"], "n2")]
+    launch.record_lost_nodes(str(tmp_path), "n1:29500", ["n3"])  # a second survivor: no second row
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 1

@@ -421,9 +421,7 @@ def _restarting_agent(
                 beating.lost(lost)
                 self._remaining_restarts = 0
                 _say(lost_nodes_line(lost, nnodes, run_dir))
-                if heartbeat.first_to_name(run_dir, endpoint, lost):  # one row, by one survivor
-                    step = layout.latest_committed_step(run_dir)
-                    write_row(run_dir, {"event": "node_lost", "step": step or 0, "nodes": lost, "node": node_name()})
+                record_lost_nodes(run_dir, endpoint, lost)
                 return result
             if _no_restart(marks) or self._remaining_restarts <= 0:
                 self._remaining_restarts = 0
@@ -453,6 +451,16 @@ def _restarting_agent(
             return result
 
     return RestartingAgent
+
+
+def record_lost_nodes(run_dir: str, endpoint: str, lost: list[str]) -> None:
+    """The node_lost row of this launch, written once: by the first survivor to name `lost`. srun
+    stops the other survivors as soon as one exits: a claim without its row would leave the run
+    with none, so their stop signal waits for both."""
+    with signals.held():
+        if heartbeat.first_to_name(run_dir, endpoint, lost):
+            step = layout.latest_committed_step(run_dir)
+            write_row(run_dir, {"event": "node_lost", "step": step or 0, "nodes": lost, "node": node_name()})
 
 
 def write_row(run_dir: str, row: dict) -> None:
@@ -613,7 +621,9 @@ def main(argv: list[str] | None = None) -> int:
             lost = heartbeat.named_lost(cfg.run_dir, endpoint) if endpoint else []
             if lost and node_name() not in lost:  # srun's kill after another node named a dead one
                 if not outcome.get("lost"):
+                    outcome["lost"] = lost  # said once, should a further signal come
                     _say(lost_nodes_line(lost, a.nnodes, cfg.run_dir))
+                    record_lost_nodes(cfg.run_dir, endpoint, lost)
                 return NODE_LOST
             status = layout.read_status(cfg.run_dir)
             name = signal.Signals(e.sigval).name
@@ -631,7 +641,9 @@ def main(argv: list[str] | None = None) -> int:
             # The rendezvous store lives on the first node: a dead first node is seen here first.
             lost = heartbeat.silent_nodes(cfg.run_dir, endpoint, node_name()) if endpoint else []
             if lost:
+                outcome["lost"] = lost
                 _say(lost_nodes_line(lost, a.nnodes, cfg.run_dir))
+                record_lost_nodes(cfg.run_dir, endpoint, lost)
                 return NODE_LOST
             first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""  # not a C++ stack
             _say(f"torchrun failed: {type(e).__name__}: {first_line}")
@@ -644,6 +656,7 @@ def main(argv: list[str] | None = None) -> int:
         if lost and node_name() not in lost:
             if not outcome.get("lost"):
                 _say(lost_nodes_line(lost, a.nnodes, cfg.run_dir))
+                record_lost_nodes(cfg.run_dir, endpoint, lost)
             return NODE_LOST
         return 1
     finally:

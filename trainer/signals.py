@@ -8,6 +8,7 @@ whether rank 0 lost the run dir's lease: trainer/train.py).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -32,6 +33,26 @@ def shutdown_budget(grace_s: int) -> int:
     pass between the signal and the hard kill (Slurm's --signal=USR1@S warning, compose's
     stop_grace_period). torchrun kills ranks that take longer (its --shutdown-timeout)."""
     return max(1, grace_s - EXIT_MARGIN_S)
+
+
+@contextlib.contextmanager
+def held():
+    """Inside, a stop signal (or another that torchrun handles) waits: the few lines that must run
+    together (a claim and the row it grants) are not cut between them by a handler that raises, as
+    torchrun's agent's does. At the end, the first signal that came is raised again, to the
+    handlers that were there. SIGKILL cannot wait: keep what runs inside short."""
+    names = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")
+    came: list[int] = []
+    previous = {}
+    for sig in (getattr(signal, name) for name in names):
+        previous[sig] = signal.signal(sig, lambda signum, frame: came.append(signum))
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if came:
+            signal.raise_signal(came[0])
 
 
 _received: int | None = None
