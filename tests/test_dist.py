@@ -2,7 +2,10 @@
 follow the machine. GPUs cannot run here, so their presence is mocked and what the code would
 hand to torch.distributed is checked. How a rank that finished leaves is run for real."""
 
+import re
+import socket
 import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -222,3 +225,62 @@ def test_the_launchers_rendezvous_polls_faster_only_while_it_runs(monkeypatch):
     assert dynamic_rendezvous._delay is original and slept == [0.2, 0.5, 1]
     # 0.05 s a node from 0.2 s to torchrun's 1 s: at most 20 reads a second in all below 20 nodes
     assert [launch.rendezvous_poll_s(n) for n in (1, 4, 10, 20, 1000)] == [0.2, 0.2, 0.5, 1.0, 1.0]
+
+
+PEER_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time
+    import torch, torch.distributed as dist
+    from trainer.dist import peer_gone
+    dist.init_process_group("gloo", rank=int(sys.argv[1]), world_size=2)
+    dist.barrier()
+    if dist.get_rank() == 1:
+        os._exit(0)  # as a killed process: no goodbye to the other rank
+    time.sleep(1)
+    try:
+        for _ in range(50):
+            dist.all_reduce(torch.ones(1024))
+    except RuntimeError as e:
+        print("ONE LINE:", peer_gone(e))
+    """
+)
+
+
+def test_a_collective_whose_peer_went_away_is_one_line(tmp_path):
+    """gloo's error when the other rank's process is gone (its real text, from two processes) is
+    said in one line without gloo's source location and advice; NCCL's, and errors that are no
+    lost peer (a rank's own failure, a timeout: those keep their traceback), as torch words them."""
+    script = tmp_path / "peer.py"
+    script.write_text(PEER_SCRIPT)
+    with socket.socket() as s:  # a free port for the two ranks' store
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(rank)],
+            cwd=ROOT,
+            env={**env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    out = ranks[0].communicate(timeout=120)[0]
+    ranks[1].wait(timeout=60)
+    said = [line for line in out.splitlines() if line.startswith("ONE LINE:")]
+    assert len(said) == 1 and re.fullmatch(
+        r"ONE LINE: (Read|Write) error \[[\d.]+\]:\d+: Connection (reset|closed) by peer|"
+        r"ONE LINE: Connection closed by peer \[[\d.]+\]:\d+",
+        said[0],
+    ), out
+    nccl = RuntimeError(
+        "NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3356, remote process exited "
+        "or there was a network error, NCCL version 2.27.3\nncclRemoteError: A call failed possibly due to a "
+        "network error or a remote process exiting prematurely.\nLast error:\nsocket recv: Connection reset"
+    )
+    assert dist.peer_gone(nccl) == "remote process exited or there was a network error, NCCL version 2.27.3"
+    assert dist.peer_gone(RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)")) is None
+    timeout = RuntimeError("[../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 10000ms")
+    assert dist.peer_gone(timeout) is None
+    assert dist.peer_gone(ValueError("Connection reset by peer")) is None

@@ -334,6 +334,10 @@ def test_a_node_that_dies_is_named_and_the_job_resumes_on_the_nodes_left(runs):
     assert len(named) == len(set(named)) >= 2 and set(named) <= {"n1", "n2", "n4"}, log
     assert len(re.findall(r"stopped answering", log)) == len(named), log
     assert "TCPStore" not in log and "RendezvousConnectionError" not in log, log
+    # The survivors' ranks, whose collectives lost n3's rank, say so in a line each, not a traceback.
+    assert "Traceback" not in log, log
+    gone = re.compile(r"\d: error: rank \d on n[124]: a peer went away during a collective \(.*by peer.*\); the ")
+    assert all(gone.match(line) for line in log.splitlines() if "went away" in line), log
     resumed = int(saved[0])
     assert {int(n) for n in saved} == {resumed} and "requeue failed" not in log, log  # Restarts 1: once
     rows = metrics(run_dir)

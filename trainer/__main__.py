@@ -19,7 +19,7 @@ from trainer.check import check_gpu_memory, check_gpus, validate
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError, load_run, resolve
 from trainer.data import DataError
-from trainer.dist import NodeError, exit_process, read_env, shutdown
+from trainer.dist import NodeError, exit_process, node_name, peer_gone, read_env, shutdown
 from trainer.health import HealthError
 from trainer.lease import LeaseError, LeaseLost
 from trainer.metrics import setup_logging
@@ -77,6 +77,17 @@ def main(argv: list[str] | None = None) -> int:
         return fail(str(e), code=1)  # not bad input: the run itself failed
     except StuckRank as e:  # said by every rank that saw it: the stuck one may be rank 0
         print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
+    except RuntimeError as e:
+        gone = peer_gone(e)
+        if gone is None:  # a failure of this rank's own: its traceback says where
+            raise
+        print(
+            f"error: rank {env.rank} on {node_name()}: a peer went away during a collective ({gone}); the "
+            "launcher says which rank or node failed first",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
     finally:
         shutdown()  # for callers of main() in-process; exit_process below checks and skips it

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import sys
 import uuid
@@ -103,6 +104,27 @@ def node_name() -> str:
     """This node's name as the scheduler knows it (Slurm's, which differs from the hostname on some
     sites and on the local emulated cluster), else the hostname."""
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+# What a collective's error says when the process at its other end went away: gloo's read or write
+# on a closed socket, NCCL's failed remote or aborted communicator.
+_PEER_GONE = re.compile(
+    r"Connection (?:reset|closed) by peer|Broken pipe|remote process exited|communicator was aborted"
+)
+
+
+def peer_gone(error: BaseException) -> str | None:
+    """What a collective's error says, in one line, when the process at its other end went away
+    (killed, crashed, its node dead), or None for any other error. The launcher names the rank or
+    node that failed first; the other ranks' tracebacks, from deep inside FSDP, would only repeat
+    that a partner is gone, once per rank, before that line."""
+    if not isinstance(error, RuntimeError):  # torch.distributed's errors are RuntimeErrors
+        return None
+    lines = str(error).strip().splitlines()
+    if not lines or not _PEER_GONE.search(lines[0]):
+        return None
+    first = re.sub(r"^\[\S+:\d+\]\s*|^NCCL error in: \S+:\d+, ", "", lines[0])  # the C++ source location
+    return first.split(". This is typically")[0].rstrip(".")
 
 
 class NodeError(Exception):
