@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 
 log = logging.getLogger("trainer")
 
@@ -41,6 +42,9 @@ def held():
     together (a claim and the row it grants) are not cut between them by a handler that raises, as
     torchrun's agent's does. At the end, the first signal that came is raised again, to the
     handlers that were there. SIGKILL cannot wait: keep what runs inside short."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread handles signals
+        yield
+        return
     names = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")
     came: list[int] = []
     previous = {}
