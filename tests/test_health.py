@@ -192,3 +192,18 @@ def test_a_record_is_never_written_through_a_link_in_the_run_dir(tmp_path):
     health.record(str(run), "7", "n3", "health.command failed", 2)
     assert precious.read_text() == "keep"
     assert sorted(p.name for p in Path(path).parent.iterdir()) == ["7.n2.json", "7.n3.json"]
+
+
+def test_a_node_stopped_for_another_nodes_failed_check_says_so(monkeypatch, tmp_path):
+    """srun stops every node of the job once the node that failed its health check exits 4: the
+    others name that node, not just the signal; a node never names itself, nor another job's."""
+    health.record(str(tmp_path), "7", "n2", "health.command `x` exited 1 (no output)", 2)
+    monkeypatch.setattr(launch, "node_name", lambda: "n1")
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    assert launch._stopped_for_health(str(tmp_path), "SIGTERM") == (
+        "n1: stopped by SIGTERM: node n2 of this job failed the health check (said above); nothing to save"
+    )
+    monkeypatch.setattr(launch, "node_name", lambda: "n2")
+    assert launch._stopped_for_health(str(tmp_path), "SIGTERM") is None
+    monkeypatch.setenv("SLURM_JOB_ID", "8")
+    assert launch._stopped_for_health(str(tmp_path), "SIGTERM") is None

@@ -536,6 +536,17 @@ def test_a_node_that_fails_the_health_check_is_named_excluded_and_the_job_runs_w
     assert [(e["node"], e["job"]) for e in excluded] == [("n2", job)], excluded
     assert excluded[0]["reason"].startswith("health.command `test"), excluded
     assert not list((run_dir / "slurm" / "health").iterdir()), "each record is read once"
+    # The node that passed, stopped by srun after n2's exit, names n2 rather than only the signal.
+    assert "before training started" not in log and "no checkpoint was saved by this start" not in log, log
+    stopped = [line for line in log.splitlines() if re.match(r"\d+: launch: .*(stopped|received)", line)]
+    assert all(
+        re.fullmatch(
+            r"\d+: launch: n[134]: stopped by SIGTERM: node n2 of this job failed the health check \(said above\); "
+            r"nothing to save",
+            line,
+        )
+        for line in stopped
+    ), log
 
 
 @cluster

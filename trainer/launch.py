@@ -475,6 +475,23 @@ def write_row(run_dir: str, row: dict) -> None:
         _say(f"could not write the restart's row to {run_dir}/metrics.jsonl: {e}")
 
 
+def _stopped_for_health(run_dir: str, signal_name: str) -> str | None:
+    """The line of a node stopped by srun because another node of its Slurm job failed the health
+    check (that node's record, trainer/health.py), or None. Without it the line would say only that
+    a signal came."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return None
+    from trainer.requeue import health_records
+
+    me = node_name()
+    nodes = sorted({str(r["node"]) for r in health_records(run_dir, job)} - {me})
+    if not nodes:
+        return None
+    which = f"node {nodes[0]}" if len(nodes) == 1 else "nodes " + ", ".join(nodes)
+    return f"{me}: stopped by {signal_name}: {which} of this job failed the health check (said above); nothing to save"
+
+
 def _health_check(cfg) -> int:
     """This node's health check (trainer/health.py): its one line, and 0, or HEALTH_FAILED after
     leaving the record the requeue check reads (under Slurm: that check runs after every node's end)."""
@@ -560,7 +577,8 @@ def main(argv: list[str] | None = None) -> int:
     for sig in signals.STOP_SIGNALS:
         signal.signal(sig, forward)
     if _early:
-        _say(f"received {signal.Signals(_early[0]).name} before training started; nothing to save")
+        name = signal.Signals(_early[0]).name
+        _say(_stopped_for_health(cfg.run_dir, name) or f"received {name} before training started; nothing to save")
         return 0
 
     shutdown_s = signals.shutdown_budget(a.grace_seconds)
@@ -627,6 +645,10 @@ def main(argv: list[str] | None = None) -> int:
                 return NODE_LOST
             status = layout.read_status(cfg.run_dir)
             name = signal.Signals(e.sigval).name
+            unhealthy = _stopped_for_health(cfg.run_dir, name)
+            if unhealthy and status.get("updated", 0) < started:  # no step ran: the job ends for that node
+                _say(unhealthy)
+                return 128 + int(e.sigval)
             if status.get("state") == "stopped" and status.get("updated", 0) >= started:
                 _say(
                     f"stopped by {name} after step {status.get('step')}; the checkpoint is saved, a restart resumes "
