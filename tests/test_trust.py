@@ -59,6 +59,16 @@ def _rerecord(folder) -> None:
         checksums.write_manifest(str(folder))
 
 
+def as_saved_before_manifests(folder) -> None:
+    """Make `folder` a checkpoint as saved before issue 27: no manifest.json, and a meta.json that
+    does not say its commit wrote one."""
+    os.remove(os.path.join(folder, "manifest.json"))
+    meta_file = os.path.join(folder, "meta.json")
+    meta = json.load(open(meta_file))
+    del meta["manifest"]
+    json.dump(meta, open(meta_file, "w"), indent=1)
+
+
 def plant_metadata(folder, marker) -> None:
     """DCP's .metadata of `folder`, still good for DCP, now also creating `marker` when unpickled."""
     metadata = _load_metadata(folder)
@@ -172,8 +182,8 @@ def test_a_metadata_payload_never_runs_when_listing_or_loading(tmp_path, group, 
             f"skipping checkpoint {step}: .metadata is refused: it names io.open, which is not part of "
             f"DCP's checkpoint metadata"
         ) in said(caplog), said(caplog)
-    for step in (step2, step3):  # as saved before issue 27: without a manifest
-        os.remove(os.path.join(step, "manifest.json"))
+    for step in (step2, step3):
+        as_saved_before_manifests(step)
     caplog.clear()
     assert [step for step, _ in checkpoint.complete(str(tmp_path / "run"))] == [1]
     assert not marker.exists()
@@ -229,12 +239,25 @@ def test_any_damaged_file_makes_the_checkpoint_unreadable(tmp_path, group, caplo
     assert {".metadata", "meta.json", "rng/rank_00000.pt", "__0_0.distcp", "__0_0.distcp.xxh3"} <= set(manifest)
 
 
+def test_a_checkpoint_whose_manifest_was_deleted_is_skipped_not_taken_for_an_old_one(tmp_path, group, caplog):
+    """Without its manifest.json a checkpoint looked like one saved before manifests, and was loaded
+    without the checksums of its meta.json, .metadata and rng files. meta.json says that its commit
+    wrote one: the checkpoint is skipped with a line naming the file, and the one before is loaded."""
+    weights = saved_run(tmp_path, group)
+    newest = checkpoint.step_path(tmp_path, 2)
+    os.remove(os.path.join(newest, "manifest.json"))
+    caplog.set_level(logging.INFO, "trainer")
+    meta, state = resumed(tmp_path, group)
+    assert f"skipping checkpoint {newest}: manifest.json is missing" in said(caplog), said(caplog)
+    assert meta["step"] == 1 and all(torch.equal(state[k], weights[1][k]) for k in state)
+
+
 def test_a_truncated_rng_file_of_an_old_checkpoint_is_skipped_not_a_crash(tmp_path, group, caplog):
     """A checkpoint saved before manifests (no checksum of its rng files): an rng file torch.load
     cannot read makes it unreadable like a shard it cannot read."""
     saved_run(tmp_path, group)
     newest = checkpoint.step_path(tmp_path, 2)
-    os.remove(os.path.join(newest, "manifest.json"))
+    as_saved_before_manifests(newest)
     rng = os.path.join(newest, "rng", "rank_00000.pt")
     open(rng, "r+b").truncate(os.path.getsize(rng) // 2)
     caplog.set_level(logging.INFO, "trainer")

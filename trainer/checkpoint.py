@@ -140,11 +140,12 @@ folder = layout.checkpoints_dir
 def problem(path: str) -> str | None:
     """Why `path` is not a usable checkpoint, or None if it looks complete: the files a commit
     leaves (trainer/layout.py), then every file as large as its manifest says, or for a checkpoint
-    saved before manifests, every shard file as long as DCP's metadata says."""
+    saved before manifests (its meta.json does not name one), every shard file as long as DCP's
+    metadata says."""
     why = layout.files_problem(path)
     if why:
         return why
-    if os.path.exists(os.path.join(path, checksums.MANIFEST)):
+    if os.path.exists(os.path.join(path, checksums.MANIFEST)) or layout.read_meta(path).get("manifest"):
         return checksums.manifest_problem(path)
     try:
         needed: dict[str, int] = {}
@@ -657,8 +658,8 @@ class Checkpointer:
         if self.rank != 0 or (self.still_owner and not self.still_owner()):
             return
         meta_file = os.path.join(tmp, "meta.json")
-        with open(meta_file, "w") as f:
-            json.dump(meta, f, indent=1)
+        with open(meta_file, "w") as f:  # saying that a manifest follows: a checkpoint that lost it is no old one
+            json.dump({**meta, "manifest": checksums.MANIFEST}, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
         checksums.write_manifest(tmp)

@@ -17,8 +17,8 @@ Every other file of a checkpoint is covered too (issue 27): at the commit rank 0
 listing each file of the folder (a shard with its record's values, not hashed again). Listing
 checkpoints checks the sizes only (`manifest_problem`); before a checkpoint is loaded rank 0 hashes
 every listed file whose checksum the load does not check itself (`deep`): .metadata, meta.json,
-rng/*, the .xxh3 records. A checkpoint without manifest.json was saved before it existed and is
-read as before.
+rng/*, the .xxh3 records. meta.json names the manifest: a checkpoint without one whose meta.json
+does not name it was saved before manifests and is read as before; one whose meta.json does lost it.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def manifest_problem(folder: str, deep: bool = False) -> str | None:
             for w in files.values()
         )
     except FileNotFoundError:
-        return None
+        return _lost_manifest(folder)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         intact = False
     if not intact:
@@ -134,6 +134,17 @@ def manifest_problem(folder: str, deep: bool = False) -> str | None:
             if digest != want["xxh3_64"]:
                 return f"{name} is damaged: checksum {digest:016x}, but {want['xxh3_64']:016x} was written"
     return None
+
+
+def _lost_manifest(folder: str) -> str | None:
+    """Why a checkpoint without manifest.json is not usable: its meta.json says its commit wrote one
+    (since the trainer wrote them all), so it was lost; or None, for a checkpoint saved before them."""
+    try:
+        with open(os.path.join(folder, "meta.json")) as f:
+            named = json.load(f).get("manifest")
+    except (OSError, ValueError, AttributeError):
+        return None  # an unreadable meta.json is named by the listing's own check (trainer/layout.py)
+    return f"{MANIFEST} is missing, though meta.json says its commit wrote one" if named else None
 
 
 class ChecksumWriter(FileSystemWriter):
