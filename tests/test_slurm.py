@@ -356,46 +356,6 @@ def test_a_node_that_dies_is_named_and_the_job_resumes_on_the_nodes_left(runs):
 
 
 @cluster
-def test_the_first_node_dying_takes_the_rendezvous_store_and_the_job_resumes_on_the_nodes_left(runs):
-    """n1 dies: the node of the batch shell, of srun (through which every node's output passes) and
-    of the rendezvous store. The survivors' lines die with n1's srun; what they leave is the one
-    node_lost row naming n1. Slurm requeues the job on n2-n4, which resumes from the newest
-    checkpoint with 3 ranks and the same global batch, every step once."""
-    run_dir = runs / "dead-first-node"
-    idle = ["sinfo", "-h", "-N", "-p", "main", "-t", "idle", "-o", "%N"]
-    wait_for(lambda: len(subprocess.run(idle, capture_output=True, text=True).stdout.split()) == 4, 60, "4 idle nodes")
-    job = make_submit(
-        "NODES=4",
-        "MIN_NODES=3",
-        "GPUS_PER_NODE=1",
-        f"RUN_DIR={run_dir}",
-        "ARGS=train.steps=40 train.global_batch_size=12 train.micro_batch_size=1 " + " ".join(COMMON),
-    )
-    try:
-        wait_for(lambda: layout.latest_committed_step(run_dir), 120, "the first checkpoint")
-        assert job_info(job)["NodeList"] == "n[1-4]"
-        kill_node(job, "n1")
-        info = wait_job(job, timeout=240)
-        log = log_text(run_dir, job)
-        assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log
-        assert info["NodeList"] == "n[2-4]", info
-    finally:
-        subprocess.run(["scancel", job])
-        restore_node("n1")
-    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    events = [(r["event"], r.get("nodes")) for r in logged if "event" in r]
-    assert events == [("node_lost", ["n1"]), ("resume", None)], events
-    lost, resume = (r for r in logged if "event" in r)
-    assert lost["node"] in {"n2", "n3", "n4"} and lost["step"] == resume["step"] > 0, (lost, resume)
-    rows = metrics(run_dir)
-    assert [r["step"] for r in rows] == list(range(5, 41, 5)), rows
-    assert {r["world_size"] for r in rows if r["step"] <= resume["step"]} == {4}
-    assert {r["world_size"] for r in rows if r["step"] > resume["step"]} == {3}
-    assert layout.latest_committed_step(run_dir) == 40
-    assert "Traceback" not in log and "TCPStore" not in log, log
-
-
-@cluster
 def test_sbatch_job_warned_the_cgroup_way_saves_requeues_and_resumes(runs):
     """The time-limit warning (#SBATCH --signal=USR1@N) as proctrack/cgroup delivers it: SIGUSR1 to
     the step's tasks only (the launchers), not to the ranks they started. The launchers forward it,
