@@ -731,29 +731,8 @@ def preemption(ctx) -> tuple[dict, dict, dict]:
     keys = MEASURED_BY[preemption]
     if not worker.cluster_up():
         return (*not_measured(keys, "the local Slurm cluster is not up (make slurm-up)"), {})
-    out = ctx.scratch / "preemption.json"
-    out.unlink(missing_ok=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "bench.preemption",
-        "--out",
-        str(out),
-        "--rounds",
-        str(ctx.args.preempt_rounds),
-        "--size",
-        ctx.args.step_size,
-    ]
-    log = ctx.scratch / "preemption.log"
     timeout = ctx.budget.need(60, "one preemption round")
-    with open(log, "w") as f:
-        try:
-            subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            print(f"bench: preemption: timed out after {timeout:.0f}s, keeping the rounds that finished", flush=True)
-    if not out.exists():
-        raise Failed(f"no round finished (log: {log.relative_to(ROOT)})")
-    rounds = json.loads(out.read_text())["rounds"]
+    rounds = rounds_of(ctx, "preemption", ctx.args.preempt_rounds, timeout, "--size", ctx.args.step_size)["rounds"]
     part = lambda key: [r[key] for r in rounds]
     figures = {
         "preempt_to_committed_s": figure("preempt_to_committed_s", part("request_to_committed_s")),
@@ -777,13 +756,13 @@ def preemption(ctx) -> tuple[dict, dict, dict]:
     return figures, notes, {"preemption": rounds}
 
 
-def rounds_of(ctx, name: str, rounds: int, timeout: float) -> dict:
-    """Run bench/<name>.py for `rounds` rounds within `timeout` seconds (its log in the scratch
-    folder) and return the JSON it wrote; it writes after each round, so the rounds that finished
-    count when time runs out."""
+def rounds_of(ctx, name: str, rounds: int, timeout: float, *args: str) -> dict:
+    """Run bench/<name>.py (with `args`) for `rounds` rounds within `timeout` seconds (its log in
+    the scratch folder) and return the JSON it wrote; it writes after each round, so the rounds
+    that finished count when time runs out."""
     out, log = ctx.scratch / f"{name}.json", ctx.scratch / f"{name}.log"
     out.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", f"bench.{name}", "--out", str(out), "--rounds", str(rounds)]
+    cmd = [sys.executable, "-m", f"bench.{name}", "--out", str(out), "--rounds", str(rounds), *args]
     with open(log, "w") as f:
         try:
             subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
