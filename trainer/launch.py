@@ -417,11 +417,9 @@ def _restarting_agent(
                     if node != node_name()
                 )
             if lost:
-                outcome["lost"] = lost
                 beating.lost(lost)
                 self._remaining_restarts = 0
-                _say(lost_nodes_line(lost, nnodes, run_dir))
-                record_lost_nodes(run_dir, endpoint, lost)
+                _report_lost(outcome, lost, nnodes, run_dir, endpoint)
                 return result
             if _no_restart(marks) or self._remaining_restarts <= 0:
                 self._remaining_restarts = 0
@@ -451,6 +449,16 @@ def _restarting_agent(
             return result
 
     return RestartingAgent
+
+
+def _report_lost(outcome: dict, lost: list[str], nnodes: int, run_dir: str, endpoint: str) -> None:
+    """Say once in this launch (kept in outcome["lost"], should a further signal come while it is
+    said) that `lost` stopped answering, and leave the run's one node_lost row."""
+    if outcome.get("lost"):
+        return
+    outcome["lost"] = lost
+    _say(lost_nodes_line(lost, nnodes, run_dir))
+    record_lost_nodes(run_dir, endpoint, lost)
 
 
 def record_lost_nodes(run_dir: str, endpoint: str, lost: list[str]) -> None:
@@ -638,10 +646,7 @@ def main(argv: list[str] | None = None) -> int:
                 return BAD_INPUT
             lost = heartbeat.named_lost(cfg.run_dir, endpoint) if endpoint else []
             if lost and node_name() not in lost:  # srun's kill after another node named a dead one
-                if not outcome.get("lost"):
-                    outcome["lost"] = lost  # said once, should a further signal come
-                    _say(lost_nodes_line(lost, a.nnodes, cfg.run_dir))
-                    record_lost_nodes(cfg.run_dir, endpoint, lost)
+                _report_lost(outcome, lost, a.nnodes, cfg.run_dir, endpoint)
                 return NODE_LOST
             status = layout.read_status(cfg.run_dir)
             name = signal.Signals(e.sigval).name
@@ -663,9 +668,7 @@ def main(argv: list[str] | None = None) -> int:
             # The rendezvous store lives on the first node: a dead first node is seen here first.
             lost = heartbeat.silent_nodes(cfg.run_dir, endpoint, node_name()) if endpoint else []
             if lost:
-                outcome["lost"] = lost
-                _say(lost_nodes_line(lost, a.nnodes, cfg.run_dir))
-                record_lost_nodes(cfg.run_dir, endpoint, lost)
+                _report_lost(outcome, lost, a.nnodes, cfg.run_dir, endpoint)
                 return NODE_LOST
             first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""  # not a C++ stack
             _say(f"torchrun failed: {type(e).__name__}: {first_line}")
@@ -676,9 +679,7 @@ def main(argv: list[str] | None = None) -> int:
             return BAD_INPUT
         lost = heartbeat.named_lost(cfg.run_dir, endpoint) if endpoint else []
         if lost and node_name() not in lost:
-            if not outcome.get("lost"):
-                _say(lost_nodes_line(lost, a.nnodes, cfg.run_dir))
-                record_lost_nodes(cfg.run_dir, endpoint, lost)
+            _report_lost(outcome, lost, a.nnodes, cfg.run_dir, endpoint)
             return NODE_LOST
         return 1
     finally:
