@@ -406,14 +406,21 @@ def report(folder: str) -> str:
 
 class Stragglers:
     """Names a rank whose compute time per step exceeded `factor` x the median of all ranks' for
-    STRAGGLER_WINDOWS logged windows in a row: once per such run of windows."""
+    STRAGGLER_WINDOWS logged windows in a row: once per such run of windows.
+
+    The first window after a start is warm-up (lazy set-up, the allocator, a compile: more on some
+    ranks than others, by how loaded their machine is) and never counts."""
 
     def __init__(self, factor: float):
         self.factor = factor
         self.streak: dict[int, int] = {}
+        self.warm = False
 
     def update(self, times: list[float]) -> list[int]:
         """Feed one window's compute time of each rank; the ranks to name now."""
+        if not self.warm:
+            self.warm = True
+            return []
         median = statistics.median(times)
         named = []
         for rank, t in enumerate(times):
