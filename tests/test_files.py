@@ -1,0 +1,110 @@
+"""trainer/files.py, the one way to touch a shared folder: against a link, a FIFO and a folder at
+each name, every call refuses in one line or replaces the planted thing; nothing is written through
+a link, nothing blocks."""
+
+import os
+import stat
+
+import pytest
+
+from trainer import files
+
+
+@pytest.fixture
+def secret(tmp_path):
+    path = tmp_path / "secret"
+    path.write_text("the victim's own file\n")
+    return path
+
+
+def plant(kind, path, secret):
+    if kind == "link":
+        os.symlink(secret, path)
+    elif kind == "fifo":
+        os.mkfifo(path)
+    else:
+        os.mkdir(path)
+
+
+@pytest.mark.parametrize("kind", ["link", "fifo", "folder"])
+def test_reads_refuse_what_is_not_a_regular_file_without_blocking(tmp_path, secret, kind):
+    path = tmp_path / "status.json"
+    plant(kind, path, secret)
+    for read in (files.read_bytes, files.read_text, files.read_json):
+        with pytest.raises(files.UnsafeFile) as e:
+            read(path)
+        assert str(e.value).startswith(f"{path} is a"), e.value
+
+
+@pytest.mark.parametrize("kind", ["link", "fifo"])
+def test_writes_replace_a_planted_link_or_fifo_and_never_write_through_it(tmp_path, secret, kind):
+    path = tmp_path / "status.json"
+    plant(kind, path, secret)
+    files.write_json(path, {"step": 3})
+    assert files.read_json(path) == {"step": 3} and stat.S_ISREG(os.lstat(path).st_mode)
+    assert secret.read_text() == "the victim's own file\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["secret", "status.json"]  # no temporary left
+
+
+def test_a_write_onto_a_folder_fails_and_leaves_no_temporary(tmp_path, secret):
+    plant("folder", tmp_path / "status.json", secret)
+    with pytest.raises(OSError):
+        files.write_text(tmp_path / "status.json", "x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["secret", "status.json"]
+
+
+@pytest.mark.parametrize("kind", ["link", "fifo", "folder"])
+def test_appends_refuse_a_planted_link_fifo_or_folder(tmp_path, secret, kind):
+    path = tmp_path / "metrics.jsonl"
+    plant(kind, path, secret)
+    with pytest.raises((files.UnsafeFile, IsADirectoryError)):
+        files.open_append(path)
+    assert secret.read_text() == "the victim's own file\n"
+
+
+def test_append_creates_and_appends(tmp_path):
+    for row in ("a\n", "b\n"):
+        with files.open_append(tmp_path / "m.jsonl") as f:
+            f.write(row)
+    assert (tmp_path / "m.jsonl").read_text() == "a\nb\n"
+
+
+def test_reads_are_bounded(tmp_path):
+    (tmp_path / "big").write_bytes(b"x" * 101)
+    assert files.read_bytes(tmp_path / "big", limit=101) == b"x" * 101
+    with pytest.raises(files.UnsafeFile, match="larger than 100 bytes"):
+        files.read_bytes(tmp_path / "big", limit=100)
+    with pytest.raises(files.UnsafeFile, match="character device"):
+        files.read_bytes("/dev/zero")
+
+
+def test_make_folder_refuses_a_link_to_a_folder(tmp_path):
+    os.symlink(tmp_path, tmp_path / "trace")
+    with pytest.raises(files.UnsafeFile, match="trace is a symbolic link, not a folder"):
+        files.make_folder(tmp_path / "trace")
+    files.make_folder(tmp_path / "new")
+    files.make_folder(tmp_path / "new")
+    assert (tmp_path / "new").is_dir()
+
+
+def test_trusted_wants_the_users_file_in_a_folder_nobody_else_can_write(tmp_path):
+    folder = tmp_path / "run"
+    folder.mkdir(mode=0o755)
+    os.chmod(folder, 0o755)
+    config = folder / "config.yaml"
+    config.write_text("x: 1\n")
+    os.chmod(config, 0o644)
+    assert files.trusted(config) is None
+    os.chmod(folder, 0o775)
+    assert "can be written by group or others (mode 775)" in files.trusted(config)
+    os.chmod(folder, 0o1777)  # sticky is not enough: a file of yours may hold bytes another user chose
+    assert "can be written by group or others" in files.trusted(config)
+    os.chmod(folder, 0o755)
+    os.chmod(config, 0o664)
+    assert files.trusted(config) == "group or others can write it (mode 664)"
+    os.chmod(config, 0o644)
+    os.chown(config, 12345, -1)
+    assert files.trusted(config).startswith("it is owned by uid 12345, not by you")
+    config.unlink()
+    os.symlink(tmp_path, config)
+    assert files.trusted(config) == "it is a symbolic link"

@@ -1,0 +1,198 @@
+"""One way to touch a shared folder: the run dir, a checkpoint, a token file's folder.
+
+Every file the project reads or writes where someone else may write too goes through here (git's
+lockfile/tempfile API is the model):
+
+- nothing follows a link: every open has O_NOFOLLOW, and a folder is checked with lstat;
+- a write goes to a temporary file created exclusively (O_EXCL) under a random name beside its
+  target, is flushed to disk and renamed into place: a planted link or FIFO at the target is
+  replaced, never written through, and a reader never sees half a file;
+- a read opens with O_NONBLOCK and checks with fstat that it got a regular file before it reads a
+  byte, and reads at most `limit` bytes: a FIFO, a device or /dev/zero is refused at once, in one
+  line naming the file;
+- `trusted` tells whether a file's content can be taken as the user's own (what runs or imports
+  from a config needs): owned by the user, writable by nobody else, in a folder nobody else can
+  write.
+
+The Slurm requeue check (trainer/requeue.py) uses this module in the batch shell, with the system's
+python3: it runs on Python 3.6 and later and imports nothing outside the standard library, as
+trainer/layout.py does.
+"""
+
+import binascii
+import errno
+import json
+import os
+import stat
+
+# Reads are bounded: a run dir's small files (status, lease, records, manifests) are kilobytes.
+SMALL_FILE_BYTES = 16 << 20
+
+
+class UnsafeFile(OSError):
+    """A file or folder in a shared place that is not what the project writes there: a link, a
+    FIFO, a device, a folder where a file belongs, or larger than a file of its kind can be."""
+
+    def __init__(self, path, why):
+        super(UnsafeFile, self).__init__(errno.EINVAL, "{} {}".format(path, why))
+        self.path, self.why = str(path), why
+
+    def __str__(self):
+        return "{} {}".format(self.path, self.why)
+
+
+def _kind(mode):
+    for test, name in (
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _open(path, flags):
+    """os.open with O_NOFOLLOW; a link at `path` is an UnsafeFile, not an ELOOP traceback."""
+    try:
+        return os.open(str(path), flags | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o666)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.EMLINK):  # EMLINK: FreeBSD's answer for a link
+            raise UnsafeFile(path, "is a symbolic link; the project never follows one here") from None
+        if e.errno == errno.ENXIO:  # a FIFO with no reader, opened for writing with O_NONBLOCK
+            raise UnsafeFile(path, "is a FIFO, not a regular file") from None
+        raise
+
+
+def _regular(fd, path):
+    """fstat `fd`: raise UnsafeFile (closing it) unless it is a regular file."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise UnsafeFile(path, "is {}, not a regular file".format(_kind(st.st_mode)))
+    return st
+
+
+def read_bytes(path, limit=SMALL_FILE_BYTES):
+    """The bytes of the regular file at `path`, at most `limit` of them (UnsafeFile past that).
+
+    Never blocks on a FIFO, never follows a link: FileNotFoundError when nothing is there."""
+    fd = _open(path, os.O_RDONLY | os.O_NONBLOCK)
+    _regular(fd, path)
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise UnsafeFile(path, "is larger than {} bytes, more than a file of its kind holds".format(limit))
+    return data
+
+
+def read_text(path, limit=SMALL_FILE_BYTES):
+    """read_bytes as UTF-8 text (undecodable bytes replaced: the caller checks what it parses)."""
+    return read_bytes(path, limit).decode("utf-8", "replace")
+
+
+def read_json(path, limit=SMALL_FILE_BYTES):
+    """The JSON value in the regular file at `path` (ValueError when it is not JSON)."""
+    return json.loads(read_text(path, limit))
+
+
+def _temporary(path):
+    """(fd, name) of a new file beside `path`, created exclusively under a random name."""
+    folder, name = os.path.split(str(path))
+    for _ in range(16):
+        tmp = os.path.join(folder, ".{}.tmp-{}".format(name, binascii.hexlify(os.urandom(8)).decode()))
+        try:
+            return _open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), tmp
+        except FileExistsError:  # 64 random bits: only a planted name collides
+            continue
+    raise UnsafeFile(path, "could not get a fresh temporary name beside it")
+
+
+def write_bytes(path, data, mode=0o644):
+    """Replace `path` with `data` atomically: a fresh temporary file, fsync'd and renamed into place.
+
+    A link or FIFO planted at `path` is replaced, never written through; a folder there fails."""
+    fd, tmp = _temporary(path)
+    try:
+        os.fchmod(fd, mode)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+        os.close(fd)
+        fd = None
+        os.replace(tmp, str(path))
+    except BaseException:
+        if fd is not None:
+            os.close(fd)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def write_text(path, text, mode=0o644):
+    write_bytes(path, text.encode("utf-8"), mode)
+
+
+def write_json(path, value, mode=0o644, **dump_args):
+    dump_args.setdefault("indent", 1)
+    dump_args.setdefault("sort_keys", True)
+    write_text(path, json.dumps(value, **dump_args) + "\n", mode)
+
+
+def open_append(path, mode=0o644):
+    """A text file open for appending to the regular file at `path` (created if absent): never
+    through a link, never blocking on a FIFO (UnsafeFile for either)."""
+    fd = _open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK)
+    _regular(fd, path)
+    if hasattr(os, "set_blocking"):
+        os.set_blocking(fd, True)
+    return os.fdopen(fd, "a", encoding="utf-8")
+
+
+def make_folder(path, mode=0o755):
+    """Make the folder at `path` if absent; UnsafeFile if something else (a link too) is there."""
+    try:
+        os.mkdir(str(path), mode)
+        return
+    except FileExistsError:
+        pass
+    st = os.lstat(str(path))
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeFile(path, "is {}, not a folder".format(_kind(st.st_mode)))
+
+
+def others_can_write(st):
+    """Whether group or others may write what `st` (an os.stat_result) describes."""
+    return bool(st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
+
+
+def trusted(path):
+    """Why the file at `path` cannot be taken as the user's own content, or None when it can.
+
+    Content that runs (a command) or is imported (a module) may come from a file only when nobody
+    but the user could have written it: a regular file of the user's, not writable by group or
+    others, in a folder of the user's (or root's) that group and others cannot write either. In a
+    group-writable folder another user can rename a file of yours that holds their bytes into
+    place, so the file's own owner and mode prove nothing there."""
+    path = str(path)
+    uid = os.geteuid()
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):
+        return "it is {}".format(_kind(st.st_mode))
+    if st.st_uid != uid:
+        return "it is owned by uid {}, not by you (uid {})".format(st.st_uid, uid)
+    if others_can_write(st):
+        return "group or others can write it (mode {:o})".format(stat.S_IMODE(st.st_mode))
+    folder = os.path.dirname(os.path.abspath(path))
+    dst = os.lstat(folder)
+    if dst.st_uid not in (uid, 0):
+        return "its folder {} is owned by uid {}, not by you".format(folder, dst.st_uid)
+    if others_can_write(dst):
+        return "its folder {} can be written by group or others (mode {:o})".format(folder, stat.S_IMODE(dst.st_mode))
+    return None
