@@ -108,3 +108,17 @@ def test_trusted_wants_the_users_file_in_a_folder_nobody_else_can_write(tmp_path
     config.unlink()
     os.symlink(tmp_path, config)
     assert files.trusted(config) == "it is a symbolic link"
+
+
+def test_a_temporary_is_a_new_regular_file_beside_its_target_under_a_random_name(tmp_path, secret):
+    target = tmp_path / "out.bin"
+    os.symlink(secret, target)  # planted at the target: the temporary never opens it
+    fd, name = files.temporary(target)
+    os.write(fd, b"tokens")
+    os.close(fd)
+    assert os.path.dirname(name) == str(tmp_path) and name != str(target) and stat.S_ISREG(os.lstat(name).st_mode)
+    os.replace(name, target)
+    assert target.read_bytes() == b"tokens" and secret.read_text() == "the victim's own file\n"
+    fd, again = files.temporary(target)
+    os.close(fd)
+    assert again != name  # a fresh name each time

@@ -178,7 +178,8 @@ def test_the_launcher_outside_slurm_is_one_line_and_exit_4_without_a_record(caps
 
 def test_a_record_is_never_written_through_a_link_in_the_run_dir(tmp_path):
     """The failing node's record goes into the shared run dir: a link planted in place of the records'
-    folder or at the record's temporary name does not make it write where the link leads."""
+    folder or at the record's own name does not make it write where the link leads (the record is
+    written under a fresh random name and renamed over it: trainer/files.py)."""
     victim = tmp_path / "victim"
     victim.mkdir()
     precious = victim / "precious.txt"
@@ -188,7 +189,7 @@ def test_a_record_is_never_written_through_a_link_in_the_run_dir(tmp_path):
     (run / "slurm" / "health").symlink_to(victim)
     path = health.record(str(run), "7", "n2", "health.command failed", 2)
     assert sorted(p.name for p in victim.iterdir()) == ["precious.txt"]
-    (Path(path).parent / f"7.n3.json.tmp{os.getpid()}").symlink_to(precious)
+    (Path(path).parent / "7.n3.json").symlink_to(precious)
     health.record(str(run), "7", "n3", "health.command failed", 2)
     assert precious.read_text() == "keep"
     assert sorted(p.name for p in Path(path).parent.iterdir()) == ["7.n2.json", "7.n3.json"]

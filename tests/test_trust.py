@@ -481,35 +481,74 @@ def test_metadata_with_enum_members_pickled_by_name_loads_and_getattr_stays_clos
 def test_a_run_dirs_config_runs_its_health_command_only_when_only_we_can_write_it(tmp_path):
     """The run dir's config.yaml is the base of every later start, and health.command is run on every
     node: a config.yaml that someone else could have written (group- or world-writable, another
-    owner, a link) must not make a start run its command. One line; the command never runs."""
-    from trainer.config import ConfigError, dump, load, load_run
+    owner, a link, or in a run dir others can write) must not make a start run its command. The
+    command is dropped with one line; the command line's or the user's own --config file's is used."""
+    from trainer.config import dump, load, load_run
 
     marker = tmp_path / "ran"
     run = tmp_path / "run"
-    run.mkdir()
+    run.mkdir(mode=0o755)
+    os.chmod(run, 0o755)
     saved = run / "config.yaml"
     dump(load(None, [f"run_dir={run}", f"health.command=touch {marker}"]), str(saved))
     os.chmod(saved, 0o644)
-    cfg, _, _ = load_run(None, [f"run_dir={run}"])  # ours, writable by us only: used
-    assert cfg.health.command == f"touch {marker}"
+    cfg, _, lines = load_run(None, [f"run_dir={run}"])  # ours, writable by us only: used
+    assert cfg.health.command == f"touch {marker}" and lines == []
+
+    def refused(why):
+        cfg, _, lines = load_run(None, [f"run_dir={run}"])
+        assert cfg.health.command != f"touch {marker}"
+        assert lines[:1] == [
+            f"{saved}: its health.command is not run (it would run on every node) because {why}, so someone "
+            f"else may have written it; give health.command= on the command line or in your own --config file, "
+            f"and keep the run dir writable by you only (chmod go-w)"
+        ]
+
     os.chmod(saved, 0o664)
-    with pytest.raises(ConfigError) as e:
-        load_run(None, [f"run_dir={run}"])
-    assert str(e.value) == (
-        f"{saved}: sets health.command (run on every node) but is writable by its group or others; make it "
-        f"writable by you only (chmod go-w {saved}), or give health.command= on the command line"
-    )
+    refused("group or others can write it (mode 664)")
     cfg, _, _ = load_run(None, [f"run_dir={run}", "health.command=exit 0"])  # the command line's wins
     assert cfg.health.command == "exit 0"
+    own = tmp_path / "mine.yaml"
+    own.write_text(f"run_dir: {run}\nhealth:\n  command: exit 7\n")
+    cfg, _, _ = load_run(str(own), [])  # the user's own --config file's is used
+    assert cfg.health.command == "exit 7"
     os.chmod(saved, 0o644)
+    os.chmod(run, 0o775)
+    refused(f"its folder {run} can be written by group or others (mode 775)")
+    os.chmod(run, 0o755)
     if os.geteuid() == 0:  # root can give the file to someone else
         os.chown(saved, 4321, -1)
-        with pytest.raises(ConfigError, match=r"\(run on every node\) but is owned by uid 4321, not by you"):
-            load_run(None, [f"run_dir={run}"])
+        refused("it is owned by uid 4321, not by you (uid 0)")
         os.chown(saved, 0, -1)
     elsewhere = tmp_path / "elsewhere.yaml"
     saved.rename(elsewhere)
     saved.symlink_to(elsewhere)
-    with pytest.raises(ConfigError, match=r"config.yaml: sets health.command \(run on every node\) but is a link"):
-        load_run(None, [f"run_dir={run}"])
+    refused("it is a symbolic link")
+    assert not marker.exists()
+
+
+def test_a_command_moved_into_our_own_file_in_a_shared_run_dir_is_never_run(tmp_path):
+    """Issue 32 item 2: the attacker writes `health: {command: ...}` into metrics.jsonl of a
+    group-writable run dir; a resume used to move it into a metrics.superseded.jsonl of the victim's,
+    which the attacker renames to config.yaml: the next start ran it. Now the line is dropped (never
+    copied), and a config.yaml of ours in a run dir others can write is not trusted to run anything."""
+    from trainer.config import LogArgs, load_run
+    from trainer.metrics import Reporter
+
+    marker = tmp_path / "ran"
+    run = tmp_path / "run"
+    run.mkdir()
+    os.chmod(run, 0o775)  # shared with the group, as docs/security.md allows
+    metrics = run / "metrics.jsonl"
+    attack = json.dumps({"health": {"command": f"touch {marker}"}})  # JSON is YAML too
+    metrics.write_text(json.dumps({"step": 5, "loss": 1.0, "time": 1.0}) + "\n" + attack + "\n")
+    Reporter(str(run), LogArgs(progress=False), 9, is_main=True).start(2, None)
+    superseded = run / "metrics.superseded.jsonl"
+    assert "touch" not in superseded.read_text() and "touch" not in metrics.read_text()
+    # Were it copied (it was): a file of ours holding only the attacker's line, renamed to config.yaml.
+    superseded.write_text(attack + "\n")
+    os.chmod(superseded, 0o644)
+    os.replace(superseded, run / "config.yaml")
+    cfg, _, lines = load_run(None, [f"run_dir={run}"])
+    assert cfg.health.command != f"touch {marker}" and "is not run" in lines[0]
     assert not marker.exists()

@@ -12,12 +12,14 @@ import argparse
 import dataclasses
 import math
 import os
+import stat
 import sys
 import tempfile
 from typing import TYPE_CHECKING
 
+from trainer import files
 from trainer.config import Config, ConfigError, load_run, resolve, resolve_batch
-from trainer.layout import RUN_DIR_FILES, RUN_DIR_FOLDERS
+from trainer.layout import RUN_DIR_FILES, RUN_DIR_FOLDERS, WRITTEN_FILES, WRITTEN_FOLDERS
 from trainer.models import choices as model_choices
 from trainer.models import find as find_family
 from trainer.optim import schedule_warning
@@ -358,6 +360,7 @@ def _check_writable(run_dir: str, where: str) -> None:
                 f"{where}: run_dir: {inside} is a folder where the run writes its {name} file; "
                 f"move it away or choose another run_dir"
             )
+    _check_planted(path, where)
     probed = [existing] + [os.path.join(path, n) for n in RUN_DIR_FOLDERS if os.path.isdir(os.path.join(path, n))]
     for folder in probed:
         try:
@@ -366,6 +369,29 @@ def _check_writable(run_dir: str, where: str) -> None:
             raise ConfigError(
                 f"{where}: run_dir: cannot write to {folder} ({e.strerror}); choose a writable run_dir"
             ) from None
+
+
+def _check_planted(path: str, where: str) -> None:
+    """No link, FIFO, device or socket where the run writes or reads one of its files or folders
+    (layout.WRITTEN_FILES, WRITTEN_FOLDERS): in a shared run dir someone else may have planted it, to
+    have the trainer write through it, copy what it points at, or hang on it. The project never
+    follows one (trainer/files.py); refusing here says so in one line, before anything is written."""
+    for name, folder in [(n, False) for n in WRITTEN_FILES] + [(n, True) for n in WRITTEN_FOLDERS]:
+        inside = os.path.join(path, name)
+        try:
+            st = os.lstat(inside)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) or (folder and stat.S_ISDIR(st.st_mode)):
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            continue  # a folder where a file belongs: the check above names the ones it matters for
+        kind = files._kind(st.st_mode)
+        raise ConfigError(
+            f"{where}: run_dir: {inside} is {kind}, where the run keeps its {name} "
+            f"{'folder' if folder else 'file'}; the trainer never follows or reads one (someone else may have "
+            f"put it there): remove it, and keep the run dir writable by you only"
+        )
 
 
 def check_devices(nproc: int) -> None:

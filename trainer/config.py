@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 import yaml
 
+from trainer import files
 from trainer.health import HealthArgs
 from trainer.launch import LaunchArgs
 from trainer.layout import CONFIG_FILE
@@ -224,7 +225,7 @@ def load_run(path: str | None, overrides: list[str] = ()) -> tuple[Config, str, 
         return cfg, path or "defaults", []
     saved_raw = _read_yaml(saved)
     given = {item.partition("=")[0] for item in overrides}
-    _check_saved_command(saved, saved_raw, given)
+    untrusted = _untrusted_command(saved, saved_raw, given)
     file_raw = _read_yaml(path) if path is not None else {}
     raw = _merge(file_raw, {**saved_raw, "run_dir": cfg.run_dir})
     if given & {"model.size", "model.init_from"} and isinstance(raw.get("model"), dict):
@@ -238,7 +239,7 @@ def load_run(path: str | None, overrides: list[str] = ()) -> tuple[Config, str, 
     result = _build(Config, raw, prefix="", sources=sources, default_source=saved)
     run = _leaves(to_dict(from_dict({**_merge(file_raw, saved_raw), "run_dir": cfg.run_dir}, saved)))
     now, from_file = _leaves(to_dict(result)), _leaves(to_dict(cfg))
-    lines = []
+    lines = [untrusted] if untrusted else []
     changed = [f"{k} {run[k]!r} -> {now[k]!r}" for k in now if k != "run_dir" and now[k] != run.get(k)]
     if changed:
         lines.append(
@@ -261,25 +262,24 @@ def load_run(path: str | None, overrides: list[str] = ()) -> tuple[Config, str, 
     return result, saved, lines
 
 
-def _check_saved_command(saved: str, raw: dict, given: set[str]) -> None:
-    """A ConfigError where the run dir's config.yaml sets health.command, which every node runs, and
-    someone other than us could have written the file: a link, another owner, writable by the group
-    or others. The command line's health.command replaces it, so the file's is not run."""
-    command = raw.get("health", {}).get("command") if isinstance(raw.get("health"), dict) else None
+def _untrusted_command(saved: str, raw: dict, given: set[str]) -> str | None:
+    """The line to show when the run dir's config.yaml sets health.command, which every node runs,
+    and someone other than us could have written it (files.trusted: a link, another owner, writable by
+    the group or others, or in a run dir they can write, where a file of ours holding their bytes can
+    be renamed to config.yaml): the command is then taken out of `raw`, never run. The command line's
+    health.command replaces it anyway; the --config file's, the user's own choice, is used if set."""
+    health = raw.get("health")
+    command = health.get("command") if isinstance(health, dict) else None
     if not command or "health.command" in given:
-        return
-    st = os.lstat(saved)
-    if stat.S_ISLNK(st.st_mode):
-        problem = "is a link"
-    elif st.st_uid != os.geteuid():
-        problem = f"is owned by uid {st.st_uid}, not by you"
-    elif st.st_mode & 0o022:
-        problem = "is writable by its group or others"
-    else:
-        return
-    raise ConfigError(
-        f"{saved}: sets health.command (run on every node) but {problem}; make it writable by you only "
-        f"(chmod go-w {saved}), or give health.command= on the command line"
+        return None
+    problem = files.trusted(saved)
+    if problem is None:
+        return None
+    del health["command"]
+    return (
+        f"{saved}: its health.command is not run (it would run on every node) because {problem}, so "
+        f"someone else may have written it; give health.command= on the command line or in your own "
+        f"--config file, and keep the run dir writable by you only (chmod go-w)"
     )
 
 
@@ -532,5 +532,5 @@ def to_dict(cfg: Config) -> dict:
 
 
 def dump(cfg: Config, path: str | Path) -> None:
-    with open(path, "w") as f:
-        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+    """Write the config as YAML to `path` (files.write_text: a link or FIFO there is replaced)."""
+    files.write_text(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))

@@ -25,7 +25,7 @@ import os
 import sys
 import time
 
-from trainer import checkpoint, data, models, parallel
+from trainer import checkpoint, data, files, layout, models, parallel
 from trainer import dist as distributed
 from trainer.config import ConfigError, from_dict, to_dict
 from trainer.export import _config, consolidate
@@ -59,11 +59,8 @@ def config(run_dir: str, path: str, overrides: list[str]):
 def append_row(run_dir: str, row: dict) -> None:
     """Append `row` to RUN_DIR/metrics.jsonl in one write (O_APPEND: beside a training that writes too)."""
     line = (json.dumps(finite_or_null(row), allow_nan=False) + "\n").encode()
-    fd = os.open(os.path.join(run_dir, "metrics.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
-    try:
-        os.write(fd, line)
-    finally:
-        os.close(fd)
+    with files.open_append(os.path.join(run_dir, layout.METRICS_FILE)) as f:
+        f.buffer.write(line)  # one write, as the trainer's own rows
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -99,8 +99,9 @@ def read_json(path, limit=SMALL_FILE_BYTES):
     return json.loads(read_text(path, limit))
 
 
-def _temporary(path):
-    """(fd, name) of a new file beside `path`, created exclusively under a random name."""
+def temporary(path):
+    """(fd, name) of a new file beside `path`, created exclusively under a random name: for a
+    file written in pieces and renamed into place by the caller (os.replace)."""
     folder, name = os.path.split(str(path))
     for _ in range(16):
         tmp = os.path.join(folder, ".{}.tmp-{}".format(name, binascii.hexlify(os.urandom(8)).decode()))
@@ -115,7 +116,7 @@ def write_bytes(path, data, mode=0o644):
     """Replace `path` with `data` atomically: a fresh temporary file, fsync'd and renamed into place.
 
     A link or FIFO planted at `path` is replaced, never written through; a folder there fails."""
-    fd, tmp = _temporary(path)
+    fd, tmp = temporary(path)
     try:
         os.fchmod(fd, mode)
         view = memoryview(data)

@@ -30,6 +30,8 @@ import threading
 import time
 import traceback
 
+from trainer import files
+
 # The hang folder the launcher chose for this start (absolute); without it a rank picks one itself.
 HANG_DIR_ENV = "TRAINER_HANG_DIR"
 _STORE_KEY = "trainer/hang_dir"
@@ -82,7 +84,8 @@ def hang_dir(run_dir: str, store) -> str:
         folder = store.compare_set(_STORE_KEY, "", proposal).decode()
     except Exception:  # noqa: BLE001 - the store may be gone with the launcher: this rank's own folder
         folder = proposal
-    os.makedirs(folder, exist_ok=True)
+    files.make_folder(os.path.dirname(folder))
+    files.make_folder(folder)
     return folder
 
 
@@ -102,7 +105,7 @@ def write_rank_file(folder: str, rank: int, header: dict, body: str) -> str:
     rank_<R>.txt in `folder`."""
     path = os.path.join(folder, f"rank_{rank}.txt")
     lines = [f"{key}: {v}\n" for key, value in header.items() for v in (value if isinstance(value, list) else [value])]
-    with open(path, "a") as f:
+    with files.open_append(path) as f:
         f.write("".join(lines) + "\n" + body.rstrip() + "\n\n")
     return path
 
@@ -328,8 +331,7 @@ _SILENT = re.compile(r"^rank (\d+): node (\S+), pid (\S+), last step (\S+)$")
 def sections(path: str) -> list[dict]:
     """The sections of a rank file: each one's header values (`silent`: a list of lines) and `where`,
     the innermost call of its main thread."""
-    with open(path, errors="replace") as f:
-        text = f.read()
+    text = files.read_text(path, files.SMALL_FILE_BYTES * 4)
     result = []
     for chunk in re.split(r"(?m)^(?=rank: \d+$)", text):  # stack lines are indented: never a match
         if not chunk.strip():

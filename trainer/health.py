@@ -27,9 +27,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import suppress
 from dataclasses import dataclass
 
+from trainer import files
 from trainer.requeue import HEALTH_FAILED, HEALTH_RECORDS
 
 __all__ = ["HEALTH_FAILED", "HealthArgs", "HealthError", "NodeCheck"]
@@ -293,13 +293,8 @@ def record(run_dir: str, job_id: str, node: str, failure: str, max_excluded: int
         os.unlink(folder)
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"{job_id}.{node}.json")
-    tmp = f"{path}.tmp{os.getpid()}"
-    with suppress(FileNotFoundError):
-        os.unlink(tmp)  # an earlier attempt's, or a link planted at the name: O_EXCL makes a new file
-    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "w") as f:
-        found = {"job": job_id, "node": node, "reason": failure, "max_excluded": max_excluded, "time": time.time()}
-        json.dump(found, f)
-    os.replace(tmp, path)
+    found = {"job": job_id, "node": node, "reason": failure, "max_excluded": max_excluded, "time": time.time()}
+    files.write_json(path, found, indent=None)  # a link or FIFO planted at the name is replaced
     return path
 
 

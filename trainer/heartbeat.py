@@ -16,10 +16,14 @@ port, and the files of nodes it no longer has are ignored.
 from __future__ import annotations
 
 import hashlib
-import json
+import logging
 import os
 import threading
 import time
+
+from trainer import files
+
+log = logging.getLogger("trainer")
 
 INTERVAL_S = 1.0  # seconds between two beats of a node
 # Seconds without a beat after which a node counts as gone: several beats, so that a loaded node
@@ -40,6 +44,7 @@ class Heartbeat:
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        self._said = False  # whether a skipped beat was said
 
     def failed(self, round_: str, rank: int, exit_code: int, noticed: float) -> None:
         """Say in the next beats (and this one, at once) that this node's ranks failed in rendezvous
@@ -74,10 +79,12 @@ class Heartbeat:
 
     def _write(self) -> None:
         self.record["beat"] += 1
-        try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(self.record))
+        try:  # a new file renamed into place: a link or FIFO planted at the name is replaced
+            files.write_json(self.path, self.record, indent=None, sort_keys=False)
+        except files.UnsafeFile as e:  # a folder (or the like) there: this beat is skipped, said once
+            if not self._said:
+                self._said = True
+                log.warning(f"heartbeat: {e}; beats are skipped until it is moved away")
         except OSError:  # a full or briefly unreachable filesystem: the next beat tries again
             pass
 
@@ -132,9 +139,8 @@ def records(run_dir: str, endpoint: str) -> dict[str, dict]:
         if not name.endswith(".json"):
             continue
         try:
-            with open(os.path.join(folder(run_dir), name)) as f:
-                record = json.loads(f.read())
-        except (OSError, ValueError):  # being rewritten: read it on the next pass
+            record = files.read_json(os.path.join(folder(run_dir), name))
+        except (OSError, ValueError):  # being rewritten, or not a regular file (files.UnsafeFile): skipped
             continue
         if isinstance(record, dict) and record.get("endpoint") == endpoint:
             found[str(record.get("node"))] = record

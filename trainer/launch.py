@@ -38,7 +38,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from trainer import hangs, heartbeat, layout, signals
+from trainer import files, hangs, heartbeat, layout, signals
 from trainer.requeue import HEALTH_FAILED, LEASE_LOST, NODE_LOST
 
 
@@ -90,7 +90,7 @@ def mark(name: str) -> None:
     """Called by a rank that is about to exit on bad input, divergence or a lost lease (trainer/__main__.py)."""
     folder = os.environ.get(MARKS_ENV)
     if folder:
-        with open(os.path.join(folder, name), "a"):
+        with files.open_append(os.path.join(folder, name)):
             pass
 
 
@@ -477,7 +477,7 @@ def write_row(run_dir: str, row: dict) -> None:
     if not os.path.isdir(run_dir):
         return
     try:
-        with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+        with files.open_append(os.path.join(run_dir, layout.METRICS_FILE)) as f:
             f.write(json.dumps({**row, "time": round(time.time(), 3)}) + "\n")
     except OSError as e:  # the restart matters more than its row
         _say(f"could not write the restart's row to {run_dir}/metrics.jsonl: {e}")

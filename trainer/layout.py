@@ -4,6 +4,13 @@
     <run_dir>/metrics.jsonl          one JSON row per logged step and evaluation (trainer/metrics.py)
     <run_dir>/status.json            what the trainer is doing: train.steps, state, newest save
     <run_dir>/lease.json             which process holds the run (trainer/lease.py)
+    <run_dir>/metrics.superseded.jsonl  rows an earlier start logged and did not save
+    <run_dir>/trackers.json          the experiment trackers' run ids (trainer/trackers.py)
+    <run_dir>/heartbeats/            one file per node of a multi-node run (trainer/heartbeat.py)
+    <run_dir>/health/, slurm/health/ failed health checks (trainer/health.py)
+    <run_dir>/hangs/                 stacks of a hung or straggling rank (trainer/hangs.py)
+    <run_dir>/trace/                 each rank's sample order, with data.trace (trainer/train.py)
+    <run_dir>/slurm/requeue.json     the Slurm requeue check's state (trainer/requeue.py)
     <run_dir>/checkpoints/step_00000100/   a complete checkpoint (see trainer/checkpoint.py)
     <run_dir>/checkpoints/.tmp_*, .trash_* a save in progress or a folder being deleted
 
@@ -14,10 +21,11 @@ Python 3.6 and later (RHEL/Rocky 8 and SLES 15 ship 3.6) and imports nothing out
 library. tests/test_requeue.py checks both.
 """
 
-import json
 import os
 import re
 import time
+
+from trainer import files
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 CONFIG_FILE = "config.yaml"
@@ -29,6 +37,18 @@ CHECKPOINTS_DIR = "checkpoints"
 # (trainer/check.py refuses both before the start).
 RUN_DIR_FOLDERS = (CHECKPOINTS_DIR,)
 RUN_DIR_FILES = (CONFIG_FILE, METRICS_FILE, STATUS_FILE, LEASE_FILE)
+SUPERSEDED_FILE = "metrics.superseded.jsonl"
+TRACKERS_FILE = "trackers.json"
+HEARTBEATS_DIR = "heartbeats"
+HEALTH_DIR = "health"
+HANGS_DIR = "hangs"
+TRACE_DIR = "trace"
+SLURM_DIR = "slurm"
+REQUEUE_FILE = os.path.join(SLURM_DIR, "requeue.json")
+# Every name the project writes or reads in a run dir, file or folder (tests/test_plant.py plants a
+# link and a FIFO at each and checks nothing is written or read through it).
+WRITTEN_FILES = RUN_DIR_FILES + (SUPERSEDED_FILE, TRACKERS_FILE, REQUEUE_FILE)
+WRITTEN_FOLDERS = (CHECKPOINTS_DIR, HEARTBEATS_DIR, HEALTH_DIR, HANGS_DIR, TRACE_DIR, SLURM_DIR)
 # Keys a committed checkpoint's meta.json always holds.
 META_KEYS = ("step", "samples", "world_size", "scheduler", "shapes")
 
@@ -55,8 +75,7 @@ def step_folders(run_dir):
 
 
 def read_meta(path):
-    with open(os.path.join(path, "meta.json")) as f:
-        return json.load(f)
+    return files.read_json(os.path.join(path, "meta.json"))
 
 
 def files_problem(path):
@@ -88,24 +107,20 @@ def latest_committed_step(run_dir):
 
 
 def read_status(run_dir):
-    """The trainer's status.json as a dict ({} when absent or unreadable)."""
+    """The trainer's status.json as a dict ({} when absent or not JSON). A link or FIFO there is
+    files.UnsafeFile: it names the file, and never hangs."""
     try:
-        with open(os.path.join(str(run_dir), STATUS_FILE)) as f:
-            status = json.load(f)
+        status = files.read_json(os.path.join(str(run_dir), STATUS_FILE))
+    except files.UnsafeFile:
+        raise
     except (OSError, ValueError):
         return {}
     return status if isinstance(status, dict) else {}
 
 
 def write_status(run_dir, **fields):
-    """Update status.json with `fields` and the time (`updated`), atomically: a reader never sees
-    half a file."""
+    """Update status.json with `fields` and the time (`updated`), atomically (files.write_json): a
+    reader never sees half a file, and a link or FIFO planted there is refused (files.UnsafeFile)."""
     status = read_status(run_dir)
     status.update(fields, updated=time.time())
-    path = os.path.join(str(run_dir), STATUS_FILE)
-    tmp = "{}.tmp{}".format(path, os.getpid())
-    with open(tmp, "w") as f:
-        json.dump(status, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    files.write_json(os.path.join(str(run_dir), STATUS_FILE), status)

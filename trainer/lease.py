@@ -35,6 +35,7 @@ import threading
 import time
 import uuid
 
+from trainer import files
 from trainer.layout import LEASE_FILE
 
 log = logging.getLogger("trainer")
@@ -42,6 +43,7 @@ log = logging.getLogger("trainer")
 FILE = LEASE_FILE
 RENEW_S = 10.0  # seconds between renewals
 STALE_S = 120.0  # a lease not renewed this long, whose owner cannot be looked up here, is taken over
+LEASE_BYTES = 1 << 16  # a lease is a few hundred bytes
 TAKEOVER_S = 30.0  # seconds after which a takeover lock is one left by a starter that died taking over
 
 
@@ -54,9 +56,10 @@ class LeaseLost(Exception):
 
 
 def _read_raw(path: str) -> bytes | None:
+    """The lease file's bytes, None when absent. files.UnsafeFile for a link, a FIFO or another
+    non-regular file there (planted in a shared run dir): never followed, never a hang."""
     try:
-        with open(path, "rb") as f:
-            return f.read()
+        return files.read_bytes(path, LEASE_BYTES)
     except FileNotFoundError:
         return None
 
@@ -143,6 +146,11 @@ class Lease:
         while True:  # another starter may change the lease while this one looks: look again
             try:
                 raw = _read_raw(self.path)
+            except files.UnsafeFile as e:
+                raise LeaseError(
+                    f"run_dir {run_dir}: {e}; remove it (someone else may have put it there), and keep "
+                    f"the run dir writable by you only"
+                ) from None
             except OSError as e:
                 raise LeaseError(
                     f"run_dir {run_dir}: cannot read {self.path} ({e.strerror}); fix its permissions "
@@ -254,8 +262,9 @@ class Lease:
         os.remove(moved)
 
     def _write_tmp(self) -> str:
-        tmp = f"{self.path}.tmp-{self.me['token']}"
-        with open(tmp, "w") as f:
+        tmp = f"{self.path}.tmp-{self.me['token']}"  # the token is random: a planted name is refused
+        fd = files._open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        with os.fdopen(fd, "w") as f:
             json.dump({**self.me, "renewed": time.time()}, f)
             f.flush()
             os.fsync(f.fileno())

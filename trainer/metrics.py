@@ -5,7 +5,10 @@ rows `event`: "resume" (this start continues from a checkpoint: its `step`, `wor
 `checkpoint`, and `start`: the moments of this start, below) and "restart" (the launcher restarted the
 ranks after one failed: trainer/launch.py; its `time` is when the launcher saw the failure).
 A start keeps each step's row once: rows of steps after the one it starts from, logged by an
-earlier start that did not save them, move to metrics.superseded.jsonl.
+earlier start that did not save them, move to metrics.superseded.jsonl. A line that is not such a
+row (not a JSON object with an integer `step` and a numeric `time`: a line cut short by a kill, or
+someone else's bytes in a shared run dir) is dropped with one warning, never copied anywhere.
+Both files are touched only through trainer/files.py: a link or FIFO planted at either is refused.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import json
 import logging
 import math
 import os
+import re
 import resource
 import statistics
 import sys
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer import files, layout
 from trainer.config import LogArgs
 
 log = logging.getLogger("trainer")
@@ -30,6 +35,9 @@ log = logging.getLogger("trainer")
 # `launcher` its process began, `stopped` torchrun's agent had stopped the ranks before (a restart
 # inside the allocation only), `rendezvous` the agent's rendezvous was done and it started the ranks.
 START_ENV = "TRAINER_START_TIMES"
+
+# The most a metrics file may hold before reading it is refused (a row is ~300 bytes: millions of rows).
+METRICS_FILE_BYTES = 1 << 30
 
 
 def process_started() -> float:
@@ -174,7 +182,7 @@ class Reporter:
         """Append one row to metrics.jsonl, as given (rows of the run: `timed(...)`), and hand it to the
         trackers."""
         if self.is_main:
-            with open(self.path, "a") as f:
+            with files.open_append(self.path) as f:
                 f.write(_line(values))
             if self.trackers:
                 self.trackers.log(values)
@@ -187,15 +195,24 @@ class Reporter:
         if not self.is_main:
             return
         try:
-            with open(self.path) as f:
-                lines = f.read().splitlines()
+            lines = files.read_text(self.path, METRICS_FILE_BYTES).splitlines()
         except FileNotFoundError:
             lines = []
-        kept, superseded = [], []
+        kept, superseded, foreign = [], [], 0
         for line in lines:
-            (superseded if _after(line, step) else kept).append(line + "\n")
+            row = project_row(line)
+            if row is None:
+                foreign += 1
+            else:
+                (superseded if row["step"] > step else kept).append(line + "\n")
+        if foreign:
+            log.warning(
+                f"{self.path}: dropped {foreign} line(s) that are not rows of this run (not a JSON object "
+                f"with a step and a time: a line cut short by a kill, or written by someone else)"
+            )
         if superseded:
-            with open(os.path.join(os.path.dirname(self.path), "metrics.superseded.jsonl"), "a") as f:
+            path = os.path.join(os.path.dirname(self.path), layout.SUPERSEDED_FILE)
+            with files.open_append(path) as f:
                 f.writelines(superseded)
         if resumed:
             kept.append(
@@ -211,14 +228,9 @@ class Reporter:
                     )
                 )
             )
-        if not superseded and not resumed:
+        if not superseded and not resumed and not foreign:
             return
-        tmp = f"{self.path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            f.writelines(kept)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        files.write_text(self.path, "".join(kept))
 
     def row(self, values: dict) -> None:
         """Append a training row and refresh the progress line."""
@@ -262,14 +274,22 @@ def _line(values: dict) -> str:
     return json.dumps(finite_or_null(values), allow_nan=False) + "\n"
 
 
-def _after(line: str, step: int) -> bool:
-    """Whether a metrics.jsonl line belongs after `step`: its row's step is later, or it is no row
-    (a line cut short by a kill)."""
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def project_row(line: str) -> dict | None:
+    """The row a metrics.jsonl line holds when it is one the project writes (a JSON object with an
+    integer `step` and a numeric `time`), else None."""
     try:
         row = json.loads(line)
-        return not isinstance(row, dict) or row.get("step", 0) > step
     except ValueError:
-        return True
+        return None
+    if not isinstance(row, dict) or not _number(row.get("time")):
+        return None
+    if not isinstance(row.get("step"), int) or isinstance(row.get("step"), bool):
+        return None
+    return row
 
 
 def finite_or_null(values: dict) -> dict:
@@ -288,21 +308,32 @@ def _duration(seconds: float) -> str:
 
 
 def read_rows(path: str) -> list[dict]:
-    """The rows of a metrics.jsonl file (a missing file has none; a torn last line is left out)."""
+    """The rows of a metrics.jsonl file (a missing file has none). A line that is not a row of the
+    project's (a torn last line, a string `step` or `time`) is left out, with one warning to stderr
+    naming the file and how many. files.UnsafeFile for a link or FIFO at `path`."""
     try:
-        with open(path) as f:
-            lines = f.read().splitlines()
+        lines = files.read_text(path, METRICS_FILE_BYTES).splitlines()
     except FileNotFoundError:
         return []
-    rows = []
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue  # a row cut short by a kill
-        if isinstance(row, dict):
-            rows.append(row)
+    rows = [row for row in map(project_row, lines) if row is not None]
+    skipped = sum(1 for line in lines if line.strip()) - len(rows)
+    if skipped:
+        print(
+            f"warning: {clean(path)}: skipped {skipped} line(s) that are not rows (a JSON object with a "
+            f"numeric step and time)",
+            file=sys.stderr,
+        )
     return rows
+
+
+# Control characters and terminal escape sequences (CSI, OSC and the rest): printed raw from a row
+# they could retitle or clear the reader's terminal.
+_CONTROL = re.compile(r"\x1b(\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(\x07|\x1b\\)?|[@-_])?|[\x00-\x1f\x7f-\x9f]")
+
+
+def clean(text) -> str:
+    """`text` as str with every control character and escape sequence removed."""
+    return _CONTROL.sub("", str(text))
 
 
 def summary(run_dir: str) -> dict:
@@ -401,19 +432,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", metavar="FILE.png", help="plot loss and eval loss against step into this PNG")
     parser.add_argument("--json", action="store_true", help="one JSON object per run instead of a line")
     args = parser.parse_args(argv)
-    missing = [d for d in args.run_dirs if not os.path.isfile(os.path.join(d, "metrics.jsonl"))]
+    missing = [d for d in args.run_dirs if not os.path.lexists(os.path.join(d, "metrics.jsonl"))]
     if missing:
         print(f"error: {missing[0]}: no metrics.jsonl (is it a run dir?)", file=sys.stderr)
         return 2
     if args.plot and not args.plot.endswith(".png"):
         print(f"error: --plot {args.plot}: name a .png file", file=sys.stderr)
         return 2
-    for run_dir in args.run_dirs:
-        s = summary(run_dir)
-        print(json.dumps(s) if args.json else _summary_line(s))
-    if args.plot:
-        plot(args.run_dirs, args.plot)
-        print(f"plotted {len(args.run_dirs)} run(s) to {args.plot}")
+    try:
+        for run_dir in args.run_dirs:
+            s = summary(run_dir)
+            print(json.dumps(s) if args.json else clean(_summary_line(s)))
+        if args.plot:
+            plot(args.run_dirs, args.plot)
+            print(f"plotted {len(args.run_dirs)} run(s) to {args.plot}")
+    except files.UnsafeFile as e:
+        print(f"error: {clean(e)}: move it away; a run dir's metrics are regular files", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -30,6 +30,7 @@ import time
 
 import numpy as np
 
+from trainer import files as shared_files  # `files` names the input files here
 from trainer.config import special_file
 
 # End-of-document tokens of common tokenizers, tried in this order when neither --eos nor the
@@ -48,11 +49,10 @@ def sidecar_path(token_file: str) -> str:
 
 def read_sidecar(token_file: str) -> dict | None:
     """The sidecar of a token file, or None where there is none (files made by other tools)."""
-    path = sidecar_path(token_file)
-    if not os.path.isfile(path):
+    try:  # never through a link, never blocking on a FIFO (shared_files.UnsafeFile names the file)
+        return shared_files.read_json(sidecar_path(token_file))
+    except FileNotFoundError:
         return None
-    with open(path) as f:
-        return json.load(f)
 
 
 def token_file_problem(path: str, dtype: str, seq_len: int) -> str | None:
@@ -220,8 +220,8 @@ class _Output:
     """One token file being written (under a temporary name) and what its sidecar will say."""
 
     def __init__(self, out: str):
-        self.out, self.tmp = out, out + ".tmp"
-        self.file = open(self.tmp, "wb")
+        fd, self.tmp = shared_files.temporary(out)  # exclusive, random name: never a planted link
+        self.out, self.file = out, os.fdopen(fd, "wb")
         self.tokens, self.docs, self.max_id = 0, 0, -1
 
     def write(self, ids: np.ndarray, docs: int) -> None:
@@ -233,8 +233,7 @@ class _Output:
         self.file.close()
         os.replace(self.tmp, self.out)
         sidecar = {**sidecar, "tokens": self.tokens, "max_id": self.max_id, "documents": self.docs}
-        with open(sidecar_path(self.out), "w") as f:
-            json.dump(sidecar, f, indent=1)
+        shared_files.write_json(sidecar_path(self.out), sidecar, sort_keys=False)
         return sidecar
 
     def discard(self) -> None:

@@ -14,10 +14,11 @@ the redone steps; metrics.jsonl and TensorBoard hold each step once.
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 import math
 import os
+
+from trainer import files
 
 log = logging.getLogger("trainer")
 
@@ -36,19 +37,17 @@ def missing_package(name: str) -> str | None:
 
 def _read_ids(run_dir: str) -> dict:
     try:
-        with open(os.path.join(run_dir, IDS_FILE)) as f:
-            ids = json.load(f)
+        ids = files.read_json(os.path.join(run_dir, IDS_FILE))
+    except files.UnsafeFile as e:  # planted in a shared run dir: new ids, and the file is replaced
+        log.warning(f"{e}: the trackers start new runs")
+        return {}
     except (OSError, ValueError):
         return {}
     return {k: v for k, v in ids.items() if isinstance(v, str)} if isinstance(ids, dict) else {}
 
 
 def _write_ids(run_dir: str, ids: dict) -> None:
-    path = os.path.join(run_dir, IDS_FILE)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(ids, f)
-    os.replace(tmp, path)
+    files.write_json(os.path.join(run_dir, IDS_FILE), ids)
 
 
 def _numbers(row: dict) -> dict[str, float]:

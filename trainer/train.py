@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from trainer import checkpoint, data, hangs, health, hf, layout, models, optim, parallel, signals
+from trainer import checkpoint, data, files, hangs, health, hf, layout, models, optim, parallel, signals
 from trainer import dist as distributed
 from trainer.config import Config, dump, to_dict
 from trainer.lease import Lease, LeaseError, LeaseLost
@@ -586,8 +586,11 @@ def _loss_fn(cfg: Config):
 
 
 def _open_trace(run_dir: str, rank: int):
-    os.makedirs(os.path.join(run_dir, "trace"), exist_ok=True)
-    return open(os.path.join(run_dir, "trace", f"rank_{rank:05d}.txt"), "a", buffering=1)
+    folder = os.path.join(run_dir, layout.TRACE_DIR)
+    files.make_folder(folder)
+    trace = files.open_append(os.path.join(folder, f"rank_{rank:05d}.txt"))
+    trace.reconfigure(line_buffering=True)
+    return trace
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
