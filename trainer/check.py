@@ -346,6 +346,7 @@ def _check_writable(run_dir: str, where: str) -> None:
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         raise ConfigError(f"{where}: run_dir: cannot create {run_dir}: {existing} is a file; choose another run_dir")
+    _check_planted(path, where)
     for name in RUN_DIR_FOLDERS:
         inside = os.path.join(path, name)
         if os.path.exists(inside) and not os.path.isdir(inside):
@@ -360,7 +361,6 @@ def _check_writable(run_dir: str, where: str) -> None:
                 f"{where}: run_dir: {inside} is a folder where the run writes its {name} file; "
                 f"move it away or choose another run_dir"
             )
-    _check_planted(path, where)
     probed = [existing] + [os.path.join(path, n) for n in RUN_DIR_FOLDERS if os.path.isdir(os.path.join(path, n))]
     for folder in probed:
         try:
