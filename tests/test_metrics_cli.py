@@ -78,3 +78,46 @@ def test_a_folder_without_metrics_is_one_line(tmp_path):
         timeout=120,
     )
     assert proc.returncode == 2 and proc.stderr == f"error: {tmp_path}: no metrics.jsonl (is it a run dir?)\n"
+
+
+def test_escape_sequences_are_never_printed_and_a_string_step_or_time_is_skipped(tmp_path):
+    """Issue 32 item 9: a row's values reached the terminal raw (a title or clear-screen sequence
+    passed through), and a string `time` crashed the command. Now every control character is
+    stripped and a row with a non-numeric step or time is skipped, with one warning."""
+    run = tmp_path / "run"
+    rows = [
+        {"step": 1, "loss": 2.0, "time": 1.0},
+        {"step": 2, "eval_loss": 1.5, "eval_\x1b]0;owned\x07x\x1b[2J": 1.0, "time": 2.0},
+        {"step": 3, "loss": 1.0, "time": "soon"},
+        {"step": "\x1b[2J4", "loss": 0.5, "time": 4.0},
+    ]
+    _write(run, rows)
+    proc = subprocess.run(
+        [PYTHON, "-m", "trainer.metrics", str(run)], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert not any(c < " " for c in proc.stdout.replace("\n", "")), repr(proc.stdout)
+    assert proc.stdout.startswith(f"{run}: 1 steps, loss 2.0000") and "eval_x 1.0000" in proc.stdout
+    assert proc.stderr.splitlines() == [
+        f"warning: {run}/metrics.jsonl: skipped 2 line(s) that are not rows (a JSON object with a numeric "
+        f"step and time)"
+    ]
+
+
+def test_a_start_drops_lines_that_are_not_rows_and_copies_them_nowhere(tmp_path, caplog):
+    from trainer.config import LogArgs
+
+    run = tmp_path / "run"
+    lines = [json.dumps({"step": s, "loss": 1.0, "time": float(s)}) for s in (1, 2, 3)]
+    (run).mkdir()
+    (run / "metrics.jsonl").write_text(
+        "\n".join([lines[0], "echo owned >> ~/.bashrc", lines[1], '{"no": "step"}', lines[2], '{"step": 2']) + "\n"
+    )
+    metrics.Reporter(str(run), LogArgs(progress=False), 9, is_main=True).start(2, None)
+    assert (run / "metrics.jsonl").read_text() == lines[0] + "\n" + lines[1] + "\n"
+    assert (run / "metrics.superseded.jsonl").read_text() == lines[2] + "\n"
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warned == [
+        f"{run}/metrics.jsonl: dropped 3 line(s) that are not rows of this run (not a JSON object with a step "
+        f"and a time: a line cut short by a kill, or written by someone else)"
+    ]
