@@ -118,6 +118,6 @@ def test_a_start_drops_lines_that_are_not_rows_and_copies_them_nowhere(tmp_path,
     assert (run / "metrics.superseded.jsonl").read_text() == lines[2] + "\n"
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert warned == [
-        f"{run}/metrics.jsonl: dropped 3 line(s) that are not rows of this run (not a JSON object with a step "
-        f"and a time: a line cut short by a kill, or written by someone else)"
+        f"{run}/metrics.jsonl: dropped 3 line(s) that are not rows of this run (not a JSON object with a "
+        f"numeric step and time: a line cut short by a kill, or written by someone else)"
     ]

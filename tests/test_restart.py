@@ -81,8 +81,9 @@ def test_divergence_is_not_restarted(tmp_path):
 
 
 def test_a_start_keeps_each_steps_row_once(tmp_path):
-    """Resuming at step 5: the rows after it (an earlier start's, never saved, and a line cut short
-    by a kill) move to metrics.superseded.jsonl; a resume row follows; every row has its time."""
+    """Resuming at step 5: the rows after it (an earlier start's, never saved) move to
+    metrics.superseded.jsonl, a line cut short by a kill is dropped (no row: issue 32, never copied);
+    a resume row follows; every row has its time."""
     path = tmp_path / "metrics.jsonl"
     earlier = [{"step": s, "loss": 1.0} for s in range(1, 9)] + [{"step": 6, "eval_loss": 1.0}]
     path.write_text("".join(json.dumps(r) + "\n" for r in earlier) + '{"step": 9, "lo')
@@ -97,7 +98,7 @@ def test_a_start_keeps_each_steps_row_once(tmp_path):
     ]
     assert all(isinstance(r["time"], float) for r in logged[5:])
     superseded = (tmp_path / "metrics.superseded.jsonl").read_text().splitlines()
-    assert [json.loads(line) for line in superseded[:-1]] == earlier[5:] and superseded[-1] == '{"step": 9, "lo'
+    assert [json.loads(line) for line in superseded] == earlier[5:]
     # A new run (step 0, nothing loaded) over a crashed one's rows: none kept, no resume row.
     reporter.start(0, None)
     assert path.read_text() == ""

@@ -6,7 +6,7 @@ rows `event`: "resume" (this start continues from a checkpoint: its `step`, `wor
 ranks after one failed: trainer/launch.py; its `time` is when the launcher saw the failure).
 A start keeps each step's row once: rows of steps after the one it starts from, logged by an
 earlier start that did not save them, move to metrics.superseded.jsonl. A line that is not such a
-row (not a JSON object with an integer `step` and a numeric `time`: a line cut short by a kill, or
+row (not a JSON object with an integer `step` and a numeric `time` if any: a line cut short by a kill, or
 someone else's bytes in a shared run dir) is dropped with one warning, never copied anywhere.
 Both files are touched only through trainer/files.py: a link or FIFO planted at either is refused.
 """
@@ -208,7 +208,7 @@ class Reporter:
         if foreign:
             log.warning(
                 f"{self.path}: dropped {foreign} line(s) that are not rows of this run (not a JSON object "
-                f"with a step and a time: a line cut short by a kill, or written by someone else)"
+                f"with a numeric step and time: a line cut short by a kill, or written by someone else)"
             )
         if superseded:
             path = os.path.join(os.path.dirname(self.path), layout.SUPERSEDED_FILE)
@@ -280,12 +280,12 @@ def _number(v) -> bool:
 
 def project_row(line: str) -> dict | None:
     """The row a metrics.jsonl line holds when it is one the project writes (a JSON object with an
-    integer `step` and a numeric `time`), else None."""
+    integer `step`, and a `time` that is a number where it has one), else None."""
     try:
         row = json.loads(line)
     except ValueError:
         return None
-    if not isinstance(row, dict) or not _number(row.get("time")):
+    if not isinstance(row, dict) or ("time" in row and not _number(row["time"])):
         return None
     if not isinstance(row.get("step"), int) or isinstance(row.get("step"), bool):
         return None
