@@ -20,6 +20,8 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from trainer import files
+
 
 @dataclass(frozen=True)
 class Env:
@@ -142,12 +144,10 @@ def check_nodes(run_dir: str, group: dist.ProcessGroup) -> None:
     probe = os.path.join(run_dir, f".node-check-{token[0]}")
     if dist.get_rank() == 0:
         os.makedirs(run_dir, exist_ok=True)
-        with open(probe, "w") as f:
-            f.write(token[0])
+        files.write_text(probe, token[0])
     dist.barrier(group=group)
     try:
-        with open(probe) as f:
-            sees = f.read() == token[0]
+        sees = files.read_text(probe) == token[0]
     except OSError:
         sees = False
     import trainer

@@ -261,9 +261,7 @@ class Monitor:
         if not folder:
             return None
         path = os.path.join(folder, "report.txt")
-        with open(f"{path}.{node()}.tmp", "w") as f:  # each node's launcher writes it: whole or not at all
-            f.write(report(folder))
-        os.replace(f.name, path)
+        files.write_text(path, report(folder))  # whole or not at all; a planted link is replaced
         return path
 
 
