@@ -618,6 +618,7 @@ def _gpu_job(
         warn_seconds=300,
         max_attempts=3,
         min_nodes=min_nodes,
+        max_excluded=2,
     )
 
 

@@ -140,6 +140,9 @@ class Job:
     min_nodes: int | None = None
     gpu_mem_gb: str = ""  # GPU_MEM_GB: memory of one GPU in GB; empty: from the partition's GPU type
     memory: str = ""  # the memory estimate's breakdown, per part (printed by --dry-run)
+    # health.max_excluded of the job's config (check_config sets it): the requeue check gets it from
+    # here, never from the run dir, where anyone who can write it could raise it. 0: exclude none.
+    max_excluded: int = 0
 
     @property
     def nproc_per_node(self) -> int:
@@ -479,6 +482,7 @@ def check_config(job: Job, partition: Partition | None = None, planning: bool = 
         cfg, where, notes = load_run(str(job.config), overrides)
         warnings = validate(cfg, world, where=where, overrides=overrides, planning=planning)
         check_node_range(cfg, job)
+        job.max_excluded = cfg.health.max_excluded
         for line in [*notes, *(f"warning: {w}" for w in warnings)]:
             print(line)
         if job.gpus_per_node and partition is not None:
@@ -569,6 +573,7 @@ def render_sbatch(
         # allocate no more nodes than tasks; srun starts one launcher per node either way.
         "NTASKS_PER_NODE": "1" if len(job.node_counts) < 2 else "",
         "MAX_ATTEMPTS": str(job.max_attempts),
+        "MAX_EXCLUDED": str(job.max_excluded),
     }
     lines = []
     for line in TEMPLATE.read_text().splitlines():
@@ -698,7 +703,8 @@ class LaunchTask:
         if code == HEALTH_FAILED and env.global_rank != 0:
             sys.exit(code)  # ends the other tasks (srun --kill-on-bad-exit): task 0 requeues without this node
         if env.global_rank == 0:
-            status = requeue_check(self.job.run_dir, code, self.job.max_attempts, env.job_id.split("_")[0])
+            job_id = env.job_id.split("_")[0]
+            status = requeue_check(self.job.run_dir, code, self.job.max_attempts, job_id, self.job.max_excluded)
             from trainer import layout
 
             if layout.read_status(self.job.run_dir).get("state") != "finished":
