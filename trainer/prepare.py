@@ -48,11 +48,12 @@ def sidecar_path(token_file: str) -> str:
 
 def read_sidecar(token_file: str) -> dict | None:
     """The sidecar of a token file, or None where there is none (files made by other tools)."""
+    from trainer import files
+
     path = sidecar_path(token_file)
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         return None
-    with open(path) as f:
-        return json.load(f)
+    return files.read_json(path)  # no link followed, no FIFO blocked on, bounded
 
 
 def token_file_problem(path: str, dtype: str, seq_len: int) -> str | None:
