@@ -122,3 +122,28 @@ def test_a_temporary_is_a_new_regular_file_beside_its_target_under_a_random_name
     fd, again = files.temporary(target)
     os.close(fd)
     assert again != name  # a fresh name each time
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="gives a folder to another uid: needs root")
+def test_replaceable_wants_a_folder_no_one_else_can_swap(tmp_path):
+    """A folder of the user's in folders only the user or root can write (or sticky ones) is not
+    replaceable; group write on any folder above, or a foreign owner, is named in one line."""
+    parent = tmp_path / "run"
+    folder = parent / "slurm"
+    folder.mkdir(parents=True, mode=0o700)
+    parent.chmod(0o755)
+    assert files.replaceable(folder) is None
+    parent.chmod(0o775)  # a group-writable run dir: slurm/ can be renamed away
+    why = files.replaceable(folder)
+    assert why == f"{parent} (owner uid 0, mode 775) lets another user rename {folder} and put their own in its place"
+    parent.chmod(0o1777)  # sticky: only the owner of slurm/ (or of the run dir) may rename it
+    assert files.replaceable(folder) is None
+    parent.chmod(0o755)
+    folder.chmod(0o770)
+    assert files.replaceable(folder) == f"group or others can write {folder} (mode 770)"
+    folder.chmod(0o700)
+    os.chown(folder, 12345, 12345)
+    assert files.replaceable(folder) == f"{folder} is owned by uid 12345, not by you (uid 0)"
+    os.chown(folder, 0, 0)
+    os.chown(parent, 12345, 12345)  # a folder above owned by another user: they may rename it
+    assert "lets another user rename" in files.replaceable(folder)

@@ -9,6 +9,7 @@ import os
 import random
 import stat
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -227,3 +228,33 @@ def test_the_context_is_cropped_to_seq_len():
     assert new[0] == gen.sample(model, prompt[-8:], 1)[0]
     assert new[1] == gen.sample(model, [*prompt[-7:], new[0]], 1)[0]
     assert len(new) == 5
+
+
+@pytest.mark.parametrize("secret", ["a secret file", "/proc/self/environ"])
+def test_export_refuses_a_sidecar_naming_a_file_that_is_not_a_tokenizer(run, tmp_path, capsys, secret):
+    """#32 item 4: a token file's sidecar (or a checkpoint's config pointing data.path at a token
+    file of someone else's) names any file as the tokenizer; export copied it into the folder meant
+    to be published, and generate opened it. Now one line naming the sidecar and the path, exit 2,
+    nothing written, and generate refuses the same way."""
+    run_dir, _ = run
+    sidecar = Path(str(run_dir.parent / "train.bin") + ".json")
+    original = sidecar.read_bytes()
+    if secret == "a secret file":
+        secret = str(tmp_path / "id_rsa")
+        Path(secret).write_text("-----BEGIN OPENSSH PRIVATE KEY----- the victim's key\n")
+    secret_bytes = Path(secret).read_bytes()
+    try:
+        sidecar.write_text(json.dumps({**json.loads(original), "tokenizer": secret}))
+        from trainer.export import main as export
+
+        assert export([str(run_dir), "--format", "hf", "--out", str(tmp_path / "hf")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {sidecar} names the tokenizer {secret}, which is not a tokenizer.json")
+        assert err.count("\n") == 1, err
+        written = [p for p in tmp_path.rglob("*") if p.is_file() and str(p) != secret]
+        assert all(secret_bytes[:40] not in p.read_bytes() for p in written), written
+        assert not (tmp_path / "hf").exists()
+        assert gen.main([str(run_dir), "--prompt", PROMPT, "--max-new-tokens", "1"]) == 2
+        assert capsys.readouterr().err.startswith(f"error: {sidecar} names the tokenizer {secret}, which is not")
+    finally:
+        sidecar.write_bytes(original)

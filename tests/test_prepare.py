@@ -3,6 +3,7 @@ file holds each document's tokens and an end-of-document token, in order; the tr
 it; a sidecar that does not fit the model stops the start with one line."""
 
 import json
+import os
 import random
 import subprocess
 
@@ -193,3 +194,24 @@ def test_a_folder_an_eval_split_and_the_vocabulary_from_the_sidecar(inputs, tmp_
         "eval.batches=1",
     )
     assert f"vocab_size: {tok.get_vocab_size()}" in (tmp_path / "run" / "config.yaml").read_text()
+
+
+@pytest.mark.parametrize("kind", ["link", "fifo", "not a tokenizer"])
+def test_a_tokenizer_named_by_a_sidecar_is_read_only_as_a_regular_tokenizer_file(tmp_path, kind):
+    """#32 item 4: export.read_tokenizer reads no link (but the hub cache's), no FIFO (without
+    blocking), and nothing that does not load as a tokenizer: one line naming the sidecar and the path."""
+    from trainer.config import ConfigError
+    from trainer.export import read_tokenizer
+
+    secret = tmp_path / "secret"
+    secret.write_text("the victim's key\n")
+    path = tmp_path / "tokenizer.json"
+    if kind == "link":
+        path.symlink_to(secret)
+    elif kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.write_text('{"not": "a tokenizer"}')
+    with pytest.raises(ConfigError) as e:
+        read_tokenizer(str(path), "data.bin.json")
+    assert str(e.value).startswith(f"data.bin.json names the tokenizer {path}, ") and "\n" not in str(e.value)

@@ -27,7 +27,7 @@ def scontrol(tmp_path):
     return bin_dir, calls
 
 
-def requeue(run_dir: Path, exit_code: int, job: str, bin_dir: Path) -> subprocess.CompletedProcess:
+def requeue(run_dir: Path, exit_code: int, job: str, bin_dir: Path, *more: str) -> subprocess.CompletedProcess:
     # -S: no site-packages (so no PyYAML, nothing installed), -s: no user site, -E: no PYTHON* variables.
     cmd = [
         SYSTEM_PYTHON,
@@ -44,6 +44,7 @@ def requeue(run_dir: Path, exit_code: int, job: str, bin_dir: Path) -> subproces
         "2",
         "--job-id",
         job,
+        *more,
     ]
     return subprocess.run(
         cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
@@ -123,7 +124,9 @@ def test_a_node_that_failed_the_health_check_is_excluded_up_to_max_excluded(tmp_
 
     failed("7", "n3")
     failed("8", "n4")  # another job's: not this one's business
-    out = requeue(run_dir, 143, "7", bin_dir)  # the other nodes were stopped by srun: any exit code
+    out = requeue(
+        run_dir, 143, "7", bin_dir, "--max-excluded", "2"
+    )  # the other nodes were stopped by srun: any exit code
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == (
         "requeue-check: job 7: node(s) n3 failed the health check; requeueing without them (excluded: n1,n3; "
@@ -143,10 +146,10 @@ def test_a_node_that_failed_the_health_check_is_excluded_up_to_max_excluded(tmp_
     assert not (run_dir / "slurm" / "requeue.json").exists()  # not an attempt without progress
 
     failed("7", "n2")
-    assert requeue(run_dir, 4, "7", bin_dir).returncode == 0  # 2 of 2
+    assert requeue(run_dir, 4, "7", bin_dir, "--max-excluded", "2").returncode == 0  # 2 of 2
     failed("7", "n4")
     calls.write_text("")
-    out = requeue(run_dir, 4, "7", bin_dir)
+    out = requeue(run_dir, 4, "7", bin_dir, "--max-excluded", "2")
     assert out.returncode == 4 and out.stdout == ""
     assert out.stderr.strip() == (
         "requeue-check: job 7: NOT requeued: node(s) n4 failed the health check, and excluding them would make 3 "
@@ -173,3 +176,73 @@ def test_a_job_slurm_requeues_for_a_failed_node_is_not_requeued_twice(tmp_path):
         "requeue-check: job 7: a node failed and Slurm requeues the job itself (no checkpoint yet)\n"
     ), out.stdout + out.stderr
     assert "requeue 7" not in calls.read_text()
+
+
+def _forged_cluster(tmp_path: Path) -> tuple[Path, Path, Path]:
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\necho "JobId=7 JobState=RUNNING"\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    calls.write_text("")
+    records = tmp_path / "run" / "slurm" / "health"
+    records.mkdir(parents=True)
+    return bin_dir, calls, records
+
+
+@pytest.mark.skipif(SYSTEM_PYTHON is None, reason="no system python3 in /usr/bin")
+def test_a_forged_health_record_excludes_nothing(tmp_path):
+    """#32 item 7: anyone who can write the run dir can write a record. Its max_excluded is not
+    believed (the job's own submission gives it: --max-excluded), and a node list ('n[1-4]', 'n1,n2')
+    is not a node name: the record is ignored with one line naming it, and no node is excluded."""
+    bin_dir, calls, records = _forged_cluster(tmp_path)
+    forged = records / "7.x.json"
+    forged.write_text(json.dumps({"job": "7", "node": "n[1-4]", "max_excluded": 99, "time": 1.0}))
+    out = requeue(tmp_path / "run", 4, "7", bin_dir, "--max-excluded", "2")
+    assert "ExcNodeList" not in calls.read_text(), calls.read_text()
+    assert f"ignored {forged}: 'node' is not a node name" in out.stderr, out.stderr
+    plain = records / "7.n5.json"  # a plain name, but more nodes than the submission allows: 0
+    plain.write_text(json.dumps({"job": "7", "node": "n5", "max_excluded": 99, "time": 1.0}))
+    out = requeue(tmp_path / "run", 4, "7", bin_dir)  # no --max-excluded (a script rendered before it): 0
+    assert out.returncode == 4 and "more than health.max_excluded=0" in out.stderr, out.stderr
+    assert "ExcNodeList" not in calls.read_text()
+
+
+@pytest.mark.skipif(SYSTEM_PYTHON is None, reason="no system python3 in /usr/bin")
+@pytest.mark.parametrize(
+    "record",
+    [
+        {"job": "7", "node": 5, "time": 1.0},
+        {"job": "7", "node": "n1", "time": "soon"},
+        {"job": "7", "node": "n1", "reason": ["x"], "time": 1.0},
+        ["7", "n1"],
+    ],
+)
+def test_a_record_of_the_wrong_types_is_ignored_naming_it(tmp_path, record):
+    """#32 item 7: wrong value types in a record, requeue.json or status.json crashed the check."""
+    bin_dir, calls, records = _forged_cluster(tmp_path)
+    (records / "7.n1.json").write_text(json.dumps(record))
+    (records.parent / "requeue.json").write_text(
+        json.dumps({"job_id": "7", "step": "x", "attempts_without_progress": []})
+    )
+    (records.parent.parent / "status.json").write_text(json.dumps({"excluded_nodes": [{"job": "7"}, 3]}))
+    out = requeue(tmp_path / "run", 4, "7", bin_dir, "--max-excluded", "2")
+    assert "Traceback" not in out.stderr, out.stderr
+    assert f"ignored {records / '7.n1.json'}" in out.stderr
+    assert "ExcNodeList" not in calls.read_text()
+    assert out.returncode == 0 and "requeue 7" in calls.read_text()  # an attempt as any other
+
+
+@pytest.mark.skipif(SYSTEM_PYTHON is None, reason="no system python3 in /usr/bin")
+def test_records_and_requeue_json_are_never_followed_or_blocked_on(tmp_path):
+    """A link or FIFO planted at a record or at slurm/requeue.json: nothing read through it, no hang."""
+    bin_dir, calls, records = _forged_cluster(tmp_path)
+    secret = tmp_path / "secret.json"
+    secret.write_text(json.dumps({"job": "7", "node": "n1", "time": 1.0}))
+    (records / "7.n1.json").symlink_to(secret)
+    os.mkfifo(records / "7.n2.json")
+    (records.parent / "requeue.json").symlink_to(secret)
+    out = requeue(tmp_path / "run", 4, "7", bin_dir, "--max-excluded", "2")
+    assert "ExcNodeList" not in calls.read_text(), out.stdout + out.stderr
+    assert f"ignored {records / '7.n1.json'}" in out.stderr and f"ignored {records / '7.n2.json'}" in out.stderr
+    assert secret.is_file() and json.loads(secret.read_text())["node"] == "n1"  # never written through
+    assert not (records.parent / "requeue.json").is_symlink()

@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -618,6 +619,7 @@ def _gpu_job(
         warn_seconds=300,
         max_attempts=3,
         min_nodes=min_nodes,
+        max_excluded=2,
     )
 
 
@@ -972,3 +974,168 @@ def test_a_node_range_the_batch_cannot_divide_is_one_line(stub_cluster, capsys, 
         if not re.match(r"submit: warning: the (repository|Python environment) ", line)
     ]
     assert code == 2 and out == "" and lines == [f"submit: error: {message}"], err
+
+
+# ---- what is written into the run dir's slurm/ (#32 item 3) ------------------------------------
+
+_needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="gives a file to another uid: needs root")
+
+
+def _local_job(run_dir: Path) -> submit.Job:
+    return submit.Job(
+        nodes=1,
+        gpus_per_node=0,
+        cpus_per_node=1,
+        config=REPO / "configs" / "default.yaml",
+        run_dir=run_dir,
+        overrides=[],
+        time="10",
+        partition=None,
+        container=None,
+        runtime=None,
+        net_if=None,
+        warn_seconds=120,
+        max_attempts=3,
+    )
+
+
+@pytest.fixture
+def stub_sbatch(tmp_path, monkeypatch):
+    """An sbatch on PATH that records its arguments and standard input, and accepts the job as 42."""
+    record = tmp_path / "sbatch-calls"
+    _stub(
+        tmp_path / "sbatch-bin",
+        "sbatch",
+        f"open({str(record)!r}, 'a').write(json.dumps([sys.argv[1:], sys.stdin.read()]) + '\\n')\n"
+        "print('42' if '--parsable' in sys.argv else 'Submitted batch job 42')\n",
+    )
+    monkeypatch.setenv("PATH", f"{tmp_path / 'sbatch-bin'}:{os.environ['PATH']}")
+    return record
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link"])
+def test_sbatch_gets_the_script_rendered_not_a_file_planted_in_the_run_dir(tmp_path, stub_sbatch, kind):
+    """A FIFO or link planted at slurm/train.sbatch: the copy saved there replaces it (nothing is
+    written through it), and sbatch reads the script from its standard input, never from the run dir."""
+    run_dir = tmp_path / "run"
+    (run_dir / "slurm").mkdir(parents=True)
+    target = tmp_path / "victim-file"
+    target.write_text("mine\n")
+    planted = run_dir / "slurm" / "train.sbatch"
+    os.mkfifo(planted) if kind == "fifo" else planted.symlink_to(target)
+    job = _local_job(run_dir)
+    assert submit.submit_sbatch(job) == "42"
+    argv, stdin = json.loads(stub_sbatch.read_text())
+    assert argv == ["--parsable"] and stdin == submit.render_sbatch(job)
+    assert not planted.is_symlink() and planted.is_file() and planted.read_text() == stdin
+    assert target.read_text() == "mine\n"
+
+
+@pytest.mark.parametrize("kind", ["link", "fifo", "foreign"])
+def test_a_planted_slurm_folder_is_refused_in_one_line(tmp_path, stub_sbatch, kind):
+    """run_dir/slurm/ a link to elsewhere, a FIFO, or another user's folder: one line, nothing submitted."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    if kind == "link":
+        (run_dir / "slurm").symlink_to(elsewhere)
+    elif kind == "fifo":
+        os.mkfifo(run_dir / "slurm")
+    else:
+        if os.geteuid() != 0:
+            pytest.skip("gives a folder to another uid: needs root")
+        (run_dir / "slurm").mkdir()
+        os.chown(run_dir / "slurm", 12345, 12345)
+    for launcher in (submit.submit_sbatch, submit.submit_submitit):
+        with pytest.raises(submit.SubmitError) as e:
+            launcher(_local_job(run_dir))
+        assert str(e.value).startswith(f"{run_dir / 'slurm'} is ") and "\n" not in str(e.value), e.value
+    assert not stub_sbatch.exists() and list(elsewhere.iterdir()) == []
+
+
+def test_submitit_refuses_a_run_dir_others_can_write(tmp_path, stub_sbatch):
+    """Another user who can write the run dir could rename slurm/ away and plant a pickle the nodes
+    run: LAUNCHER=submitit needs a run dir (and folders above it) only the user can write."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o775)
+    run_dir.chmod(0o775)
+    with pytest.raises(submit.SubmitError) as e:
+        submit.submit_submitit(_local_job(run_dir))
+    assert str(e.value).startswith(f"LAUNCHER=submitit: {run_dir} (owner uid {os.geteuid()}, mode 775) lets another")
+    assert not stub_sbatch.exists()
+
+
+def test_submitit_folder_is_private_and_the_nodes_run_the_guard(tmp_path, stub_sbatch):
+    """The submitit folder is 0700, its pickle 0600, and the nodes' command is the guard's."""
+    run_dir = tmp_path / "run"
+    job_id = submit.submit_submitit(_local_job(run_dir))
+    assert job_id == "42"
+    folder = run_dir / "slurm" / "submitit"
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert stat.S_IMODE((folder / "42_submitted.pkl").stat().st_mode) == 0o600
+    argv, _ = json.loads(stub_sbatch.read_text())
+    script = Path(argv[-1]).read_text()
+    assert f"-u -m trainer.submitit_guard -u -m submitit.core._submit {folder}" in script, script
+
+
+class _Marker:
+    """Unpickling it creates the file `path`: proof that a pickle was (or was not) unpickled."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _guard(folder: Path, monkeypatch) -> int:
+    from trainer import submitit_guard
+
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    return submitit_guard.main(["-u", "-m", "submitit.core._submit", str(folder)])
+
+
+@pytest.mark.parametrize("attack", ["group-writable folder", "foreign pickle", "group-writable run dir", "link"])
+def test_the_node_refuses_a_pickle_it_did_not_write_without_unpickling_it(tmp_path, monkeypatch, capsys, attack):
+    import pickle
+
+    run_dir = tmp_path / "run"
+    folder = run_dir / "slurm" / "submitit"
+    folder.mkdir(parents=True, mode=0o700)
+    marker = tmp_path / "UNPICKLED"
+    pickled = folder / "42_submitted.pkl"
+    pickled.write_bytes(pickle.dumps(_Marker(str(marker))))
+    pickled.chmod(0o600)
+    if attack == "group-writable folder":
+        folder.chmod(0o770)
+    elif attack == "foreign pickle":
+        if os.geteuid() != 0:
+            pytest.skip("gives a file to another uid: needs root")
+        os.chown(pickled, 12345, 12345)
+    elif attack == "group-writable run dir":
+        run_dir.chmod(0o775)
+    else:
+        pickled.rename(tmp_path / "elsewhere.pkl")
+        pickled.symlink_to(tmp_path / "elsewhere.pkl")
+    assert _guard(folder, monkeypatch) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"submitit-guard: refusing to unpickle {pickled}: ") and err.count("\n") == 1, err
+    assert not marker.exists()
+
+
+def test_the_node_hands_a_pickle_of_the_users_over_to_submitit(tmp_path, monkeypatch):
+    """The control: the same pickle, in order, is unpickled (so the refusals above are the guard's)."""
+    import pickle
+
+    folder = tmp_path / "run" / "slurm" / "submitit"
+    folder.mkdir(parents=True, mode=0o700)
+    marker = tmp_path / "UNPICKLED"
+    (folder / "42_submitted.pkl").write_bytes(pickle.dumps(_Marker(str(marker))))
+    (folder / "42_submitted.pkl").chmod(0o600)
+    with pytest.raises(AssertionError):  # submitit's own check: not a DelayedSubmission
+        _guard(folder, monkeypatch)
+    assert marker.exists()

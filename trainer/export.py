@@ -16,8 +16,8 @@ with (its sidecar names it). Every file written gets the mode the umask gives (0
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import shutil
 import sys
 import tempfile
 import warnings
@@ -26,7 +26,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from trainer import checkpoint, hf, models
+from trainer import checkpoint, files, hf, models
 from trainer.config import ConfigError, from_dict, load
 from trainer.shard_reader import ShardReader
 
@@ -78,41 +78,94 @@ def _config(run_dir: str, path: str):
 def tokenizer_of(cfg) -> str | None:
     """The tokenizer.json the run's token file was made with, as its sidecar (trainer.prepare) names
     it; None for other data, or where the sidecar names none."""
-    from trainer.prepare import read_sidecar
+    from trainer.prepare import read_sidecar, sidecar_path
 
     if cfg.data.name != "tokens" or not cfg.data.path:
         return None
     try:
-        return (read_sidecar(cfg.data.path) or {}).get("tokenizer")
-    except (OSError, ValueError):  # an unreadable sidecar: the trainer's own check speaks of it
+        named = (read_sidecar(cfg.data.path) or {}).get("tokenizer")
+    except (OSError, ValueError, AttributeError):  # an unreadable sidecar: the trainer's own check speaks of it
         return None
+    if named is not None and not isinstance(named, str):
+        raise ConfigError(
+            f"{sidecar_path(cfg.data.path)}: 'tokenizer' is not a path ({named!r:.80}); run trainer.prepare again"
+        )
+    return named
 
 
+# The largest tokenizer.json read: real ones are a few tens of MB.
+TOKENIZER_BYTES = 256 << 20
 # Beside a tokenizer.json, what tells transformers how to use it (special tokens, the eos token).
 TOKENIZER_SIBLINGS = ("tokenizer_config.json", "special_tokens_map.json")
 
 
-def copy_tokenizer(cfg, out: str) -> list[str]:
-    """Copy the run's tokenizer (tokenizer_of) into the HF folder `out` as tokenizer.json, with the
-    siblings found beside it; the files copied. It replaces one taken from model.init_from: the token
-    ids the model learned are this tokenizer's."""
+def read_tokenizer(path: str, named_by: str) -> bytes:
+    """The bytes of the tokenizer.json at `path`, which `named_by` (a token file's sidecar, a
+    checkpoint's config) names: whoever wrote that file chose the path, so it is read only as a
+    regular file (no link but the hub cache's, from snapshots/ into the same repository's blobs/;
+    no FIFO or device; bounded) whose bytes load as a tokenizer. FileNotFoundError where it is gone;
+    a ConfigError naming both files otherwise. Callers use these bytes, never the path again."""
+    real = path
+    if os.path.islink(path):
+        real = os.path.realpath(path)
+        blobs = hf._roots(os.path.dirname(path))[1:]
+        if not any(os.path.relpath(real, root).split(os.sep)[0] != os.pardir for root in blobs):
+            raise ConfigError(
+                f"{named_by} names the tokenizer {path}, a link to {real}: not read (only a hub cache's links into "
+                f"its blobs/ are followed); run trainer.prepare again with the tokenizer itself"
+            )
+    try:
+        data = files.read_bytes(real, TOKENIZER_BYTES)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise ConfigError(f"{named_by} names the tokenizer {path}, which is unreadable ({e}); not read") from None
+    try:
+        from tokenizers import Tokenizer
+
+        Tokenizer.from_str(data.decode("utf-8"))
+    except Exception as e:  # noqa: BLE001 - tokenizers raises its own types: any failure means not a tokenizer
+        raise ConfigError(
+            f"{named_by} names the tokenizer {path}, which is not a tokenizer.json ({type(e).__name__}); not read: "
+            f"run trainer.prepare again, or fix the path"
+        ) from None
+    return data
+
+
+def tokenizer_files(cfg, out: str) -> list[tuple[str, bytes]]:
+    """(name, bytes) of the run's tokenizer (tokenizer_of) as tokenizer.json, with the siblings found
+    beside it (each a regular file holding a JSON object), read and checked before anything is
+    written. The tokenizer replaces one taken from model.init_from: the token ids the model learned
+    are this tokenizer's."""
+    from trainer.prepare import sidecar_path
+
     source = tokenizer_of(cfg)
     if not source:
         return []
-    if not os.path.isfile(source):
+    named_by = sidecar_path(cfg.data.path)
+    try:
+        found = [("tokenizer.json", read_tokenizer(source, named_by))]
+    except FileNotFoundError:
         print(
             f"note: {source}, the tokenizer {cfg.data.path} was made with, is gone; {out} has no tokenizer.json: "
             f"copy it there yourself",
             file=sys.stderr,
         )
         return []
-    folder = os.path.dirname(source)
-    copied = []
-    for path, name in [(source, "tokenizer.json"), *((os.path.join(folder, n), n) for n in TOKENIZER_SIBLINGS)]:
-        if os.path.isfile(path):
-            shutil.copyfile(path, os.path.join(out, name))
-            copied.append(name)
-    return copied
+    for name in TOKENIZER_SIBLINGS:
+        path = os.path.join(os.path.dirname(source), name)
+        if not os.path.lexists(path):
+            continue
+        try:
+            data = files.read_bytes(path)
+            if not isinstance(json.loads(data), dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as e:
+            raise ConfigError(
+                f"{named_by} names the tokenizer {source}, beside which {name} is not a {name} ({e}); not read"
+            ) from None
+        found.append((name, data))
+    return found
 
 
 def follow_umask(paths: list[str]) -> None:
@@ -191,10 +244,13 @@ def main(argv: list[str] | None = None) -> int:
                 max_bytes = hf.parse_size(args.max_shard_size)
             except ValueError as e:
                 raise ConfigError(f"--max-shard-size: {e}") from None
-            files = hf_save(state, cfg.model, args.out, max_bytes, getattr(torch, args.dtype))
-            files += [name for name in copy_tokenizer(cfg, args.out) if name not in files]
-            follow_umask([os.path.join(args.out, name) for name in files])
-            print(f"exported {path} as a Hugging Face folder to {args.out}: {', '.join(files)}")
+            tokenizer = tokenizer_files(cfg, args.out)  # checked before anything is written
+            written = hf_save(state, cfg.model, args.out, max_bytes, getattr(torch, args.dtype))
+            for name, data in tokenizer:  # the bytes checked, never a copy of a path
+                files.write_bytes(os.path.join(args.out, name), data)
+            written += [name for name, _ in tokenizer if name not in written]
+            follow_umask([os.path.join(args.out, name) for name in written])
+            print(f"exported {path} as a Hugging Face folder to {args.out}: {', '.join(written)}")
             return 0
         if args.out.endswith(".safetensors"):
             from safetensors.torch import save_file

@@ -197,3 +197,33 @@ def trusted(path):
     if others_can_write(dst):
         return "its folder {} can be written by group or others (mode {:o})".format(folder, stat.S_IMODE(dst.st_mode))
     return None
+
+
+def replaceable(path):
+    """Why someone other than the user (or root) could change what the folder at `path` holds, or
+    None when nobody can: a folder of the user's that group and others cannot write, every folder
+    above it (its real path, links resolved) owned by the user or root and not writable by group or
+    others, or sticky (/tmp) with the entry below it the user's or root's. Where any of these fails,
+    another user can rename the folder away and put their own under its name, so that what is read
+    from `path` later is theirs whatever its owner and mode say now."""
+    uid = os.geteuid()
+    real = os.path.realpath(str(path))
+    st = os.lstat(real)
+    if not stat.S_ISDIR(st.st_mode):
+        return "{} is {}, not a folder".format(real, _kind(st.st_mode))
+    if st.st_uid != uid:
+        return "{} is owned by uid {}, not by you (uid {})".format(real, st.st_uid, uid)
+    if others_can_write(st):
+        return "group or others can write {} (mode {:o})".format(real, stat.S_IMODE(st.st_mode))
+    child, child_st = real, st
+    while True:
+        parent = os.path.dirname(child)
+        if parent == child:
+            return None
+        pst = os.lstat(parent)
+        sticky = pst.st_mode & stat.S_ISVTX and child_st.st_uid in (uid, 0)
+        if pst.st_uid not in (uid, 0) or (others_can_write(pst) and not sticky):
+            return "{} (owner uid {}, mode {:o}) lets another user rename {} and put their own in its place".format(
+                parent, pst.st_uid, stat.S_IMODE(pst.st_mode), child
+            )
+        child, child_st = parent, pst

@@ -25,7 +25,7 @@ import torch
 from trainer import checkpoint, models
 from trainer.config import ConfigError
 from trainer.dist import read_env
-from trainer.export import _config, consolidate, tokenizer_of
+from trainer.export import _config, consolidate, read_tokenizer, tokenizer_of
 
 
 @torch.no_grad()
@@ -68,6 +68,26 @@ def load(run_dir: str, step: int | None, device: torch.device):
     return model.eval(), cfg
 
 
+def load_tokenizer(cfg, explicit: str | None):
+    """The tokenizer to use (tokenizers.Tokenizer): --tokenizer, your own choice, else the run's
+    token file's or model.init_from's, which a sidecar or the checkpoint's config name and are read
+    only as export.read_tokenizer checks them; None for generated data (token ids in and out)."""
+    from tokenizers import Tokenizer
+
+    from trainer.prepare import sidecar_path
+
+    path = find_tokenizer(cfg, explicit)
+    if not path:
+        return None
+    if explicit:
+        return Tokenizer.from_file(path)
+    named_by = sidecar_path(cfg.data.path) if cfg.data.name == "tokens" else "the checkpoint's model.init_from"
+    try:
+        return Tokenizer.from_str(read_tokenizer(path, named_by).decode("utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}, named by {named_by}, is gone; give --tokenizer, or --ids") from None
+
+
 def find_tokenizer(cfg, explicit: str | None) -> str | None:
     """The tokenizer.json to use: --tokenizer, else the run's token file's, else model.init_from's;
     None for generated data (token ids in and out)."""
@@ -85,13 +105,13 @@ def find_tokenizer(cfg, explicit: str | None) -> str | None:
                 f"{cfg.data.path} has no sidecar naming its tokenizer (it was not made by trainer.prepare); "
                 f"give --tokenizer, or --ids to work in token ids"
             )
-        if not os.path.isfile(source):
+        if not os.path.lexists(source):
             raise ConfigError(
                 f"{source}, the tokenizer {cfg.data.path} was made with, is gone; give --tokenizer, or "
                 f"--ids to work in token ids"
             )
         return source
-    if cfg.model.init_from and os.path.isfile(os.path.join(cfg.model.init_from, "tokenizer.json")):
+    if cfg.model.init_from and os.path.lexists(os.path.join(cfg.model.init_from, "tokenizer.json")):
         return os.path.join(cfg.model.init_from, "tokenizer.json")
     return None
 
@@ -139,11 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         model, cfg = load(args.run_dir, args.step, read_env().device)
         tokenizer = None
         if not args.ids:
-            path = find_tokenizer(cfg, args.tokenizer)
-            if path:
-                from tokenizers import Tokenizer
-
-                tokenizer = Tokenizer.from_file(path)
+            tokenizer = load_tokenizer(cfg, args.tokenizer)
         vocab_size = model.shape.vocab_size
         if tokenizer:
             prompt = tokenizer.encode(args.prompt, add_special_tokens=False).ids

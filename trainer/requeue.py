@@ -10,7 +10,6 @@ only the standard library and Python 3.6 or later.
 
 import argparse
 import datetime
-import json
 import os
 import re
 import signal
@@ -18,7 +17,7 @@ import subprocess
 import sys
 import time
 
-from trainer import layout
+from trainer import files, layout
 
 # Exit code of the training step that means bad input (trainer/launch.py): requeueing cannot help.
 BAD_INPUT = 2
@@ -32,6 +31,8 @@ HEALTH_RECORDS = ("slurm", "health")
 # Exit code of a training step that ended because a node stopped answering (trainer/launch.py,
 # trainer/heartbeat.py): Slurm requeues the job itself (NODE_FAIL).
 NODE_LOST = 5
+# A node name as Slurm's hostnames are: one name, never a hostlist ('n[1-4]') or a list ('n1,n2').
+NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,254}")
 
 
 def cancelled(job_id):
@@ -72,12 +73,13 @@ def requeued_by_slurm(job_id):
     return state.startswith(("NODE_FAIL", "REQUEUE", "PENDING"))
 
 
-def requeue_check(run_dir, exit_code, max_attempts, job_id):
+def requeue_check(run_dir, exit_code, max_attempts, job_id, max_excluded=0):
     """Requeue job_id unless training finished or stopped making progress; return an exit code.
 
     An attempt makes progress when it leaves a newer checkpoint than the previous attempt of the
     same job. After max_attempts attempts in a row without progress the job is not requeued and
-    fails with a message, so that a broken run does not loop forever."""
+    fails with a message, so that a broken run does not loop forever. `max_excluded` is the job's
+    health.max_excluded, from its submission (never from the run dir, which others may write)."""
     run_dir = str(run_dir)
     latest = layout.latest_committed_step(run_dir)
     status = layout.read_status(run_dir)
@@ -104,23 +106,16 @@ def requeue_check(run_dir, exit_code, max_attempts, job_id):
         )
         return LEASE_LOST
 
-    failed = health_records(run_dir, job_id)
+    failed = health_records(run_dir, job_id, prefix)
     if failed:
-        return requeue_without(run_dir, job_id, failed, prefix)
+        return requeue_without(run_dir, job_id, failed, prefix, max_excluded)
 
     state_file = os.path.join(run_dir, "slurm", "requeue.json")
-    try:
-        with open(state_file) as f:
-            state = json.load(f)
-    except (OSError, ValueError):
-        state = {}
-    if state.get("job_id") != job_id:
-        state = {"job_id": job_id, "step": None, "attempts_without_progress": 0}
+    state = read_attempts(state_file, job_id, prefix)
     progressed = latest is not None and (state["step"] is None or latest > state["step"])
     attempts = 0 if progressed else state["attempts_without_progress"] + 1
-    os.makedirs(os.path.dirname(state_file), exist_ok=True)
-    with open(state_file, "w") as f:
-        json.dump({"job_id": job_id, "step": latest, "attempts_without_progress": attempts}, f)
+    files.make_folder(os.path.dirname(state_file))
+    files.write_json(state_file, {"job_id": job_id, "step": latest, "attempts_without_progress": attempts})
 
     if attempts >= max_attempts:
         print(
@@ -151,23 +146,84 @@ def requeue_check(run_dir, exit_code, max_attempts, job_id):
     return 0
 
 
-def health_records(run_dir, job_id):
-    """The health check's records of job_id's nodes that failed it (trainer/health.py), oldest first."""
+def _ignored(prefix, path, why):
+    print("{} ignored {}: {}".format(prefix, path, why), file=sys.stderr, flush=True)
+
+
+def _number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def read_attempts(path, job_id, prefix):
+    """requeue.json of this job ({job_id, step, attempts_without_progress}), or a fresh count: for
+    another job's, a missing file, or one that is not what this check writes (said, naming it)."""
+    fresh = {"job_id": job_id, "step": None, "attempts_without_progress": 0}
+    try:
+        state = files.read_json(path)
+    except FileNotFoundError:
+        return fresh
+    except (OSError, ValueError) as e:
+        _ignored(prefix, path, "unreadable ({}); counting attempts from 0".format(e))
+        return fresh
+    if not isinstance(state, dict) or state.get("job_id") != job_id:
+        return fresh
+    step, attempts = state.get("step"), state.get("attempts_without_progress")
+    if not (step is None or (isinstance(step, int) and not isinstance(step, bool))) or not (
+        isinstance(attempts, int) and not isinstance(attempts, bool) and attempts >= 0
+    ):
+        _ignored(prefix, path, "not a count of attempts as this check writes it; counting attempts from 0")
+        return fresh
+    return state
+
+
+def record_problem(found, job_id):
+    """Why `found` (a record's JSON) is not a health record of job_id's, or None."""
+    if not isinstance(found, dict):
+        return "not a JSON object"
+    if found.get("job") != job_id:
+        return "'job' is not {!r}".format(job_id)
+    node = found.get("node")
+    if not isinstance(node, str) or not NODE_NAME.fullmatch(node):
+        return "'node' is not a node name (letters, digits, '-', '_', '.'): {!r}".format(node)[:200]
+    if not isinstance(found.get("reason", ""), str):
+        return "'reason' is not text"
+    if not _number(found.get("time", 0)):
+        return "'time' is not a number"
+    return None
+
+
+def health_records(run_dir, job_id, prefix="requeue-check:"):
+    """The health check's records of job_id's nodes that failed it (trainer/health.py), oldest first.
+
+    Anyone who can write the run dir can write one: a record is read only from a regular file (no
+    link, no FIFO, bounded), and one that is not exactly what trainer/health.py writes is ignored
+    with a line naming it. What a record can do is limited to naming one node of the job."""
     folder = os.path.join(run_dir, *HEALTH_RECORDS)
     try:
+        if os.path.islink(folder):
+            _ignored(prefix, folder, "is a symbolic link, not the health check's folder")
+            return []
         names = sorted(n for n in os.listdir(folder) if n.startswith("{}.".format(job_id)) and n.endswith(".json"))
     except OSError:
         return []
     records = []
     for name in names:
+        path = os.path.join(folder, name)
         try:
-            with open(os.path.join(folder, name)) as f:
-                found = json.load(f)
-        except (OSError, ValueError):
+            found = files.read_json(path, limit=1 << 20)
+        except FileNotFoundError:
             continue
-        if isinstance(found, dict) and found.get("job") == job_id and found.get("node"):
-            records.append(dict(found, path=os.path.join(folder, name)))
-    return sorted(records, key=lambda r: r.get("time", 0))
+        except (OSError, ValueError) as e:
+            _ignored(prefix, path, "unreadable ({})".format(e))
+            continue
+        why = record_problem(found, job_id)
+        if why:
+            _ignored(prefix, path, why)
+            continue
+        records.append(
+            {"node": found["node"], "reason": found.get("reason", ""), "time": found.get("time", 0), "path": path}
+        )
+    return sorted(records, key=lambda r: r["time"])
 
 
 def _scontrol(*args):
@@ -176,18 +232,26 @@ def _scontrol(*args):
     )
 
 
-def requeue_without(run_dir, job_id, failed, prefix):
+def requeue_without(run_dir, job_id, failed, prefix, limit):
     """Requeue job_id with the nodes that failed the health check added to its excluded nodes (those
-    excluded already are kept), unless that would exclude more than health.max_excluded nodes over
-    the job's life; status.json lists every excluded node with the reason. Returns an exit code."""
+    excluded already are kept), unless that would exclude more than `limit` (the submission's
+    health.max_excluded) nodes over the job's life; status.json lists every excluded node with the
+    reason. Returns an exit code."""
     status = layout.read_status(run_dir)
-    excluded = [e for e in status.get("excluded_nodes", []) if isinstance(e, dict)]
+    listed = status.get("excluded_nodes") if isinstance(status, dict) else None
+    excluded = [
+        e
+        for e in (listed if isinstance(listed, list) else [])
+        if isinstance(e, dict) and isinstance(e.get("node"), str) and NODE_NAME.fullmatch(e["node"])
+    ]
     mine = [e["node"] for e in excluded if e.get("job") == job_id]
     new = [r for r in failed if r["node"] not in mine]
-    limit = min(int(r.get("max_excluded", 0)) for r in failed)
     names = ", ".join(r["node"] for r in new) or ", ".join(r["node"] for r in failed)
     for r in failed:
-        os.remove(r["path"])  # read once: a later attempt's failure is a new record
+        try:
+            os.remove(r["path"])  # read once: a later attempt's failure is a new record
+        except FileNotFoundError:
+            pass
     if cancelled(job_id):
         print("{} cancelled or at its time limit; not requeued".format(prefix), flush=True)
         return 0
@@ -233,9 +297,15 @@ def main(argv=None):
     p.add_argument("--run-dir", required=True)
     p.add_argument("--exit-code", type=int, default=0, help="exit code of the training step")
     p.add_argument("--max-attempts-without-progress", type=int, default=3)
+    p.add_argument(
+        "--max-excluded",
+        type=int,
+        default=0,
+        help="the job's health.max_excluded (trainer.submit renders it); 0: a node failing its check is never excluded",
+    )
     p.add_argument("--job-id", default=os.environ.get("SLURM_JOB_ID", ""))
     a = p.parse_args(argv)
-    return requeue_check(a.run_dir, a.exit_code, a.max_attempts_without_progress, a.job_id)
+    return requeue_check(a.run_dir, a.exit_code, a.max_attempts_without_progress, a.job_id, a.max_excluded)
 
 
 if __name__ == "__main__":

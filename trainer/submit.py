@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from trainer import signals
+from trainer import files, signals
 from trainer.requeue import HEALTH_FAILED, requeue_check
 
 REPO_DIR = Path(__file__).resolve().parent.parent
@@ -140,6 +140,9 @@ class Job:
     min_nodes: int | None = None
     gpu_mem_gb: str = ""  # GPU_MEM_GB: memory of one GPU in GB; empty: from the partition's GPU type
     memory: str = ""  # the memory estimate's breakdown, per part (printed by --dry-run)
+    # health.max_excluded of the job's config (check_config sets it): the requeue check gets it from
+    # here, never from the run dir, where anyone who can write it could raise it. 0: exclude none.
+    max_excluded: int = 0
 
     @property
     def nproc_per_node(self) -> int:
@@ -479,6 +482,7 @@ def check_config(job: Job, partition: Partition | None = None, planning: bool = 
         cfg, where, notes = load_run(str(job.config), overrides)
         warnings = validate(cfg, world, where=where, overrides=overrides, planning=planning)
         check_node_range(cfg, job)
+        job.max_excluded = cfg.health.max_excluded
         for line in [*notes, *(f"warning: {w}" for w in warnings)]:
             print(line)
         if job.gpus_per_node and partition is not None:
@@ -569,6 +573,7 @@ def render_sbatch(
         # allocate no more nodes than tasks; srun starts one launcher per node either way.
         "NTASKS_PER_NODE": "1" if len(job.node_counts) < 2 else "",
         "MAX_ATTEMPTS": str(job.max_attempts),
+        "MAX_EXCLUDED": str(job.max_excluded),
     }
     lines = []
     for line in TEMPLATE.read_text().splitlines():
@@ -646,12 +651,37 @@ def describe(job: Job, partition: Partition) -> str:
     return "\n".join(f"  {name:<{width}}  {value}" + (f"   [{why}]" if why else "") for name, value, why in rows)
 
 
+def own_folder(path: Path, mode: int = 0o755) -> None:
+    """Make the folder `path` (its parents too), or refuse in one line what is there already and
+    is not a folder of the user's that only the user can write: a link, a FIFO, another user's
+    folder. Slurm writes the job's logs into <run_dir>/slurm/, and submitit its pickles."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        files.make_folder(path, mode)
+        st = os.lstat(path)
+    except OSError as e:
+        raise SubmitError(f"{e}; remove it, or give another RUN_DIR") from None
+    if st.st_uid != os.geteuid():
+        raise SubmitError(
+            f"{path} is owned by uid {st.st_uid}, not by you: another user could read or replace what the job "
+            f"writes there; remove it, or give another RUN_DIR"
+        )
+    if files.others_can_write(st) or (mode & 0o077) == 0 and st.st_mode & 0o077:
+        os.chmod(path, mode)  # the user's own folder, left open by an umask or an older submission
+
+
 def submit_sbatch(job: Job) -> str:
-    """Render, save and submit the batch script; return the job id."""
-    (job.run_dir / "slurm").mkdir(parents=True, exist_ok=True)
+    """Render, save and submit the batch script; return the job id.
+
+    sbatch gets the script on its standard input, the very bytes rendered here: a copy is saved in
+    <run_dir>/slurm/train.sbatch (written through trainer/files.py: a link or FIFO planted there is
+    replaced, never written through), but what Slurm runs is never read back from the run dir,
+    where someone else could have swapped it between the write and sbatch's read."""
+    own_folder(job.run_dir / "slurm")
     script = job.run_dir / "slurm" / "train.sbatch"
-    script.write_text(render_sbatch(job))
-    out = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, cwd=REPO_DIR)
+    text = render_sbatch(job)
+    files.write_text(script, text)
+    out = subprocess.run(["sbatch", "--parsable"], input=text, capture_output=True, text=True, cwd=REPO_DIR)
     if out.returncode != 0:
         raise SubmitError(f"sbatch refused the job: {out.stderr.strip()}")
     job_id = out.stdout.strip().split(";")[0]
@@ -698,7 +728,8 @@ class LaunchTask:
         if code == HEALTH_FAILED and env.global_rank != 0:
             sys.exit(code)  # ends the other tasks (srun --kill-on-bad-exit): task 0 requeues without this node
         if env.global_rank == 0:
-            status = requeue_check(self.job.run_dir, code, self.job.max_attempts, env.job_id.split("_")[0])
+            job_id = env.job_id.split("_")[0]
+            status = requeue_check(self.job.run_dir, code, self.job.max_attempts, job_id, self.job.max_excluded)
             from trainer import layout
 
             if layout.read_status(self.job.run_dir).get("state") != "finished":
@@ -743,8 +774,20 @@ def submit_submitit(job: Job) -> str:
     os.environ["SUBMITIT_PREEMPT_SIGNAL"] = "USR1"
     import submitit
 
-    folder = job.run_dir / "slurm" / "submitit"
-    executor = submitit.AutoExecutor(folder=folder, cluster="slurm")
+    # submitit's pickles run as you on the nodes: its folder is made private (0700) and checked
+    # right before use, with every folder above it (files.replaceable), and the nodes check the
+    # pickle again before unpickling it (trainer/submitit_guard.py, submitit's `python`).
+    own_folder(job.run_dir / "slurm")
+    own_folder(job.run_dir / "slurm" / "submitit", 0o700)
+    folder = Path(os.path.realpath(job.run_dir / "slurm" / "submitit"))
+    why = files.replaceable(folder)
+    if why:
+        raise SubmitError(
+            f"LAUNCHER=submitit: {why}; the nodes unpickle and run what is in {folder}. Make the run dir and the "
+            f"folders above it writable by you only (chmod go-w), or use LAUNCHER=sbatch"
+        )
+    python = f"{shlex.quote(sys.executable)} -u -m trainer.submitit_guard"
+    executor = submitit.AutoExecutor(folder=folder, cluster="slurm", slurm_python=python)
     srun_args = ["--open-mode=append", f"--cpus-per-task={job.cpus_per_node}"]  # appended logs after a requeue
     srun_args.append("--kill-on-bad-exit=1")  # a node that fails its health check ends the others, as sbatch's
     if len(job.node_counts) > 1:  # a range: as the batch script does (render_sbatch, NTASKS_PER_NODE)
@@ -769,7 +812,11 @@ def submit_submitit(job: Job) -> str:
         net_if = shlex.quote(job.net_if)  # submitit writes these lines into its batch script as they are
         params["slurm_setup"] = [f"export NCCL_SOCKET_IFNAME={net_if} GLOO_SOCKET_IFNAME={net_if}"]
     executor.update_parameters(**params)
-    submitted = executor.submit(LaunchTask(job))
+    umask = os.umask(0o077)  # submitit's pickles and script: readable and writable by you only
+    try:
+        submitted = executor.submit(LaunchTask(job))
+    finally:
+        os.umask(umask)
     print(f"submitted job {submitted.job_id} (submitit): {job.nodes_text} node(s) x {job.nproc_per_node} process(es)")
     print(f"  log:     {folder}/{submitted.job_id}_0_log.out (task 0; _1_, _2_... for the other nodes)")
     print(f"  run dir: {job.run_dir}")
