@@ -350,3 +350,27 @@ def test_soak_kill_9_at_random_moments_with_leftovers(tmp_path, mode):
     assert got.keys() == want.keys()
     for key in want:
         assert torch.equal(got[key], want[key]), f"{key} differs (seed {seed}, events {events})"
+
+
+@pytest.mark.slow
+def test_damaged_checkpoints_are_skipped_in_one_line_each_through_the_real_resume(tmp_path):
+    """Checkpoints damaged where only the files say so (issue 32, items 10-15), planted in one run's
+    step folders; the resume skips each with one line (once, not once per rank), never hangs, never
+    prints a traceback, and goes on from the newest good one. Newest first:
+    - step 4: manifest.json a link to /dev/zero (json.load read until memory ran out);
+    - step 1: manifest.json a FIFO (listing hung in open(), SIGTERM did not stop it)."""
+    train(tmp_path, 2, *TINY, "train.steps=4", "checkpoint.interval=1", "checkpoint.keep=0")
+    step1, step2, step3, step4 = _step_dirs(tmp_path)
+    (step4 / "manifest.json").unlink()
+    (step4 / "manifest.json").symlink_to("/dev/zero")
+    (step1 / "manifest.json").unlink()
+    os.mkfifo(step1 / "manifest.json")
+    out = train(tmp_path, 2, *TINY, "train.steps=5", "checkpoint.interval=0", "checkpoint.keep=0", timeout=120)
+    text = out.stdout + out.stderr
+    assert "Traceback" not in text and "MemoryError" not in text, text[-3000:]
+    skipped = [line.split("skipping checkpoint ", 1)[1] for line in text.splitlines() if "skipping checkpoint" in line]
+    assert sorted(skipped) == [
+        f"{step1}: manifest.json is a FIFO, not a regular file",
+        f"{step4}: manifest.json is a symbolic link; the project never follows one here",
+    ], text[-3000:]
+    assert "at step 3" in text, text[-3000:]

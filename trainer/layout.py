@@ -19,6 +19,8 @@ import os
 import re
 import time
 
+from trainer import files
+
 STEP_DIR = re.compile(r"^step_(\d+)$")
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -55,8 +57,8 @@ def step_folders(run_dir):
 
 
 def read_meta(path):
-    with open(os.path.join(path, "meta.json")) as f:
-        return json.load(f)
+    """A checkpoint's meta.json: never through a link, never blocking on a FIFO, bounded."""
+    return files.read_json(os.path.join(path, "meta.json"))
 
 
 def files_problem(path):
