@@ -413,3 +413,33 @@ def test_damaged_checkpoints_are_skipped_in_one_line_each_through_the_real_resum
     assert skipped[3].startswith(f"{step5}: rank 0 could not read rng/rank_00000.pt (ValueError: its torch"), skipped
     assert skipped[4].startswith(f"{step6}: rank 1 could not read rng/rank_00001.pt (ValueError: its torch"), skipped
     assert "at step 2" in text, text[-3000:]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_another_run_or_under_another_step_is_skipped(tmp_path):
+    """A folder under a higher step number won (issue 32, item 11): a copy of this run's step 2 as
+    step_00000005, or another run's step 6 copied in, was resumed from ("at step 2"), and the good
+    step 4 deleted. Now the folder's name must be its meta.json's step and its run id this run's:
+    each is skipped with one line, and the run resumes from its real newest."""
+    import shutil
+
+    run, other = tmp_path / "run", tmp_path / "other"
+    train(run, 1, *TINY, "train.steps=4", "checkpoint.interval=2", "checkpoint.keep=0")
+    train(other, 1, *TINY, "train.steps=6", "checkpoint.interval=6", "checkpoint.keep=0", "train.seed=7")
+    ours = (run / "run_id").read_text().strip()
+    assert len(ours) == 32 and ours != (other / "run_id").read_text().strip()
+    step2, step4 = _step_dirs(run)
+    assert json.loads((step4 / "meta.json").read_text())["run_id"] == ours
+    assert json.loads((step4 / "manifest.json").read_text())["run_id"] == ours
+    copied = run / "checkpoints" / "step_00000005"
+    shutil.copytree(step2, copied)
+    foreign = run / "checkpoints" / "step_00000006"
+    shutil.copytree(other / "checkpoints" / "step_00000006", foreign)
+    out = train(run, 1, *TINY, "train.steps=6", "checkpoint.interval=0", "checkpoint.keep=2")
+    text = out.stdout + out.stderr
+    skipped = sorted(line.split("skipping checkpoint ", 1)[1] for line in text.splitlines() if "skipping" in line)
+    assert len(skipped) == 2, text[-3000:]
+    assert skipped[0].startswith(f"{copied}: its meta.json says step 2, not 5 as its folder's name"), skipped
+    assert skipped[1].startswith(f"{foreign}: it was saved by another run"), skipped
+    assert "at step 4" in text, text[-3000:]
+    assert step4.is_dir(), "the good checkpoint was kept"

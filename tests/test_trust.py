@@ -56,16 +56,17 @@ def _rerecord(folder) -> None:
             with open(shard + checksums.SUFFIX, "w") as f:
                 json.dump({"size": size, "xxh3_64": digest}, f)
     if os.path.exists(os.path.join(folder, "manifest.json")):  # checkpoints saved since issue 27
-        checksums.write_manifest(str(folder))
+        checksums.write_manifest(str(folder), json.load(open(os.path.join(folder, "meta.json"))).get("run_id"))
 
 
 def as_saved_before_manifests(folder) -> None:
     """Make `folder` a checkpoint as saved before issue 27: no manifest.json, and a meta.json that
-    does not say its commit wrote one."""
+    does not say its commit wrote one (nor the run id, younger still)."""
     os.remove(os.path.join(folder, "manifest.json"))
     meta_file = os.path.join(folder, "meta.json")
     meta = json.load(open(meta_file))
     del meta["manifest"]
+    meta.pop("run_id", None)  # run ids came after manifests
     json.dump(meta, open(meta_file, "w"), indent=1)
 
 

@@ -27,6 +27,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import stat
 import sys
@@ -43,7 +44,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from trainer import checksums, layout
+from trainer import checksums, files, layout
 from trainer.checksums import ChecksumWriter
 from trainer.config import CheckpointArgs
 from trainer.layout import read_meta, step_path
@@ -178,16 +179,65 @@ def unusable(path: str) -> str | None:
     return None
 
 
+_RUN_ID = re.compile(r"[0-9a-f]{32}")  # what run_id holds: 128 random bits in hex
+
+
+def run_id(run_dir: str, create: bool = False) -> str | None:
+    """The identity of the run in `run_dir` (its run_id file), or None where it has none (a run
+    started before run ids); `create`: write one first if absent (rank 0 at a start)."""
+    path = os.path.join(str(run_dir), layout.RUN_ID_FILE)
+    try:
+        text = files.read_text(path, limit=256).strip()
+    except FileNotFoundError:
+        if not create:
+            return None
+        text = uuid.uuid4().hex
+        files.write_text(path, text + "\n")
+    except OSError as e:
+        raise CheckpointError(f"{e}; the run's identity is read from it: remove it, or start a new run_dir") from None
+    if not _RUN_ID.fullmatch(text):
+        raise CheckpointError(
+            f"{path} holds {text[:40]!r}, not a run id the trainer writes; remove it (its checkpoints are then "
+            f"loaded only through checkpoint.resume_from), or start a new run_dir"
+        )
+    return text
+
+
+def _not_this_runs(path: str, step: int, run: str | None) -> str | None:
+    """Why the checkpoint at `path`, listed as `step` of the run whose id is `run`, is not one this
+    run saved there: its meta.json's step differs from its folder's name, or its run id (in meta.json
+    and manifest.json alike) is another run's. A checkpoint saved before run ids is checked by step."""
+    meta = layout.read_meta(path)
+    if meta.get("step") != step:
+        return (
+            f"its meta.json says step {meta.get('step')!r}, not {step} as its folder's name: it is a copy of "
+            f"another checkpoint; move it away, or give it as checkpoint.resume_from"
+        )
+    saved_by = meta.get("run_id")
+    if saved_by is None or run is None:
+        return None
+    manifest = os.path.join(path, checksums.MANIFEST)
+    recorded = files.read_json(manifest, checksums.MANIFEST_BYTES).get("run_id") if os.path.lexists(manifest) else None
+    if saved_by != run or recorded != saved_by:
+        return (
+            f"it was saved by another run (run id {str(saved_by)[:32]}, this run's is {run}); move it away, or "
+            f"start a new run_dir with checkpoint.resume_from={path}"
+        )
+    return None
+
+
 def complete(run_dir: str, said: set | None = None) -> list[tuple[int, str]]:
-    """Complete checkpoints in `run_dir`, oldest first; broken ones are skipped with a warning, once
-    per folder and reason when `said` (the lines said so far, added to) is given. Nothing is
-    unpickled for those with a manifest (trainer/checksums.py)."""
+    """Complete checkpoints in `run_dir` that this run saved, oldest first; broken ones, and those
+    of another run or copied under another step, are skipped with a warning, once per folder and
+    reason when `said` (the lines said so far, added to) is given. Nothing is unpickled for those
+    with a manifest (trainer/checksums.py)."""
     found = []
+    run = run_id(run_dir)
     for step, path in layout.step_folders(run_dir):
         why = (
             "a symbolic link, not a folder this run saved; give it as checkpoint.resume_from instead"
             if os.path.islink(path)
-            else problem(path)
+            else problem(path) or _not_this_runs(path, step, run)
         )
         if why and (said is None or (path, why) not in said):
             log.warning("skipping checkpoint %s: %s", path, why)
@@ -410,7 +460,18 @@ def _param_groups_problem(loaded, expected: list[dict]) -> str | None:
 
 
 # meta.json's keys the checkpointer writes itself (and `progress`'s); no part may be named like one.
-OWN_KEYS = ("step", "world_size", "optimizer", "shapes", "torch", "saved_at", "samples", "config", "manifest")
+OWN_KEYS = (
+    "step",
+    "world_size",
+    "optimizer",
+    "shapes",
+    "torch",
+    "saved_at",
+    "samples",
+    "config",
+    "manifest",
+    "run_id",
+)
 
 
 class Checkpointer:
@@ -451,6 +512,7 @@ class Checkpointer:
                 # leftovers of a killed save or delete
                 if name.startswith((".tmp_", ".trash_")) and remove(os.path.join(folder(run_dir), name)):
                     log.info("removed unfinished %s", os.path.join(folder(run_dir), name))
+        self.run_id = run_id(run_dir, create=True) if rank == 0 else None  # recorded in every save's meta.json
         dist.barrier(group=group)
 
     # -- when to save -------------------------------------------------------------------------------
@@ -725,10 +787,10 @@ class Checkpointer:
             return
         meta_file = os.path.join(tmp, "meta.json")
         with open(meta_file, "w") as f:  # saying that a manifest follows: a checkpoint that lost it is no old one
-            json.dump({**meta, "manifest": checksums.MANIFEST}, f, indent=1)
+            json.dump({**meta, "manifest": checksums.MANIFEST, "run_id": self.run_id}, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
-        checksums.write_manifest(tmp)
+        checksums.write_manifest(tmp, self.run_id)
         _fsync(tmp)
         final = step_path(self.run_dir, step)
         if os.path.lexists(final):  # a broken folder of the same name (skipped when listing), or a link
@@ -742,7 +804,7 @@ class Checkpointer:
         """Delete old checkpoints: keep the `keep` newest and every `keep_every`-th; never the newest."""
         if self.args.keep <= 0:
             return
-        steps = [step for step, _ in complete(self.run_dir)]
+        steps = [step for step, _ in complete(self.run_dir, self.said)]
         newest = set(steps[-self.args.keep :])
         for step in steps:
             if step in newest or (self.args.keep_every and step % self.args.keep_every == 0):

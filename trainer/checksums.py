@@ -35,7 +35,7 @@ from trainer import files
 SUFFIX = ".xxh3"
 MANIFEST = "manifest.json"
 _CHUNK = 16 << 20
-_MANIFEST_BYTES = 256 << 20  # the most a manifest.json is read: about 3 million files' entries
+MANIFEST_BYTES = 256 << 20  # the most a manifest.json is read: about 3 million files' entries
 
 
 class ChecksumError(OSError):
@@ -90,9 +90,10 @@ def _digest(listed: dict) -> int:
     return xxhash.xxh3_64_intdigest(json.dumps(listed, sort_keys=True, separators=(",", ":")).encode())
 
 
-def write_manifest(folder: str) -> None:
+def write_manifest(folder: str, run_id: str | None = None) -> None:
     """Record the size and checksum of every file in `folder` (a checkpoint being committed) in
-    its manifest.json, fsynced. Symbolic links are not followed, nor listed."""
+    its manifest.json, fsynced, with the id of the run that saved it (`run_id`, when given).
+    Symbolic links are not followed, nor listed."""
     listed = {}
     for root, _, names in os.walk(folder):
         for name in names:
@@ -104,7 +105,8 @@ def write_manifest(folder: str) -> None:
             size, digest = (want["size"], want["xxh3_64"]) if want else checksum_file(path)
             listed[relative.replace(os.sep, "/")] = {"size": size, "xxh3_64": digest}
     with open(os.path.join(folder, MANIFEST), "w") as f:
-        json.dump({"files": listed, "xxh3_64": _digest(listed)}, f, indent=1, sort_keys=True)
+        saved_by = {"run_id": run_id} if run_id else {}
+        json.dump({"files": listed, "xxh3_64": _digest(listed), **saved_by}, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
 
@@ -114,7 +116,7 @@ def manifest_problem(folder: str, deep: bool = False) -> str | None:
     without a manifest: a checkpoint saved before them). Sizes only, unless `deep`: then the
     checksum of every file that is not a shard with its own record (those are checked as read)."""
     try:
-        manifest = files.read_json(os.path.join(folder, MANIFEST), _MANIFEST_BYTES)
+        manifest = files.read_json(os.path.join(folder, MANIFEST), MANIFEST_BYTES)
         listed = manifest["files"]
         intact = manifest["xxh3_64"] == _digest(listed) and all(
             isinstance(w, dict) and isinstance(w.get("size"), int) and isinstance(w.get("xxh3_64"), int)

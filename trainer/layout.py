@@ -4,6 +4,7 @@
     <run_dir>/metrics.jsonl          one JSON row per logged step and evaluation (trainer/metrics.py)
     <run_dir>/status.json            what the trainer is doing: train.steps, state, newest save
     <run_dir>/lease.json             which process holds the run (trainer/lease.py)
+    <run_dir>/run_id                 the run's identity, written at its first start (trainer/checkpoint.py)
     <run_dir>/checkpoints/step_00000100/   a complete checkpoint (see trainer/checkpoint.py)
     <run_dir>/checkpoints/.tmp_*, .trash_* a save in progress or a folder being deleted
 
@@ -26,6 +27,7 @@ CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 STATUS_FILE = "status.json"
 LEASE_FILE = "lease.json"
+RUN_ID_FILE = "run_id"
 CHECKPOINTS_DIR = "checkpoints"
 # What the run dir holds, by kind: a folder where a file belongs (or the reverse) fails only later
 # (trainer/check.py refuses both before the start).
