@@ -350,3 +350,96 @@ def test_soak_kill_9_at_random_moments_with_leftovers(tmp_path, mode):
     assert got.keys() == want.keys()
     for key in want:
         assert torch.equal(got[key], want[key]), f"{key} differs (seed {seed}, events {events})"
+
+
+def _replace_bytes_item(folder: Path, suffix: str, value) -> None:
+    """The pickled (bytes) item whose name ends with `suffix` made a torch.save of `value` (appended to
+    its shard file), .metadata and every checksum rewritten to match: only the load's checks are left."""
+    import dataclasses
+    import io
+    import pickle
+
+    from test_trust import _load_metadata, _rerecord
+
+    metadata = _load_metadata(folder)
+    index, info = next((i, s) for i, s in metadata.storage_data.items() if i.fqn.endswith(suffix))
+    data = io.BytesIO()
+    torch.save(value, data)
+    shard = folder / info.relative_path
+    offset = shard.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(data.getvalue())
+    metadata.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(data.getvalue()))
+    with open(folder / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    _rerecord(folder)
+
+
+def _replace_rng(folder: Path, rank: int, state: torch.Tensor) -> None:
+    from test_trust import _rerecord
+
+    torch.save({"torch": state}, folder / "rng" / f"rank_{rank:05d}.pt")
+    _rerecord(folder)
+
+
+@pytest.mark.slow
+def test_damaged_checkpoints_are_skipped_in_one_line_each_through_the_real_resume(tmp_path):
+    """Checkpoints damaged where only the files say so (issue 32, items 10-15), planted in one run's
+    step folders; the resume skips each with one line (once, not once per rank), never hangs, never
+    prints a traceback, and goes on from the newest good one. Newest first:
+    - step 6: rank 1's random state float32 of the right shape (set_rng_state raised after the checks);
+    - step 5: rank 0's random state all zeros (the generator refuses it, after the checks);
+    - step 4: the optimizer's `params` item an empty list (optimizer.step raised KeyError 'betas');
+    - step 3: manifest.json a link to /dev/zero (json.load read until memory ran out);
+    - step 1: manifest.json a FIFO (listing hung in open(), SIGTERM did not stop it)."""
+    train(tmp_path, 2, *TINY, "train.steps=6", "checkpoint.interval=1", "checkpoint.keep=0")
+    step1, step2, step3, step4, step5, step6 = _step_dirs(tmp_path)
+    shape = torch.get_rng_state().shape
+    _replace_rng(step6, 1, torch.zeros(shape, dtype=torch.float32))
+    _replace_rng(step5, 0, torch.zeros(shape, dtype=torch.uint8))
+    _replace_bytes_item(step4, ".params", [])
+    (step3 / "manifest.json").unlink()
+    (step3 / "manifest.json").symlink_to("/dev/zero")
+    (step1 / "manifest.json").unlink()
+    os.mkfifo(step1 / "manifest.json")
+    out = train(tmp_path, 2, *TINY, "train.steps=7", "checkpoint.interval=0", "checkpoint.keep=0", timeout=120)
+    text = out.stdout + out.stderr
+    assert "Traceback" not in text and "MemoryError" not in text, text[-3000:]
+    skipped = sorted(line.split("skipping checkpoint ", 1)[1] for line in text.splitlines() if "skipping" in line)
+    assert len(skipped) == 5, text[-3000:]
+    assert skipped[0] == f"{step1}: manifest.json is a FIFO, not a regular file", skipped
+    assert skipped[1] == f"{step3}: manifest.json is a symbolic link; the project never follows one here", skipped
+    assert skipped[2].startswith(f"{step4}: rank 0 could not read its optimizer state (ValueError: param_"), skipped
+    assert skipped[3].startswith(f"{step5}: rank 0 could not read rng/rank_00000.pt (ValueError: its torch"), skipped
+    assert skipped[4].startswith(f"{step6}: rank 1 could not read rng/rank_00001.pt (ValueError: its torch"), skipped
+    assert "at step 2" in text, text[-3000:]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_another_run_or_under_another_step_is_skipped(tmp_path):
+    """A folder under a higher step number won (issue 32, item 11): a copy of this run's step 2 as
+    step_00000005, or another run's step 6 copied in, was resumed from ("at step 2"), and the good
+    step 4 deleted. Now the folder's name must be its meta.json's step and its run id this run's:
+    each is skipped with one line, and the run resumes from its real newest."""
+    import shutil
+
+    run, other = tmp_path / "run", tmp_path / "other"
+    train(run, 1, *TINY, "train.steps=4", "checkpoint.interval=2", "checkpoint.keep=0")
+    train(other, 1, *TINY, "train.steps=6", "checkpoint.interval=6", "checkpoint.keep=0", "train.seed=7")
+    ours = (run / "run_id").read_text().strip()
+    assert len(ours) == 32 and ours != (other / "run_id").read_text().strip()
+    step2, step4 = _step_dirs(run)
+    assert json.loads((step4 / "meta.json").read_text())["run_id"] == ours
+    assert json.loads((step4 / "manifest.json").read_text())["run_id"] == ours
+    copied = run / "checkpoints" / "step_00000005"
+    shutil.copytree(step2, copied)
+    foreign = run / "checkpoints" / "step_00000006"
+    shutil.copytree(other / "checkpoints" / "step_00000006", foreign)
+    out = train(run, 1, *TINY, "train.steps=6", "checkpoint.interval=0", "checkpoint.keep=2")
+    text = out.stdout + out.stderr
+    skipped = sorted(line.split("skipping checkpoint ", 1)[1] for line in text.splitlines() if "skipping" in line)
+    assert len(skipped) == 2, text[-3000:]
+    assert skipped[0].startswith(f"{copied}: its meta.json says step 2, not 5 as its folder's name"), skipped
+    assert skipped[1].startswith(f"{foreign}: it was saved by another run"), skipped
+    assert "at step 4" in text, text[-3000:]
+    assert step4.is_dir(), "the good checkpoint was kept"

@@ -56,16 +56,17 @@ def _rerecord(folder) -> None:
             with open(shard + checksums.SUFFIX, "w") as f:
                 json.dump({"size": size, "xxh3_64": digest}, f)
     if os.path.exists(os.path.join(folder, "manifest.json")):  # checkpoints saved since issue 27
-        checksums.write_manifest(str(folder))
+        checksums.write_manifest(str(folder), json.load(open(os.path.join(folder, "meta.json"))).get("run_id"))
 
 
 def as_saved_before_manifests(folder) -> None:
     """Make `folder` a checkpoint as saved before issue 27: no manifest.json, and a meta.json that
-    does not say its commit wrote one."""
+    does not say its commit wrote one (nor the run id, younger still)."""
     os.remove(os.path.join(folder, "manifest.json"))
     meta_file = os.path.join(folder, "meta.json")
     meta = json.load(open(meta_file))
     del meta["manifest"]
+    meta.pop("run_id", None)  # run ids came after manifests
     json.dump(meta, open(meta_file, "w"), indent=1)
 
 
@@ -552,3 +553,81 @@ def test_a_command_moved_into_our_own_file_in_a_shared_run_dir_is_never_run(tmp_
     cfg, _, lines = load_run(None, [f"run_dir={run}"])
     assert cfg.health.command != f"touch {marker}" and "is not run" in lines[0]
     assert not marker.exists()
+
+
+def _good_metadata_bytes() -> bytes:
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+
+    properties = dcp_metadata.TensorProperties(dtype=torch.float32)
+    chunk = dcp_metadata.ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([2]))
+    return pickle.dumps(
+        dcp_metadata.Metadata(
+            state_dict_metadata={"w": dcp_metadata.TensorStorageMetadata(properties, torch.Size([2]), [chunk])},
+            storage_data={},
+        )
+    )
+
+
+def test_metadata_that_builds_on_a_class_is_refused_and_leaves_the_class_unchanged(tmp_path):
+    """BUILD on the allowed class itself (issue 32, item 12): no code runs, but the change stayed in
+    the process after the file was refused and every good checkpoint was misread after it."""
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+
+    from trainer.shard_reader import Refused, load_metadata
+
+    before = dict(vars(dcp_metadata.Metadata))
+    state = pickle.dumps((None, {"__init__": 1, "planner_data": 7}), protocol=2)[2:-1]
+    (tmp_path / ".metadata").write_bytes(b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadata\n" + state + b"b.")
+    with pytest.raises(Refused, match=r"\.metadata is refused: it sets attributes of the class Metadata itself"):
+        load_metadata(tmp_path / ".metadata")
+    assert dict(vars(dcp_metadata.Metadata)) == before
+    (tmp_path / ".metadata").write_bytes(_good_metadata_bytes())
+    assert list(load_metadata(tmp_path / ".metadata").state_dict_metadata) == ["w"]
+
+
+def test_metadata_that_copies_one_memoised_list_many_times_is_refused_with_memory_bounded(tmp_path):
+    """One memoised list wrapped in torch.Size 300 times: a 400 KB file that took 460 MB before it
+    was refused (issue 32, item 8). Now the copying is counted against the file's size."""
+    import tracemalloc
+
+    from trainer.shard_reader import Refused, load_metadata
+
+    items = 50_000
+    body = b"\x80\x02ctorch\nSize\nq\x00" + b"]q\x01(" + b"K\x01" * items + b"e"  # Size, then a memoised list
+    body += b"0" + b"h\x00h\x01\x85R0" * 300 + b"N."  # 300 times Size(that list), each popped
+    (tmp_path / ".metadata").write_bytes(body)
+    tracemalloc.start()
+    try:
+        with pytest.raises(Refused, match=r"\.metadata is refused: it makes far more objects than its size holds"):
+            load_metadata(tmp_path / ".metadata")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, f"{peak} bytes at the peak"  # unbounded: 300 copies of the list, over 100 MB
+
+
+def test_metadata_naming_a_torch_submodule_is_refused_before_it_is_imported(tmp_path):
+    """find_class("torch", "_dynamo") imported 282 modules before refusing (issue 32, item 12)."""
+    import subprocess
+    import sys
+
+    (tmp_path / ".metadata").write_bytes(b"\x80\x02ctorch\n_dynamo\n.")
+    script = (
+        "import sys; from trainer.shard_reader import Refused, load_metadata\n"
+        "assert 'torch._dynamo' not in sys.modules\n"
+        f"try: load_metadata({str(tmp_path / '.metadata')!r})\n"
+        "except Refused as e: print(e)\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        check=True,
+    )
+    assert done.stdout.splitlines()[-2:] == [
+        ".metadata is refused: it names torch._dynamo, which is not part of DCP's checkpoint metadata; "
+        "load it only if you trust where it came from",
+        "False",
+    ], done.stdout + done.stderr

@@ -27,6 +27,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import stat
 import sys
@@ -43,7 +44,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from trainer import checksums, layout
+from trainer import checksums, files, layout
 from trainer.checksums import ChecksumWriter
 from trainer.config import CheckpointArgs
 from trainer.layout import read_meta, step_path
@@ -178,19 +179,71 @@ def unusable(path: str) -> str | None:
     return None
 
 
-def complete(run_dir: str) -> list[tuple[int, str]]:
-    """Complete checkpoints in `run_dir`, oldest first; broken ones are skipped with a warning.
-    Nothing is unpickled for those with a manifest (trainer/checksums.py)."""
+_RUN_ID = re.compile(r"[0-9a-f]{32}")  # what run_id holds: 128 random bits in hex
+
+
+def run_id(run_dir: str, create: bool = False) -> str | None:
+    """The identity of the run in `run_dir` (its run_id file), or None where it has none (a run
+    started before run ids); `create`: write one first if absent (rank 0 at a start)."""
+    path = os.path.join(str(run_dir), layout.RUN_ID_FILE)
+    try:
+        text = files.read_text(path, limit=256).strip()
+    except FileNotFoundError:
+        if not create:
+            return None
+        text = uuid.uuid4().hex
+        files.write_text(path, text + "\n")
+    except OSError as e:
+        raise CheckpointError(f"{e}; the run's identity is read from it: remove it, or start a new run_dir") from None
+    if not _RUN_ID.fullmatch(text):
+        raise CheckpointError(
+            f"{path} holds {text[:40]!r}, not a run id the trainer writes; remove it (its checkpoints are then "
+            f"loaded only through checkpoint.resume_from), or start a new run_dir"
+        )
+    return text
+
+
+def _not_this_runs(path: str, step: int, run: str | None) -> str | None:
+    """Why the checkpoint at `path`, listed as `step` of the run whose id is `run`, is not one this
+    run saved there: its meta.json's step differs from its folder's name, or its run id (in meta.json
+    and manifest.json alike) is another run's. A checkpoint saved before run ids is checked by step."""
+    meta = layout.read_meta(path)
+    if meta.get("step") != step:
+        return (
+            f"its meta.json says step {meta.get('step')!r}, not {step} as its folder's name: it is a copy of "
+            f"another checkpoint; move it away, or give it as checkpoint.resume_from"
+        )
+    saved_by = meta.get("run_id")
+    if saved_by is None or run is None:
+        return None
+    manifest = os.path.join(path, checksums.MANIFEST)
+    recorded = files.read_json(manifest, checksums.MANIFEST_BYTES).get("run_id") if os.path.lexists(manifest) else None
+    if saved_by != run or recorded != saved_by:
+        return (
+            f"it was saved by another run (run id {str(saved_by)[:32]}, this run's is {run}); move it away, or "
+            f"start a new run_dir with checkpoint.resume_from={path}"
+        )
+    return None
+
+
+def complete(run_dir: str, said: set | None = None) -> list[tuple[int, str]]:
+    """Complete checkpoints in `run_dir` that this run saved, oldest first; broken ones, and those
+    of another run or copied under another step, are skipped with a warning, once per folder and
+    reason when `said` (the lines said so far, added to) is given. Nothing is unpickled for those
+    with a manifest (trainer/checksums.py)."""
     found = []
+    run = run_id(run_dir)
     for step, path in layout.step_folders(run_dir):
         why = (
             "a symbolic link, not a folder this run saved; give it as checkpoint.resume_from instead"
             if os.path.islink(path)
-            else problem(path)
+            else problem(path) or _not_this_runs(path, step, run)
         )
-        if why:
+        if why and (said is None or (path, why) not in said):
             log.warning("skipping checkpoint %s: %s", path, why)
-        else:
+            if said is not None:
+                said.add((path, why))
+        elif not why:
             found.append((step, path))
     return found
 
@@ -345,8 +398,80 @@ def _stager() -> dict:
     return {"async_stager": DefaultStager(options)}
 
 
+def _check_rng(rng) -> None:
+    """Raise ValueError unless `rng` (an rng/rank_N.pt as read) is what a save writes and each of its
+    states is one its generator takes: tried on a scratch generator, so nothing is set yet."""
+    if not (isinstance(rng, dict) and torch.is_tensor(rng.get("torch"))):
+        raise ValueError("not the random states a save writes")
+    kinds = [("torch", "cpu")] + ([("cuda", "cuda")] if "cuda" in rng and torch.cuda.is_available() else [])
+    for key, device in kinds:
+        state = rng[key]
+        if not torch.is_tensor(state) or state.dtype != torch.uint8 or state.dim() != 1:
+            raise ValueError(f"its {key} random state is not a flat uint8 tensor")
+        if key == "torch" and state.shape != torch.get_rng_state().shape:
+            raise ValueError(f"its torch random state has shape {list(state.shape)}, not the generator's")
+        try:
+            torch.Generator(device=device).set_state(state)
+        except RuntimeError as e:
+            raise ValueError(f"its {key} random state is refused by the generator ({e})") from None
+
+
+def _same_kind(loaded, wanted) -> bool:
+    """Whether an optimizer setting read from a checkpoint can stand where this run's `wanted` does."""
+    if isinstance(wanted, bool) or wanted is None:
+        return isinstance(loaded, bool) or loaded is None
+    if isinstance(wanted, (int, float)):
+        return isinstance(loaded, (int, float)) and not isinstance(loaded, bool) and math.isfinite(loaded)
+    if isinstance(wanted, (tuple, list)):
+        return (
+            isinstance(loaded, (tuple, list))
+            and len(loaded) == len(wanted)
+            and all(_same_kind(a, b) for a, b in zip(loaded, wanted))
+        )
+    return isinstance(loaded, type(wanted))
+
+
+def _param_groups_problem(loaded, expected: list[dict]) -> str | None:
+    """Why the optimizer's `param_groups` as read from a checkpoint cannot replace this run's
+    (`expected`, as get_state_dict gives them: parameters by name), or None: as many groups, each a
+    dict with every setting the optimizer uses and of its kind, the same parameters in all."""
+    if not isinstance(loaded, list) or len(loaded) != len(expected):
+        held = f"{len(loaded)} group(s)" if isinstance(loaded, list) else f"a {type(loaded).__name__}"
+        return f"param_groups holds {held}, not {len(expected)} group(s)"
+    names = set()
+    for index, (group, wanted) in enumerate(zip(loaded, expected)):
+        if not isinstance(group, dict):
+            return f"param_groups[{index}] is a {type(group).__name__}, not a dict"
+        params = group.get("params")
+        if not isinstance(params, list) or not all(isinstance(p, (str, int)) for p in params):
+            return f"param_groups[{index}]['params'] is not a list of parameters"
+        names.update(params)
+        for key, value in wanted.items():
+            if key == "params":
+                continue
+            if key not in group:
+                return f"param_groups[{index}] lacks {key!r}, which the optimizer needs"
+            if not _same_kind(group[key], value):
+                return f"param_groups[{index}][{key!r}] is {group[key]!r:.40}, not a {type(value).__name__}"
+    wanted_names = {p for g in expected for p in g.get("params", [])}
+    if names != wanted_names:
+        return f"param_groups name {len(names)} parameters, not this model's {len(wanted_names)}"
+    return None
+
+
 # meta.json's keys the checkpointer writes itself (and `progress`'s); no part may be named like one.
-OWN_KEYS = ("step", "world_size", "optimizer", "shapes", "torch", "saved_at", "samples", "config", "manifest")
+OWN_KEYS = (
+    "step",
+    "world_size",
+    "optimizer",
+    "shapes",
+    "torch",
+    "saved_at",
+    "samples",
+    "config",
+    "manifest",
+    "run_id",
+)
 
 
 class Checkpointer:
@@ -379,6 +504,7 @@ class Checkpointer:
         self.pending: tuple[Future, int, str, dict] | None = None  # an async save not yet committed
         self.staging: Future | None = None  # its copy of the state, until the copy is done
         self.last_saved: int | None = None
+        self.said: set[tuple[str, str]] = set()  # (folder, why) of the checkpoints skipped so far: said once
         self.stager = _stager() if args.async_save else None
         if rank == 0:
             os.makedirs(folder(run_dir), exist_ok=True)
@@ -386,6 +512,7 @@ class Checkpointer:
                 # leftovers of a killed save or delete
                 if name.startswith((".tmp_", ".trash_")) and remove(os.path.join(folder(run_dir), name)):
                     log.info("removed unfinished %s", os.path.join(folder(run_dir), name))
+        self.run_id = run_id(run_dir, create=True) if rank == 0 else None  # recorded in every save's meta.json
         dist.barrier(group=group)
 
     # -- when to save -------------------------------------------------------------------------------
@@ -446,7 +573,7 @@ class Checkpointer:
         chosen is read), else checkpoint.resume_from for a run without its own."""
         choice = [None]
         if self.rank == 0:
-            listed = complete(self.run_dir)
+            listed = complete(self.run_dir, self.said)
             found = []
             for step, path in reversed(listed):
                 if path in unreadable:
@@ -525,7 +652,8 @@ class Checkpointer:
                 break
             if path == self.args.resume_from:
                 raise CheckpointError(f"checkpoint.resume_from={path} is unreadable: {why}")
-            log.warning("skipping checkpoint %s: %s; trying the next older one", path, why)
+            if self.rank == 0:  # every rank has the same `why`: said once
+                log.warning("skipping checkpoint %s: %s; trying the next older one", path, why)
             unreadable += (path,)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         for name, part in self.parts.items():
@@ -556,24 +684,24 @@ class Checkpointer:
         The reading itself is `self.reader`'s: `ShardReader` (shard_reader.py)."""
         error = rng = None
         what = "its shards"
+        expected = [dict(g) for g in state["optim"].get("param_groups", [])]  # this run's, before the read
         try:
             with warnings.catch_warnings():  # no_dist warns that it assumes one process; it is each rank alone
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.load(
                     state, storage_reader=self.reader(path, rank=self.rank, world_size=self.world_size), no_dist=True
                 )
+            what = "its optimizer state"
+            bad = _param_groups_problem(state["optim"].get("param_groups"), expected)
+            if bad:
+                raise ValueError(bad)
             if rng_file:
                 what = os.path.relpath(rng_file, path)
                 rng = torch.load(rng_file, weights_only=True)
-                if not (
-                    isinstance(rng, dict)
-                    and torch.is_tensor(rng.get("torch"))
-                    and rng["torch"].shape == torch.get_rng_state().shape
-                ):
-                    raise ValueError("not the random states a save writes")
+                _check_rng(rng)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - any failure stops every rank, with its cause
             cause = e.failures[min(e.failures)][0] if isinstance(e, CheckpointException) and e.failures else e
-            log.warning("rank %d: reading checkpoint %s failed: %s: %s", self.rank, path, type(cause).__name__, cause)
+            log.debug("rank %d: reading checkpoint %s failed: %s: %s", self.rank, path, type(cause).__name__, cause)
             first_line = (str(cause).strip().splitlines() or [""])[0]
             error = f"{what} ({type(cause).__name__}: {first_line[:160]})"
         errors: list[str | None] = [None] * self.world_size
@@ -659,10 +787,10 @@ class Checkpointer:
             return
         meta_file = os.path.join(tmp, "meta.json")
         with open(meta_file, "w") as f:  # saying that a manifest follows: a checkpoint that lost it is no old one
-            json.dump({**meta, "manifest": checksums.MANIFEST}, f, indent=1)
+            json.dump({**meta, "manifest": checksums.MANIFEST, "run_id": self.run_id}, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
-        checksums.write_manifest(tmp)
+        checksums.write_manifest(tmp, self.run_id)
         _fsync(tmp)
         final = step_path(self.run_dir, step)
         if os.path.lexists(final):  # a broken folder of the same name (skipped when listing), or a link
@@ -676,7 +804,7 @@ class Checkpointer:
         """Delete old checkpoints: keep the `keep` newest and every `keep_every`-th; never the newest."""
         if self.args.keep <= 0:
             return
-        steps = [step for step, _ in complete(self.run_dir)]
+        steps = [step for step, _ in complete(self.run_dir, self.said)]
         newest = set(steps[-self.args.keep :])
         for step in steps:
             if step in newest or (self.args.keep_every and step % self.args.keep_every == 0):

@@ -30,9 +30,12 @@ import torch
 import xxhash
 from torch.distributed.checkpoint import FileSystemWriter
 
+from trainer import files
+
 SUFFIX = ".xxh3"
 MANIFEST = "manifest.json"
 _CHUNK = 16 << 20
+MANIFEST_BYTES = 256 << 20  # the most a manifest.json is read: about 3 million files' entries
 
 
 class ChecksumError(OSError):
@@ -58,10 +61,19 @@ def record(path: str) -> dict | None:
     """The checksum recorded for the shard file at `path`, or None (a checkpoint saved before
     checksums existed)."""
     try:
-        with open(path + SUFFIX) as f:
-            return json.load(f)
+        want = files.read_json(path + SUFFIX)
     except FileNotFoundError:
         return None
+    except (OSError, ValueError) as e:
+        raise ChecksumError(f"{os.path.basename(path + SUFFIX)} is unreadable ({_short(e)})") from None
+    if not (isinstance(want, dict) and isinstance(want.get("size"), int) and isinstance(want.get("xxh3_64"), int)):
+        raise ChecksumError(f"{os.path.basename(path + SUFFIX)} is damaged: not a size and checksum record")
+    return want
+
+
+def _short(e: Exception) -> str:
+    """An error's words without the full path that UnsafeFile puts first."""
+    return e.why if isinstance(e, files.UnsafeFile) else str(e)
 
 
 def verify(path: str, size: int, digest: int) -> None:
@@ -74,14 +86,15 @@ def verify(path: str, size: int, digest: int) -> None:
         )
 
 
-def _digest(files: dict) -> int:
-    return xxhash.xxh3_64_intdigest(json.dumps(files, sort_keys=True, separators=(",", ":")).encode())
+def _digest(listed: dict) -> int:
+    return xxhash.xxh3_64_intdigest(json.dumps(listed, sort_keys=True, separators=(",", ":")).encode())
 
 
-def write_manifest(folder: str) -> None:
+def write_manifest(folder: str, run_id: str | None = None) -> None:
     """Record the size and checksum of every file in `folder` (a checkpoint being committed) in
-    its manifest.json, fsynced. Symbolic links are not followed, nor listed."""
-    files = {}
+    its manifest.json, fsynced, with the id of the run that saved it (`run_id`, when given).
+    Symbolic links are not followed, nor listed."""
+    listed = {}
     for root, _, names in os.walk(folder):
         for name in names:
             path = os.path.join(root, name)
@@ -90,9 +103,10 @@ def write_manifest(folder: str) -> None:
                 continue
             want = record(path)  # a shard file: its writer hashed it already
             size, digest = (want["size"], want["xxh3_64"]) if want else checksum_file(path)
-            files[relative.replace(os.sep, "/")] = {"size": size, "xxh3_64": digest}
+            listed[relative.replace(os.sep, "/")] = {"size": size, "xxh3_64": digest}
     with open(os.path.join(folder, MANIFEST), "w") as f:
-        json.dump({"files": files, "xxh3_64": _digest(files)}, f, indent=1, sort_keys=True)
+        saved_by = {"run_id": run_id} if run_id else {}
+        json.dump({"files": listed, "xxh3_64": _digest(listed), **saved_by}, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
 
@@ -102,20 +116,21 @@ def manifest_problem(folder: str, deep: bool = False) -> str | None:
     without a manifest: a checkpoint saved before them). Sizes only, unless `deep`: then the
     checksum of every file that is not a shard with its own record (those are checked as read)."""
     try:
-        with open(os.path.join(folder, MANIFEST)) as f:
-            manifest = json.load(f)
-        files = manifest["files"]
-        intact = manifest["xxh3_64"] == _digest(files) and all(
+        manifest = files.read_json(os.path.join(folder, MANIFEST), MANIFEST_BYTES)
+        listed = manifest["files"]
+        intact = manifest["xxh3_64"] == _digest(listed) and all(
             isinstance(w, dict) and isinstance(w.get("size"), int) and isinstance(w.get("xxh3_64"), int)
-            for w in files.values()
+            for w in listed.values()
         )
     except FileNotFoundError:
         return _lost_manifest(folder)
+    except files.UnsafeFile as e:
+        return f"{MANIFEST} {_short(e)}"
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         intact = False
     if not intact:
         return f"{MANIFEST} is damaged: it is not what the commit wrote"
-    for name, want in files.items():
+    for name, want in listed.items():
         path = os.path.join(folder, *name.split("/"))
         if name.startswith("/") or ".." in name.split("/"):
             return f"{MANIFEST} names {name}, a file outside the checkpoint"
@@ -129,7 +144,7 @@ def manifest_problem(folder: str, deep: bool = False) -> str | None:
             return f"{name} is missing"
         if size != want["size"]:
             return f"{name} is damaged: {size} bytes, but {want['size']} were written"
-        if deep and not (name.endswith(".distcp") and name + SUFFIX in files):
+        if deep and not (name.endswith(".distcp") and name + SUFFIX in listed):
             _, digest = checksum_file(path)
             if digest != want["xxh3_64"]:
                 return f"{name} is damaged: checksum {digest:016x}, but {want['xxh3_64']:016x} was written"
@@ -140,8 +155,7 @@ def _lost_manifest(folder: str) -> str | None:
     """Why a checkpoint without manifest.json is not usable: its meta.json says its commit wrote one
     (since the trainer wrote them all), so it was lost; or None, for a checkpoint saved before them."""
     try:
-        with open(os.path.join(folder, "meta.json")) as f:
-            named = json.load(f).get("manifest")
+        named = files.read_json(os.path.join(folder, "meta.json")).get("manifest")
     except (OSError, ValueError, AttributeError):
         return None  # an unreadable meta.json is named by the listing's own check (trainer/layout.py)
     return f"{MANIFEST} is missing, though meta.json says its commit wrote one" if named else None

@@ -11,6 +11,7 @@
     <run_dir>/hangs/                 stacks of a hung or straggling rank (trainer/hangs.py)
     <run_dir>/trace/                 each rank's sample order, with data.trace (trainer/train.py)
     <run_dir>/slurm/requeue.json     the Slurm requeue check's state (trainer/requeue.py)
+    <run_dir>/run_id                 the run's identity, written at its first start (trainer/checkpoint.py)
     <run_dir>/checkpoints/step_00000100/   a complete checkpoint (see trainer/checkpoint.py)
     <run_dir>/checkpoints/.tmp_*, .trash_* a save in progress or a folder being deleted
 
@@ -32,6 +33,7 @@ CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 STATUS_FILE = "status.json"
 LEASE_FILE = "lease.json"
+RUN_ID_FILE = "run_id"
 CHECKPOINTS_DIR = "checkpoints"
 # What the run dir holds, by kind: a folder where a file belongs (or the reverse) fails only later
 # (trainer/check.py refuses both before the start).
@@ -47,7 +49,7 @@ SLURM_DIR = "slurm"
 REQUEUE_FILE = os.path.join(SLURM_DIR, "requeue.json")
 # Every name the project writes or reads in a run dir, file or folder (tests/test_plant.py plants a
 # link and a FIFO at each and checks nothing is written or read through it).
-WRITTEN_FILES = RUN_DIR_FILES + (SUPERSEDED_FILE, TRACKERS_FILE, REQUEUE_FILE)
+WRITTEN_FILES = RUN_DIR_FILES + (SUPERSEDED_FILE, TRACKERS_FILE, REQUEUE_FILE, RUN_ID_FILE)
 WRITTEN_FOLDERS = (CHECKPOINTS_DIR, HEARTBEATS_DIR, HEALTH_DIR, HANGS_DIR, TRACE_DIR, SLURM_DIR)
 # Keys a committed checkpoint's meta.json always holds.
 META_KEYS = ("step", "samples", "world_size", "scheduler", "shapes")
@@ -75,6 +77,7 @@ def step_folders(run_dir):
 
 
 def read_meta(path):
+    """A checkpoint's meta.json: never through a link, never blocking on a FIFO, bounded."""
     return files.read_json(os.path.join(path, "meta.json"))
 
 

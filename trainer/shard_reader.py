@@ -211,18 +211,61 @@ def _enum_member(cls, name):
     return cls[name]
 
 
-class _MetadataPickle(pickle.Unpickler):
+_DTYPE_NAMES = frozenset(name for name, value in vars(torch).items() if isinstance(value, torch.dtype))
+_COPYING = {
+    torch.Size,
+    *(getattr(pathlib, name) for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")),
+}
+_WORK_PER_BYTE = 8  # elements a `.metadata` may make its allowed calls copy, per byte of the file
+_WORK_FLOOR = 1 << 16
+_NOT_DCP = ", which is not part of DCP's checkpoint metadata"  # ... and at least this many, for the smallest files
+
+
+class _MetadataPickle(pickle._Unpickler):  # the Python one: BUILD and calls are checked one by one
     """Unpickles DCP's metadata and nothing else: a name outside _METADATA_CLASSES and torch's
-    dtypes is refused before anything is imported or called."""
+    dtypes is refused before anything is imported or called; BUILD sets attributes of instances,
+    never of a class (a change to a class would outlive the refused file); and the elements the
+    allowed calls and BUILDs copy are counted against `budget` (a memoised list wrapped in
+    torch.Size hundreds of times is a small file that fills memory)."""
+
+    def __init__(self, f, budget: int):
+        super().__init__(f)
+        self.budget = budget
+
+    def _spend(self, n: int) -> None:
+        self.budget -= n
+        if self.budget < 0:
+            raise Refused("it makes far more objects than its size holds")
 
     def find_class(self, module: str, name: str):
         if (module, name) in _METADATA_CLASSES:
-            return _METADATA_CLASSES[module, name]
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
+            found = _METADATA_CLASSES[module, name]
+            return self._counted(found) if found in _COPYING else found
+        if module == "torch" and name in _DTYPE_NAMES:  # never getattr(torch, name): that imports
+            return vars(torch)[name]
         if (module, name) == ("builtins", "getattr"):
             return _enum_member  # an Enum member pickled by name: getattr(its class, its name)
         raise Refused(f"it names {module}.{name}")
+
+    def _counted(self, cls):
+        """`cls` (torch.Size, a path), whose call copies its arguments: each element is paid for."""
+
+        def call(*args):
+            self._spend(sum(len(a) if isinstance(a, (str, bytes, tuple, list)) else 1 for a in args) + 1)
+            return cls(*args)
+
+        return call
+
+    def load_build(self):
+        state, inst = self.stack[-1], self.stack[-2]
+        if isinstance(inst, type):
+            raise Refused(f"it sets attributes of the class {inst.__name__} itself")
+        parts = state if isinstance(state, tuple) else (state,)
+        self._spend(sum(len(p) if isinstance(p, (dict, tuple, list)) else 1 for p in parts) + 1)
+        super().load_build()
+
+    dispatch = dict(pickle._Unpickler.dispatch)  # the Python unpickler's table, with BUILD checked
+    dispatch[pickle.BUILD[0]] = load_build
 
     def persistent_load(self, pid):
         raise Refused("it names a persistent object")
@@ -233,10 +276,10 @@ def load_metadata(path: str | os.PathLike) -> dcp_metadata.Metadata:
     but the classes it is made of. Refused (one line naming the file) if it names anything else."""
     with open(path, "rb") as f:
         try:
-            metadata = _MetadataPickle(f).load()
+            metadata = _MetadataPickle(f, _WORK_FLOOR + _WORK_PER_BYTE * os.fstat(f.fileno()).st_size).load()
         except Refused as e:
             raise Refused(
-                f"{os.path.basename(path)} is refused: {e}, which is not part of DCP's checkpoint metadata; "
+                f"{os.path.basename(path)} is refused: {e}{_NOT_DCP if str(e).startswith('it names') else ''}; "
                 f"load it only if you trust where it came from"
             ) from None
     if not isinstance(metadata, dcp_metadata.Metadata) or not isinstance(metadata.storage_data, dict):
