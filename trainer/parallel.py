@@ -156,7 +156,7 @@ def checkpoint_units(model: nn.Module, units: list[nn.Module]) -> list[nn.Module
     """Replace each unit by a checkpoint-wrapped one, in place in its parent; the wrappers, in the
     units' order. State-dict keys do not change: the wrapper's hooks (and DCP) drop its
     `_checkpoint_wrapped_module.` prefix."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from trainer.torch_compat import checkpoint_wrapper
 
     wrapped: dict[int, nn.Module] = {}
     targets = {id(u) for u in units}
