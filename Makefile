@@ -36,7 +36,7 @@ DRY_RUN       ?=
 # (check), the partition's GPU type from gres (submit).
 GPU_MEM_GB    ?=
 
-.PHONY: help venv run check evaluate plot test test-fast test-gpu lint format bench image up docker-engine submit slurm-up slurm-down clean
+.PHONY: help venv run check evaluate plot test test-fast test-compat test-gpu lint format bench image up docker-engine submit slurm-up slurm-down clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^[^:]*:([a-z-]+):.*## /\1\t/; s/^([a-z-]+):.*## /\1\t/'
@@ -69,6 +69,32 @@ test: venv ## run the whole test suite (what CI runs; about 30 min on 2 cores)
 
 test-fast: venv ## the unit-level tests, without the modules marked slow (about 2 min): the edit-test loop
 	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
+
+# The oldest torch the trainer supports (pyproject.toml's torch>=2.11), in a venv of its own with only
+# what the selected tests import; never the trainer's extras. The tests: FSDP2, bf16 + activation
+# checkpointing, compile (CPU), DCP save and load 2 -> 3 ranks, the restricted unpickler, the launcher
+# (a failure, a stop signal, the rendezvous' _delay) and trainer/torch_compat.py's private names.
+COMPAT_VENV  := .venv-compat
+COMPAT_TORCH ?= 2.11.*
+COMPAT_TESTS := \
+	'tests/test_parallel.py::test_matches_single_process[fsdp2]' \
+	tests/test_parallel.py::test_bf16_with_activation_checkpointing_runs_and_stays_close \
+	tests/test_parallel.py::test_compile_matches \
+	'tests/test_checkpoint.py::test_resume_on_other_process_counts[2-3]' \
+	tests/test_shard_reader.py \
+	tests/test_torch_compat.py \
+	tests/test_launch.py::test_a_failing_rank_is_one_launcher_line_and_exit_1 \
+	tests/test_launch.py::test_signal_to_the_launcher_alone_saves_exits_0_and_resumes \
+	tests/test_dist.py::test_the_launchers_rendezvous_polls_faster_only_while_it_runs
+
+$(COMPAT_VENV)/.installed: Makefile
+	python3 -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip install --quiet "torch==$(COMPAT_TORCH)" pyyaml numpy xxhash safetensors pytest
+	touch $@
+
+test-compat: $(COMPAT_VENV)/.installed ## the oldest supported torch (2.11): a few tests in .venv-compat (about 1 min, 3 to build it)
+	$(COMPAT_VENV)/bin/python -c 'import torch; print("test-compat: torch", torch.__version__)'
+	$(COMPAT_VENV)/bin/python -m pytest -p no:cacheprovider $(COMPAT_TESTS) $(PYTEST_ARGS)
 
 test-gpu: venv ## the CUDA-path tests on this machine's GPU (skipped without one; CI has none)
 	$(PY) -m pytest tests/test_gpu.py $(PYTEST_ARGS)

@@ -104,6 +104,23 @@ def test_bf16_compiled_training_learns_and_reports_mfu(tmp_path):
         assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 and r["peak_mem_gb"] > 0, r
 
 
+def test_bf16_with_activation_checkpointing_trains_on_the_gpu(tmp_path):
+    """#33 item 1: with torch < 2.13 this raised CheckpointError at step 1 (eager and compiled)."""
+    for compiled in ("false", "true"):
+        run_dir = tmp_path / f"compile-{compiled}"
+        train(
+            run_dir,
+            1,
+            *TINY,
+            "parallel.param_dtype=bfloat16",
+            "parallel.activation_checkpointing=true",
+            f"parallel.compile={compiled}",
+            gpu=True,
+        )
+        got = [r["loss"] for r in rows(run_dir)]
+        assert len(got) == 6 and all(0 < v < 20 for v in got), (compiled, got)
+
+
 def test_more_processes_than_gpus_is_refused_before_anything_starts(tmp_path):
     n = torch.cuda.device_count() + 1
     proc = train(

@@ -56,15 +56,16 @@ def node() -> str:
 
 def launcher_env(run_dir: str, stamp: str, gpus: bool) -> dict[str, str]:
     """The variables the launcher gives its ranks: the hang folder of this start and, on GPUs, NCCL's
-    flight recorder with a dump into that folder when a collective times out. Both names of each
-    NCCL variable are set: torch 2.14 reads TORCH_FR_*, older versions TORCH_NCCL_*."""
+    flight recorder with a dump into that folder when a collective times out. The buffer's size
+    under the name torch >= 2.11 reads (TORCH_FR_BUFFER_SIZE; the old TORCH_NCCL_TRACE_BUFFER_SIZE
+    only makes each rank warn that it is deprecated); the dump file under both names, which 2.11
+    and 2.14 both read without a warning."""
     folder = os.path.join(os.path.abspath(run_dir), "hangs", stamp)
     env = {HANG_DIR_ENV: folder}
     if gpus:
         prefix = os.path.join(folder, "nccl_trace_rank_")  # torch appends the rank
         env.update(
             {
-                "TORCH_NCCL_TRACE_BUFFER_SIZE": str(NCCL_TRACE_ENTRIES),
                 "TORCH_FR_BUFFER_SIZE": str(NCCL_TRACE_ENTRIES),
                 "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
                 "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,

@@ -355,9 +355,9 @@ def _local_region(param: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]
 
     if not isinstance(param, DTensor):
         return param, tuple(slice(0, n) for n in param.shape)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from trainer.torch_compat import local_shape_and_offset
 
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    shape, offset = local_shape_and_offset(param)
     return param.to_local(), tuple(slice(o, o + n) for o, n in zip(offset, shape))
 
 

@@ -38,7 +38,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from trainer import files, hangs, heartbeat, layout, signals
+from trainer import files, hangs, heartbeat, layout, signals, torch_compat
 from trainer.requeue import HEALTH_FAILED, LEASE_LOST, NODE_LOST
 
 
@@ -201,17 +201,25 @@ def torchrun_args(a: argparse.Namespace, nproc: int, shutdown_s: int, max_restar
 
 def _supported(args: list[str]) -> list[str]:
     """Drop the torchrun options this torch does not know (signals: 2.10+, shutdown timeout: 2.12+)."""
-    from torch.distributed.run import get_args_parser
-
-    known = {s for action in get_args_parser()._actions for s in action.option_strings}
+    known = torch_compat.torchrun_options()
     options, script = args[: args.index("-m")], args[args.index("-m") :]
     kept = [arg for arg in options if arg.split("=", 1)[0] in known]
     for arg in sorted(set(options) - set(kept)):
-        _say(
-            f"this torch's torchrun has no {arg.split('=', 1)[0]}; it forwards SIGTERM/SIGINT/SIGHUP/SIGQUIT only "
-            f"and gives the ranks {TORCHRUN_DEFAULT_SHUTDOWN_S} s"
-        )
+        if note := dropped_option_note(arg.split("=", 1)[0]):
+            _say(note)
     return kept + script
+
+
+def dropped_option_note(option: str) -> str | None:
+    """What to tell the user about a torchrun option this torch lacks, or None. Without
+    --shutdown-timeout (torch < 2.12) the ranks get torchrun's 30 s to save after a stop signal
+    (README, "Installing"): nothing a user can change, so not said on every start."""
+    if option == "--shutdown-timeout":
+        return None
+    return (
+        f"this torch's torchrun has no {option}; it forwards SIGTERM/SIGINT/SIGHUP/SIGQUIT only "
+        f"and gives the ranks {TORCHRUN_DEFAULT_SHUTDOWN_S} s"
+    )
 
 
 def _quiet_torchrun(mark: str) -> None:
@@ -242,25 +250,7 @@ def rendezvous_poll_s(nnodes: int) -> float:
     return min(1.0, max(0.2, 0.05 * nnodes))
 
 
-@contextlib.contextmanager
-def _rendezvous_poll(poll_s: float):
-    """torchrun's rendezvous polls every `poll_s` seconds instead of every second while this runs (its
-    private `_delay`, unchanged where this torch has none: the rendezvous is then just slower)."""
-    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
-
-    original = getattr(dynamic_rendezvous, "_delay", None)
-    if original is None:
-        yield
-        return
-
-    def faster(seconds):  # torchrun's own argument name
-        original(poll_s if seconds == 1 else seconds)
-
-    dynamic_rendezvous._delay = faster
-    try:
-        yield
-    finally:
-        dynamic_rendezvous._delay = original
+_rendezvous_poll = torch_compat.rendezvous_poll  # kept under its old name: tests/test_dist.py
 
 
 def first_failure(failures: dict, ended: set[int] = frozenset()) -> tuple[int, object]:

@@ -244,12 +244,7 @@ class Reporter:
         else:
             rate = (step - self.first_step) / (time.perf_counter() - self.started)
             eta = (self.total_steps - step) / rate
-        text = f"step {step}/{self.total_steps}  loss {values['loss']:.4f}  {values['samples_per_s']:.1f} samples/s"
-        if "tokens_per_s" in values:
-            text += f"  {values['tokens_per_s']:.0f} tok/s"
-        if "mfu" in values:
-            text += f"  mfu {values['mfu']:.1%}"
-        text += f"  eta {_duration(eta)}"
+        text = progress_line(values, self.total_steps, eta)
         if self.live:
             sys.stdout.write("\r\033[K" + text)
             sys.stdout.flush()
@@ -295,6 +290,21 @@ def project_row(line: str) -> dict | None:
 def finite_or_null(values: dict) -> dict:
     """The row with NaN and infinities as null: strict JSON readers refuse bare NaN/Infinity."""
     return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in values.items()}
+
+
+# Below this model FLOPs utilisation the live line leaves MFU out: a tiny model's "mfu 0.0%" says
+# nothing (the rows keep the figure). A fraction of the GPU's peak.
+MFU_SHOWN_FROM = 0.001
+
+
+def progress_line(values: dict, total_steps: int, eta: float) -> str:
+    """The live line of a logged step: step, loss, throughput, MFU where it means something, eta."""
+    text = f"step {values['step']}/{total_steps}  loss {values['loss']:.4f}  {values['samples_per_s']:.1f} samples/s"
+    if "tokens_per_s" in values:
+        text += f"  {values['tokens_per_s']:.0f} tok/s"
+    if values.get("mfu", 0.0) >= MFU_SHOWN_FROM:
+        text += f"  mfu {values['mfu']:.1%}"
+    return text + f"  eta {_duration(eta)}"
 
 
 def _duration(seconds: float) -> str:

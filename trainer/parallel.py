@@ -79,11 +79,15 @@ def apply(model: nn.Module, args: ParallelArgs, env: Env, blocks: Blocks) -> nn.
     """Wrap `model` for the configured strategy; parameters end up on `env.device`. `blocks`: the
     model family's repeated units (per-block wrapping, activation checkpointing, compile)."""
     units = units_of(model, args, blocks)
-    if args.activation_checkpointing:
-        checkpoint_units(model, units)
     if args.compile:
         for unit in units:
             unit.compile()
+    if args.activation_checkpointing:
+        # The wrappers become the FSDP units (torchtitan's order): FSDP's pre-forward hook casts the
+        # block's float inputs (the RoPE tables) to param_dtype outside the checkpointed region, so
+        # the recompute sees the dtypes the forward saved. Sharded inside the wrapper, torch < 2.13
+        # skips that cast in the recompute (pytorch#150140) and raises CheckpointError at step 1.
+        units = checkpoint_units(model, units)
     if args.strategy == "none":
         return model.to_empty(device=env.device) if _on_meta(model) else model.to(env.device)
     if args.strategy == "ddp":
@@ -148,15 +152,20 @@ def _on_meta(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
 
 
-def checkpoint_units(model: nn.Module, units: list[nn.Module]) -> None:
-    """Replace each unit by a checkpoint-wrapped one, in place in its parent."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+def checkpoint_units(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
+    """Replace each unit by a checkpoint-wrapped one, in place in its parent; the wrappers, in the
+    units' order. State-dict keys do not change: the wrapper's hooks (and DCP) drop its
+    `_checkpoint_wrapped_module.` prefix."""
+    from trainer.torch_compat import checkpoint_wrapper
 
+    wrapped: dict[int, nn.Module] = {}
     targets = {id(u) for u in units}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if id(child) in targets:
-                parent.register_module(name, checkpoint_wrapper(child))
+                wrapped[id(child)] = checkpoint_wrapper(child)
+                parent.register_module(name, wrapped[id(child)])
+    return [wrapped[id(u)] for u in units]
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from trainer import checkpoint, data, files, hangs, health, hf, layout, models, optim, parallel, signals
+from trainer import checkpoint, data, files, hangs, health, hf, layout, models, optim, parallel, signals, torch_compat
 from trainer import dist as distributed
 from trainer.config import Config, dump, to_dict
 from trainer.lease import Lease, LeaseError, LeaseLost
@@ -99,7 +99,7 @@ def train(cfg: Config) -> None:
     datasets = _datasets(cfg, env, control)  # bad data stops the run here, before the run dir is touched
     distributed.check_nodes(run_dir, control)
     lease = _take_lease(run_dir, env, control)  # before anything in the run dir changes
-    store = dist.distributed_c10d._get_default_store()
+    store = torch_compat.default_store()
     store.set(f"trainer/where/{env.rank}", f"{hangs.node()} {os.getpid()}")  # named in hang files and straggler lines
     watchdog = hangs.Watchdog(run_dir, env.rank, cfg.parallel.timeout_s, store)  # armed by the loop's first step
     try:
@@ -122,7 +122,7 @@ class StuckRank(Exception):
 def _reached(env: distributed.Env, step: int, watchdog: hangs.Watchdog) -> None:
     """Tell the rendezvous store (torchrun's TCP store) that this rank is at `step`: one small write
     per step, read back when a collective times out (_stuck_ranks); and this rank's watchdog."""
-    dist.distributed_c10d._get_default_store().set(f"trainer/step/{env.rank}", str(step))
+    torch_compat.default_store().set(f"trainer/step/{env.rank}", str(step))
     watchdog.reached(step)
 
 
@@ -134,7 +134,7 @@ def _stuck_ranks(env: distributed.Env, timeout_s: int, error: Exception, run_dir
     why = f"a collective timed out after {timeout_s} s (parallel.timeout_s): {first_line}"
     store = None
     try:
-        store = dist.distributed_c10d._get_default_store()
+        store = torch_compat.default_store()
         store.set_timeout(timedelta(seconds=5))
         store.set(f"trainer/timed_out/{env.rank}", "1")
         # The ranks still running wait in the same collective, entered within a step's spread: they
@@ -458,7 +458,7 @@ def _begin_steps(
         env.world_size,
         env.device,
     )
-    store = dist.distributed_c10d._get_default_store()  # where each rank runs: set in train()
+    store = torch_compat.default_store()  # where each rank runs: set in train()
     reporter.begin(step, speed, node_of=lambda r: store.get(f"trainer/where/{r}").decode().split(" ")[0])
 
 
