@@ -51,8 +51,8 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed ## create .venv with the trainer and its dependencies
 
-check: venv ## validate CONFIG (+ARGS) for NPROC processes on this machine; memory per GPU (GPU_MEM_GB=)
-	@$(PY) -m trainer.check --config $(CONFIG) --nproc $(NPROC) --gpu-mem-gb "$(GPU_MEM_GB)" $(OVERRIDES)
+check: venv ## validate CONFIG (+ARGS) for NPROC processes x NODES nodes; the plan; memory per GPU (GPU_MEM_GB=)
+	@$(PY) -m trainer.check --config $(CONFIG) --nproc $(NPROC) --nnodes $(NODES) --gpu-mem-gb "$(GPU_MEM_GB)" $(OVERRIDES)
 
 run: venv ## train CONFIG on NPROC local processes (RUN_DIR=, ARGS="k=v ..."); checks the config first
 	$(PY) -m trainer.launch --nproc-per-node=$(NPROC) --config $(CONFIG) $(OVERRIDES)

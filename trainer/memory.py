@@ -406,23 +406,62 @@ def accumulation(cfg, world_size: int, micro_batch: int) -> int:
 
 
 def preflight(
-    cfg, world_size: int, ranks_per_node: int, have: int, target: str, nodes: int = 1, nodes_option: str = "--nnodes {}"
+    cfg,
+    world_size: int,
+    ranks_per_node: int,
+    have: int,
+    target: str,
+    nodes: int = 1,
+    nodes_option: str = "--nnodes {}",
+    ranks_option: str | None = None,
 ) -> Estimate:
     """The estimate of one GPU's peak; raise ConfigError when it exceeds `have` bytes (`target` names
     them: "h100 (gres)", "GPU_MEM_GB=80") with one line: by how much, and each change that would make it
-    fit, computed (`nodes_option` spells a node count the way the caller's user gives it)."""
+    fit, computed (`nodes_option` and `ranks_option` spell a node count and a count of ranks per node
+    the way the caller's user gives them; no ranks_option: not offered)."""
     from trainer.config import ConfigError
 
     pr = measure(cfg, gpu=True)
-    per_rank = cfg.train.global_batch_size // world_size
-    micro = cfg.train.micro_batch_size or per_rank
+    micro = cfg.train.micro_batch_size or cfg.train.global_batch_size // world_size
     need = estimate(cfg, world_size, micro, ranks_per_node, gpu=True, profile=pr)
     if need.total <= have:
         return need
+    fixes = changes_that_fit(cfg, world_size, ranks_per_node, have, nodes, nodes_option, ranks_option, pr)
+    todo = (
+        ("it would fit with " + ", or ".join(fixes))
+        if fixes
+        else (
+            "no single change (activation checkpointing, a smaller micro-batch, CPU offload, full sharding, more "
+            "ranks per node, up to 16x the nodes) makes it fit: use a smaller model or GPUs with more memory"
+        )
+    )
+    raise ConfigError(
+        f"memory: one GPU needs about {gb(need.total)} (estimated: parameters, gradients, optimizer, "
+        f"all-gathered units, activations of {micro} sample(s), allocator and CUDA context), "
+        f"{gb(need.total - have)} more than the {gb(have)} of {target}; {todo}"
+    )
+
+
+def changes_that_fit(
+    cfg,
+    world_size: int,
+    ranks_per_node: int,
+    have: int,
+    nodes: int = 1,
+    nodes_option: str = "--nnodes {}",
+    ranks_option: str | None = None,
+    profile: Profile | None = None,
+) -> list[str]:
+    """Each single change not already made (activation checkpointing, a smaller micro-batch, CPU
+    offload, full sharding, more ranks per node, more nodes) after which the GPU estimate is at most
+    `have` bytes, with that estimate: "parallel.activation_checkpointing=true (41.2 GB)"."""
+    pr = profile or measure(cfg, gpu=True)
+    per_rank = cfg.train.global_batch_size // world_size
+    micro = cfg.train.micro_batch_size or per_rank
     fixes = []
 
-    def fits(changed, world: int = world_size, mb: int = micro) -> int | None:
-        e = estimate(changed, world, mb, ranks_per_node, gpu=True, profile=pr)
+    def fits(changed, world: int = world_size, mb: int = micro, rpn: int = ranks_per_node) -> int | None:
+        e = estimate(changed, world, mb, rpn, gpu=True, profile=pr)
         return e.total if e.total <= have else None
 
     p = cfg.parallel
@@ -441,30 +480,52 @@ def preflight(
         total = fits(_with(cfg, parallel={"sharding": "full"}))
         if total:
             fixes.append(f"parallel.sharding=full ({gb(total)})")
+    if ranks_option and p.strategy == "fsdp" and not p.shard_size:
+        for rpn in (2, 4, 8):
+            world = rpn * nodes
+            if rpn <= ranks_per_node or cfg.train.global_batch_size % world:
+                continue
+            total = fits(cfg, world, min(micro, cfg.train.global_batch_size // world), rpn)
+            if total:
+                fixes.append(f"{ranks_option.format(rpn)} ({gb(total)})")
+                break
     if p.strategy == "fsdp" and p.sharding != "hybrid":
         for more in range(nodes + 1, 16 * nodes + 1):
             world = more * ranks_per_node
             if cfg.train.global_batch_size % world:
                 continue
-            mb = min(micro, cfg.train.global_batch_size // world)
-            total = fits(cfg, world, mb)
+            total = fits(cfg, world, min(micro, cfg.train.global_batch_size // world))
             if total:
                 fixes.append(f"{nodes_option.format(more)} ({gb(total)})")
                 break
-    todo = (
-        ("it would fit with " + ", or ".join(fixes))
-        if fixes
-        else (
-            "no single change (activation checkpointing, a smaller micro-batch, CPU offload, full sharding, up to "
-            "16x the "
-            "nodes) makes it fit: "
-            "use a smaller model or GPUs with more memory"
-        )
-    )
-    raise ConfigError(
-        f"memory: one GPU needs about {gb(need.total)} (estimated: parameters, gradients, optimizer, "
-        f"all-gathered units, activations of {micro} sample(s), allocator and CUDA context), "
-        f"{gb(need.total - have)} more than the {gb(have)} of {target}; {todo}"
+    return fixes
+
+
+# Below this share of a GPU's memory an estimate fits with headroom; above it the planning output
+# warns (fragmentation, a longer sequence, a kernel's workspace can take the rest).
+HEADROOM = 0.90
+
+
+def headroom_warning(
+    cfg,
+    world_size: int,
+    ranks_per_node: int,
+    have: int,
+    need: Estimate,
+    nodes: int = 1,
+    nodes_option: str = "--nnodes {}",
+    ranks_option: str | None = None,
+) -> str | None:
+    """One line when the estimate `need` (which fits) takes more than HEADROOM of `have`: how much is
+    left, and the changes not already made that would leave the headroom; None otherwise."""
+    if need.total <= HEADROOM * have:
+        return None
+    fixes = changes_that_fit(cfg, world_size, ranks_per_node, int(HEADROOM * have), nodes, nodes_option, ranks_option)
+    todo = ("; it would leave that with " + ", or ".join(fixes)) if fixes else ""
+    return (
+        f"less than {1 - HEADROOM:.0%} headroom: the estimate is {need.total / have:.0%} of the GPU "
+        f"({gb(have - need.total)} left of {gb(have)}), and fragmentation or a longer sequence can run out of "
+        f"memory{todo}"
     )
 
 
