@@ -36,7 +36,7 @@ DRY_RUN       ?=
 # (check), the partition's GPU type from gres (submit).
 GPU_MEM_GB    ?=
 
-.PHONY: help venv run check evaluate plot test test-fast test-gpu lint format bench image up docker-engine submit slurm-up slurm-down clean
+.PHONY: help venv run check evaluate plot test test-fast test-gpu gpu-check lint format bench image up docker-engine submit slurm-up slurm-down clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^[^:]*:([a-z-]+):.*## /\1\t/; s/^([a-z-]+):.*## /\1\t/'
@@ -69,6 +69,10 @@ test: venv ## run the whole test suite (what CI runs; about 30 min on 2 cores)
 
 test-fast: venv ## the unit-level tests, without the modules marked slow (about 2 min): the edit-test loop
 	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
+
+# No venv: the GPU machine's own python3 and torch, this checkout on PYTHONPATH (issue #33).
+gpu-check: ## on one GPU, in at most 8 min: front door, test_gpu.py, AC bf16, memory calibration, 1b MFU -> bench/results/
+	PYTHONPATH=. python3 bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 test-gpu: venv ## the CUDA-path tests on this machine's GPU (skipped without one; CI has none)
 	$(PY) -m pytest tests/test_gpu.py $(PYTEST_ARGS)
