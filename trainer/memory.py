@@ -27,7 +27,8 @@ The estimate of one rank's peak, by part (`estimate`):
 * gradients at the peak: the peak is at the start of backward. Without gradient accumulation none
   exist then (set to None after each step; backward makes them as it frees the activations), so
   they count only where they outgrow the activations. With accumulation the earlier micro-batches'
-  gradients are held through the last one's backward.
+  gradients are held through the last one's backward: under FSDP unsharded, every parameter's, in
+  reduce_dtype (FSDP2 reduces nothing while gradient sync is off).
 * overhead: on a GPU the caching allocator's, ALLOCATOR_OVERHEAD of the above, and the CUDA context
   with NCCL's buffers, CUDA_CONTEXT_BYTES; on the CPU the freed blocks glibc keeps,
   CPU_ALLOCATOR_OVERHEAD, and the process itself, CPU_PROCESS_BYTES (see there for the sources).
@@ -356,9 +357,8 @@ def estimate(
         per_sample = int(per_sample * COMPILED_ACTIVATIONS)
     activations = per_sample * micro_batch
     offloaded = gpu and fsdp and p.cpu_offload
-    if (
-        accumulation(cfg, world_size, micro_batch) == 1 and not offloaded
-    ):  # see the module's docstring: gradients at the peak
+    accumulating = accumulation(cfg, world_size, micro_batch) > 1
+    if not accumulating and not offloaded:  # see the module's docstring: gradients at the peak
         gradients = max(0, gradients - activations)
         notes["gradients"] = (
             f"float32, {what}: made in backward as the activations are freed (no accumulation), "
@@ -374,6 +374,17 @@ def estimate(
         host = parameters + gradients + optimizer
         parameters = gradients = optimizer = 0
         notes["host"] = "parameters, gradients and optimizer state offloaded to host memory"
+    if fsdp and accumulating:
+        # FSDP2 without gradient sync (the trainer's set_requires_gradient_sync(False) on all but the
+        # last micro-batch) keeps every unit's gradients unsharded on the device, in reduce_dtype
+        # (FSDPParam.to_accumulated_grad_if_needed), until the last micro-batch's reduce-scatter.
+        grad_bytes = reduce_bytes if reduce_bytes != b else b
+        gradients = n * grad_bytes
+        notes["gradients"] = (
+            f"{_name(DTYPES[p.reduce_dtype]) if reduce_bytes != b else _name(pr.compute_dtype)}, all "
+            f"{n / 1e6:,.1f}M unsharded: FSDP keeps the micro-batches' gradients unsharded until the last one's "
+            f"reduce-scatter (gradient accumulation)"
+        )
     allocated = parameters + gradients + optimizer + unsharded + reduce_buffers + activations
     if gpu:
         overhead = int(ALLOCATOR_OVERHEAD * allocated) + CUDA_CONTEXT_BYTES
