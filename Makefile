@@ -36,7 +36,7 @@ DRY_RUN       ?=
 # (check), the partition's GPU type from gres (submit).
 GPU_MEM_GB    ?=
 
-.PHONY: help venv run check evaluate plot test test-fast test-compat test-gpu lint format bench image up docker-engine submit slurm-up slurm-down clean
+.PHONY: help venv run check evaluate plot test test-fast test-compat test-gpu gpu-check lint format bench image up docker-engine submit slurm-up slurm-down clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^[^:]*:([a-z-]+):.*## /\1\t/; s/^([a-z-]+):.*## /\1\t/'
@@ -51,8 +51,8 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed ## create .venv with the trainer and its dependencies
 
-check: venv ## validate CONFIG (+ARGS) for NPROC processes on this machine; memory per GPU (GPU_MEM_GB=)
-	@$(PY) -m trainer.check --config $(CONFIG) --nproc $(NPROC) --gpu-mem-gb "$(GPU_MEM_GB)" $(OVERRIDES)
+check: venv ## validate CONFIG (+ARGS) for NPROC processes x NODES nodes; the plan; memory per GPU (GPU_MEM_GB=)
+	@$(PY) -m trainer.check --config $(CONFIG) --nproc $(NPROC) --nnodes $(NODES) --gpu-mem-gb "$(GPU_MEM_GB)" $(OVERRIDES)
 
 run: venv ## train CONFIG on NPROC local processes (RUN_DIR=, ARGS="k=v ..."); checks the config first
 	$(PY) -m trainer.launch --nproc-per-node=$(NPROC) --config $(CONFIG) $(OVERRIDES)
@@ -95,6 +95,10 @@ $(COMPAT_VENV)/.installed: Makefile
 test-compat: $(COMPAT_VENV)/.installed ## the oldest supported torch (2.11): a few tests in .venv-compat (about 1 min, 3 to build it)
 	$(COMPAT_VENV)/bin/python -c 'import torch; print("test-compat: torch", torch.__version__)'
 	$(COMPAT_VENV)/bin/python -m pytest -p no:cacheprovider $(COMPAT_TESTS) $(PYTEST_ARGS)
+
+# No venv: the GPU machine's own python3 and torch, this checkout on PYTHONPATH (issue #33).
+gpu-check: ## on one GPU, in at most 8 min: front door, test_gpu.py, AC bf16, memory calibration, 1b MFU -> bench/results/
+	PYTHONPATH=. python3 bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 test-gpu: venv ## the CUDA-path tests on this machine's GPU (skipped without one; CI has none)
 	$(PY) -m pytest tests/test_gpu.py $(PYTEST_ARGS)

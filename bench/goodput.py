@@ -163,6 +163,17 @@ def read_rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
 
 
+def recovered(rows: list[dict], caused: float) -> bool:
+    """Whether the run has resumed after `caused` and written its first step after that resume: a loss
+    row of a later step than the resume row's. Rows of steps the run took between `caused` and its
+    stop are later in time than `caused` but not in step: they do not count (#33 item 5: they did, and
+    `recovery` then found no step after the resume)."""
+    resume = next((r for r in rows if r.get("event") == "resume" and r["time"] >= caused), None)
+    return resume is not None and any(
+        "loss" in r and r["step"] > resume["step"] and r["time"] >= resume["time"] for r in rows
+    )
+
+
 def recovery(rows: list[dict], event: dict) -> dict:
     """The parts, in seconds, of the recovery from `event` (the bench's times: `caused`, for a
     preemption `saved`, `requeued`, `released`, `running`, for a node death `down` and the same
@@ -361,15 +372,7 @@ def run_job(run_dir: Path, nodes: int, steps: int, timeout_s: int, schedule: lis
                 f"step {base + after} before the {name}",
             )
             event = {"name": name, **cause(job, run_dir, nodes_list)}
-            wait_until(
-                lambda: (
-                    any(r.get("event") == "resume" and r["time"] >= event["caused"] for r in read_rows(metrics))
-                    and any("loss" in r and r["time"] >= event["caused"] + 0.5 for r in read_rows(metrics))
-                ),
-                300,
-                f"the first step after the {name}",
-            )
-            time.sleep(1)  # the first step's row
+            wait_until(lambda: recovered(read_rows(metrics), event["caused"]), 300, f"the first step after the {name}")
             rows = read_rows(metrics)
             event.update(recovery(rows, event))
             base = event["resumed_at"]

@@ -65,20 +65,27 @@ CPU_CONFIGS = [
         ],
     ),
 ]
-GPU_CONFIGS = [
+# The H100 calibration's configurations (bench/results/2026-11-26-h100-memory-calibration.json, checked
+# by tests/test_memory_calibration.py), then bf16 with activation checkpointing, eager and compiled.
+CALIBRATION = ROOT / "bench" / "results" / "2026-11-26-h100-memory-calibration.json"
+GPU_CONFIGS = [(r["name"], r["overrides"]) for r in json.loads(CALIBRATION.read_text())["results"]] + [
     (
-        f"{size}, bf16, seq 2048, {micro}/GPU{', AC' if ac else ''}",
+        f"1b, bf16, seq 2048, 8/GPU, AC, {'compiled' if compiled else 'eager'}",
         [
-            f"model.size={size}",
+            "model.size=1b",
             "model.seq_len=2048",
-            f"train.global_batch_size={micro}",
+            "train.global_batch_size=8",
             "parallel.param_dtype=bfloat16",
-            f"parallel.activation_checkpointing={str(ac).lower()}",
+            "parallel.activation_checkpointing=true",
+            f"parallel.compile={str(compiled).lower()}",
         ],
     )
-    for size, micro in (("125m", 8), ("1b", 4))
-    for ac in (False, True)
+    for compiled in (False, True)
 ]
+
+
+class RunFailed(Exception):
+    """A configuration's trainer run failed; the message is its last lines."""
 
 
 def run(overrides: list[str], nproc: int, gpu: bool) -> float:
@@ -87,8 +94,10 @@ def run(overrides: list[str], nproc: int, gpu: bool) -> float:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
         if not gpu:
             env.update(CUDA_VISIBLE_DEVICES="", MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD))
-        cmd = [
-            str(Path(sys.executable).parent / "torchrun"),
+        cmd = [  # torchrun as a module: the machine's own python3 may have no torchrun on its PATH
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
             "--standalone",
             f"--nproc-per-node={nproc}",
             "-m",
@@ -101,23 +110,29 @@ def run(overrides: list[str], nproc: int, gpu: bool) -> float:
         ]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
         if proc.returncode != 0:
-            raise SystemExit(f"{' '.join(overrides)}: the trainer failed:\n{proc.stderr[-3000:]}")
+            raise RunFailed(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}")
         rows = [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
         return max(r["peak_mem_gb"] for r in rows if "peak_mem_gb" in r) * 1e9
 
 
 def calibrate(device: str) -> tuple[list[dict], float]:
-    """Each configuration's estimate and measurement, and the process baseline in bytes (CPU)."""
+    """Each configuration's estimate and measurement, and the process baseline in bytes (CPU). A
+    configuration whose run fails is reported (its row has "failed") and the others still run."""
     gpu = device == "cuda"
     nproc = 1 if gpu else 2
     results, baseline = [], 0.0
     for name, overrides in GPU_CONFIGS if gpu else CPU_CONFIGS:
         cfg = load(str(ROOT / "configs" / "default.yaml"), overrides)
         micro = cfg.train.global_batch_size // nproc
-        e = memory.estimate(cfg, nproc, micro, ranks_per_node=nproc, gpu=False)
+        e = memory.estimate(cfg, nproc, micro, ranks_per_node=nproc, gpu=gpu)
         allocated = e.total - e.overhead  # what the runs' allocator hands out: without its own overhead
         started = time.perf_counter()
-        measured = run(overrides, nproc, gpu)
+        try:
+            measured = run(overrides, nproc, gpu)
+        except (RunFailed, subprocess.TimeoutExpired, OSError, ValueError) as err:
+            results.append({"name": name, "overrides": overrides, "estimate": allocated, "failed": str(err)[-500:]})
+            print(f"{name}: estimate {allocated / 1e9:.3f} GB, FAILED: {results[-1]['failed']}", flush=True)
+            continue
         if name.startswith("baseline"):
             baseline = measured - allocated
         model_part = measured - baseline
@@ -164,6 +179,9 @@ def main() -> int:
         ]
     lines += ["| config | estimate GB | measured GB | model part GB | error |", "|---|---|---|---|---|"]
     for r in results:
+        if "failed" in r:
+            lines.append(f"| {r['name']} | {r['estimate'] / 1e9:.3f} | failed: {r['failed']} | | |")
+            continue
         lines.append(
             f"| {r['name']} | {r['estimate'] / 1e9:.3f} | {r['measured'] / 1e9:.3f} | "
             f"{r['model_part'] / 1e9:.3f} | {r['error']:+.1%} |"
@@ -173,7 +191,10 @@ def main() -> int:
         json.dumps({"device": args.device, "baseline": baseline, "results": results}, indent=1)
     )
     print(f"wrote {path}")
-    return 0
+    failed = [r["name"] for r in results if "failed" in r]
+    if failed:
+        print(f"{len(failed)} of {len(results)} configuration(s) failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -853,9 +853,47 @@ def scale_tables(r: dict) -> list[str]:
     return lines
 
 
+# The GPU runs' micro-batch is the largest power of two whose estimated peak (trainer.memory, GPU
+# estimate, eager: the larger of the two runs) stays within this share of one GPU's memory.
+GPU_MEMORY_SHARE = 0.85
+# The least time a GPU run is started with: the start and compilation of the 1b model take about a
+# minute on an H100 (a shorter run still gives its windows; one cut off is reported as not measured).
+GPU_RUN_MIN_S = 60
+
+
+def gpu_overrides(micro: int, nproc: int, compiled: bool = False) -> list[str]:
+    """The trainer's overrides for a GPU run of the 1b model: `micro` sequences per GPU, one per step."""
+    return [
+        "model.size=1b",
+        "model.seq_len=2048",
+        f"train.global_batch_size={micro * nproc}",
+        f"train.micro_batch_size={micro}",
+        "parallel.param_dtype=bfloat16",
+        f"parallel.compile={str(compiled).lower()}",
+    ]
+
+
+def gpu_micro_batch(total_memory: int, nproc: int) -> int:
+    """The largest power-of-two micro-batch (1 to 64) whose estimated eager peak fits GPU_MEMORY_SHARE
+    of `total_memory` bytes (1 if none does). Was a rule ("16 above 100 GB, else 8: 16 peaks at
+    ~72 GB") that no longer held once the compiled loss kept no float32 logits (#33 item 5)."""
+    from trainer import memory
+    from trainer.config import load
+
+    profile = memory.measure(load(str(ROOT / CONFIG), gpu_overrides(1, nproc)), gpu=True)
+    best = 1
+    for micro in (2, 4, 8, 16, 32, 64):
+        cfg = load(str(ROOT / CONFIG), gpu_overrides(micro, nproc))
+        if memory.estimate(cfg, nproc, micro, nproc, gpu=True, profile=profile).total > GPU_MEMORY_SHARE * total_memory:
+            break
+        best = micro
+    return best
+
+
 def gpu(ctx) -> tuple[dict, dict, dict]:
     """MFU, tokens/s and peak memory of short bf16 runs of the 1b transformer on all local GPUs, with
-    and without torch.compile; one micro-batch per step, as large as the GPU's memory comfortably takes."""
+    and without torch.compile; one micro-batch per step, the largest the memory estimate fits in
+    GPU_MEMORY_SHARE of a GPU. Each run that finished is reported, also when the other did not."""
     import torch
 
     keys = MEASURED_BY[gpu]
@@ -866,57 +904,66 @@ def gpu(ctx) -> tuple[dict, dict, dict]:
             {},
         )
     n, name = torch.cuda.device_count(), torch.cuda.get_device_name(0)
-    micro = 16 if torch.cuda.get_device_properties(0).total_memory > 100e9 else 8  # 16 peaks at ~72 GB
+    micro = gpu_micro_batch(torch.cuda.get_device_properties(0).total_memory, n)
     run_dir = ctx.scratch / "gpu"
-    results = {}
+    results, failed = {}, {}
     for compiled in (True, False):
         shutil.rmtree(run_dir, ignore_errors=True)
-        overrides = [
-            "model.size=1b",
-            "model.seq_len=2048",
-            f"train.global_batch_size={micro * n}",
-            f"train.micro_batch_size={micro}",
+        overrides = gpu_overrides(micro, n, compiled) + [
             f"train.steps={ctx.args.gpu_steps}",
             "log.interval=5",
             "log.progress=false",
             "checkpoint.interval=0",
-            "parallel.param_dtype=bfloat16",
-            f"parallel.compile={str(compiled).lower()}",
             "data.num_workers=2",
             "optim.lr=3e-4",
         ]
         label = "compiled" if compiled else "eager"
-        launch(
-            n,
-            trainer_args(run_dir, overrides),
-            ctx.scratch / f"gpu-{label}.log",
-            ctx.budget.need(150, f"the {label} GPU run"),
-        )
-        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        try:
+            launch(
+                n,
+                trainer_args(run_dir, overrides),
+                ctx.scratch / f"gpu-{label}.log",
+                ctx.budget.need(GPU_RUN_MIN_S, f"the {label} GPU run"),
+            )
+            rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        except (Failed, OSError, ValueError) as e:
+            failed[label] = f"not measured: the {label} run: {e}"
+            continue
+        finally:
+            shutil.rmtree(run_dir, ignore_errors=True)  # the final checkpoint too: ~13 GB
         results[label] = [r for r in rows if "tokens_per_s" in r][1:]  # the first window holds compilation/warm-up
-        shutil.rmtree(run_dir, ignore_errors=True)  # the final checkpoint too: ~13 GB
+    if not results:
+        raise Failed("; ".join(failed.values()))
     windows = lambda label, key: (
-        [r[key] for r in results[label]] if results[label] and key in results[label][0] else None
+        [r[key] for r in results[label]] if results.get(label) and key in results[label][0] else None
     )
     values = {
         "gpu_mfu": windows("compiled", "mfu"),
         "gpu_tokens_per_s": windows("compiled", "tokens_per_s"),
-        "gpu_peak_mem_gb": [max(r["peak_mem_gb"] for r in results["compiled"])],
+        "gpu_peak_mem_gb": [max(r["peak_mem_gb"] for r in results["compiled"])] if results.get("compiled") else None,
         "gpu_mfu_eager": windows("eager", "mfu"),
     }
     values = {k: figure(k, v, exact=k == "gpu_peak_mem_gb") if v else None for k, v in values.items()}
+    rounds = len(results.get("compiled") or results.get("eager") or [])
     what = (
         f"1b transformer ({n} x {name}), bf16 params, float32 reduction, seq 2048, {micro} sequences per GPU per "
-        f"step, no activation checkpointing; rounds: {len(results['compiled'])} windows of 5 steps after the first"
+        f"step (the largest the memory estimate fits in {GPU_MEMORY_SHARE:.0%} of a GPU), no activation "
+        f"checkpointing; rounds: {rounds} windows of 5 steps after the first"
     )
     no_peak = "the GPU's peak FLOP/s is unknown to trainer.metrics"
+
+    def why(key: str, label: str) -> str:
+        if label in failed:
+            return failed[label]
+        return what if values[key] is not None or key in ("gpu_tokens_per_s", "gpu_peak_mem_gb") else no_peak
+
     return (
         values,
         {
-            "gpu_mfu": what if values["gpu_mfu"] is not None else no_peak,
-            "gpu_tokens_per_s": what,
-            "gpu_peak_mem_gb": what,
-            "gpu_mfu_eager": what if values["gpu_mfu_eager"] is not None else no_peak,
+            "gpu_mfu": why("gpu_mfu", "compiled"),
+            "gpu_tokens_per_s": why("gpu_tokens_per_s", "compiled"),
+            "gpu_peak_mem_gb": why("gpu_peak_mem_gb", "compiled"),
+            "gpu_mfu_eager": why("gpu_mfu_eager", "eager"),
         },
         {},
     )

@@ -145,3 +145,19 @@ def test_the_llama3_estimate_takes_a_node_deaths_recovery_also_with_real_slurms_
     assert s["llama3"] == [pytest.approx(goodput.at_scale(7.0, 0.1, 0.2)["goodput"])]
     assert s["llama3_node_death"] == [pytest.approx(goodput.at_scale(31.0, 0.1, 0.2)["goodput"])]
     assert s["llama3_node_death_real_slurm"] == [pytest.approx(goodput.at_scale(31.0 + 290, 0.1, 0.2)["goodput"])]
+
+
+def test_a_recovery_is_waited_for_until_a_step_after_the_resume_is_logged():
+    """`python -m bench.goodput --rounds 3` crashed (StopIteration in `recovery`): the wait took the rows
+    of steps 13 and 14, logged after the preemption was caused but before the run stopped, for the
+    first step after the resume."""
+    rows = [
+        {"step": 12, "loss": 3.0, "time": 100.0},
+        {"step": 13, "loss": 2.9, "time": 100.8},  # caused at 100.2: the run goes on to its stop
+        {"step": 14, "loss": 2.8, "time": 101.4},
+        {"event": "resume", "step": 14, "time": 110.0, "start": {}},
+    ]
+    assert not goodput.recovered(rows, caused=100.2)
+    rows.append({"step": 15, "loss": 2.7, "time": 111.3})
+    assert goodput.recovered(rows, caused=100.2)
+    assert not goodput.recovered(rows[:3], caused=100.2)  # no resume yet

@@ -110,7 +110,9 @@ def test_every_shipped_config_passes_the_check_at_its_scale(tmp_path, monkeypatc
     out, err = capsys.readouterr()
     assert code == 0, err
     assert out.startswith(f"config OK: {path}: {cfg.model.name} on {nodes * gpus} processes"), out
-    assert re.search(r"^memory: about [\d.]+ GB per GPU estimated, of the 80.0 GB", out, re.MULTILINE), out
+    assert re.search(
+        r"^memory: about [\d.]+ GB per GPU estimated for NPROC=\d+ x NODES=\d+, of the 80.0 GB", out, re.MULTILINE
+    ), out
     assert not (tmp_path / "run").exists()  # a check writes nothing
 
 

@@ -33,7 +33,7 @@ def test_planning_an_8_gpu_node_from_a_laptop_warns_about_what_only_the_target_h
         lines[0]
         == "config OK: "
         + str(ROOT / "configs" / "llama-8b.yaml")
-        + ": transformer on 8 processes, run_dir /shared/runs/llama-8b"
+        + ": transformer on 8 processes (NPROC=8 x NODES=1), run_dir /shared/runs/llama-8b"
     )
     assert any(line.startswith("warning: NPROC=8 processes but this machine has") for line in lines), proc.stdout
     assert any(
@@ -41,7 +41,9 @@ def test_planning_an_8_gpu_node_from_a_laptop_warns_about_what_only_the_target_h
         for line in lines
     ), proc.stdout
     memory = [line for line in lines if line.startswith("memory: about ")]
-    assert memory and "per GPU estimated, of the 80.0 GB of GPU_MEM_GB=80" in memory[0], proc.stdout
+    assert memory and "per GPU estimated for NPROC=8 x NODES=1, of the 80.0 GB of GPU_MEM_GB=80" in memory[0], (
+        proc.stdout
+    )
 
 
 def test_without_a_target_the_machine_is_the_target():

@@ -466,7 +466,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"config OK: {args.config}: {cfg.model.name} on {world} processes, run_dir {cfg.run_dir}")
+    print(
+        f"config OK: {args.config}: {cfg.model.name} on {world} processes (NPROC={args.nproc or 1} x "
+        f"NODES={args.nnodes}), run_dir {cfg.run_dir}"
+    )
+    for line in plan_lines(cfg, args.nproc or 1, args.nnodes):
+        print(line)
     for line in notes:
         print(line)
     for line in warnings:
@@ -485,7 +490,7 @@ def check_gpu_memory(
     """Each rank, before anything is written: the estimate must fit its own GPU, `device` (ConfigError
     with what would make it fit). The ranks ask, not the launcher, because asking creates a CUDA
     context, and `make run`, compose and sbatch starts have no `make check` before them. The estimate
-    is within a few percent of measured CPU peaks; on GPUs it is not yet calibrated (trainer/memory.py)."""
+    is within a few percent of measured CPU peaks and of four H100 peaks (tests/test_memory_calibration.py)."""
     if device.type != "cuda":
         return
     import torch
@@ -523,11 +528,6 @@ def cpu_memory_line(cfg: Config, world: int) -> str:
     )
 
 
-# An estimate within this fraction of the target's memory is refused by nothing but warned about:
-# the estimate is calibrated within a few percent on CPUs, not yet on GPUs (trainer/memory.py).
-HEADROOM = 0.10
-
-
 def gpu_target(gpu_mem_gb: str) -> tuple[int, str] | None:
     """(bytes of one GPU, what they are) from --gpu-mem-gb, else this machine's GPUs; None without
     either. Only trainer.check asks torch for the GPUs (a CUDA context): never the launcher."""
@@ -556,21 +556,74 @@ def gpu_preflight(
     if target is None:
         return None
     have, what = target
+    options = dict(nodes=nnodes, nodes_option="NODES={}", ranks_option="NPROC={}")
     try:
-        need = memory.preflight(cfg, world, ranks_per_node, have, what, nodes=nnodes, nodes_option="--nnodes {}")
+        need = memory.preflight(cfg, world, ranks_per_node, have, what, **options)
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
     line = (
-        f"memory: about {memory.gb(need.total)} per GPU estimated, of the {memory.gb(have)} of {what} "
-        f"({need.total / have:.0%})\n{need.breakdown()}"
+        f"memory: about {memory.gb(need.total)} per GPU estimated for NPROC={ranks_per_node} x NODES={nnodes}, of "
+        f"the {memory.gb(have)} of {what} ({need.total / have:.0%})\n{need.breakdown()}"
     )
-    if need.total > (1 - HEADROOM) * have:
-        line += (
-            f"\nwarning: less than {HEADROOM:.0%} headroom ({memory.gb(have - need.total)} left of {memory.gb(have)}): "
-            f"fragmentation or a longer sequence can run out of memory; consider a smaller train.micro_batch_size "
-            f"or parallel.activation_checkpointing=true"
+    warning = memory.headroom_warning(cfg, world, ranks_per_node, have, need, **options)
+    return line + (f"\nwarning: {warning}" if warning else "")
+
+
+def plan_lines(cfg: Config, nproc: int, nnodes: int, per_node: str = "NPROC") -> list[str]:
+    """What a run of `cfg` on `nproc` processes x `nnodes` nodes does: the batch arithmetic, the
+    checkpoint interval and, where an earlier run in its run dir logged step times, how long it takes.
+    `per_node`: what the user sets the processes per node with (make submit: GPUS_PER_NODE)."""
+    from trainer import models
+
+    world = nproc * nnodes
+    per_rank = cfg.train.global_batch_size // world
+    micro = cfg.train.micro_batch_size or per_rank
+    family = models.spec(cfg.model)
+    tokens = family.input_shape(cfg.model)[0] if family.kind == "lm" else None
+    per_step = (
+        f"{cfg.train.global_batch_size * tokens:,} tokens per step ({tokens} per sample)"
+        if tokens
+        else f"{cfg.train.global_batch_size:,} samples per step"
+    )
+    lines = [
+        f"batch: global {cfg.train.global_batch_size} / {world} ranks ({per_node}={nproc} x NODES={nnodes}) / "
+        f"micro-batch {micro} = {per_rank // micro} accumulation step(s); {per_step}"
+    ]
+    interval = cfg.checkpoint.interval
+    if interval == "auto":
+        lines.append("checkpoint: interval auto (Young-Daly, chosen by the run from its measured step and save times)")
+    elif interval:
+        lines.append(f"checkpoint: every {interval} steps, {cfg.train.steps // interval} save(s) in {cfg.train.steps}")
+    else:
+        lines.append("checkpoint: no interval (checkpoint.interval=0): at the end and on a stop only")
+    step_s = logged_step_time(cfg.run_dir)
+    if step_s:
+        seconds, rows = step_s
+        total = seconds * cfg.train.steps
+        lines.append(
+            f"duration: about {total / 3600:.1f} h for {cfg.train.steps} steps at {seconds:.3g} s per step (the "
+            f"median of {rows} logged windows in {os.path.join(cfg.run_dir, 'metrics.jsonl')}; its ranks and "
+            f"machine may differ)"
         )
-    return line
+    else:
+        lines.append("duration: unknown until a run has logged step times in its run dir")
+    return lines
+
+
+def logged_step_time(run_dir: str) -> tuple[float, int] | None:
+    """(median step_time_s, windows) of the training rows of run_dir's metrics.jsonl, the first
+    window left out (compilation and warm-up), or None where none is logged."""
+    import json
+    import statistics
+
+    path = os.path.join(run_dir, "metrics.jsonl")
+    try:
+        with open(path, errors="replace") as f:
+            rows = [json.loads(line) for line in f if line.strip().startswith("{") and '"step_time_s"' in line]
+    except (OSError, ValueError):
+        return None
+    times = [r["step_time_s"] for r in rows[1:] if isinstance(r.get("step_time_s"), (int, float))]
+    return (statistics.median(times), len(times)) if times else None
 
 
 if __name__ == "__main__":

@@ -19,8 +19,16 @@ The estimate of one rank's peak, by part (`estimate`):
   of the logits at its start, the gradients flowing back through a block). Measured by running the
   model on the meta device with every storage's bytes counted until it is freed, attention counted as
   the fused kernels (flash, memory-efficient, CPU flash) keep it: q, k, v, output and log-sum-exp, not
-  the seq x seq scores. With activation checkpointing the blocks are wrapped as the trainer wraps
+  the seq x seq scores. On a GPU RMSNorm is counted as its fused CUDA kernel keeps it (input and
+  a float32 rstd); on the CPU, and on the meta device unless told, torch runs its composite, which
+  saves float32 copies of a bfloat16 input: counting those on a GPU was the estimate's 17-28% excess
+  in eager bfloat16 (#33). With activation checkpointing the blocks are wrapped as the trainer wraps
   them, so their recomputation in backward is measured too. Compiled runs: COMPILED_ACTIVATIONS of it.
+* gradients at the peak: the peak is at the start of backward. Without gradient accumulation none
+  exist then (set to None after each step; backward makes them as it frees the activations), so
+  they count only where they outgrow the activations. With accumulation the earlier micro-batches'
+  gradients are held through the last one's backward: under FSDP unsharded, every parameter's, in
+  reduce_dtype (FSDP2 reduces nothing while gradient sync is off).
 * overhead: on a GPU the caching allocator's, ALLOCATOR_OVERHEAD of the above, and the CUDA context
   with NCCL's buffers, CUDA_CONTEXT_BYTES; on the CPU the freed blocks glibc keeps,
   CPU_ALLOCATOR_OVERHEAD, and the process itself, CPU_PROCESS_BYTES (see there for the sources).
@@ -64,11 +72,11 @@ CPU_ALLOCATOR_OVERHEAD = 0.40
 CPU_PROCESS_BYTES = 750 * 10**6
 # torch.compile (parallel.compile=true) keeps fewer activations than eager: it fuses element-wise ops
 # and recomputes cheap ones in backward, and the compiled loss keeps no float32 copy of the logits.
-# Measured once: the 1b model, bf16, seq 2048, 16 sequences, compiled, on one H200 (2026-11-23,
-# bench/results/2026-11-23-h200-torchtitan.md) allocated at most 60.0 GB, 41.5 GB of it beyond the
-# 18.5 GB of state and gathered weights: 2.59 GB per sequence, 0.54 of the 4.79 GB `measure` finds for
-# eager. One point, one model: bench/memory_calibration.py --device cuda measures more where a GPU is.
-COMPILED_ACTIVATIONS = 0.54
+# Measured: the 1b model, bf16, seq 2048, compiled, one GPU, no accumulation: 8 sequences on an H100
+# allocated at most 36.8 GB (2026-11-26, bench/results/2026-11-26-h100-memory-calibration.json), 16 on
+# an H200 60.0 GB (2026-11-23). Beyond the 14.1 GB of parameters, optimizer state and gathered weights
+# that is 2.84 and 2.87 GB per sequence, 0.72 of the 3.96 GB `measure` finds for eager on a GPU.
+COMPILED_ACTIVATIONS = 0.72
 # Memory of the GPUs Slurm names in gres (gpu:<type>:<count>), in MiB as nvidia-smi reports it for
 # each card (what torch's total_memory says, divided by 2**20). Lower case; a site's own names need
 # GPU_MEM_GB (--gpu-mem-gb).
@@ -148,9 +156,10 @@ class Estimate:
         return "\n".join(lines)
 
 
-def measure(cfg) -> Profile:
+def measure(cfg, gpu: bool = False) -> Profile:
     """Build the model on the meta device and count: its parameters and FSDP units, and the
-    activation memory of one sample (`_activation_peak`), without and with activation checkpointing."""
+    activation memory of one sample (`_activation_peak`), without and with activation checkpointing;
+    `gpu`: with the kernels a GPU runs (RMSNorm fused), else the CPU's."""
     from trainer import models, parallel
 
     family = models.spec(cfg.model)
@@ -160,7 +169,7 @@ def measure(cfg) -> Profile:
     dtype = torch.float32 if batchnorm else DTYPES[cfg.parallel.param_dtype]
     units = parallel.wrap_units(model, cfg.parallel, family.blocks)
     in_units = {id(p) for u in units for p in u.parameters()}
-    plain = _activation_peak(model.to(dtype), cfg.model, dtype)
+    plain = _activation_peak(model.to(dtype), cfg.model, dtype, gpu)
     with torch.device("meta"):
         checkpointed = family.build(cfg.model).to(dtype)
     parallel.checkpoint_units(checkpointed, parallel.units_of(checkpointed, cfg.parallel, family.blocks))
@@ -169,24 +178,27 @@ def measure(cfg) -> Profile:
         root_params=sum(p.numel() for p in model.parameters() if id(p) not in in_units),
         largest_unit=max((sum(p.numel() for p in u.parameters()) for u in units), default=0),
         activations=plain,
-        activations_checkpointed=_activation_peak(checkpointed, cfg.model, dtype),
+        activations_checkpointed=_activation_peak(checkpointed, cfg.model, dtype, gpu),
         compute_dtype=dtype,
     )
 
 
-def _activation_peak(model, m, dtype: torch.dtype) -> int:
+def _activation_peak(model, m, dtype: torch.dtype, gpu: bool = False) -> int:
     """Bytes per sample of the highest point, over forward, loss and backward, of the memory held
     beside the parameters: what autograd saves plus what is alive at once in backward (the float32
     gradient of the logits at its start, the gradients flowing back through a block). Measured on the
     meta device, for 2 and for 4 samples (BatchNorm refuses one value per channel): the difference
-    is what samples add, without what any batch holds (the parameters' gradients)."""
+    is what samples add, without what any batch holds (the parameters' gradients). `gpu`: RMSNorm as
+    its fused CUDA kernel keeps it (torch dispatches rms_norm to it on CUDA, to its composite elsewhere)."""
     from trainer import models
 
     loss = models.spec(m).loss
     params = {p.untyped_storage()._cdata for p in model.parameters()}
     peaks = []
-    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+    real_sdpa, real_rms_norm = torch.nn.functional.scaled_dot_product_attention, torch.nn.functional.rms_norm
     torch.nn.functional.scaled_dot_product_attention = _fused_attention
+    if gpu:
+        torch.nn.functional.rms_norm = _fused_rms_norm
     try:
         for batch in (2, 4):
             model.zero_grad(set_to_none=True)
@@ -196,6 +208,7 @@ def _activation_peak(model, m, dtype: torch.dtype) -> int:
             peaks.append(live.peak)
     finally:
         torch.nn.functional.scaled_dot_product_attention = real_sdpa
+        torch.nn.functional.rms_norm = real_rms_norm
     model.zero_grad(set_to_none=True)
     return max(0, (peaks[1] - peaks[0]) // 2)
 
@@ -258,6 +271,25 @@ def _fused_attention(q, k, v, *args, **kwargs):
     return _FusedAttention.apply(q, k, v)
 
 
+class _FusedRMSNorm(torch.autograd.Function):
+    """RMSNorm as CUDA's fused kernel (aten._fused_rms_norm) saves it for backward: its input and the
+    float32 reciprocal RMS of each row, not the composite's float32 copies of the input (meta only)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight, x.new_empty((*x.shape[:-1], 1), dtype=torch.float32))
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # what the fused backward allocates: the input's and the weight's gradients
+        x, weight, _ = ctx.saved_tensors
+        return torch.empty_like(x), None if weight is None else torch.empty_like(weight)
+
+
+def _fused_rms_norm(x, normalized_shape, weight=None, eps=None):
+    return _FusedRMSNorm.apply(x, weight)
+
+
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -282,8 +314,8 @@ def estimate(
 ) -> Estimate:
     """The peak memory of one rank training `cfg` on `world_size` ranks (`ranks_per_node` of them per
     node), `micro_batch` samples at a time; `gpu`: on a GPU (allocator and CUDA context added, CPU
-    offload moves state to the host), else on the CPU. `profile`: measure(cfg), when known."""
-    pr = profile or measure(cfg)
+    offload moves state to the host), else on the CPU. `profile`: measure(cfg, gpu), when known."""
+    pr = profile or measure(cfg, gpu)
     p, n = cfg.parallel, pr.params
     fsdp = p.strategy == "fsdp"
     s = shard_count(cfg, world_size, ranks_per_node)
@@ -293,7 +325,7 @@ def estimate(
     what = f"1/{s} of {n / 1e6:,.1f}M (sharded over {s} ranks)" if s > 1 else f"all {n / 1e6:,.1f}M"
     parameters, gradients, optimizer = 4 * n // s, 4 * n // s, state * n // s
     notes["parameters"] = f"float32, {what}"
-    notes["gradients"] = f"float32, {what}"
+    notes["gradients"] = f"float32, {what}, held through the next micro-batch's backward (accumulation)"
     notes["optimizer"] = f"{state} bytes per parameter ({cfg.optim.name}), {what}"
     if fsdp and p.sharding == "grad_op":
         unsharded = n * b
@@ -324,16 +356,35 @@ def estimate(
     if p.compile:
         per_sample = int(per_sample * COMPILED_ACTIVATIONS)
     activations = per_sample * micro_batch
+    offloaded = gpu and fsdp and p.cpu_offload
+    accumulating = accumulation(cfg, world_size, micro_batch) > 1
+    if not accumulating and not offloaded:  # see the module's docstring: gradients at the peak
+        gradients = max(0, gradients - activations)
+        notes["gradients"] = (
+            f"float32, {what}: made in backward as the activations are freed (no accumulation), "
+            f"counted only beyond them"
+        )
     notes["activations"] = (
         f"{micro_batch} sample(s) x {gb(per_sample)}, "
         f"{'with' if p.activation_checkpointing else 'without'} activation checkpointing"
         f"{f', compiled ({COMPILED_ACTIVATIONS:.0%} of eager)' if p.compile else ''}"
     )
     host = 0
-    if gpu and fsdp and p.cpu_offload:
+    if offloaded:
         host = parameters + gradients + optimizer
         parameters = gradients = optimizer = 0
         notes["host"] = "parameters, gradients and optimizer state offloaded to host memory"
+    if fsdp and accumulating:
+        # FSDP2 without gradient sync (the trainer's set_requires_gradient_sync(False) on all but the
+        # last micro-batch) keeps every unit's gradients unsharded on the device, in reduce_dtype
+        # (FSDPParam.to_accumulated_grad_if_needed), until the last micro-batch's reduce-scatter.
+        grad_bytes = reduce_bytes if reduce_bytes != b else b
+        gradients = n * grad_bytes
+        notes["gradients"] = (
+            f"{_name(DTYPES[p.reduce_dtype]) if reduce_bytes != b else _name(pr.compute_dtype)}, all "
+            f"{n / 1e6:,.1f}M unsharded: FSDP keeps the micro-batches' gradients unsharded until the last one's "
+            f"reduce-scatter (gradient accumulation)"
+        )
     allocated = parameters + gradients + optimizer + unsharded + reduce_buffers + activations
     if gpu:
         overhead = int(ALLOCATOR_OVERHEAD * allocated) + CUDA_CONTEXT_BYTES
@@ -360,24 +411,68 @@ def estimate(
     )
 
 
+def accumulation(cfg, world_size: int, micro_batch: int) -> int:
+    """Micro-batches per step on each rank (1: no gradient accumulation)."""
+    return max(1, cfg.train.global_batch_size // world_size // max(1, micro_batch))
+
+
 def preflight(
-    cfg, world_size: int, ranks_per_node: int, have: int, target: str, nodes: int = 1, nodes_option: str = "--nnodes {}"
+    cfg,
+    world_size: int,
+    ranks_per_node: int,
+    have: int,
+    target: str,
+    nodes: int = 1,
+    nodes_option: str = "--nnodes {}",
+    ranks_option: str | None = None,
 ) -> Estimate:
     """The estimate of one GPU's peak; raise ConfigError when it exceeds `have` bytes (`target` names
     them: "h100 (gres)", "GPU_MEM_GB=80") with one line: by how much, and each change that would make it
-    fit, computed (`nodes_option` spells a node count the way the caller's user gives it)."""
+    fit, computed (`nodes_option` and `ranks_option` spell a node count and a count of ranks per node
+    the way the caller's user gives them; no ranks_option: not offered)."""
     from trainer.config import ConfigError
 
-    pr = measure(cfg)
-    per_rank = cfg.train.global_batch_size // world_size
-    micro = cfg.train.micro_batch_size or per_rank
+    pr = measure(cfg, gpu=True)
+    micro = cfg.train.micro_batch_size or cfg.train.global_batch_size // world_size
     need = estimate(cfg, world_size, micro, ranks_per_node, gpu=True, profile=pr)
     if need.total <= have:
         return need
+    fixes = changes_that_fit(cfg, world_size, ranks_per_node, have, nodes, nodes_option, ranks_option, pr)
+    todo = (
+        ("it would fit with " + ", or ".join(fixes))
+        if fixes
+        else (
+            "no single change (activation checkpointing, a smaller micro-batch, CPU offload, full sharding, more "
+            "ranks per node, up to 16x the nodes) makes it fit: use a smaller model or GPUs with more memory"
+        )
+    )
+    raise ConfigError(
+        f"memory: one GPU needs about {gb(need.total)} (estimated: parameters, gradients, optimizer, "
+        f"all-gathered units, activations of {micro} sample(s), allocator and CUDA context), "
+        f"{gb(need.total - have)} more than the {gb(have)} of {target}; {todo}"
+    )
+
+
+def changes_that_fit(
+    cfg,
+    world_size: int,
+    ranks_per_node: int,
+    have: int,
+    nodes: int = 1,
+    nodes_option: str = "--nnodes {}",
+    ranks_option: str | None = None,
+    profile: Profile | None = None,
+) -> list[str]:
+    """Each single change not already made (activation checkpointing, a smaller micro-batch, CPU
+    offload, full sharding, more ranks per node, more nodes) after which the GPU estimate is at most
+    `have` bytes, with that estimate: "parallel.activation_checkpointing=true (41.2 GB)"."""
+    pr = profile or measure(cfg, gpu=True)
+    per_rank = cfg.train.global_batch_size // world_size
+    micro = cfg.train.micro_batch_size or per_rank
     fixes = []
 
-    def fits(changed, world: int = world_size, mb: int = micro) -> int | None:
-        e = estimate(changed, world, mb, ranks_per_node, gpu=True, profile=pr)
+    def fits(changed, world: int = world_size, mb: int = micro, rpn: int = ranks_per_node) -> int | None:
+        e = estimate(changed, world, mb, rpn, gpu=True, profile=pr)
         return e.total if e.total <= have else None
 
     p = cfg.parallel
@@ -396,30 +491,52 @@ def preflight(
         total = fits(_with(cfg, parallel={"sharding": "full"}))
         if total:
             fixes.append(f"parallel.sharding=full ({gb(total)})")
+    if ranks_option and p.strategy == "fsdp" and not p.shard_size:
+        for rpn in (2, 4, 8):
+            world = rpn * nodes
+            if rpn <= ranks_per_node or cfg.train.global_batch_size % world:
+                continue
+            total = fits(cfg, world, min(micro, cfg.train.global_batch_size // world), rpn)
+            if total:
+                fixes.append(f"{ranks_option.format(rpn)} ({gb(total)})")
+                break
     if p.strategy == "fsdp" and p.sharding != "hybrid":
         for more in range(nodes + 1, 16 * nodes + 1):
             world = more * ranks_per_node
             if cfg.train.global_batch_size % world:
                 continue
-            mb = min(micro, cfg.train.global_batch_size // world)
-            total = fits(cfg, world, mb)
+            total = fits(cfg, world, min(micro, cfg.train.global_batch_size // world))
             if total:
                 fixes.append(f"{nodes_option.format(more)} ({gb(total)})")
                 break
-    todo = (
-        ("it would fit with " + ", or ".join(fixes))
-        if fixes
-        else (
-            "no single change (activation checkpointing, a smaller micro-batch, CPU offload, full sharding, up to "
-            "16x the "
-            "nodes) makes it fit: "
-            "use a smaller model or GPUs with more memory"
-        )
-    )
-    raise ConfigError(
-        f"memory: one GPU needs about {gb(need.total)} (estimated: parameters, gradients, optimizer, "
-        f"all-gathered units, activations of {micro} sample(s), allocator and CUDA context), "
-        f"{gb(need.total - have)} more than the {gb(have)} of {target}; {todo}"
+    return fixes
+
+
+# Below this share of a GPU's memory an estimate fits with headroom; above it the planning output
+# warns (fragmentation, a longer sequence, a kernel's workspace can take the rest).
+HEADROOM = 0.90
+
+
+def headroom_warning(
+    cfg,
+    world_size: int,
+    ranks_per_node: int,
+    have: int,
+    need: Estimate,
+    nodes: int = 1,
+    nodes_option: str = "--nnodes {}",
+    ranks_option: str | None = None,
+) -> str | None:
+    """One line when the estimate `need` (which fits) takes more than HEADROOM of `have`: how much is
+    left, and the changes not already made that would leave the headroom; None otherwise."""
+    if need.total <= HEADROOM * have:
+        return None
+    fixes = changes_that_fit(cfg, world_size, ranks_per_node, int(HEADROOM * have), nodes, nodes_option, ranks_option)
+    todo = ("; it would leave that with " + ", or ".join(fixes)) if fixes else ""
+    return (
+        f"less than {1 - HEADROOM:.0%} headroom: the estimate is {need.total / have:.0%} of the GPU "
+        f"({gb(have - need.total)} left of {gb(have)}), and fragmentation or a longer sequence can run out of "
+        f"memory{todo}"
     )
 
 

@@ -143,6 +143,7 @@ class Job:
     # health.max_excluded of the job's config (check_config sets it): the requeue check gets it from
     # here, never from the run dir, where anyone who can write it could raise it. 0: exclude none.
     max_excluded: int = 0
+    plan: tuple = ()  # lines: batch arithmetic, checkpoint interval, expected duration (printed by --dry-run)
 
     @property
     def nproc_per_node(self) -> int:
@@ -338,7 +339,12 @@ def parse_job(args: argparse.Namespace, partition: Partition) -> Job:
             args_run_dirs.append(value)
     run_dir, reasons["run_dir"] = choose_run_dir(args.run_dir, args_run_dirs, config)
     check_run_dir_text(run_dir, args.launcher)
-    check_shared(run_dir, nodes)
+    try:
+        check_shared(run_dir, nodes)
+    except SubmitError as e:
+        if not args.dry_run:
+            raise
+        print(f"submit: warning: {e}; a submission is refused, the dry run goes on to show the plan", file=sys.stderr)
     time_limit = args.time or None
     if time_limit is not None:
         if not TIME_FORMAT.match(time_limit):
@@ -433,6 +439,9 @@ def _check_gpu_memory(job: Job, partition: Partition, cfg) -> None:
     job.reasons["memory"] = (
         f"about {memory.gb(need.total)} per GPU estimated, of the {memory.gb(have)} of {what} ({need.total / have:.0%})"
     )
+    warning = memory.headroom_warning(cfg, world, job.gpus_per_node, have, need, nodes=nodes, nodes_option="NODES={}")
+    if warning:
+        job.reasons["memory"] += f"; warning: {warning}"
     job.memory = need.breakdown("    ")
 
 
@@ -487,6 +496,12 @@ def check_config(job: Job, partition: Partition | None = None, planning: bool = 
             print(line)
         if job.gpus_per_node and partition is not None:
             _check_gpu_memory(job, partition, cfg)
+        if planning:
+            from trainer.check import plan_lines, resolve
+
+            job.plan = tuple(
+                plan_lines(resolve(cfg, where=where, world_size=world), job.nproc_per_node, job.nodes, "GPUS_PER_NODE")
+            )
     except ConfigError as e:
         raise SubmitError(str(e)) from None
     from trainer.checkpoint import save_seconds  # the parameters counted on the meta device: torch
@@ -875,6 +890,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"# {args.launcher} job, not submitted (DRY_RUN):\n{describe(job, partition)}")
             if job.memory:
                 print(f"  the GPU memory estimate, per GPU:\n{job.memory}")
+            for line in job.plan:
+                print(f"  {line}")
             print()
             print(render_sbatch(job), end="")
             return 0
