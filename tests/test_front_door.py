@@ -1,0 +1,52 @@
+"""Small front-door texts (#33 item 9): what a user reads must be right where they read it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from trainer.optim import OptimArgs, schedule_change
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_end_of_run_hint_names_the_interpreter_that_ran_it(tmp_path, monkeypatch):
+    """The hint said `python -m trainer.metrics ...`, which outside the venv fails with `No module
+    named 'torch'`: it now names sys.executable, relative to the cwd when inside it."""
+    from trainer.train import next_commands
+
+    venv = tmp_path / ".venv" / "bin"
+    venv.mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "executable", str(venv / "python"))
+    text = next_commands("runs/a")
+    assert text.startswith(f"{os.path.join('.venv', 'bin', 'python')} -m trainer.metrics runs/a (summary)"), text
+    assert " python -m" not in text
+    monkeypatch.setattr(sys, "executable", "/opt/py/bin/python3")
+    assert next_commands("runs/a").startswith("/opt/py/bin/python3 -m trainer.metrics runs/a"), text
+
+
+def test_an_lr_that_did_not_change_is_not_said_to_have_changed():
+    """`the lr at step 19 is 0.00285 (it would have been 0.00285)`: said when nothing changed."""
+    saved = {"train": {"steps": 50}, "optim": {"schedule": "constant", "warmup_steps": 2}}
+    line = schedule_change(saved, OptimArgs(schedule="constant", warmup_steps=5), 50, 18)
+    assert line is not None and "optim.warmup_steps 2 -> 5" in line, line
+    assert "would have been" not in line and "the lr at step" not in line, line
+    # where it does change, both are said
+    saved = {"train": {"steps": 20}, "optim": {"schedule": "warmup_cosine", "warmup_steps": 2, "decay_steps": None}}
+    line = schedule_change(saved, OptimArgs(warmup_steps=2), 40, 18)
+    assert "the lr at step 19 is" in line and "would have been" in line, line
+
+
+def test_every_command_s_help_ends_its_sentence():
+    """`python -m trainer.export --help` stopped at `... or as a`: the description was the first
+    line of a docstring whose sentence goes on."""
+    for module in ("check", "evaluate", "export", "generate", "launch", "prepare", "requeue", "metrics"):
+        out = subprocess.run(
+            [sys.executable, "-m", f"trainer.{module}", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, out.stderr
+        description = out.stdout.split("\n\n")[1]
+        assert description.rstrip().endswith((".", ")", ":")), f"trainer.{module}: {description!r}"
