@@ -5,6 +5,9 @@ SHELL := /bin/bash
 VENV    := .venv
 PY      := $(VENV)/bin/python
 CONFIG  ?= configs/default.yaml
+# CONFIG left at its default (not on the command line or in the environment): a resumed run's
+# differences from that file are not the user's doing, and the trainer says nothing of them.
+CONFIG_DEFAULT = $(if $(filter file,$(origin CONFIG)),--config-default)
 RUN_DIR ?=
 ARGS    ?=
 # All local GPUs, or 2 CPU processes where there is none.
@@ -55,7 +58,7 @@ check: venv ## validate CONFIG (+ARGS) for NPROC processes on this machine; memo
 	@$(PY) -m trainer.check --config $(CONFIG) --nproc $(NPROC) --gpu-mem-gb "$(GPU_MEM_GB)" $(OVERRIDES)
 
 run: venv ## train CONFIG on NPROC local processes (RUN_DIR=, ARGS="k=v ..."); checks the config first
-	$(PY) -m trainer.launch --nproc-per-node=$(NPROC) --config $(CONFIG) $(OVERRIDES)
+	$(PY) -m trainer.launch --nproc-per-node=$(NPROC) --config $(CONFIG) $(CONFIG_DEFAULT) $(OVERRIDES)
 
 evaluate: venv ## evaluate RUN_DIR's newest checkpoint without training (ARGS="--step N eval.batches=64"): one JSON row
 	@test -n "$(RUN_DIR)" || { echo "error: give the run to evaluate: make evaluate RUN_DIR=runs/..." >&2; exit 2; }

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from trainer.optim import OptimArgs, schedule_change
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,6 +42,7 @@ def test_an_lr_that_did_not_change_is_not_said_to_have_changed():
     assert "the lr at step 19 is" in line and "would have been" in line, line
 
 
+@pytest.mark.slow  # eight interpreters: the slow tier
 def test_every_command_s_help_ends_its_sentence():
     """`python -m trainer.export --help` stopped at `... or as a`: the description was the first
     line of a docstring whose sentence goes on."""
@@ -50,3 +53,26 @@ def test_every_command_s_help_ends_its_sentence():
         assert out.returncode == 0, out.stderr
         description = out.stdout.split("\n\n")[1]
         assert description.rstrip().endswith((".", ")", ":")), f"trainer.{module}: {description!r}"
+
+
+def test_a_resume_under_make_s_default_config_says_nothing_of_the_file(tmp_path):
+    """`make run` with no CONFIG= passed configs/default.yaml, and a resume of a run started with
+    log.interval=7 warned that the file `differs from the run ... in log.interval`: the user chose
+    no file. A file the user did give still gets its line."""
+    from trainer.config import dump, load, load_run
+
+    run = tmp_path / "r"
+    run.mkdir()
+    default = str(ROOT / "configs" / "default.yaml")
+    dump(load(default, [f"run_dir={run}", "log.interval=7"]), run / "config.yaml")
+    _, _, lines = load_run(default, [f"run_dir={run}"], config_chosen=False)
+    assert not any("differs from the run" in line for line in lines), lines
+    _, _, lines = load_run(default, [f"run_dir={run}"])
+    assert any("differs from the run" in line and "log.interval" in line for line in lines), lines
+
+    def run_line(*args):
+        out = subprocess.run(["make", "-n", "run", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        return next(line for line in out.stdout.splitlines() if "trainer.launch" in line)
+
+    assert "--config-default" in run_line()
+    assert "--config-default" not in run_line("CONFIG=configs/default.yaml")
