@@ -70,7 +70,7 @@ plot: venv ## summarise runs and plot their loss: make plot RUN_DIR="runs/a runs
 test: venv ## run the whole test suite (what CI runs; about 30 min on 2 cores)
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
-test-fast: venv ## the unit-level tests, without the modules marked slow (about 2 min): the edit-test loop
+test-fast: venv ## the unit-level tests, without those marked slow (about 1 min on 2 shared cores): the edit-test loop
 	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
 
 test-gpu: venv ## the CUDA-path tests on this machine's GPU (skipped without one; CI has none)

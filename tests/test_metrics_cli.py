@@ -6,6 +6,7 @@ import json
 import subprocess
 
 import numpy as np
+import pytest
 
 from conftest import PYTHON, ROOT, env
 from trainer import metrics
@@ -42,6 +43,7 @@ def test_the_summary_matches_the_file(tmp_path):
     assert metrics.summary(str(b))["restarts"] == 0
 
 
+@pytest.mark.slow  # an interpreter of trainer.metrics
 def test_the_command_prints_a_line_per_run_and_plots_each_run(tmp_path):
     a, b = _run(tmp_path)
     png = tmp_path / "loss.png"
@@ -68,6 +70,7 @@ def test_the_command_prints_a_line_per_run_and_plots_each_run(tmp_path):
     assert metrics.plot([str(a), str(b)], str(tmp_path / "again.png")) == ["a loss", "a eval loss", "b loss"]
 
 
+@pytest.mark.slow  # an interpreter of trainer.metrics
 def test_a_folder_without_metrics_is_one_line(tmp_path):
     proc = subprocess.run(
         [PYTHON, "-m", "trainer.metrics", str(tmp_path)],
