@@ -81,3 +81,19 @@ def test_a_folder_without_metrics_is_one_line(tmp_path):
         timeout=120,
     )
     assert proc.returncode == 2 and proc.stderr == f"error: {tmp_path}: no metrics.jsonl (is it a run dir?)\n"
+
+
+def test_a_restart_costs_its_own_start_up_not_the_time_nobody_ran_the_job(tmp_path):
+    """`1 restart(s) costing 41.5 s` counted the time between a Ctrl-C and the next start. A new
+    start (its resume row's `start` has no `stopped`) costs from its launcher's start to its first
+    step; a restart inside the allocation (`stopped`: the agent stopped the ranks) from the last row
+    before the failure, as before."""
+    rows = [{"step": s, "loss": 1.0, "samples_per_s": 1.0, "time": 1000.0 + s} for s in (1, 2, 3, 4)]
+    new_start = {"launcher": 1030.0, "process": 1031.0, "rendezvous": 1031.5}
+    resume = {"event": "resume", "step": 4, "world_size": 2, "checkpoint": "x", "time": 1035.0, "start": new_start}
+    after = [{"step": s, "loss": 1.0, "samples_per_s": 1.0, "time": 1036.0 + s} for s in (5, 6)]
+    _write(tmp_path / "a", [*rows, resume, *after])
+    assert metrics.summary(str(tmp_path / "a"))["restart_time_s"] == 11.0  # 1030 -> step 5 at 1041
+    in_allocation = {**resume, "start": {**new_start, "stopped": 1029.0}}
+    _write(tmp_path / "b", [*rows, in_allocation, *after])
+    assert metrics.summary(str(tmp_path / "b"))["restart_time_s"] == 37.0  # step 4 at 1004 -> 1041
