@@ -76,3 +76,26 @@ def test_a_resume_under_make_s_default_config_says_nothing_of_the_file(tmp_path)
 
     assert "--config-default" in run_line()
     assert "--config-default" not in run_line("CONFIG=configs/default.yaml")
+
+
+def test_a_finished_run_started_again_says_so_before_any_set_up(tmp_path, monkeypatch, capsys):
+    """A finished run started again took 11.6 s to say `nothing to do`: the ranks built the model and
+    the process group first. The launcher now says it from the newest checkpoint's step: no health
+    check, no torchrun, exit 0, and the status says finished (what the requeue check reads)."""
+    from conftest import TINY
+    from trainer import launch, layout
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    monkeypatch.setattr(layout, "latest_committed_step", lambda d: 6 if str(d) == str(run_dir) else None)
+
+    def started(*args, **kwargs):
+        raise AssertionError("set-up began")
+
+    monkeypatch.setattr(launch, "_health_check", started)
+    monkeypatch.setattr(launch, "_supported", started)
+    args = ["--nproc-per-node=1", "--config", str(ROOT / "configs/default.yaml"), f"run_dir={run_dir}", *TINY]
+    assert launch.main(args) == 0  # TINY: train.steps=6
+    out = capsys.readouterr().out
+    assert "nothing to do: step 6 reached train.steps=6; raise train.steps to continue" in out, out
+    assert layout.read_status(str(run_dir))["state"] == "finished"
