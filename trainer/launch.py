@@ -563,6 +563,15 @@ def main(argv: list[str] | None = None) -> int:
         if first:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return BAD_INPUT
+    done = layout.latest_committed_step(cfg.run_dir)
+    if done is not None and done >= cfg.train.steps:  # what the ranks would say, before any check or set-up
+        if first:
+            print(
+                f"nothing to do: step {done} reached train.steps={cfg.train.steps}; raise train.steps to continue",
+                flush=True,
+            )
+            layout.write_status(cfg.run_dir, state="finished")
+        return 0
     try:
         check_devices(nproc)
         check_gpus(nproc)
@@ -576,15 +585,6 @@ def main(argv: list[str] | None = None) -> int:
         if first:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return BAD_INPUT
-    done = layout.latest_committed_step(cfg.run_dir)
-    if done is not None and done >= cfg.train.steps:  # what the ranks would say, before any set-up
-        if first:
-            print(
-                f"nothing to do: step {done} reached train.steps={cfg.train.steps}; raise train.steps to continue",
-                flush=True,
-            )
-            layout.write_status(cfg.run_dir, state="finished")
-        return 0
     _say(device_line(nproc))
     if cfg.health.enabled:
         code = _health_check(cfg)
