@@ -5,6 +5,9 @@ SHELL := /bin/bash
 VENV    := .venv
 PY      := $(VENV)/bin/python
 CONFIG  ?= configs/default.yaml
+# CONFIG left at its default (not on the command line or in the environment): a resumed run's
+# differences from that file are not the user's doing, and the trainer says nothing of them.
+CONFIG_DEFAULT = $(if $(filter file,$(origin CONFIG)),--config-default)
 RUN_DIR ?=
 ARGS    ?=
 # All local GPUs, or 2 CPU processes where there is none.
@@ -55,7 +58,7 @@ check: venv ## validate CONFIG (+ARGS) for NPROC processes x NODES nodes; the pl
 	@$(PY) -m trainer.check --config $(CONFIG) --nproc $(NPROC) --nnodes $(NODES) --gpu-mem-gb "$(GPU_MEM_GB)" $(OVERRIDES)
 
 run: venv ## train CONFIG on NPROC local processes (RUN_DIR=, ARGS="k=v ..."); checks the config first
-	$(PY) -m trainer.launch --nproc-per-node=$(NPROC) --config $(CONFIG) $(OVERRIDES)
+	$(PY) -m trainer.launch --nproc-per-node=$(NPROC) --config $(CONFIG) $(CONFIG_DEFAULT) $(OVERRIDES)
 
 evaluate: venv ## evaluate RUN_DIR's newest checkpoint without training (ARGS="--step N eval.batches=64"): one JSON row
 	@test -n "$(RUN_DIR)" || { echo "error: give the run to evaluate: make evaluate RUN_DIR=runs/..." >&2; exit 2; }
@@ -67,7 +70,7 @@ plot: venv ## summarise runs and plot their loss: make plot RUN_DIR="runs/a runs
 test: venv ## run the whole test suite (what CI runs; about 30 min on 2 cores)
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
-test-fast: venv ## the unit-level tests, without the modules marked slow (about 2 min): the edit-test loop
+test-fast: venv ## the unit-level tests, without those marked slow (about 1 min on 2 shared cores): the edit-test loop
 	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
 
 # The oldest torch the trainer supports (pyproject.toml's torch>=2.11), in a venv of its own with only

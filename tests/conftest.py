@@ -28,6 +28,10 @@ TINY = [
     "checkpoint.interval=0",
 ]
 
+# The in-process tests run on one thread, as the processes they start do (env() below): their
+# tensors are small, and on a loaded 2-core machine two threads of each op wait for each other.
+torch.set_num_threads(1)
+
 
 def env(gpu: bool = False) -> dict:
     """The trainer's environment; the CPU (gloo) unless `gpu`, also on a machine with GPUs."""

@@ -97,6 +97,7 @@ def test_config_not_utf8(capsys, tmp_path):
     )
 
 
+@pytest.mark.slow  # an interpreter of the trainer
 def test_config_not_utf8_in_the_trainer(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_bytes(LATIN1)
@@ -503,7 +504,14 @@ def test_inception_v3_with_too_small_images(capsys, tmp_path):
     )
 
 
-@pytest.mark.parametrize("name, side", [("vit_b_16", 64), ("googlenet", 64), ("inception_v3", 75)])
+@pytest.mark.parametrize(
+    "name, side",
+    [
+        ("vit_b_16", 64),
+        pytest.param("googlenet", 64, marks=pytest.mark.slow),  # 2-4 s to build: the slow tier
+        pytest.param("inception_v3", 75, marks=pytest.mark.slow),
+    ],
+)
 def test_models_with_fixed_sizes_or_aux_outputs_are_supported(capsys, tmp_path, name, side):
     """Built for model.image_size and returning one tensor: the check's memory estimate runs their
     forward (on the meta device) and would fail otherwise."""
@@ -546,6 +554,7 @@ print(len(traced))
 """
 
 
+@pytest.mark.slow  # two interpreters that import the trainer
 def test_a_rank_checks_its_nodes_memory_unless_its_launcher_did(tmp_path):
     """The launcher checks its node's memory before the ranks start; its ranks do not trace the
     model on the meta device again (about 0.5 s of every start and restart); other ranks do."""

@@ -67,7 +67,17 @@ def stand_in_data(cfg, tmp_path) -> list[str]:
     return overrides
 
 
-@pytest.mark.parametrize("name", sorted(os.listdir(ROOT / "configs")))
+# The full-size models' estimates take 2-3 s each: the slow tier.
+HEAVY_CONFIGS = {"llama-8b.yaml", "llama-1b.yaml", "resnet50.yaml"}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(name, marks=pytest.mark.slow) if name in HEAVY_CONFIGS else name
+        for name in sorted(os.listdir(ROOT / "configs"))
+    ],
+)
 def test_every_shipped_config_passes_the_check_at_its_scale(tmp_path, monkeypatch, capsys, name):
     """`python -m trainer.check` on each shipped config at the scale it is written for. As shipped, the
     only error allowed is its data missing on this machine; with stand-in data every check passes,
@@ -199,6 +209,7 @@ def run_cli(*args):
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # an interpreter of trainer.check or the trainer per case
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -246,6 +246,7 @@ PEER_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # two processes and a store
 def test_a_collective_whose_peer_went_away_is_one_line(tmp_path):
     """gloo's error when the other rank's process is gone (its real text, from two processes) is
     said in one line without gloo's source location and advice; NCCL's, and errors that are no

@@ -84,6 +84,7 @@ def test_a_straggler_is_named_after_three_slow_windows_in_a_row_once():
     assert [s.update(slow) for _ in range(5)] == [[], [], [2], [], []]
 
 
+@pytest.mark.slow  # trains on two ranks until a rank is stopped or slow (about 20 s each)
 def test_a_stopped_rank_is_named_in_the_report_with_its_stack_taken_from_outside(tmp_path):
     run_dir = tmp_path / "run"
     proc = launch(run_dir, "train.steps=100000")
@@ -160,6 +161,7 @@ if os.environ.get("RANK") == "1":
 """
 
 
+@pytest.mark.slow  # trains on two ranks until a rank is stopped or slow (about 20 s each)
 def test_a_slow_rank_is_named_a_straggler_and_a_rank_asleep_in_a_step_writes_its_stack(tmp_path):
     (tmp_path / "hook").mkdir()
     (tmp_path / "hook" / "sitecustomize.py").write_text(SLOW_THEN_ASLEEP)  # imported first by every rank

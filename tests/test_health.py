@@ -37,6 +37,20 @@ def test_a_correct_matmul_passes_in_float32_and_bfloat16():
     assert health.judge_matmul("GPU 0", errors) is None
 
 
+def test_the_float64_reference_is_computed_once_for_all_gpus():
+    """#33 item 7: every GPU's check computed the same float64 product on the CPU again."""
+    health.matmul_reference.cache_clear()
+
+    def spoiling(a, b, dtype):  # a matmul that writes into its inputs spoils no later check
+        product = a @ b
+        a.zero_()
+        return product
+
+    first = [health.matmul_errors(spoiling) for _ in range(3)]
+    assert health.matmul_reference.cache_info().misses == 1
+    assert first[0] == first[1] == first[2] == health.matmul_errors(cpu_matmul)
+
+
 def test_tf32_rounding_is_within_the_float32_tolerance():
     """TF32 keeps 10 of float32's 23 mantissa bits: the inputs rounded so must still pass."""
 

@@ -146,6 +146,7 @@ def _racer(k: int, run_dirs: list[str], barriers: list, done_line, results) -> N
     os._exit(0)
 
 
+@pytest.mark.slow  # forks racing processes
 def test_exactly_one_of_many_starters_takes_over_a_dead_owners_lease(tmp_path):
     """40 trials of 2 to 4 processes starting at once against a dead owner's lease."""
     ctx = multiprocessing.get_context("fork")

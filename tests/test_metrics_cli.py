@@ -6,6 +6,7 @@ import json
 import subprocess
 
 import numpy as np
+import pytest
 
 from conftest import PYTHON, ROOT, env
 from trainer import metrics
@@ -42,6 +43,7 @@ def test_the_summary_matches_the_file(tmp_path):
     assert metrics.summary(str(b))["restarts"] == 0
 
 
+@pytest.mark.slow  # an interpreter of trainer.metrics
 def test_the_command_prints_a_line_per_run_and_plots_each_run(tmp_path):
     a, b = _run(tmp_path)
     png = tmp_path / "loss.png"
@@ -68,6 +70,7 @@ def test_the_command_prints_a_line_per_run_and_plots_each_run(tmp_path):
     assert metrics.plot([str(a), str(b)], str(tmp_path / "again.png")) == ["a loss", "a eval loss", "b loss"]
 
 
+@pytest.mark.slow  # an interpreter of trainer.metrics
 def test_a_folder_without_metrics_is_one_line(tmp_path):
     proc = subprocess.run(
         [PYTHON, "-m", "trainer.metrics", str(tmp_path)],
@@ -121,3 +124,19 @@ def test_a_start_drops_lines_that_are_not_rows_and_copies_them_nowhere(tmp_path,
         f"{run}/metrics.jsonl: dropped 3 line(s) that are not rows of this run (not a JSON object with a "
         f"numeric step and time: a line cut short by a kill, or written by someone else)"
     ]
+
+
+def test_a_restart_costs_its_own_start_up_not_the_time_nobody_ran_the_job(tmp_path):
+    """`1 restart(s) costing 41.5 s` counted the time between a Ctrl-C and the next start. A new
+    start (its resume row's `start` has no `stopped`) costs from its launcher's start to its first
+    step; a restart inside the allocation (`stopped`: the agent stopped the ranks) from the last row
+    before the failure, as before."""
+    rows = [{"step": s, "loss": 1.0, "samples_per_s": 1.0, "time": 1000.0 + s} for s in (1, 2, 3, 4)]
+    new_start = {"launcher": 1030.0, "process": 1031.0, "rendezvous": 1031.5}
+    resume = {"event": "resume", "step": 4, "world_size": 2, "checkpoint": "x", "time": 1035.0, "start": new_start}
+    after = [{"step": s, "loss": 1.0, "samples_per_s": 1.0, "time": 1036.0 + s} for s in (5, 6)]
+    _write(tmp_path / "a", [*rows, resume, *after])
+    assert metrics.summary(str(tmp_path / "a"))["restart_time_s"] == 11.0  # 1030 -> step 5 at 1041
+    in_allocation = {**resume, "start": {**new_start, "stopped": 1029.0}}
+    _write(tmp_path / "b", [*rows, in_allocation, *after])
+    assert metrics.summary(str(tmp_path / "b"))["restart_time_s"] == 37.0  # step 4 at 1004 -> 1041

@@ -97,6 +97,7 @@ def write_mnist(root, n: int) -> None:
     data.write_fake_mnist(str(root), n)
 
 
+@pytest.mark.slow  # an interpreter of trainer.data
 def test_fake_mnist_is_the_idx_format_the_reader_takes(tmp_path):
     """The command a user without internet runs: its files are what torchvision's MNIST reads."""
     from conftest import PYTHON, ROOT, env

@@ -46,6 +46,7 @@ def test_planning_an_8_gpu_node_from_a_laptop_warns_about_what_only_the_target_h
     )
 
 
+@pytest.mark.slow  # three interpreters of trainer.check
 def test_without_a_target_the_machine_is_the_target():
     proc = run_check("--config", ROOT / "configs" / "default.yaml", "--nproc", 2, "run_dir=/nonexistent/x/y")
     assert proc.returncode == 0, proc.stderr

@@ -84,6 +84,7 @@ def test_a_job_that_fits_prints_the_estimate_beside_the_gpu(capsys, tmp_path):
         assert re.search(rf"^  {part} +[\d.]+ GB", out, re.M), part
 
 
+@pytest.mark.slow  # a memory estimate per suggested fix (about 7 s)
 def test_a_job_that_cannot_fit_is_refused_with_what_would_fit(capsys, tmp_path):
     code, out, err = run_check(
         capsys,

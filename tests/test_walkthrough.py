@@ -97,7 +97,7 @@ def test_a_runs_life_as_the_readme_walks_it(tmp_path):
             assert "changed on the command line: train.steps 30 -> 40" in proc.stdout
             assert (
                 f"finished at step 40: checkpoint {run_dir}/checkpoints/step_00000040, metrics {run_dir}/"
-                f"metrics.jsonl; next: python -m trainer.metrics {run_dir}" in proc.stdout
+                f"metrics.jsonl; next: .venv/bin/python -m trainer.metrics {run_dir}" in proc.stdout
             )
         if "trainer.metrics" in argv:
             assert re.match(rf"{re.escape(str(run_dir))}: 40 steps, loss \d", proc.stdout), proc.stdout

@@ -29,6 +29,12 @@ from trainer.requeue import HEALTH_FAILED, LEASE_LOST
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer", description="Train a model with FSDP2.")
     parser.add_argument("--config", required=True, help="YAML config file (see configs/)")
+    parser.add_argument(
+        "--config-default",
+        action="store_true",
+        help="the --config file is a default the user did not choose (make run without CONFIG=): a resumed "
+        "run's differences from it are not worth a line",
+    )
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=100")
     args = parser.parse_intermixed_args(argv)  # overrides may come before --config too
     env = read_env()
@@ -42,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
         return code
 
     try:  # all of this before any process group or file exists
-        cfg, where, notes = load_run(args.config, args.overrides)  # a run dir's own run is the base
+        cfg, where, notes = load_run(
+            args.config, args.overrides, not args.config_default
+        )  # a run dir's own run is the base
         checked = os.environ.get(launch.MEMORY_CHECKED_ENV)  # the launcher checked this node's memory
         validate(
             cfg,

@@ -424,7 +424,7 @@ def check_gpus(local_world_size: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer.check", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m trainer.check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="YAML config file")
     parser.add_argument("--nproc", type=int, help="processes per node; checked against this machine's devices")
     parser.add_argument("--nnodes", type=int, default=1, help="nodes (for the batch arithmetic)")

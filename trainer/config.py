@@ -212,13 +212,14 @@ def _apply_overrides(raw: dict, overrides: list[str], sources: dict) -> None:
 SAVED = CONFIG_FILE  # the resolved config a run writes into its run dir at every start
 
 
-def load_run(path: str | None, overrides: list[str] = ()) -> tuple[Config, str, list[str]]:
+def load_run(path: str | None, overrides: list[str] = (), config_chosen: bool = True) -> tuple[Config, str, list[str]]:
     """The config of a start in a run dir: (config, where its values come from, lines to show).
 
     A run dir that holds a saved run (its config.yaml) continues that run: the saved config is the
     base, the command line's overrides apply on top. The --config file only names the run dir and
     fills keys the saved config lacks (written by an older trainer); a value it sets that differs
-    from the run's is not used, and one of the lines says so. A new run dir: `load(path, overrides)`."""
+    from the run's is not used, and one of the lines says so, unless the user did not choose the file
+    (config_chosen=False: make's default CONFIG). A new run dir: `load(path, overrides)`."""
     cfg = load(path, overrides)
     saved = os.path.join(cfg.run_dir, SAVED)
     if not os.path.isfile(saved):
@@ -254,7 +255,7 @@ def load_run(path: str | None, overrides: list[str] = ()) -> tuple[Config, str, 
         and _leaves(file_raw)[k] is not None
         and from_file[k] != now[k]
     ]
-    if ignored:
+    if ignored and config_chosen:
         lines.append(
             f"{path} differs from the run saved in {saved} in {', '.join(ignored)}: the run's values are "
             f"used; to change one, give key=value on the command line"

@@ -64,7 +64,7 @@ def append_row(run_dir: str, row: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer.evaluate", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m trainer.evaluate", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir")
     parser.add_argument("--step", type=int, help="checkpoint step; default: the newest complete one")
     parser.add_argument("overrides", nargs="*", help="eval.*, data.*, parallel.* key=value, e.g. eval.batches=32")

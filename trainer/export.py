@@ -210,7 +210,7 @@ def check_out(out: str, fmt: str = "file") -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer.export", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m trainer.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir")
     parser.add_argument("--step", type=int, help="checkpoint step; default: the newest complete one")
     parser.add_argument(

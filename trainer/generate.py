@@ -131,7 +131,7 @@ def parse_ids(text: str, vocab_size: int) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer.generate", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m trainer.generate", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir")
     parser.add_argument("--step", type=int, help="checkpoint step; default: the newest complete one")
     parser.add_argument(

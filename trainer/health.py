@@ -21,6 +21,7 @@ imports torch until a check runs: the config imports HealthArgs.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -86,18 +87,27 @@ GPU_CHECK_TIMEOUT_S = 120  # the child process that runs the GPUs' matmul (start
 NODE_ENV = "HEALTH_NODE"
 
 
+@functools.lru_cache(maxsize=1)
+def matmul_reference():
+    """(a, b, a @ b in float64 on the CPU): the inputs and the reference every GPU is judged against,
+    computed once per process however many GPUs it checks."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(MATMUL_N, MATMUL_N, generator=g), torch.randn(MATMUL_N, MATMUL_N, generator=g)
+    return a, b, a.double() @ b.double()
+
+
 def matmul_errors(matmul) -> dict[str, float]:
     """{dtype: normwise relative error} of matmul(a, b, dtype) against float64 on the CPU, for each
     dtype of MATMUL_TOLERANCE; `matmul` returns the product on the CPU."""
     import torch
 
-    g = torch.Generator().manual_seed(0)
-    a, b = torch.randn(MATMUL_N, MATMUL_N, generator=g), torch.randn(MATMUL_N, MATMUL_N, generator=g)
-    ref = a.double() @ b.double()
+    a, b, ref = matmul_reference()
     errors = {}
     for name in MATMUL_TOLERANCE:
         dtype = getattr(torch, name)
-        got = matmul(a.to(dtype), b.to(dtype), dtype).double()
+        got = matmul(a.to(dtype, copy=True), b.to(dtype, copy=True), dtype).double()  # the cached inputs stay
         errors[name] = ((got - ref).norm() / ref.norm()).item()
     return errors
 

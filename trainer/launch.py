@@ -99,7 +99,7 @@ TORCHRUN_DEFAULT_SHUTDOWN_S = 30
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m trainer.launch", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m trainer.launch", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--nproc-per-node", default="auto", help="ranks on this node: a number, or auto (one per visible GPU, else 1)"
     )
@@ -116,6 +116,12 @@ def _parser() -> argparse.ArgumentParser:
         f"{signals.EXIT_MARGIN_S} s to save",
     )
     p.add_argument("--config", required=True, help="YAML config file (see configs/)")
+    p.add_argument(
+        "--config-default",
+        action="store_true",
+        help="the --config file is a default the user did not choose (make run without CONFIG=): a resumed "
+        "run's differences from it are not worth a line",
+    )
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=100")
     return p
 
@@ -196,7 +202,8 @@ def torchrun_args(a: argparse.Namespace, nproc: int, shutdown_s: int, max_restar
     local_addr = a.local_addr or (interface_address(interface) if interface and "," not in interface else "")
     if local_addr:
         args.append(f"--local-addr={local_addr}")
-    return [*args, "-m", "trainer", "--config", a.config, *a.overrides]
+    default = ["--config-default"] if a.config_default else []
+    return [*args, "-m", "trainer", "--config", a.config, *default, *a.overrides]
 
 
 def _supported(args: list[str]) -> list[str]:
@@ -546,6 +553,15 @@ def main(argv: list[str] | None = None) -> int:
         if first:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return BAD_INPUT
+    done = layout.latest_committed_step(cfg.run_dir)
+    if done is not None and done >= cfg.train.steps:  # what the ranks would say, before any check or set-up
+        if first:
+            print(
+                f"nothing to do: step {done} reached train.steps={cfg.train.steps}; raise train.steps to continue",
+                flush=True,
+            )
+            layout.write_status(cfg.run_dir, state="finished")
+        return 0
     try:
         check_devices(nproc)
         check_gpus(nproc)

@@ -354,7 +354,9 @@ def summary(run_dir: str) -> dict:
     evals = [r for r in rows if isinstance(r.get("eval_loss"), (int, float))]
     restarts = [i for i, r in enumerate(rows) if r.get("event") in ("resume", "restart")]
     lost = 0.0
-    for i in restarts:  # from the last row written before the restart to the first step after it
+    # From the last row written before the restart to the first step after it; for a new start (a
+    # resume row whose `start` has no `stopped`), from its launcher's start.
+    for i in restarts:
         before = [
             r["time"]
             for r in rows[:i] + superseded
@@ -363,6 +365,10 @@ def summary(run_dir: str) -> dict:
         after = next(
             (r["time"] for r in rows[i + 1 :] if "loss" in r and isinstance(r.get("time"), (int, float))), None
         )
+        start = rows[i].get("start")
+        launched = start.get("launcher") if isinstance(start, dict) and "stopped" not in start else None
+        if isinstance(launched, (int, float)):  # a new start: its own start-up, not the time nothing ran
+            before = [max([*before, launched])]
         if before and after is not None:
             lost += after - max(before)
     best = min(train, key=lambda r: r["loss"]) if train else None

@@ -97,10 +97,9 @@ def schedule_change(saved: dict, args: OptimArgs, total_steps: int, step: int) -
     before = _saved_args(saved_optim, args)
     was = args.lr * lr_factor(before, saved_steps, step)
     now = args.lr * lr_factor(args, total_steps, step)
-    line = (
-        f"the lr schedule changed ({', '.join(changed)}): the lr at step {step + 1} is {now:.4g} (it would have "
-        f"been {was:.4g})"
-    )
+    line = f"the lr schedule changed ({', '.join(changed)})"
+    if f"{now:.4g}" != f"{was:.4g}":  # equal as printed: nothing to say about the next step's lr
+        line += f": the lr at step {step + 1} is {now:.4g} (it would have been {was:.4g})"
     if args.schedule == "warmup_cosine" and args.decay_steps is None and saved_steps != total_steps:
         line += (
             f"; the cosine decay now ends at step {total_steps} instead of {old_horizon}: to keep the original "

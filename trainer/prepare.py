@@ -321,7 +321,7 @@ def _bar(fraction: float, tokens: int, docs: int, seconds: float, width: int = 3
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer.prepare", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m trainer.prepare", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "files",
         nargs="+",

@@ -293,7 +293,7 @@ def requeue_without(run_dir, job_id, failed, prefix, limit):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python3 -m trainer.requeue", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python3 -m trainer.requeue", description=__doc__.split("\n\n")[0])
     p.add_argument("--run-dir", required=True)
     p.add_argument("--exit-code", type=int, default=0, help="exit code of the training step")
     p.add_argument("--max-attempts-without-progress", type=int, default=3)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import time
 from datetime import timedelta
 
@@ -489,11 +490,23 @@ def _finish(
     if step == cfg.train.steps:
         reporter.message(
             f"finished at step {step}: checkpoint {layout.step_path(run_dir, step)}, metrics {run_dir}/metrics.jsonl; "
-            f"next: python -m trainer.metrics {run_dir} (summary), python -m trainer.export {run_dir} "
-            f"--format hf --out DIR, python -m trainer.generate {run_dir} --prompt TEXT, "
-            f"python -m trainer.evaluate {run_dir}"
+            f"next: {next_commands(run_dir)}"
         )
     dist.barrier(group=control)
+
+
+def next_commands(run_dir) -> str:
+    """What to do with a finished run, with the interpreter that ran it (a bare `python` outside the
+    venv has no torch): sys.executable, relative to the cwd when it is inside it."""
+    python = sys.executable
+    with contextlib.suppress(ValueError):  # another drive (Windows): keep it absolute
+        relative = os.path.relpath(python)
+        if not relative.startswith(os.pardir):
+            python = relative
+    return (
+        f"{python} -m trainer.metrics {run_dir} (summary), {python} -m trainer.export {run_dir} --format hf "
+        f"--out DIR, {python} -m trainer.generate {run_dir} --prompt TEXT, {python} -m trainer.evaluate {run_dir}"
+    )
 
 
 def _auto_interval(cfg: Config, env: distributed.Env) -> checkpoint.AutoInterval:
