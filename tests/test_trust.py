@@ -253,6 +253,26 @@ def test_a_checkpoint_whose_manifest_was_deleted_is_skipped_not_taken_for_an_old
     assert meta["step"] == 1 and all(torch.equal(state[k], weights[1][k]) for k in state)
 
 
+def test_a_checkpoint_saved_before_manifests_is_loaded_with_one_line_saying_what_is_unverified(tmp_path, group, caplog):
+    """Issue 32 item 14: a checkpoint saved before manifests was loaded with no word that its
+    meta.json, .metadata and rng files carry no checksum. It is still loaded (verified where it can
+    be: shards by their .xxh3 records, .metadata by the restricted unpickler, random states and the
+    optimizer's groups by their types and shapes), and one line says what is not verified."""
+    weights = saved_run(tmp_path, group)
+    newest = checkpoint.step_path(tmp_path, 2)
+    as_saved_before_manifests(newest)
+    caplog.set_level(logging.INFO, "trainer")
+    meta, state = resumed(tmp_path, group)
+    assert meta["step"] == 2 and all(torch.equal(state[k], weights[2][k]) for k in state)
+    lines = [line for line in said(caplog).splitlines() if "saved before manifests" in line]
+    assert lines == [
+        f"checkpoint {newest} was saved before manifests (by an older trainer): its shards are checked by "
+        f"their .xxh3 records, its .metadata by the restricted unpickler, its random states and optimizer "
+        f"groups by their types and shapes, but a change to its meta.json, .metadata or rng files that "
+        f"keeps them valid is not detected; its next save writes a manifest"
+    ], said(caplog)
+
+
 def test_a_truncated_rng_file_of_an_old_checkpoint_is_skipped_not_a_crash(tmp_path, group, caplog):
     """A checkpoint saved before manifests (no checksum of its rng files): an rng file torch.load
     cannot read makes it unreadable like a shard it cannot read."""

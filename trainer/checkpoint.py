@@ -368,6 +368,26 @@ def _warn_if_others_can_write(path: str) -> None:
         )
 
 
+def unverified(path: str) -> str | None:
+    """What cannot be verified of the checkpoint at `path`, or None: a checkpoint saved before
+    manifests (trainer/checksums.py) has no checksum of its small files. The decision (issue 32):
+    such a checkpoint is still loaded, verified where it can be, with this said once."""
+    if os.path.lexists(os.path.join(path, checksums.MANIFEST)):
+        return None
+    return (
+        f"checkpoint {path} was saved before manifests (by an older trainer): its shards are checked by "
+        f"their .xxh3 records, its .metadata by the restricted unpickler, its random states and optimizer "
+        f"groups by their types and shapes, but a change to its meta.json, .metadata or rng files that "
+        f"keeps them valid is not detected; its next save writes a manifest"
+    )
+
+
+def _warn_if_unverified(path: str) -> None:
+    why = unverified(path)
+    if why:
+        log.warning("%s", why)
+
+
 def _fsync(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -618,6 +638,7 @@ class Checkpointer:
                 )
         if self.rank == 0 and isinstance(choice[0], str):
             _warn_if_others_can_write(choice[0])
+            _warn_if_unverified(choice[0])
         dist.broadcast_object_list(choice, src=0, group=self.group)
         if isinstance(choice[0], tuple):
             raise CheckpointError(choice[0][1])

@@ -44,6 +44,9 @@ def consolidate(run_dir: str, step: int | None = None) -> tuple[dict[str, torch.
     why = checkpoint.unusable(path)  # every file as written, and nothing in it that would run code
     if why:
         raise checkpoint.CheckpointError(f"checkpoint {path} is unusable: {why}; export an older one with --step")
+    why = checkpoint.unverified(path)
+    if why:
+        print(f"warning: {why}", file=sys.stderr)
     cfg = _config(run_dir, path)
     with torch.device("meta"):
         model = models.build(cfg.model)
