@@ -147,3 +147,29 @@ def test_replaceable_wants_a_folder_no_one_else_can_swap(tmp_path):
     os.chown(folder, 0, 0)
     os.chown(parent, 12345, 12345)  # a folder above owned by another user: they may rename it
     assert "lets another user rename" in files.replaceable(folder)
+
+
+@pytest.mark.parametrize("kind", ["link", "fifo", "folder"])
+def test_open_regular_refuses_at_once_what_is_not_a_regular_file(tmp_path, secret, kind):
+    path = tmp_path / "__0_0.distcp"
+    plant(kind, path, secret)
+    with pytest.raises(files.UnsafeFile, match=f"^{path} is a"):
+        files.open_regular(path)
+
+
+def test_the_metadata_of_a_checkpoint_is_never_read_through_a_fifo_or_a_link(tmp_path, secret):
+    """A FIFO swapped in at `.metadata` after the listing's checks hung the load in open(); a link
+    was followed. (signal.alarm: the old code blocks forever here.)"""
+    import signal
+
+    from trainer.shard_reader import load_metadata
+
+    os.mkfifo(tmp_path / ".metadata")
+    os.symlink(secret, tmp_path / "link")
+    signal.alarm(10)
+    try:
+        for name in (".metadata", "link"):
+            with pytest.raises(files.UnsafeFile):
+                load_metadata(tmp_path / name)
+    finally:
+        signal.alarm(0)

@@ -76,6 +76,17 @@ def _regular(fd, path):
     return st
 
 
+def open_regular(path, buffering=-1):
+    """The regular file at `path` open for reading in binary (a large file read in parts: a shard):
+    never through a link, never blocking on a FIFO (UnsafeFile for either, or for anything else
+    that is not a regular file)."""
+    fd = _open(path, os.O_RDONLY | os.O_NONBLOCK)
+    _regular(fd, path)
+    if hasattr(os, "set_blocking"):
+        os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb", buffering=buffering)
+
+
 def read_bytes(path, limit=SMALL_FILE_BYTES):
     """The bytes of the regular file at `path`, at most `limit` of them (UnsafeFile past that).
 

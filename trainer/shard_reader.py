@@ -50,7 +50,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-from trainer import checksums
+from trainer import checksums, files
 
 # The storage classes a pickled tensor names, by dtype (torch.serialization's own list).
 _STORAGE_DTYPES = {
@@ -127,7 +127,7 @@ class ShardReader(FileSystemReader):
         rest: list[ReadItem] = []
         with _ReadAhead(spans, checked) as ahead:
             for path, items in per_file.items():
-                with open(os.path.join(self.path, path), "rb", buffering=0) as f:
+                with files.open_regular(os.path.join(self.path, path), buffering=0) as f:
                     for item in items:
                         if not self._read_direct(f, item, planner):
                             rest.append(item)
@@ -274,7 +274,7 @@ class _MetadataPickle(pickle._Unpickler):  # the Python one: BUILD and calls are
 def load_metadata(path: str | os.PathLike) -> dcp_metadata.Metadata:
     """DCP's metadata from the file at `path` (a checkpoint's `.metadata`), unpickled with nothing
     but the classes it is made of. Refused (one line naming the file) if it names anything else."""
-    with open(path, "rb") as f:
+    with files.open_regular(path) as f:  # never a link, never blocking on a FIFO
         try:
             metadata = _MetadataPickle(f, _WORK_FLOOR + _WORK_PER_BYTE * os.fstat(f.fileno()).st_size).load()
         except Refused as e:
@@ -468,7 +468,7 @@ class _ReadAhead:
         block = memoryview(bytearray(_BLOCK_BYTES))
         try:
             for path, spans in self.spans.items():
-                with open(path, "rb", buffering=0) as f:
+                with files.open_regular(path, buffering=0) as f:
                     if path in self.verified:
                         if not self._hash(path, f, self.read + spans[0][1], block):
                             return
