@@ -246,3 +246,33 @@ def test_records_and_requeue_json_are_never_followed_or_blocked_on(tmp_path):
     assert f"ignored {records / '7.n1.json'}" in out.stderr and f"ignored {records / '7.n2.json'}" in out.stderr
     assert secret.is_file() and json.loads(secret.read_text())["node"] == "n1"  # never written through
     assert not (records.parent / "requeue.json").is_symlink()
+
+
+def _committed(run_dir: Path, step: int, meta: dict) -> Path:
+    """A step folder with the files a commit leaves (trainer/layout.py files_problem)."""
+    from trainer import layout
+
+    folder = Path(layout.step_path(run_dir, step))
+    folder.mkdir(parents=True)
+    (folder / ".metadata").write_bytes(b"x")
+    (folder / "meta.json").write_text(
+        json.dumps({"samples": 0, "world_size": 1, "scheduler": {}, "shapes": {}, **meta})
+    )
+    return folder
+
+
+def test_the_standard_library_listing_skips_a_copy_under_another_step_or_another_runs_checkpoint(tmp_path):
+    """What the launcher's 'nothing to do' and the requeue check read (layout.latest_committed_step)
+    took a copy of step 2 planted as step_00000009, or another run's checkpoint, for the run's
+    newest: a finished-looking run that never ran its steps. It now asks what trainer/checkpoint.py
+    asks: meta.json's step is the folder's, and its run id (where both have one) is this run's."""
+    from trainer import layout
+
+    run = tmp_path / "run"
+    _committed(run, 2, {"step": 2, "run_id": "a" * 32})
+    (run / "run_id").write_text("a" * 32 + "\n")
+    _committed(run, 9, {"step": 2, "run_id": "a" * 32})  # a copy under a higher step
+    _committed(run, 11, {"step": 11, "run_id": "b" * 32})  # another run's
+    assert layout.latest_committed_step(run) == 2
+    _committed(run, 12, {"step": 12})  # saved before run ids: its step alone is checked
+    assert layout.latest_committed_step(run) == 12

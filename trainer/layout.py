@@ -100,11 +100,26 @@ def files_problem(path):
     return None
 
 
+def read_run_id(run_dir):
+    """The run's identity (its run_id file, trainer/checkpoint.py writes it), or None where it has
+    none or it cannot be read (trainer/checkpoint.py says why at the start)."""
+    try:
+        return files.read_text(os.path.join(str(run_dir), RUN_ID_FILE), limit=256).strip() or None
+    except OSError:
+        return None
+
+
 def latest_committed_step(run_dir):
-    """Step of the newest folder that passes files_problem, or None. A step_N that is a symbolic
-    link is not the run's: the trainer never loads it (trainer/checkpoint.py)."""
+    """Step of the newest folder that passes files_problem and is this run's own, or None: a step_N
+    that is a symbolic link, whose meta.json's step is not its name (a copy), or whose run id is
+    another run's is not the run's, as trainer/checkpoint.py decides."""
+    run = read_run_id(run_dir)
     for step, path in reversed(step_folders(run_dir)):
-        if not os.path.islink(path) and files_problem(path) is None:
+        if os.path.islink(path) or files_problem(path) is not None:
+            continue
+        meta = read_meta(path)
+        saved_by = meta.get("run_id")
+        if meta.get("step") == step and (run is None or saved_by is None or saved_by == run):
             return step
     return None
 
