@@ -386,7 +386,7 @@ def _check_planted(path: str, where: str) -> None:
             continue
         if stat.S_ISDIR(st.st_mode):
             continue  # a folder where a file belongs: the check above names the ones it matters for
-        kind = files._kind(st.st_mode)
+        kind = files.kind(st.st_mode)
         raise ConfigError(
             f"{where}: run_dir: {inside} is {kind}, where the run keeps its {name} "
             f"{'folder' if folder else 'file'}; the trainer never follows or reads one (someone else may have "

@@ -41,7 +41,8 @@ class UnsafeFile(OSError):
         return "{} {}".format(self.path, self.why)
 
 
-def _kind(mode):
+def kind(mode):
+    """What a file of mode `mode` (st_mode) is, in words: "a symbolic link", "a FIFO", ..."""
     for test, name in (
         (stat.S_ISLNK, "a symbolic link"),
         (stat.S_ISFIFO, "a FIFO"),
@@ -72,7 +73,7 @@ def _regular(fd, path):
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        raise UnsafeFile(path, "is {}, not a regular file".format(_kind(st.st_mode)))
+        raise UnsafeFile(path, "is {}, not a regular file".format(kind(st.st_mode)))
     return st
 
 
@@ -176,7 +177,7 @@ def make_folder(path, mode=0o755):
         pass
     st = os.lstat(str(path))
     if not stat.S_ISDIR(st.st_mode):
-        raise UnsafeFile(path, "is {}, not a folder".format(_kind(st.st_mode)))
+        raise UnsafeFile(path, "is {}, not a folder".format(kind(st.st_mode)))
 
 
 def others_can_write(st):
@@ -196,7 +197,7 @@ def trusted(path):
     uid = os.geteuid()
     st = os.lstat(path)
     if not stat.S_ISREG(st.st_mode):
-        return "it is {}".format(_kind(st.st_mode))
+        return "it is {}".format(kind(st.st_mode))
     if st.st_uid != uid:
         return "it is owned by uid {}, not by you (uid {})".format(st.st_uid, uid)
     if others_can_write(st):
@@ -221,7 +222,7 @@ def replaceable(path):
     real = os.path.realpath(str(path))
     st = os.lstat(real)
     if not stat.S_ISDIR(st.st_mode):
-        return "{} is {}, not a folder".format(real, _kind(st.st_mode))
+        return "{} is {}, not a folder".format(real, kind(st.st_mode))
     if st.st_uid != uid:
         return "{} is owned by uid {}, not by you (uid {})".format(real, st.st_uid, uid)
     if others_can_write(st):
