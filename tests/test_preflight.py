@@ -480,3 +480,26 @@ def test_a_dry_run_from_a_node_local_folder_warns_and_shows_the_plan_with_its_he
     assert re.search(r"GPU memory .*\(9\d%\); warning: less than 10% headroom", out.stdout), out.stdout
     assert "batch: global 256 / 32 ranks (GPUS_PER_NODE=8 x NODES=4) / micro-batch 1 = 8 accumulation" in out.stdout
     assert not Path("/var/tmp/fsdp-trainer-test-dry-run").exists()
+
+
+def test_the_plans_step_time_never_reads_through_a_fifo_or_a_link(tmp_path):
+    """make check / make submit DRY_RUN=1 read the run dir's metrics.jsonl for the expected
+    duration: a FIFO planted there hung them, a link was followed. (signal.alarm: the old code
+    blocks forever on the FIFO.)"""
+    import os
+    import signal
+
+    from trainer.check import logged_step_time
+
+    secret = tmp_path / "secret"
+    secret.write_text('{"step": 1, "step_time_s": 1.0}\n{"step": 2, "step_time_s": 2.0}\n')
+    (tmp_path / "a").mkdir()
+    os.mkfifo(tmp_path / "a" / "metrics.jsonl")
+    (tmp_path / "b").mkdir()
+    os.symlink(secret, tmp_path / "b" / "metrics.jsonl")
+    signal.alarm(10)
+    try:
+        assert logged_step_time(str(tmp_path / "a")) is None
+        assert logged_step_time(str(tmp_path / "b")) is None
+    finally:
+        signal.alarm(0)

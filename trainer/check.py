@@ -610,6 +610,10 @@ def plan_lines(cfg: Config, nproc: int, nnodes: int, per_node: str = "NPROC") ->
     return lines
 
 
+# The most of a run's metrics.jsonl the plan reads for its step time (a longer one: duration unknown).
+PLAN_METRICS_BYTES = 64 << 20
+
+
 def logged_step_time(run_dir: str) -> tuple[float, int] | None:
     """(median step_time_s, windows) of the training rows of run_dir's metrics.jsonl, the first
     window left out (compilation and warm-up), or None where none is logged."""
@@ -617,11 +621,12 @@ def logged_step_time(run_dir: str) -> tuple[float, int] | None:
     import statistics
 
     path = os.path.join(run_dir, "metrics.jsonl")
-    try:
-        with open(path, errors="replace") as f:
-            rows = [json.loads(line) for line in f if line.strip().startswith("{") and '"step_time_s"' in line]
+    try:  # a shared run dir: no link followed, no FIFO blocked on, bounded (trainer/files.py)
+        text = files.read_text(path, limit=PLAN_METRICS_BYTES)
+        rows = [json.loads(line) for line in text.splitlines() if line.startswith("{") and '"step_time_s"' in line]
     except (OSError, ValueError):
         return None
+    rows = [r for r in rows if isinstance(r, dict)]
     times = [r["step_time_s"] for r in rows[1:] if isinstance(r.get("step_time_s"), (int, float))]
     return (statistics.median(times), len(times)) if times else None
 
