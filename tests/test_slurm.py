@@ -27,7 +27,7 @@ import torch
 
 from bench.nodes import job_processes, kill_node, restore_node
 from bench.nodes import parent_pid as _ppid
-from trainer import layout, submit
+from trainer import files, layout, submit
 
 REPO = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -51,12 +51,20 @@ def cluster(test):
 
 @pytest.fixture(scope="module")
 def runs():
+    """A run dir root the nodes see and that only this user can swap: submitit refuses a run dir
+    whose folders above let another user rename it (a CI clone owned by another uid than the one
+    running the tests, or one in /tmp, falls back to a folder under home)."""
     root = REPO / "runs" / f"test-slurm-{os.getpid()}"
     try:
         submit.check_shared(root, nodes=4)
-    except submit.SubmitError:  # e.g. a CI clone in /tmp
+        root.mkdir(parents=True, exist_ok=True)
+        safe = files.replaceable(root) is None
+    except (submit.SubmitError, OSError):
+        safe = False
+    if not safe:
+        shutil.rmtree(root, ignore_errors=True)
         root = Path.home() / ".cache" / "fsdp-trainer-tests" / f"slurm-{os.getpid()}"
-    root.mkdir(parents=True, exist_ok=True)
+        root.mkdir(parents=True, exist_ok=True)
     yield root
     shutil.rmtree(root, ignore_errors=True)
 
