@@ -60,6 +60,16 @@ class EvalArgs:
 
 
 @dataclass
+class SourceArgs:
+    """One token file of a weighted mixture (data.sources); trainer/data.py's Mixture reads them."""
+
+    path: str | None = None  # the token file (data.token_dtype, as data.path)
+    weight: float = 1.0  # share of the training samples, relative to the other sources' (> 0)
+    eval_path: str | None = None  # this source's evaluation token file: eval rows get eval_loss/<name>
+    name: str | None = None  # in rows and the live line ([A-Za-z0-9_.-]); None: the file name without extension
+
+
+@dataclass
 class DataArgs:
     name: Literal["synthetic", "tokens", "mnist", "imagefolder", "synthetic_images"] = "synthetic"
     path: str | None = None  # token file, MNIST root or ImageFolder root (for the training split)
@@ -68,6 +78,9 @@ class DataArgs:
     download: bool = True  # MNIST: download into `path` when the files are not there
     num_workers: int = 0  # DataLoader worker processes per rank
     trace: bool = False  # append each rank's global sample indices to run_dir/trace/ (debugging)
+    # Several token files mixed by weight (data.name=tokens, instead of data.path), e.g.
+    # [{path: a.bin, weight: 0.7}, {path: b.bin, weight: 0.3}]; empty: the single data.path.
+    sources: tuple[SourceArgs, ...] = ()
 
 
 @dataclass
@@ -496,6 +509,10 @@ def _coerce(tp, value, key: str, where: str, sources: dict, default_source: str)
         raise ConfigError(f"{where}: '{key}' is {value!r}; expected {' or '.join(names)}")
     if origin is tuple:
         args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:  # a list of any length (data.sources)
+            if not isinstance(value, (list, tuple)):
+                raise ConfigError(f"{where}: '{key}' is {value!r}; expected a list")
+            return tuple(_coerce(args[0], v, f"{key}[{i}]", where, sources, where) for i, v in enumerate(value))
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise ConfigError(f"{where}: '{key}' is {value!r}; expected a list of {len(args)} values")
         return tuple(_coerce(a, v, key, where, sources, default_source) for a, v in zip(args, value))
