@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import re
 import stat
 import types
 import typing
@@ -67,6 +68,15 @@ class SourceArgs:
     weight: float = 1.0  # share of the training samples, relative to the other sources' (> 0)
     eval_path: str | None = None  # this source's evaluation token file: eval rows get eval_loss/<name>
     name: str | None = None  # in rows and the live line ([A-Za-z0-9_.-]); None: the file name without extension
+
+    @property
+    def label(self) -> str:
+        """The name rows and lines use: `name`, else the file's name without its extension."""
+        return self.name or os.path.splitext(os.path.basename(self.path or ""))[0]
+
+
+# What a source's label may hold: it becomes part of row keys (eval_loss/<label>) and of the live line.
+SOURCE_LABEL = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 @dataclass
@@ -179,7 +189,8 @@ def resolve(cfg: Config, where: str = "config", world_size: int = 1) -> Config:
         except hf.HFError as e:
             raise ConfigError(f"{where}: model.init_from: {e}") from None
     if cfg.data.name == "tokens" and model.vocab_size is None and not model.init_from:
-        model = dataclasses.replace(model, vocab_size=_sidecar_vocab(cfg.data.path))
+        paths = [cfg.data.path] + [source.path for source in cfg.data.sources]  # a mixture: the largest
+        model = dataclasses.replace(model, vocab_size=max(filter(None, map(_sidecar_vocab, paths)), default=None))
     return dataclasses.replace(cfg, model=resolve_model(model))
 
 

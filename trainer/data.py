@@ -9,7 +9,6 @@ the number of samples consumed to resume the exact stream on any number of proce
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterator
 from fractions import Fraction
 
@@ -217,14 +216,6 @@ def image_folder(root: str, size: int, num_classes: int) -> Dataset:
 # ---------------------------------------------------------------------------------------------------
 # Several token files mixed by weight (data.sources).
 
-# What a source's name may hold: it becomes part of row keys (eval_loss/<name>) and of the live line.
-SOURCE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-
-
-def source_name(source) -> str:
-    """A source's name in rows and lines: its `name`, else its file's name without the extension."""
-    return source.name or os.path.splitext(os.path.basename(source.path or ""))[0]
-
 
 class Mixture(Dataset):
     """Token files interleaved by weight: item i is global sample i of the run's stream.
@@ -301,15 +292,11 @@ def _mixture(args: DataArgs, model_args, seed: int, train: bool) -> Dataset:
         return TokenFile(args.eval_path, args.token_dtype, seq_len, vocab)
     if not train and any(s.eval_path for s in args.sources):
         return EvalSources(
-            {
-                source_name(s): TokenFile(s.eval_path, args.token_dtype, seq_len, vocab)
-                for s in args.sources
-                if s.eval_path
-            },
-            {source_name(s): s.weight for s in args.sources if s.eval_path},
+            {s.label: TokenFile(s.eval_path, args.token_dtype, seq_len, vocab) for s in args.sources if s.eval_path},
+            {s.label: s.weight for s in args.sources if s.eval_path},
         )
     files = [TokenFile(s.path, args.token_dtype, seq_len, vocab) for s in args.sources]
-    return Mixture(files, [s.weight for s in args.sources], [source_name(s) for s in args.sources], seed)
+    return Mixture(files, [s.weight for s in args.sources], [s.label for s in args.sources], seed)
 
 
 def passes(dataset: Dataset, samples: int) -> dict[str, tuple[int, int]]:
