@@ -401,3 +401,20 @@ def test_a_mixture_stopped_on_2_processes_resumes_on_3_as_if_never_stopped(tmp_p
     assert row["step"] == 30
     for key in ("eval_loss", "eval_loss/web", "eval_loss/code"):
         assert row[key] == pytest.approx(evals[-1][key], rel=1e-5), key
+
+
+@pytest.mark.slow
+def test_a_single_token_file_counts_its_epochs_in_rows_and_the_live_line(tmp_path, files):
+    """One file (no data.sources): epoch rows without `source`, each once, at the step that reads the
+    pass's first sample; training rows and the live line carry the passes made."""
+    run_dir = tmp_path / "run"
+    out = train(run_dir, 1, *TINY, *MIX, f"data.path={files['code']}", "train.steps=6").stdout
+    # 20 windows, 12 samples a step: passes begin at samples 20, 40, 60 (steps 2, 4, 6)
+    assert [(r.get("source"), r["epoch"], r["step"]) for r in all_rows(run_dir) if r.get("event") == "epoch"] == [
+        (None, 1, 2),
+        (None, 2, 4),
+        (None, 3, 6),
+    ]
+    assert {r["step"]: r["epoch"] for r in rows(run_dir)} == {s: s * 12 / 20 for s in range(1, 7)}
+    assert "step 6/6  loss" in out and "epoch 3.60" in out
+    assert "epoch 1 of the training data begins at step 2" in out
