@@ -43,7 +43,7 @@ def mixture(weights, lengths, seed: int = 0) -> Mixture:
 
 
 @pytest.mark.parametrize("weights", [[0.7, 0.3], [0.5, 0.3, 0.2], [3.0, 1.0, 1e-3, 2.5]])
-def test_every_prefix_holds_the_weights_to_within_one_sample_per_source(weights):
+def test_every_prefix_holds_the_weights_to_within_as_many_samples_as_sources(weights):
     m = mixture(weights, [97, 13, 5, 41][: len(weights)])
     total = sum(weights)
     seen = [0] * len(weights)

@@ -3,7 +3,9 @@
 The order of samples is a pure function of (seed, global sample index): sample i of the run is item
 `order(i)` of the dataset, whatever the number of processes. Optimizer step s consumes the global
 indices [s·B, (s+1)·B); rank r takes the r-th contiguous slice of them. So a checkpoint only needs
-the number of samples consumed to resume the exact stream on any number of processes.
+the number of samples consumed to resume the exact stream on any number of processes. Several
+token files mixed by weight (data.sources, Mixture) are one such dataset: its item i is a pure
+function of (seed, i) too, and each source's passes (epochs) are counted from the samples consumed.
 """
 
 from __future__ import annotations
@@ -224,8 +226,8 @@ class Mixture(Dataset):
     the stream (so a resume on any number of processes reads on exactly where the run stopped): the
     sources are split off one at a time, source k taking the share p_k = w_k / (w_k + ... + w_last)
     of what the sources before it left, and among the first n samples of a level it takes exactly
-    floor(p_k·n). Every prefix of the stream so holds each source's weight share to within one
-    sample per source: a low-discrepancy interleave (as Megatron's BlendedDataset's greedy one), not
+    floor(p_k·n). Every prefix of the stream so holds source k's weight share to within k + 1
+    samples (k counted from 0): a low-discrepancy interleave (as Megatron's BlendedDataset's greedy one), not
     a random draw whose counts drift. The shares are exact fractions of the weights as written (0.3 is 3/10).
     Inside a source, its j-th sample is item perm(j // len)[j % len]: a fresh permutation per pass
     (epoch), drawn from (seed, source, epoch). `len` is effectively infinite, as generated data's:
