@@ -418,3 +418,22 @@ def test_a_single_token_file_counts_its_epochs_in_rows_and_the_live_line(tmp_pat
     assert {r["step"]: r["epoch"] for r in rows(run_dir)} == {s: s * 12 / 20 for s in range(1, 7)}
     assert "step 6/6  loss" in out and "epoch 3.60" in out
     assert "epoch 1 of the training data begins at step 2" in out
+
+
+def test_a_resume_on_other_files_or_weights_says_so():
+    from trainer.config import to_dict
+    from trainer.data import stream_change
+
+    mix = load(None, ["data.name=tokens", "data.sources=[{path: a.bin, weight: 0.7}, {path: b.bin, weight: 0.3}]"])
+    even = load(None, ["data.name=tokens", "data.sources=[{path: a.bin, weight: 1}, {path: b.bin, weight: 1}]"])
+    single = load(None, ["data.name=tokens", "data.path=a.bin"])
+    assert stream_change(to_dict(mix), mix.data, 5) is None
+    assert stream_change(to_dict(single), single.data, 5) is None
+    assert stream_change(to_dict(load(None, [])), load(None, []).data, 5) is None  # generated data
+    assert stream_change(to_dict(mix), even.data, 5).startswith(
+        "the training data changed since the checkpoint (a.bin x0.7, b.bin x0.3 -> a.bin x1.0, b.bin x1.0): from "
+        "step 5 on the run reads the new data at the same position in its stream"
+    )
+    assert "(a.bin -> a.bin x0.7, b.bin x0.3)" in stream_change(to_dict(single), mix.data, 5)
+    planted = {"data": {"path": "\x1b]0;owned\x07a.bin"}}  # a checkpoint's config is untrusted bytes
+    assert "(]0;owneda.bin -> " in stream_change(planted, mix.data, 5)

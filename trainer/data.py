@@ -328,6 +328,33 @@ def epoch_starts(dataset: Dataset, before: int, after: int) -> list[tuple[str, i
     return starts
 
 
+def stream_change(saved: dict, args: DataArgs, step: int) -> str | None:
+    """The line for a resume whose training files or weights differ from the checkpoint's (`saved`:
+    its config, as to_dict wrote it), or None: the stream goes on at the same position, over the
+    new files, so what each step reads from here is not what the old config would have read."""
+
+    def files(data) -> list:
+        if not isinstance(data, dict):
+            return []
+        sources = data.get("sources") or []
+        if not isinstance(sources, (list, tuple)) or not all(isinstance(s, dict) for s in sources):
+            return ["?"]
+        return [data.get("path")] if data.get("path") else [f"{s.get('path')} x{s.get('weight')}" for s in sources]
+
+    def printable(name) -> str:  # the checkpoint's bytes, never a terminal's escape sequence
+        return "".join(c for c in str(name) if c.isprintable())
+
+    before = [printable(f) for f in files(saved.get("data"))] if isinstance(saved, dict) else []
+    now = files({"path": args.path, "sources": [{"path": s.path, "weight": s.weight} for s in args.sources]})
+    if not before or before == now:
+        return None
+    return (
+        f"the training data changed since the checkpoint ({', '.join(before)} -> {', '.join(now)}): "
+        f"from step {step} on the run reads the new data at the same position in its stream, and counts each "
+        f"file's epochs as if it had been read so from the start"
+    )
+
+
 def build(args: DataArgs, model_args, seed: int, train: bool) -> Dataset:
     """The training (or evaluation) dataset for this config."""
     from trainer.models import transformer_shape

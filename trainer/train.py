@@ -389,6 +389,9 @@ def _resume(cfg: Config, ckpt: checkpoint.Checkpointer, model, scheduler, report
         if change:
             reporter.message(change)
         optim.set_peak_lr(scheduler, cfg.optim, cfg.train.steps)
+        change = data.stream_change(meta.get("config", {}), cfg.data, step)  # other files or weights
+        if change:
+            reporter.message(change)
         reporter.message(
             f"resumed from {meta['path']} at step {step} (saved by {meta['world_size']} processes, loaded in "
             f"{meta['load_time_s']:.2f}s)"
