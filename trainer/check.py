@@ -180,7 +180,9 @@ def validate(
         for key, path in (("data.path", d.path), ("data.eval_path", d.eval_path)):
             if path and os.path.isfile(path):
                 _check_sidecar(key, path, d.token_dtype, vocab_size, fail)
-    if d.name in ("tokens", "imagefolder", "mnist"):
+    if d.sources:  # several token files mixed by weight
+        _check_sources(d, m.seq_len, lambda: resolve(cfg, where).model.vocab_size, fail, elsewhere)
+    elif d.name in ("tokens", "imagefolder", "mnist"):
         if not d.path:
             fail("data.path", f"is not set; data.name={d.name} needs it")
         for key, path in (("data.path", d.path), ("data.eval_path", d.eval_path)):
@@ -316,6 +318,47 @@ def _check_sidecar(key: str, path: str, dtype: str, vocab_size: int, fail) -> No
             f"is {vocab_size} but {what}, vocabulary {info.get('vocab_size')}, largest id "
             f"{info.get('max_id')}; set model.vocab_size={info.get('vocab_size')} or more",
         )
+
+
+def _check_sources(d, seq_len: int, vocab_size, fail, elsewhere) -> None:
+    """data.sources: token files (each one's sidecar agreeing with data.token_dtype and the model's
+    vocabulary `vocab_size()`) with positive weights and distinct names, instead of data.path."""
+    from trainer.config import SOURCE_LABEL
+
+    if d.path:
+        fail("data.sources", f"and data.path ({d.path}) are both set; give the token files in one of them")
+    if d.name != "tokens":
+        fail("data.sources", f"mixes token files: it needs data.name=tokens (it is {d.name})")
+    problem = token_file_problem(d.eval_path, d.token_dtype, seq_len) if d.eval_path else None
+    if problem:  # one evaluation file for the whole mixture (its sidecar is checked with data.path's)
+        (elsewhere if not os.path.exists(d.eval_path) else fail)("data.eval_path", problem)
+    seen: dict[str, int] = {}
+    for i, source in enumerate(d.sources):
+        key = f"data.sources[{i}]"
+        if not source.path:
+            fail(f"{key}.path", "is not set; give the source's token file")
+        if not (math.isfinite(source.weight) and source.weight > 0):
+            fail(f"{key}.weight", f"is {source.weight}; give a positive share (relative to the other sources')")
+        if not SOURCE_LABEL.fullmatch(source.label):
+            fail(
+                f"{key}.name",
+                f"{source.label!r} may hold letters, digits, '_', '.' and '-' only (1 to 64 of them); it names "
+                f"the source in rows (eval_loss/<name>): set data.sources[{i}].name",
+            )
+        if source.label in seen:
+            fail(
+                f"{key}.name",
+                f"{source.label!r} also names data.sources[{seen[source.label]}]; give each source its own name",
+            )
+        seen[source.label] = i
+        if source.eval_path and d.eval_path:
+            fail(f"{key}.eval_path", "and data.eval_path are both set; evaluate on one file or per source")
+        for name, path in (("path", source.path), ("eval_path", source.eval_path)):
+            problem = token_file_problem(path, d.token_dtype, seq_len) if path else None
+            if problem:
+                (elsewhere if not os.path.exists(path) else fail)(f"{key}.{name}", problem)
+            elif path:
+                _check_sidecar(f"{key}.{name}", path, d.token_dtype, vocab_size(), fail)
 
 
 def _floats(section, prefix: str = ""):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import re
 import stat
 import types
 import typing
@@ -60,6 +61,25 @@ class EvalArgs:
 
 
 @dataclass
+class SourceArgs:
+    """One token file of a weighted mixture (data.sources); trainer/data.py's Mixture reads them."""
+
+    path: str | None = None  # the token file (data.token_dtype, as data.path)
+    weight: float = 1.0  # share of the training samples, relative to the other sources' (> 0)
+    eval_path: str | None = None  # this source's evaluation token file: eval rows get eval_loss/<name>
+    name: str | None = None  # in rows and the live line ([A-Za-z0-9_.-]); None: the file name without extension
+
+    @property
+    def label(self) -> str:
+        """The name rows and lines use: `name`, else the file's name without its extension."""
+        return self.name or os.path.splitext(os.path.basename(self.path or ""))[0]
+
+
+# What a source's label may hold: it becomes part of row keys (eval_loss/<label>) and of the live line.
+SOURCE_LABEL = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+@dataclass
 class DataArgs:
     name: Literal["synthetic", "tokens", "mnist", "imagefolder", "synthetic_images"] = "synthetic"
     path: str | None = None  # token file, MNIST root or ImageFolder root (for the training split)
@@ -68,6 +88,9 @@ class DataArgs:
     download: bool = True  # MNIST: download into `path` when the files are not there
     num_workers: int = 0  # DataLoader worker processes per rank
     trace: bool = False  # append each rank's global sample indices to run_dir/trace/ (debugging)
+    # Several token files mixed by weight (data.name=tokens, instead of data.path), e.g.
+    # [{path: a.bin, weight: 0.7}, {path: b.bin, weight: 0.3}]; empty: the single data.path.
+    sources: tuple[SourceArgs, ...] = ()
 
 
 @dataclass
@@ -166,7 +189,8 @@ def resolve(cfg: Config, where: str = "config", world_size: int = 1) -> Config:
         except hf.HFError as e:
             raise ConfigError(f"{where}: model.init_from: {e}") from None
     if cfg.data.name == "tokens" and model.vocab_size is None and not model.init_from:
-        model = dataclasses.replace(model, vocab_size=_sidecar_vocab(cfg.data.path))
+        paths = [cfg.data.path] + [source.path for source in cfg.data.sources]  # a mixture: the largest
+        model = dataclasses.replace(model, vocab_size=max(filter(None, map(_sidecar_vocab, paths)), default=None))
     return dataclasses.replace(cfg, model=resolve_model(model))
 
 
@@ -496,6 +520,10 @@ def _coerce(tp, value, key: str, where: str, sources: dict, default_source: str)
         raise ConfigError(f"{where}: '{key}' is {value!r}; expected {' or '.join(names)}")
     if origin is tuple:
         args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:  # a list of any length (data.sources)
+            if not isinstance(value, (list, tuple)):
+                raise ConfigError(f"{where}: '{key}' is {value!r}; expected a list")
+            return tuple(_coerce(args[0], v, f"{key}[{i}]", where, sources, where) for i, v in enumerate(value))
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise ConfigError(f"{where}: '{key}' is {value!r}; expected a list of {len(args)} values")
         return tuple(_coerce(a, v, key, where, sources, default_source) for a, v in zip(args, value))

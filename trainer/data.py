@@ -3,13 +3,16 @@
 The order of samples is a pure function of (seed, global sample index): sample i of the run is item
 `order(i)` of the dataset, whatever the number of processes. Optimizer step s consumes the global
 indices [s·B, (s+1)·B); rank r takes the r-th contiguous slice of them. So a checkpoint only needs
-the number of samples consumed to resume the exact stream on any number of processes.
+the number of samples consumed to resume the exact stream on any number of processes. Several
+token files mixed by weight (data.sources, Mixture) are one such dataset: its item i is a pure
+function of (seed, i) too, and each source's passes (epochs) are counted from the samples consumed.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from fractions import Fraction
 
 import numpy as np
 import torch
@@ -212,10 +215,152 @@ def image_folder(root: str, size: int, num_classes: int) -> Dataset:
     return dataset
 
 
+# ---------------------------------------------------------------------------------------------------
+# Several token files mixed by weight (data.sources).
+
+
+class Mixture(Dataset):
+    """Token files interleaved by weight: item i is global sample i of the run's stream.
+
+    Which source sample i comes from is a pure function of i, computed for any i without replaying
+    the stream (so a resume on any number of processes reads on exactly where the run stopped): the
+    sources are split off one at a time, source k taking the share p_k = w_k / (w_k + ... + w_last)
+    of what the sources before it left, and among the first n samples of a level it takes exactly
+    floor(p_k·n). Every prefix of the stream so holds source k's weight share to within k + 1
+    samples (k counted from 0): a low-discrepancy interleave (as Megatron's BlendedDataset's greedy one), not
+    a random draw whose counts drift. The shares are exact fractions of the weights as written (0.3 is 3/10).
+    Inside a source, its j-th sample is item perm(j // len)[j % len]: a fresh permutation per pass
+    (epoch), drawn from (seed, source, epoch). `len` is effectively infinite, as generated data's:
+    the sources wrap on their own."""
+
+    def __init__(self, datasets: list[Dataset], weights: list[float], names: list[str], seed: int):
+        self.datasets, self.names, self.seed = datasets, names, seed
+        self.lengths = [len(d) for d in datasets]
+        exact = [Fraction(repr(float(w))) for w in weights]  # 0.3 as 3/10, the decimal given, not the float's binary
+        shares, rest = [], sum(exact)
+        for w in exact:
+            share = w / rest
+            shares.append((share.numerator, share.denominator))
+            rest -= w
+        self.shares = shares  # the last is 1: it takes what the others leave
+        self._perms: dict[int, tuple[int, np.ndarray]] = {}  # source -> (epoch, permutation) last used
+
+    def __len__(self) -> int:
+        return 2**62
+
+    def locate(self, i: int) -> tuple[int, int]:
+        """(source, that source's own sample index) of global sample i."""
+        for k, (num, den) in enumerate(self.shares[:-1]):
+            before = num * i // den  # source k's samples among the level's first i
+            if num * (i + 1) // den > before:
+                return k, before
+            i -= before  # its place among what the later sources share
+        return len(self.shares) - 1, i
+
+    def counts(self, n: int) -> list[int]:
+        """How many of the first n global samples each source gave."""
+        out = []
+        for num, den in self.shares[:-1]:
+            out.append(num * n // den)
+            n -= out[-1]
+        return [*out, n]
+
+    def __getitem__(self, i: int):
+        k, j = self.locate(int(i))
+        epoch, pos = divmod(j, self.lengths[k])
+        cached = self._perms.get(k)
+        if cached is None or cached[0] != epoch:
+            cached = epoch, np.random.default_rng([self.seed, 0x50C, k, epoch]).permutation(self.lengths[k])
+            self._perms[k] = cached
+        return self.datasets[k][int(cached[1][pos])]
+
+
+class EvalSources(dict):
+    """The per-source evaluation sets of a mixture, {source name: dataset}, with the sources' weights
+    (the evaluation's overall eval_loss is their weighted mean)."""
+
+    def __init__(self, sets: dict, weights: dict):
+        super().__init__(sets)
+        self.weights = weights
+
+
+def _mixture(args: DataArgs, model_args, seed: int, train: bool) -> Dataset:
+    """data.sources' training mixture, or its evaluation set: data.eval_path's file, else the
+    sources' own eval_path files (EvalSources), else the mixture itself (its far end: evaluate())."""
+    from trainer.models import transformer_shape
+
+    seq_len, vocab = model_args.seq_len, transformer_shape(model_args).vocab_size
+    if not train and args.eval_path:
+        return TokenFile(args.eval_path, args.token_dtype, seq_len, vocab)
+    if not train and any(s.eval_path for s in args.sources):
+        return EvalSources(
+            {s.label: TokenFile(s.eval_path, args.token_dtype, seq_len, vocab) for s in args.sources if s.eval_path},
+            {s.label: s.weight for s in args.sources if s.eval_path},
+        )
+    files = [TokenFile(s.path, args.token_dtype, seq_len, vocab) for s in args.sources]
+    return Mixture(files, [s.weight for s in args.sources], [s.label for s in args.sources], seed)
+
+
+def passes(dataset: Dataset, samples: int) -> dict[str, tuple[int, int]]:
+    """{source name: (samples it gave, its length)} after the first `samples` of the stream, for each
+    finite source; a single dataset's name is "". Generated (endless) data has none."""
+    if isinstance(dataset, Mixture):
+        return {n: (c, length) for n, c, length in zip(dataset.names, dataset.counts(samples), dataset.lengths)}
+    if len(dataset) >= 2**62:
+        return {}
+    return {"": (samples, len(dataset))}
+
+
+def epochs(dataset: Dataset, samples: int) -> dict[str, float]:
+    """The passes made over each source after `samples`, as a training row's fields: `epoch` for a
+    single dataset, `epoch/<name>` for each source of a mixture."""
+    return {("epoch/" + n if n else "epoch"): taken / length for n, (taken, length) in passes(dataset, samples).items()}
+
+
+def epoch_starts(dataset: Dataset, before: int, after: int) -> list[tuple[str, int]]:
+    """(source name, epoch) for each epoch (counted from 0) after the first that a source starts
+    among global samples [before, after): its sample epoch x len is read there."""
+    starts = []
+    then = passes(dataset, before)
+    for name, (taken, length) in passes(dataset, after).items():
+        first = max(1, -(-then[name][0] // length))  # the first epoch whose start is not behind us
+        starts += [(name, e) for e in range(first, (taken - 1) // length + 1)]
+    return starts
+
+
+def stream_change(saved: dict, args: DataArgs, step: int) -> str | None:
+    """The line for a resume whose training files or weights differ from the checkpoint's (`saved`:
+    its config, as to_dict wrote it), or None: the stream goes on at the same position, over the
+    new files, so what each step reads from here is not what the old config would have read."""
+
+    def files(data) -> list:
+        if not isinstance(data, dict):
+            return []
+        sources = data.get("sources") or []
+        if not isinstance(sources, (list, tuple)) or not all(isinstance(s, dict) for s in sources):
+            return ["?"]
+        return [data.get("path")] if data.get("path") else [f"{s.get('path')} x{s.get('weight')}" for s in sources]
+
+    def printable(name) -> str:  # the checkpoint's bytes, never a terminal's escape sequence
+        return "".join(c for c in str(name) if c.isprintable())
+
+    before = [printable(f) for f in files(saved.get("data"))] if isinstance(saved, dict) else []
+    now = files({"path": args.path, "sources": [{"path": s.path, "weight": s.weight} for s in args.sources]})
+    if not before or before == now:
+        return None
+    return (
+        f"the training data changed since the checkpoint ({', '.join(before)} -> {', '.join(now)}): "
+        f"from step {step} on the run reads the new data at the same position in its stream, and counts each "
+        f"file's epochs as if it had been read so from the start"
+    )
+
+
 def build(args: DataArgs, model_args, seed: int, train: bool) -> Dataset:
     """The training (or evaluation) dataset for this config."""
     from trainer.models import transformer_shape
 
+    if args.sources:
+        return _mixture(args, model_args, seed, train)
     path = args.path if train else (args.eval_path or args.path)
     if args.name == "synthetic":
         vocab = transformer_shape(model_args).vocab_size

@@ -7,7 +7,8 @@ changed by the overrides given (eval.*, data.* and parallel.* keys only: the mod
 checkpoint's). The numbers are trainer.train.evaluate's, on the same evaluation samples: the
 training loop's evaluation at that step gives the same eval_loss. The result is one JSON line on
 stdout, `{"step", "eval_loss", "eval_accuracy" (classifiers), "eval_batches", "time" (unix seconds),
-"source": "trainer.evaluate"}`, also appended to RUN_DIR/metrics.jsonl as an evaluation row.
+"source": "trainer.evaluate"}` (with data.sources' own eval_path files, `eval_loss/<source>` each and
+eval_loss their weighted mean), also appended to RUN_DIR/metrics.jsonl as an evaluation row.
 
 One process is enough whatever number of processes trained; under torchrun each rank reads the
 whole model and the ranks share the batches, as in training. (With train.micro_batch_size set, the
@@ -63,6 +64,20 @@ def append_row(run_dir: str, row: dict) -> None:
         f.buffer.write(line)  # one write, as the trainer's own rows
 
 
+def evaluate_sources(model, cfg, env, eval_set, compute_dtype) -> dict:
+    """trainer.train.evaluate's numbers for `eval_set`; for a mixture's per-source evaluation files
+    (data.EvalSources: data.sources[i].eval_path) each source's as eval_loss/<source> (and
+    eval_accuracy/<source>), and eval_loss their mean weighted by the sources' weights."""
+    from trainer.train import evaluate
+
+    if not isinstance(eval_set, data.EvalSources):
+        return evaluate(model, cfg, env, eval_set, compute_dtype)
+    results = {name: evaluate(model, cfg, env, dataset, compute_dtype) for name, dataset in eval_set.items()}
+    weights = eval_set.weights
+    mean = sum(weights[name] * r["eval_loss"] for name, r in results.items()) / sum(weights.values())
+    return {"eval_loss": mean, **{f"{k}/{name}": v for name, r in results.items() for k, v in r.items()}}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.evaluate", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir")
@@ -83,15 +98,13 @@ def main(argv: list[str] | None = None) -> int:
         if env.is_main:
             print(f"error: {e}", file=sys.stderr)
         return 2
-    from trainer.train import evaluate
-
     try:
         env = distributed.init(timeout_s=cfg.parallel.timeout_s)
         model = models.build(cfg.model)
         model.load_state_dict(state)
         del state
         model = parallel.apply(model, cfg.parallel, env, models.spec(cfg.model).blocks)  # its mixed precision
-        result = evaluate(model, cfg, env, eval_set, parallel.autocast_dtype(model, cfg.parallel))
+        result = evaluate_sources(model, cfg, env, eval_set, parallel.autocast_dtype(model, cfg.parallel))
     finally:
         distributed.shutdown()
     if env.is_main:

@@ -3,7 +3,11 @@
 Every row has `time` (Unix seconds). Training rows have `loss`; evaluation rows `eval_loss`; event
 rows `event`: "resume" (this start continues from a checkpoint: its `step`, `world_size` and
 `checkpoint`, and `start`: the moments of this start, below) and "restart" (the launcher restarted the
-ranks after one failed: trainer/launch.py; its `time` is when the launcher saw the failure).
+ranks after one failed: trainer/launch.py; its `time` is when the launcher saw the failure) and
+"epoch" (a pass over the training data begins: `epoch`, counted from 0, at `step`, the step that
+reads its first sample; with data.sources, `source` names whose pass it is). Training rows over
+data that ends (a token file, images) carry `epoch`, the passes made so far (`epoch/<source>` each
+for data.sources), as the live line shows them.
 A start keeps each step's row once: rows of steps after the one it starts from, logged by an
 earlier start that did not save them, move to metrics.superseded.jsonl. A line that is not such a
 row (not a JSON object with an integer `step` and a numeric `time` if any: a line cut short by a kill, or
@@ -251,6 +255,22 @@ class Reporter:
         else:
             log.info(text)
 
+    def epochs(self, step: int, starts: list[tuple[str, int]]) -> None:
+        """An epoch row and a line for each (source, epoch) that begins at `step` (trainer.data's
+        epoch_starts; source "" for a single dataset). Not handed to the trackers: the training
+        rows' `epoch` is their curve."""
+        if not self.is_main:
+            return
+        for source, epoch in starts:
+            row = {"event": "epoch", **({"source": source} if source else {}), "epoch": epoch, "step": step}
+            with files.open_append(self.path) as f:
+                f.write(_line(timed(row)))
+            whose = f"source {source}" if source else "the training data"
+            self.message(
+                f"epoch {epoch} of {whose} begins at step {step}: its samples come again from here (the training "
+                f"loss may fall faster; the eval loss tells whether it generalises)"
+            )
+
     def message(self, text: str) -> None:
         """A log line (rank 0) that does not garble the live progress line."""
         if not self.is_main:
@@ -298,8 +318,15 @@ MFU_SHOWN_FROM = 0.001
 
 
 def progress_line(values: dict, total_steps: int, eta: float) -> str:
-    """The live line of a logged step: step, loss, throughput, MFU where it means something, eta."""
-    text = f"step {values['step']}/{total_steps}  loss {values['loss']:.4f}  {values['samples_per_s']:.1f} samples/s"
+    """The live line of a logged step: step, loss, the epoch (passes over data that ends, each
+    source's for a mixture), throughput, MFU where it means something, eta."""
+    text = f"step {values['step']}/{total_steps}  loss {values['loss']:.4f}"
+    if "epoch" in values:
+        text += f"  epoch {values['epoch']:.2f}"
+    passes = [f"{k[len('epoch/') :]} {v:.2f}" for k, v in values.items() if k.startswith("epoch/")]
+    if passes:
+        text += "  epoch " + " ".join(passes)
+    text += f"  {values['samples_per_s']:.1f} samples/s"
     if "tokens_per_s" in values:
         text += f"  {values['tokens_per_s']:.0f} tok/s"
     if values.get("mfu", 0.0) >= MFU_SHOWN_FROM:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from trainer import checkpoint, data, files, hangs, health, hf, layout, models, optim, parallel, signals, torch_compat
 from trainer import dist as distributed
 from trainer.config import Config, dump, to_dict
+from trainer.evaluate import evaluate_sources
 from trainer.lease import Lease, LeaseError, LeaseLost
 from trainer.metrics import Reporter, Speed, peak_flops, start_times, timed
 
@@ -293,6 +294,7 @@ def _train(
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step, samples = step + 1, samples + B
+        reporter.epochs(step, data.epoch_starts(train_set, samples - B, samples))  # a source's pass begins: a row
         window_steps += 1
         bad = ~torch.isfinite(loss_sum)
         if grad_norm is not None and not scaler:  # with fp16 loss scaling, inf gradients are routine: skipped
@@ -309,7 +311,7 @@ def _train(
             if diverged:
                 _raise_diverged(first_bad, ckpt)
             stopping = stops > 0
-            values = {"loss": loss_total / env.world_size, "lr": lr}
+            values = {"loss": loss_total / env.world_size, "lr": lr, **data.epochs(train_set, samples)}
             if grad_norm is not None:
                 values["grad_norm"] = _full(grad_norm).item()
             if scaler:
@@ -321,7 +323,7 @@ def _train(
         if eval_set is not None and step % cfg.eval.interval == 0:
             parallel.average_batchnorm_stats(model)  # the same statistics on every rank
             watchdog.allow(cfg.parallel.timeout_s)  # the evaluation is not a step: its own allowance
-            result = evaluate(model, cfg, env, eval_set, compute_dtype)
+            result = evaluate_sources(model, cfg, env, eval_set, compute_dtype)  # eval_loss/<source> with data.sources
             reporter.message(f"eval at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
             reporter.write(timed({"step": step, **result}))
             stopping = None  # a signal may have come during the evaluation: ask again
@@ -387,6 +389,9 @@ def _resume(cfg: Config, ckpt: checkpoint.Checkpointer, model, scheduler, report
         if change:
             reporter.message(change)
         optim.set_peak_lr(scheduler, cfg.optim, cfg.train.steps)
+        change = data.stream_change(meta.get("config", {}), cfg.data, step)  # other files or weights
+        if change:
+            reporter.message(change)
         reporter.message(
             f"resumed from {meta['path']} at step {step} (saved by {meta['world_size']} processes, loaded in "
             f"{meta['load_time_s']:.2f}s)"

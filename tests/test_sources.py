@@ -1,0 +1,439 @@
+"""Several token files mixed by weight (data.sources): the mixture's proportions, one global sample
+stream whatever the number of processes, exact resume on another number of processes, each source's
+epochs counted in rows and the live line, per-source evaluation rows, and a clear refusal for each
+bad config."""
+
+import json
+import os
+import signal
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import PYTHON, ROOT, TINY, assert_same_losses, env, losses, rows, start, train, wait_for
+from trainer import check, checkpoint, metrics
+from trainer.config import load
+from trainer.data import Indexed, Mixture, RankSlice, build, epoch_starts, epochs, passes
+
+SEQ = 32  # model.seq_len of TINY
+
+
+class Numbered(torch.utils.data.Dataset):
+    """A finite dataset whose item j says where it comes from: (source, j)."""
+
+    def __init__(self, source: int, length: int):
+        self.source, self.length = source, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, j: int):
+        return self.source, int(j)
+
+
+def mixture(weights, lengths, seed: int = 0) -> Mixture:
+    return Mixture(
+        [Numbered(k, n) for k, n in enumerate(lengths)], weights, [f"s{k}" for k in range(len(lengths))], seed
+    )
+
+
+# -- the stream, as pure functions ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("weights", [[0.7, 0.3], [0.5, 0.3, 0.2], [3.0, 1.0, 1e-3, 2.5]])
+def test_every_prefix_holds_the_weights_to_within_as_many_samples_as_sources(weights):
+    m = mixture(weights, [97, 13, 5, 41][: len(weights)])
+    total = sum(weights)
+    seen = [0] * len(weights)
+    for n in range(1, 20_001):  # the items themselves, counted one by one
+        seen[m[n - 1][0]] += 1
+        if n % 997 == 0 or n == 20_000:
+            assert seen == m.counts(n)
+            for k, w in enumerate(weights):
+                assert abs(seen[k] - w / total * n) <= len(weights), (n, k, seen)
+    # and far into the stream, computed without replaying it
+    n = 10**15 + 12345
+    for k, (c, w) in enumerate(zip(m.counts(n), weights)):
+        assert abs(c - w / total * n) <= len(weights), k
+
+
+def test_decimal_weights_are_exact():
+    """0.3 and 0.2 are not binary fractions; their shares must still be exact: 20, 12, 8 of 40."""
+    assert mixture([0.5, 0.3, 0.2], [7, 5, 3]).counts(40) == [20, 12, 8]
+    assert mixture([0.5, 0.3, 0.2], [7, 5, 3]).counts(10**6) == [500_000, 300_000, 200_000]
+
+
+def test_each_pass_over_a_source_reads_each_of_its_samples_once_in_a_new_order():
+    m = mixture([0.7, 0.3], [50, 20], seed=3)
+    by_source: dict[int, list[int]] = {0: [], 1: []}
+    for i in range(1000):
+        k, j = m[i]
+        by_source[k].append(j)
+    assert len(by_source[1]) >= 5 * 20
+    passes_of_1 = [by_source[1][e * 20 : (e + 1) * 20] for e in range(5)]
+    assert all(sorted(p) == list(range(20)) for p in passes_of_1)
+    assert len({tuple(p) for p in passes_of_1}) == 5  # a fresh permutation per epoch
+
+
+def test_the_stream_is_a_function_of_the_seed_and_the_index():
+    a, b = mixture([0.7, 0.3], [50, 20], seed=1), mixture([0.7, 0.3], [50, 20], seed=1)
+    indices = [*range(300), 10**12, 2**61 + 5, 7, 3]  # any order: nothing depends on what was read before
+    assert [a[i] for i in indices] == [b[i] for i in reversed(indices)][::-1]
+    other = mixture([0.7, 0.3], [50, 20], seed=2)
+    assert [a[i][0] for i in range(300)] == [other[i][0] for i in range(300)]  # the interleave is the weights'
+    assert [a[i] for i in range(300)] != [other[i] for i in range(300)]  # the order inside a source, the seed's
+
+
+def stream(world_size: int, start: int, steps: int, global_batch: int = 12) -> list[list]:
+    """Each step's samples, over all ranks in rank order, as the training loop's loader cuts them."""
+    m = Indexed(mixture([0.7, 0.3], [50, 20], seed=5), seed=5)
+    per_rank = [iter(RankSlice(start, global_batch, r, world_size)) for r in range(world_size)]
+    out = []
+    for _ in range(steps):
+        out.append([m[next(it)][:2] for it in per_rank for _ in range(global_batch // world_size)])
+    return out
+
+
+def test_the_stream_is_the_same_on_1_2_and_3_ranks_and_from_any_step():
+    one = stream(1, 0, 20)
+    assert stream(2, 0, 20) == one
+    assert stream(3, 0, 20) == one
+    for resume_at in (1, 7, 13):
+        assert stream(3, resume_at * 12, 20 - resume_at) == one[resume_at:]
+        assert stream(2, resume_at * 12, 20 - resume_at) == one[resume_at:]
+
+
+def test_epoch_starts_each_once_whatever_the_steps():
+    m = mixture([0.7, 0.3], [50, 20])
+    B = 12
+    starts = [(s, *e) for s in range(1, 41) for e in epoch_starts(m, (s - 1) * B, s * B)]
+    names = [(name, e) for _, name, e in starts]
+    assert len(names) == len(set(names))
+    assert {e for _, name, e in starts if name == "s0"} == set(range(1, int(40 * B * 0.7) // 50 + 1))
+    for s, name, e in starts:  # the step that reads the epoch's first sample
+        taken = passes(m, s * B)[name][0]
+        before = passes(m, (s - 1) * B)[name][0]
+        length = passes(m, 0)[name][1]
+        assert before <= e * length < taken
+    # one call over many steps finds the same starts (a step bigger than a source's pass, too)
+    assert sorted(epoch_starts(m, 0, 40 * B)) == sorted(names)
+    assert epochs(m, 100) == {"epoch/s0": 70 / 50, "epoch/s1": 30 / 20}
+
+
+def test_a_single_dataset_counts_its_epochs_and_generated_data_none():
+    single = Numbered(0, 30)
+    assert epochs(single, 45) == {"epoch": 1.5}
+    assert epoch_starts(single, 24, 36) == [("", 1)]
+    assert epoch_starts(single, 0, 24) == []
+    assert epochs(Numbered(0, 2**62), 10**6) == {}
+
+
+def test_the_live_line_shows_the_epoch():
+    row = {"step": 3, "loss": 2.0, "samples_per_s": 10.0}
+    assert "loss 2.0000  epoch 1.25  10.0 samples/s" in metrics.progress_line({**row, "epoch": 1.25}, 9, 1.0)
+    line = metrics.progress_line({**row, "epoch/web": 0.5, "epoch/code": 2.0}, 9, 1.0)
+    assert "loss 2.0000  epoch web 0.50 code 2.00  10.0 samples/s" in line
+    assert "epoch" not in metrics.progress_line(row, 9, 1.0)
+
+
+# -- token files and the config ---------------------------------------------------------------------
+
+
+def token_file(path, tokens: int, seed: int, sidecar: dict | None = None):
+    np.random.default_rng(seed).integers(0, 256, tokens).astype(np.uint16).tofile(path)
+    if sidecar is not None:
+        sidecar = {
+            "tokenizer": "t.json",
+            "vocab_size": 256,
+            "dtype": "uint16",
+            "tokens": tokens,
+            "max_id": 255,
+            **sidecar,
+        }
+        (path.parent / (path.name + ".json")).write_text(json.dumps(sidecar))
+    return path
+
+
+@pytest.fixture
+def files(tmp_path):
+    """Two training files of 40 and 20 windows of SEQ tokens, and an evaluation file for each."""
+    d = tmp_path / "data"
+    d.mkdir()
+    return {
+        "web": token_file(d / "web.bin", 40 * SEQ + 1, 1, sidecar={}),
+        "code": token_file(d / "code.bin", 20 * SEQ + 1, 2),
+        "web_eval": token_file(d / "web_eval.bin", 8 * SEQ + 1, 3),
+        "code_eval": token_file(d / "code_eval.bin", 8 * SEQ + 1, 4),
+    }
+
+
+def sources(files, eval_paths: bool = True) -> str:
+    evals = [f", eval_path: {files['web_eval']}", f", eval_path: {files['code_eval']}"] if eval_paths else ["", ""]
+    return (
+        f"data.sources=[{{path: {files['web']}, weight: 0.7{evals[0]}}}, "
+        f"{{path: {files['code']}, weight: 0.3{evals[1]}}}]"
+    )
+
+
+MIX = ["data.name=tokens", "model.vocab_size=256", f"model.seq_len={SEQ}"]
+
+
+def test_build_reads_the_files_through_the_mixture(files):
+    cfg = load(None, [*MIX, sources(files)])
+    train_set = build(cfg.data, cfg.model, 0, train=True)
+    assert train_set.names == ["web", "code"] and train_set.lengths == [40, 20]
+    k, j = train_set.locate(5)
+    x, y = train_set[5]
+    window = int(train_set._perms[k][1][j % train_set.lengths[k]])
+    raw = np.fromfile(files[["web", "code"][k]], dtype=np.uint16)[window * SEQ : window * SEQ + SEQ + 1]
+    assert torch.equal(x, torch.from_numpy(raw[:-1].astype(np.int64)))
+    assert torch.equal(y, torch.from_numpy(raw[1:].astype(np.int64)))
+    eval_sets = build(cfg.data, cfg.model, 0, train=False)
+    assert dict(eval_sets.weights) == {"web": 0.7, "code": 0.3} and sorted(eval_sets) == ["code", "web"]
+
+
+def refused(capsys, run_dir, *argv: str) -> str:
+    """The one error line of `python -m trainer.check`; fails unless it exits 2 and wrote nothing."""
+    code = check.main(["--config", str(ROOT / "configs/default.yaml"), f"run_dir={run_dir}", *argv])
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert code == 2, out + err
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert not os.path.exists(run_dir), "the check wrote into the run dir"
+    return lines[0]
+
+
+def test_a_good_mixture_is_accepted(capsys, tmp_path, files):
+    code = check.main(["--config", str(ROOT / "configs/default.yaml"), f"run_dir={tmp_path}/run", *MIX, sources(files)])
+    assert code == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("data.path={web}", "data.sources: and data.path ({web}) are both set; give the token files in one of them"),
+        ("data.name=synthetic", "data.sources: mixes token files: it needs data.name=tokens (it is synthetic)"),
+        (
+            "data.eval_path={web_eval}",
+            "data.sources[0].eval_path: and data.eval_path are both set; evaluate on one file or per source",
+        ),
+    ],
+)
+def test_refusals_of_the_data_section(capsys, tmp_path, files, override, message):
+    given = f"override '{sources(files)}'"
+    line = refused(capsys, tmp_path / "run", *MIX, sources(files), override.format(**files))
+    assert line == f"error: {given}: {message.format(**files)}"
+
+
+@pytest.mark.parametrize(
+    "source, message",
+    [
+        ("{{weight: 1}}", "data.sources[1].path: is not set; give the source's token file"),
+        (
+            "{{path: {code}, weight: 0}}",
+            "data.sources[1].weight: is 0.0; give a positive share (relative to the other sources')",
+        ),
+        (
+            "{{path: {code}, weight: -2}}",
+            "data.sources[1].weight: is -2.0; give a positive share (relative to the other sources')",
+        ),
+        (
+            "{{path: {code}, weight: .nan}}",
+            "data.sources[1].weight: is nan; give a positive share (relative to the other sources')",
+        ),
+        (
+            "{{path: {code}, name: web}}",
+            "data.sources[1].name: 'web' also names data.sources[0]; give each source its own name",
+        ),
+        (
+            "{{path: {code}, name: 'a b'}}",
+            "data.sources[1].name: 'a b' may hold letters, digits, '_', '.' and '-' only (1 to 64 of them); it names "
+            "the source in rows (eval_loss/<name>): set data.sources[1].name",
+        ),
+        (
+            "{{path: {missing}}}",
+            "data.sources[1].path: token file {missing} does not exist; point it at a flat uint16 token file",
+        ),
+        (
+            "{{path: {short}}}",
+            "data.sources[1].path: token file {short} holds 10 tokens, fewer than model.seq_len+1 = 33; lower "
+            "model.seq_len or give a longer file",
+        ),
+        (
+            "{{path: {code}, eval_path: {odd}}}",
+            "data.sources[1].eval_path: token file {odd} has 5 bytes, not a whole number of 2-byte uint16 tokens; "
+            "check data.token_dtype, or whether the file was cut short",
+        ),
+        (
+            "{{path: {wide}}}",
+            "{config}: data.token_dtype: is uint16 but {wide} was tokenized with t.json ({wide}.json) as uint32; set "
+            "data.token_dtype=uint32",
+        ),
+        (
+            "{{path: {big}}}",
+            "override 'model.vocab_size=256': model.vocab_size: is 256 but {big} was tokenized with t.json "
+            "({big}.json), vocabulary 1000, largest id 999; set model.vocab_size=1000 or more",
+        ),
+    ],
+)
+def test_refusals_of_a_source(capsys, tmp_path, files, source, message):
+    d = files["web"].parent
+    paths = {
+        **files,
+        "missing": d / "missing.bin",
+        "short": token_file(d / "short.bin", 10, 5),
+        "odd": d / "odd.bin",
+        "wide": token_file(d / "wide.bin", 100, 6, sidecar={"dtype": "uint32"}),
+        "big": token_file(d / "big.bin", 100, 7, sidecar={"vocab_size": 1000, "max_id": 999}),
+    }
+    paths["odd"].write_bytes(b"\x01" * 5)
+    override = f"data.sources=[{{path: {files['web']}}}, {source.format(**paths)}]"
+    line = refused(capsys, tmp_path / "run", *MIX, override)
+    # a sidecar's dtype or vocabulary is blamed on the key to change, where that was given
+    given = "" if message.startswith(("{config}", "override")) else f"override {override!r}: "
+    assert line == f"error: {given}{message.format(**paths, config=ROOT / 'configs/default.yaml')}"
+
+
+def test_the_trainer_refuses_before_writing_anything(tmp_path, files):
+    run_dir = tmp_path / "run"
+    bad = f"data.sources=[{{path: {files['web']}, weight: 0}}]"
+    proc = subprocess.run(
+        [PYTHON, "-m", "trainer", "--config", str(ROOT / "configs/default.yaml"), f"run_dir={run_dir}", *MIX, bad],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "data.sources[0].weight: is 0.0; give a positive share" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not run_dir.exists()
+
+
+# -- real runs (gloo, CPU) --------------------------------------------------------------------------
+
+
+def all_rows(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def epoch_rows(run_dir) -> list[tuple]:
+    return [(r["source"], r["epoch"], r["step"]) for r in all_rows(run_dir) if r.get("event") == "epoch"]
+
+
+def trace(run_dir) -> dict[int, list[int]]:
+    """Global sample indices consumed per step, over all ranks (a step redone keeps its last run)."""
+    by_step: dict[int, dict[int, list[int]]] = {}
+    for name in sorted(os.listdir(run_dir / "trace")):
+        for line in (run_dir / "trace" / name).read_text().splitlines():
+            step, *indices = map(int, line.split())
+            by_step.setdefault(step, {})[int(name[5:10])] = indices
+    return {step: sorted(i for r in ranks.values() for i in r) for step, ranks in by_step.items()}
+
+
+@pytest.mark.slow
+def test_a_mixture_stopped_on_2_processes_resumes_on_3_as_if_never_stopped(tmp_path, files):
+    """The uninterrupted 2-process run and one stopped by a signal, then resumed on 3 processes in the
+    same run dir: the same losses, samples and epoch rows (each once), and per-source eval rows."""
+    overrides = [
+        *TINY,
+        *MIX,
+        sources(files),
+        "train.steps=30",
+        "eval.interval=10",
+        "eval.batches=1",
+        "data.trace=true",
+    ]
+    reference = tmp_path / "reference"
+    train(reference, 2, *overrides)
+    expected = epoch_rows(reference)
+    # 30 steps x 12 samples: web (0.7, 40 windows) begins epochs 1..6, code (0.3, 20 windows) 1..5
+    assert sorted((s, e) for s, e, _ in expected) == [
+        *(("code", e) for e in range(1, 6)),
+        *(("web", e) for e in range(1, 7)),
+    ]
+    m = mixture([0.7, 0.3], [40, 20])
+    for source, e, step in expected:  # at the step that reads the epoch's first sample
+        k = ["web", "code"].index(source)
+        assert m.counts((step - 1) * 12)[k] <= e * [40, 20][k] < m.counts(step * 12)[k]
+    evals = [r for r in all_rows(reference) if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [10, 20, 30]
+    for r in evals:
+        assert r["eval_loss"] == pytest.approx(0.7 * r["eval_loss/web"] + 0.3 * r["eval_loss/code"], rel=1e-6)
+    last = rows(reference)[-1]
+    assert last["epoch/web"] == pytest.approx(m.counts(360)[0] / 40) and last["epoch/code"] == pytest.approx(
+        m.counts(360)[1] / 20
+    )
+
+    run_dir = tmp_path / "run"
+    job = start(run_dir, 2, *overrides)
+    wait_for(lambda: len(rows(run_dir)) >= 5, what="5 logged steps")
+    os.kill(job.pid, signal.SIGTERM)  # to torchrun, as Slurm or docker stop; it forwards it
+    out = job.communicate(timeout=120)[0]
+    assert "stopped by signal after step" in out, out[-3000:]
+    stopped_at = checkpoint.latest_step(str(run_dir))
+    assert stopped_at is not None and 5 <= stopped_at < 30
+
+    out = train(run_dir, 3, *overrides).stdout
+    assert f"at step {stopped_at}" in out
+    assert_same_losses(losses(run_dir), losses(reference))
+    assert trace(run_dir) == trace(reference)
+    assert epoch_rows(run_dir) == expected  # each once, although the run stopped and resumed
+    got = {r["step"]: r for r in all_rows(run_dir) if "eval_loss" in r}
+    for r in evals:
+        for key in ("eval_loss", "eval_loss/web", "eval_loss/code"):
+            assert got[r["step"]][key] == pytest.approx(r[key], rel=1e-5), (r["step"], key)
+
+    # trainer.evaluate gives the training loop's per-source numbers for the last checkpoint
+    proc = subprocess.run(
+        [PYTHON, "-m", "trainer.evaluate", str(reference)],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert row["step"] == 30
+    for key in ("eval_loss", "eval_loss/web", "eval_loss/code"):
+        assert row[key] == pytest.approx(evals[-1][key], rel=1e-5), key
+
+
+@pytest.mark.slow
+def test_a_single_token_file_counts_its_epochs_in_rows_and_the_live_line(tmp_path, files):
+    """One file (no data.sources): epoch rows without `source`, each once, at the step that reads the
+    pass's first sample; training rows and the live line carry the passes made."""
+    run_dir = tmp_path / "run"
+    out = train(run_dir, 1, *TINY, *MIX, f"data.path={files['code']}", "train.steps=6").stdout
+    # 20 windows, 12 samples a step: passes begin at samples 20, 40, 60 (steps 2, 4, 6)
+    assert [(r.get("source"), r["epoch"], r["step"]) for r in all_rows(run_dir) if r.get("event") == "epoch"] == [
+        (None, 1, 2),
+        (None, 2, 4),
+        (None, 3, 6),
+    ]
+    assert {r["step"]: r["epoch"] for r in rows(run_dir)} == {s: s * 12 / 20 for s in range(1, 7)}
+    assert "step 6/6  loss" in out and "epoch 3.60" in out
+    assert "epoch 1 of the training data begins at step 2" in out
+
+
+def test_a_resume_on_other_files_or_weights_says_so():
+    from trainer.config import to_dict
+    from trainer.data import stream_change
+
+    mix = load(None, ["data.name=tokens", "data.sources=[{path: a.bin, weight: 0.7}, {path: b.bin, weight: 0.3}]"])
+    even = load(None, ["data.name=tokens", "data.sources=[{path: a.bin, weight: 1}, {path: b.bin, weight: 1}]"])
+    single = load(None, ["data.name=tokens", "data.path=a.bin"])
+    assert stream_change(to_dict(mix), mix.data, 5) is None
+    assert stream_change(to_dict(single), single.data, 5) is None
+    assert stream_change(to_dict(load(None, [])), load(None, []).data, 5) is None  # generated data
+    assert stream_change(to_dict(mix), even.data, 5).startswith(
+        "the training data changed since the checkpoint (a.bin x0.7, b.bin x0.3 -> a.bin x1.0, b.bin x1.0): from "
+        "step 5 on the run reads the new data at the same position in its stream"
+    )
+    assert "(a.bin -> a.bin x0.7, b.bin x0.3)" in stream_change(to_dict(single), mix.data, 5)
+    planted = {"data": {"path": "\x1b]0;owned\x07a.bin"}}  # a checkpoint's config is untrusted bytes
+    assert "(]0;owneda.bin -> " in stream_change(planted, mix.data, 5)
