@@ -151,17 +151,17 @@ def resolve(cfg: Config, where: str = "config", world_size: int = 1) -> Config:
     """The config as the run records it: the global batch of `world_size` processes, and the
     transformer's shape spelled out, from model.init_from's config.json (keys the config sets
     must agree with it) or else from model.size."""
-    from trainer.models import find as find_family  # the families, torch with them
+    from trainer.models import family_of  # the families, torch with them
     from trainer.models import resolve as resolve_model
 
     cfg = resolve_batch(cfg, world_size)
     model = cfg.model
-    family = find_family(model.name)
-    if model.init_from and family is not None and family.hf_args is not None:
+    family = family_of(model)
+    if model.init_from and family is not None and family.hf is not None:
         from trainer import hf
 
         try:
-            model = family.hf_args(model.init_from, model)
+            model = hf.model_args(model.init_from, model)
             hf.weight_files(model.init_from)  # the index and the weights' headers, read before anything starts
         except hf.HFError as e:
             raise ConfigError(f"{where}: model.init_from: {e}") from None

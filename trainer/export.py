@@ -238,17 +238,20 @@ def main(argv: list[str] | None = None) -> int:
         state, path = consolidate(args.run_dir, args.step)
         if args.format == "hf":
             cfg = _config(args.run_dir, path)
-            hf_save = models.spec(cfg.model).hf_save
-            if hf_save is None:
+            if models.spec(cfg.model).hf is None:
                 raise ConfigError(
-                    f"{path} holds a {cfg.model.name}; --format hf exports the transformer (a Llama) only"
+                    f"{path} holds a {cfg.model.name}; --format hf exports the transformer (a Llama, "
+                    f"Mistral, Qwen2 or Qwen3) and families with a Hugging Face adapter only"
                 )
             try:
                 max_bytes = hf.parse_size(args.max_shard_size)
             except ValueError as e:
                 raise ConfigError(f"--max-shard-size: {e}") from None
             tokenizer = tokenizer_files(cfg, args.out)  # checked before anything is written
-            written = hf_save(state, cfg.model, args.out, max_bytes, getattr(torch, args.dtype))
+            try:
+                written = hf.save(state, cfg.model, args.out, max_bytes, getattr(torch, args.dtype))
+            except hf.HFError as e:
+                raise ConfigError(str(e)) from None
             for name, data in tokenizer:  # the bytes checked, never a copy of a path
                 files.write_bytes(os.path.join(args.out, name), data)
             written += [name for name, _ in tokenizer if name not in written]

@@ -1,5 +1,7 @@
 """The transformer family's spec: a decoder-only LM (pre-norm blocks with RMSNorm, rotary embeddings,
-grouped-query attention, SwiGLU), Hugging Face's Llama under other names (trainer/hf.py maps them).
+grouped-query attention, SwiGLU), Hugging Face's Llama under other names, with the options of the
+Llama-shaped architectures (Qwen2's q/k/v biases, Qwen3's q/k norms and head size): its Hugging
+Face adapter is transformer_hf.py.
 
 Its shapes, sizes, config checks and `FAMILY`; the network itself is transformer_net.py, imported
 when a model is built. This module imports no torch: the config and its checks read it.
@@ -11,11 +13,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from trainer.models import transformer_hf
 from trainer.models.family import Family
 
 if TYPE_CHECKING:
-    import torch
-
     from trainer.models import ModelArgs
     from trainer.models.transformer_net import Transformer
 
@@ -45,6 +46,9 @@ class TransformerShape:
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
     tie_embeddings: bool = False
+    head_dim: int | None = None  # None: dim // n_heads
+    qkv_bias: bool = False
+    qk_norm: bool = False
 
 
 # The ModelArgs keys that make up a TransformerShape.
@@ -93,6 +97,8 @@ def check(args: ModelArgs, data, fail, resolved) -> None:
         fail("model.size", f"is {args.size!r}; choose one of {', '.join(TRANSFORMER_SIZES)}")
     if args.vocab_size is not None and args.vocab_size < 2:
         fail("model.vocab_size", f"is {args.vocab_size}; it must be at least 2")
+    if args.hf_type is not None and args.hf_type not in transformer_hf.ARCHITECTURES:
+        fail("model.hf_type", f"is {args.hf_type!r}; choose one of {', '.join(transformer_hf.ARCHITECTURES)}")
     if data.name not in ("synthetic", "tokens"):
         fail("data.name", f"is {data.name!r} but the transformer needs token data; use synthetic or tokens")
     _check_shape(resolved(), fail)
@@ -103,7 +109,10 @@ def _check_shape(m: ModelArgs, fail) -> None:
     for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
         if getattr(m, key) < 1:
             fail(f"model.{key}", f"is {getattr(m, key)}; it must be at least 1")
-    if m.dim % m.n_heads or (m.dim // m.n_heads) % 2:
+    if m.head_dim is not None:
+        if m.head_dim < 2 or m.head_dim % 2:
+            fail("model.head_dim", f"is {m.head_dim}; RoPE rotates pairs: give an even number of at least 2")
+    elif m.dim % m.n_heads or (m.dim // m.n_heads) % 2:
         fail(
             "model.n_heads",
             f"{m.n_heads} heads do not split model.dim={m.dim} into heads of an even size; "
@@ -125,29 +134,6 @@ def _check_shape(m: ModelArgs, fail) -> None:
             )
 
 
-# The Hugging Face adapter is trainer/hf.py; it imports this module, so it is imported when first used.
-
-
-def hf_args(folder: str, args: ModelArgs) -> ModelArgs:
-    from trainer import hf
-
-    return hf.model_args(folder, args)
-
-
-def hf_load(model: Transformer, folder: str) -> None:
-    from trainer import hf
-
-    hf.load_weights(model, folder)
-
-
-def hf_save(
-    state: dict[str, torch.Tensor], args: ModelArgs, out: str, max_shard_bytes: int, dtype: torch.dtype
-) -> list[str]:
-    from trainer import hf
-
-    return hf.save(state, args, out, max_shard_bytes, dtype)
-
-
 FAMILY = Family(
     build=build,
     blocks=lambda model: model.blocks(),
@@ -157,7 +143,5 @@ FAMILY = Family(
     resolve=resolve,
     init_weights=lambda model, seed: model.init_weights(seed),
     flops_per_token=lambda model: model.flops_per_token(),
-    hf_args=hf_args,
-    hf_load=hf_load,
-    hf_save=hf_save,
+    hf=transformer_hf.ADAPTER,
 )
