@@ -97,11 +97,15 @@ def check(args: ModelArgs, data, fail, resolved) -> None:
         fail("model.size", f"is {args.size!r}; choose one of {', '.join(TRANSFORMER_SIZES)}")
     if args.vocab_size is not None and args.vocab_size < 2:
         fail("model.vocab_size", f"is {args.vocab_size}; it must be at least 2")
-    if args.hf_type is not None and args.hf_type not in transformer_hf.ARCHITECTURES:
-        fail("model.hf_type", f"is {args.hf_type!r}; choose one of {', '.join(transformer_hf.ARCHITECTURES)}")
     if data.name not in ("synthetic", "tokens"):
         fail("data.name", f"is {data.name!r} but the transformer needs token data; use synthetic or tokens")
-    _check_shape(resolved(), fail)
+    m = resolved()
+    _check_shape(m, fail)
+    try:  # an architecture the export could not write: said before the run, not after it
+        if m.hf_type is not None:
+            transformer_hf.model_type(transformer_shape(m), m.hf_type)
+    except ValueError as e:
+        fail("model.hf_type", str(e).removeprefix("model.hf_type "))
 
 
 def _check_shape(m: ModelArgs, fail) -> None:

@@ -216,11 +216,16 @@ def model_type(shape: TransformerShape, hf_type: str | None = None) -> str:
     found = hf_type or ("qwen3" if shape.qk_norm else "qwen2" if shape.qkv_bias else "llama")
     if found not in ARCHITECTURES:
         raise ValueError(f"model.hf_type is {found!r}; choose one of {', '.join(ARCHITECTURES)}")
+    if shape.qkv_bias and shape.qk_norm:
+        raise ValueError(
+            "model.qkv_bias and model.qk_norm are both set: no Hugging Face architecture has both (Qwen2 has "
+            "the biases, Qwen3 the norms); export with --format file"
+        )
     if shape.qkv_bias != (found == "qwen2") or shape.qk_norm != (found == "qwen3"):
         raise ValueError(
             f"model.hf_type is {found!r} but model.qkv_bias={shape.qkv_bias} and model.qk_norm={shape.qk_norm}: "
-            f"{ARCHITECTURES[found]} has {'q/k/v biases' if found == 'qwen2' else 'no q/k/v biases'} and "
-            f"{'q/k norms' if found == 'qwen3' else 'no q/k norms'}; no Hugging Face architecture has both"
+            f"{ARCHITECTURES[found]} has {'' if found == 'qwen2' else 'no '}q/k/v biases and "
+            f"{'' if found == 'qwen3' else 'no '}q/k norms; set them so, or choose another model.hf_type"
         )
     return found
 
