@@ -228,6 +228,9 @@ def load_run(path: str | None, overrides: list[str] = (), config_chosen: bool = 
     given = {item.partition("=")[0] for item in overrides}
     untrusted = _untrusted_command(saved, saved_raw, given)
     file_raw = _read_yaml(path) if path is not None else {}
+    family = saved_raw["model"].get("family") if isinstance(saved_raw.get("model"), dict) else None
+    if family and "model.family" not in given and cfg.model.family != family:  # cfg: --config and command line
+        refuse_untrusted_family(saved, family)  # before anything imports it
     raw = _merge(file_raw, {**saved_raw, "run_dir": cfg.run_dir})
     if given & {"model.size", "model.init_from"} and isinstance(raw.get("model"), dict):
         # The saved shape was resolved from the old size (or folder): the new one resolves it anew,
@@ -282,6 +285,20 @@ def _untrusted_command(saved: str, raw: dict, given: set[str]) -> str | None:
         f"someone else may have written it; give health.command= on the command line or in your own "
         f"--config file, and keep the run dir writable by you only (chmod go-w)"
     )
+
+
+def refuse_untrusted_family(path: str, family: str) -> None:
+    """A ConfigError when the file at `path` (a run dir's config.yaml, a checkpoint's meta.json) names
+    the model.family module `family` and someone other than us could have written it (files.trusted):
+    importing the module runs its code. The command line's model.family, or the user's own --config
+    file's, is taken instead (load_run does not ask then)."""
+    problem = files.trusted(path)
+    if problem is not None:
+        raise ConfigError(
+            f"{path}: its model.family {family!r} is not imported (importing runs its code) because {problem}, "
+            f"so someone else may have written it; give model.family= on the command line or in your own --config "
+            f"file, and keep the run dir writable by you only (chmod go-w)"
+        )
 
 
 def _merge(base: dict, top: dict) -> dict:

@@ -99,10 +99,14 @@ def user_family(module: str) -> Family:
         found = importlib.import_module(module)
     except ModuleNotFoundError as e:
         if e.name is None or not module.startswith(e.name):
-            raise  # the module was found: an import inside it failed, whose traceback tells where
+            raise FamilyError(f"model.family: importing {module} failed ({e}); fix the module") from None
         raise FamilyError(
             f"model.family: no module {module!r} on the Python path; put its package's folder on "
             f"PYTHONPATH (or pip install it)"
+        ) from None
+    except Exception as e:  # noqa: BLE001 - the user's module: any failure of its code is one line
+        raise FamilyError(
+            f"model.family: importing {module} failed ({type(e).__name__}: {e}); fix the module"
         ) from None
     family = getattr(found, "FAMILY", None)
     if not isinstance(family, Family):
