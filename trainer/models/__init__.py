@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from trainer.models import mnist_cnn, transformer, vision
 from trainer.models.family import Family, loss_fn  # noqa: F401 - loss_fn: imported from here
-from trainer.models.transformer import (  # noqa: F401 - the names trainer.hf, bench and tests import from here
+from trainer.models.transformer_shapes import (  # noqa: F401 - the names bench and tests import from here
     SHAPE_KEYS,
     TRANSFORMER_SIZES,
     RopeScaling,

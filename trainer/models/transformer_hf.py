@@ -21,12 +21,12 @@ import re
 from typing import TYPE_CHECKING
 
 from trainer.models.family import HFAdapter
+from trainer.models.transformer_shapes import RopeScaling, TransformerShape, transformer_shape
 
 if TYPE_CHECKING:
     import torch
 
     from trainer.models import ModelArgs
-    from trainer.models.transformer import TransformerShape
 
 # model_type -> the architecture class transformers loads it with.
 ARCHITECTURES = {
@@ -122,8 +122,6 @@ def shape_from_config(config: dict, where: str, seq_len: int | None = None) -> d
     Llama, Mistral, Qwen2 or Qwen3; a value of the wrong type or range, or a feature our transformer
     lacks, is a ValueError naming the key (the shape itself is checked by the config check). Our
     attention is full causal attention: a sliding window shorter than `seq_len` is refused."""
-
-    from trainer.models.transformer import RopeScaling  # here: transformer.py imports this module
 
     def need(key):
         if key not in config:
@@ -271,8 +269,6 @@ def config_for(
 
 
 def hf_config(args: ModelArgs, dtype: torch.dtype, source: dict | None) -> dict:
-    from trainer.models.transformer import transformer_shape
-
     return config_for(
         transformer_shape(args), args.max_position_embeddings or args.seq_len, dtype, args.hf_type, source
     )

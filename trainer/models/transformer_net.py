@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from trainer.models.transformer import RopeScaling, TransformerShape
+from trainer.models.transformer_shapes import RopeScaling, TransformerShape
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
