@@ -214,6 +214,20 @@ def test_a_family_of_ones_own_trains_with_fsdp_checkpointing_and_compile_and_exp
     assert trained.keys() == start.keys()
     assert all(not torch.equal(trained[k], start[k]) for k in start)
 
+    # without the package on the Python path: one line, as for the trainer
+    proc = subprocess.run(
+        [PYTHON, "-m", "trainer.export", str(run_dir), "--out", str(tmp_path / "none.pt")],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        f"error: model.family: no module '{FAMILY}' on the Python path; put its package's folder on PYTHONPATH "
+        f"(or pip install it)"
+    ]
+
     # a checkpoint's meta.json that others could have written names no module that is imported
     from trainer import checkpoint
 

@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             torch.save(state, args.out)
         follow_umask([args.out])
-    except (ConfigError, checkpoint.CheckpointError) as e:
+    except (ConfigError, checkpoint.CheckpointError, models.FamilyError) as e:  # FamilyError: model.family's module
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"exported {path} ({sum(v.numel() for v in state.values()) / 1e6:.2f}M values) to {args.out}")
