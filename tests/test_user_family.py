@@ -141,6 +141,7 @@ def saved_run(tmp_path, mode: int):
     return run_dir
 
 
+@pytest.mark.slow  # starts the trainer and its check
 def test_a_run_dir_that_others_can_write_may_not_name_the_family(tmp_path, package):
     """Someone who can write the run dir can put a config.yaml there that names any module: the
     trainer refuses it before anything imports it. The user's own command line (or --config file)
