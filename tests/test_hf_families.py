@@ -126,6 +126,14 @@ def test_a_sliding_window_shorter_than_seq_len_is_refused(tmp_path):
     assert "sliding_window is 32 tokens, shorter than model.seq_len=64" in refused(tmp_path / "qwen", seq_len=64)
     hf_model(tmp_path / "qwen_off", "qwen2", use_sliding_window=False, sliding_window=32)
     ours(tmp_path / "qwen_off", seq_len=64)
+    # on, but from layer 2 of 2 on: no layer slides, and the logits are the full attention's
+    reference = hf_model(
+        tmp_path / "qwen_none", "qwen2", use_sliding_window=True, sliding_window=32, max_window_layers=2
+    )
+    assert "sliding_attention" not in json.loads((tmp_path / "qwen_none" / "config.json").read_text())["layer_types"]
+    model, _ = ours(tmp_path / "qwen_none", seq_len=64)
+    with torch.no_grad():
+        torch.testing.assert_close(model(TOKENS), reference(TOKENS).logits, atol=2e-5, rtol=1e-5)
 
 
 def test_an_unknown_architecture_is_one_line_naming_the_supported_ones(tmp_path):

@@ -108,13 +108,28 @@ def _flag(config: dict, key: str, where: str, default: bool) -> bool:
     return value
 
 
-def _window(config: dict, model_type: str, where: str) -> int | None:
+def _window(config: dict, model_type: str, n_layers: int, where: str) -> int | None:
     """The sliding attention window in tokens the folder's model uses, or None. Mistral's applies
-    to every layer; Qwen's only with use_sliding_window (then to the layers from max_window_layers)."""
+    to every layer; Qwen's only with use_sliding_window, to the layers layer_types names (else to
+    those from max_window_layers on, as transformers reads it)."""
     qwen = model_type in ("qwen2", "qwen3")
-    if model_type == "mistral" or (qwen and _flag(config, "use_sliding_window", where, False)):
-        return None if config.get("sliding_window") is None else _whole(config, "sliding_window", where)
-    return None
+    if model_type != "mistral" and not (qwen and _flag(config, "use_sliding_window", where, False)):
+        return None
+    if config.get("sliding_window") is None:
+        return None
+    window = _whole(config, "sliding_window", where)
+    if qwen:
+        layers = config.get("layer_types")
+        if isinstance(layers, list):
+            sliding = "sliding_attention" in layers
+        else:
+            first = config.get("max_window_layers", 28)  # transformers' default
+            if not isinstance(first, int) or isinstance(first, bool) or first < 0:
+                raise ValueError(f"{where}: max_window_layers is {first!r}; it must be a whole number")
+            sliding = n_layers > first
+        if not sliding:
+            return None
+    return window
 
 
 def shape_from_config(config: dict, where: str, seq_len: int | None = None) -> dict:
@@ -143,8 +158,8 @@ def shape_from_config(config: dict, where: str, seq_len: int | None = None) -> d
                 f"{where}: {key} is {config[key]!r}; this trainer's {model_type} supports only {expected!r}"
             )
     dim, heads = need("hidden_size"), need("num_attention_heads")
-    head_dim = optional("head_dim")
-    window = _window(config, model_type, where)
+    head_dim, n_layers = optional("head_dim"), need("num_hidden_layers")
+    window = _window(config, model_type, n_layers, where)
     if window is not None and seq_len is not None and seq_len > window:
         raise ValueError(
             f"{where}: sliding_window is {window} tokens, shorter than model.seq_len={seq_len}; the transformer "
@@ -170,7 +185,7 @@ def shape_from_config(config: dict, where: str, seq_len: int | None = None) -> d
     return {
         "vocab_size": need("vocab_size"),
         "dim": dim,
-        "n_layers": need("num_hidden_layers"),
+        "n_layers": n_layers,
         "n_heads": heads,
         "n_kv_heads": optional("num_key_value_heads") or heads,
         # dim / n_heads (Llama's rule) stays None: a config.json that spells it out loads as one that does not
