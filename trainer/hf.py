@@ -55,6 +55,8 @@ class HFError(Exception):
 
 
 def read_config(folder: str) -> dict:
+    """The mapping in `folder`'s config.json, read as a regular file inside the folder; its keys are
+    the family adapter's to check."""
     if not os.path.isdir(folder):
         raise HFError(f"{folder} is not a folder; model.init_from needs a local Hugging Face model folder")
     path = os.path.join(folder, CONFIG)
