@@ -19,7 +19,7 @@ from trainer.config import (
     ConfigError,
     resolve,
 )
-from trainer.models import transformer_net
+from trainer.models import transformer_hf, transformer_net
 
 SCALING = {
     "rope_type": "llama3",
@@ -57,8 +57,9 @@ def hf_llama(folder, tied: bool = False, scaling: dict | None = SCALING, seed: i
 
 def our_model(folder, seq_len: int = 64) -> torch.nn.Module:
     cfg = Config(model=models.ModelArgs(init_from=str(folder), seq_len=seq_len))
-    model = models.build(resolve(cfg).model)
-    hf.load_weights(model, str(folder))
+    args = resolve(cfg).model
+    model = models.build(args)
+    hf.load_weights(model, str(folder), args)
     return model.eval()
 
 
@@ -90,7 +91,7 @@ def test_rope_scaling_matters_here(tmp_path):
     unscaled = models.build(
         models.resolve(models.ModelArgs(**{**args.__dict__, "rope_scaling": models.RopeScaling(rope_type="none")}))
     )
-    hf.load_weights(unscaled, str(tmp_path))
+    hf.load_weights(unscaled, str(tmp_path), args)
     with torch.no_grad():
         assert (unscaled(TOKENS) - reference(TOKENS).logits).abs().max() > 25 * 2e-5
 
@@ -136,7 +137,7 @@ def test_8b_is_llama_3_1_8b():
     config = transformers.LlamaConfig(
         **{
             k: v
-            for k, v in hf.config_for(shape, 131072, torch.bfloat16).items()
+            for k, v in transformer_hf.config_for(shape, 131072, torch.bfloat16).items()
             if k not in ("architectures", "model_type")
         }
     )
@@ -179,10 +180,11 @@ def hf_state(folder) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
     ours = {}
-    for name in [*hf._TOP, *(f"layers.{i}.{k}" for i in range(2) for k in hf._LAYER)]:
-        if hf.hf_name(name) in files:
-            with safe_open(files[hf.hf_name(name)], framework="pt") as f:
-                ours[name] = f.get_tensor(hf.hf_name(name))
+    names = transformer_hf
+    for name in [*names._TOP, *(f"layers.{i}.{k}" for i in range(2) for k in names._LAYER)]:
+        if names.hf_name(name) in files:
+            with safe_open(files[names.hf_name(name)], framework="pt") as f:
+                ours[name] = f.get_tensor(names.hf_name(name))
     return ours
 
 

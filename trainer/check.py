@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 from trainer import files
 from trainer.config import Config, ConfigError, load_run, resolve, resolve_batch
 from trainer.layout import RUN_DIR_FILES, RUN_DIR_FOLDERS, WRITTEN_FILES, WRITTEN_FOLDERS
+from trainer.models import FamilyError, family_of
 from trainer.models import choices as model_choices
-from trainer.models import find as find_family
 from trainer.optim import schedule_warning
 from trainer.prepare import token_file_problem
 
@@ -169,8 +169,11 @@ def validate(
 
     # model and data
     m, d = cfg.model, cfg.data
-    family = find_family(m.name)
-    if m.init_from and (family is None or family.hf_args is None):
+    try:
+        family = family_of(m)
+    except FamilyError as e:
+        fail("model.family", str(e).removeprefix("model.family: "))
+    if m.init_from and (family is None or family.hf is None):
         fail("model.init_from", f"applies to the transformer only (model.name is {m.name!r}); remove it")
     if family is None:
         fail("model.name", f"is {m.name!r}; use {model_choices()}")

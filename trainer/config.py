@@ -174,17 +174,17 @@ def resolve(cfg: Config, where: str = "config", world_size: int = 1) -> Config:
     """The config as the run records it: the global batch of `world_size` processes, and the
     transformer's shape spelled out, from model.init_from's config.json (keys the config sets
     must agree with it) or else from model.size."""
-    from trainer.models import find as find_family  # the families, torch with them
+    from trainer.models import family_of  # the families, torch with them
     from trainer.models import resolve as resolve_model
 
     cfg = resolve_batch(cfg, world_size)
     model = cfg.model
-    family = find_family(model.name)
-    if model.init_from and family is not None and family.hf_args is not None:
+    family = family_of(model)
+    if model.init_from and family is not None and family.hf is not None:
         from trainer import hf
 
         try:
-            model = family.hf_args(model.init_from, model)
+            model = hf.model_args(model.init_from, model)
             hf.weight_files(model.init_from)  # the index and the weights' headers, read before anything starts
         except hf.HFError as e:
             raise ConfigError(f"{where}: model.init_from: {e}") from None
@@ -252,6 +252,9 @@ def load_run(path: str | None, overrides: list[str] = (), config_chosen: bool = 
     given = {item.partition("=")[0] for item in overrides}
     untrusted = _untrusted_command(saved, saved_raw, given)
     file_raw = _read_yaml(path) if path is not None else {}
+    family = saved_raw["model"].get("family") if isinstance(saved_raw.get("model"), dict) else None
+    if family and "model.family" not in given and cfg.model.family != family:  # cfg: --config and command line
+        refuse_untrusted_family(saved, family)  # before anything imports it
     raw = _merge(file_raw, {**saved_raw, "run_dir": cfg.run_dir})
     if given & {"model.size", "model.init_from"} and isinstance(raw.get("model"), dict):
         # The saved shape was resolved from the old size (or folder): the new one resolves it anew,
@@ -306,6 +309,20 @@ def _untrusted_command(saved: str, raw: dict, given: set[str]) -> str | None:
         f"someone else may have written it; give health.command= on the command line or in your own "
         f"--config file, and keep the run dir writable by you only (chmod go-w)"
     )
+
+
+def refuse_untrusted_family(path: str, family: str) -> None:
+    """A ConfigError when the file at `path` (a run dir's config.yaml, a checkpoint's meta.json) names
+    the model.family module `family` and someone other than us could have written it (files.trusted):
+    importing the module runs its code. The command line's model.family, or the user's own --config
+    file's, is taken instead (load_run does not ask then)."""
+    problem = files.trusted(path)
+    if problem is not None:
+        raise ConfigError(
+            f"{path}: its model.family {family!r} is not imported (importing runs its code) because {problem}, "
+            f"so someone else may have written it; give model.family= on the command line or in your own --config "
+            f"file, and keep the run dir writable by you only (chmod go-w)"
+        )
 
 
 def _merge(base: dict, top: dict) -> dict:

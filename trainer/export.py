@@ -8,8 +8,9 @@ Runs in one process whatever number of processes trained. The file loads straigh
 model: `model.load_state_dict(torch.load("model.pt", weights_only=True))`. A `.pt` or `.pth` name
 is written by torch.save, a `.safetensors` name in that format; any other suffix is refused, like an
 --out that is a folder or in a folder that is missing. `--format hf` (transformers only) writes
-config.json and safetensors shards with HF's names (trainer/hf.py) into a new or empty folder,
-which `LlamaForCausalLM.from_pretrained(DIR)` loads, with the tokenizer the run's token file was made
+config.json and safetensors shards with HF's names (trainer/hf.py, asking the family's adapter) into
+a new or empty folder, which `AutoModelForCausalLM.from_pretrained(DIR)` loads as the architecture the
+run started from (Llama, Mistral, Qwen2, Qwen3), with the tokenizer the run's token file was made
 with (its sidecar names it). Every file written gets the mode the umask gives (0644 under 022).
 """
 
@@ -27,7 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from trainer import checkpoint, files, hf, models
-from trainer.config import ConfigError, from_dict, load
+from trainer.config import ConfigError, from_dict, load, refuse_untrusted_family
 from trainer.shard_reader import ShardReader
 
 
@@ -71,11 +72,15 @@ def _config(run_dir: str, path: str):
     """The config the checkpoint at `path` was saved with (older checkpoints: the run's config.yaml)."""
     meta = checkpoint.read_meta(path)
     if "config" in meta:
-        return from_dict(meta["config"], where=f"{path}/meta.json")
-    config_file = os.path.join(run_dir, "config.yaml")
-    if not os.path.isfile(config_file):
-        raise ConfigError(f"{run_dir} has no config.yaml: is it a run_dir of this trainer?")
-    return load(config_file)
+        source, cfg = os.path.join(path, "meta.json"), from_dict(meta["config"], where=f"{path}/meta.json")
+    else:
+        source = os.path.join(run_dir, "config.yaml")
+        if not os.path.isfile(source):
+            raise ConfigError(f"{run_dir} has no config.yaml: is it a run_dir of this trainer?")
+        cfg = load(source)
+    if cfg.model.family:  # a module of the user's: imported only from a file nobody else could write
+        refuse_untrusted_family(source, cfg.model.family)
+    return cfg
 
 
 def tokenizer_of(cfg) -> str | None:
@@ -238,17 +243,20 @@ def main(argv: list[str] | None = None) -> int:
         state, path = consolidate(args.run_dir, args.step)
         if args.format == "hf":
             cfg = _config(args.run_dir, path)
-            hf_save = models.spec(cfg.model).hf_save
-            if hf_save is None:
+            if models.spec(cfg.model).hf is None:
                 raise ConfigError(
-                    f"{path} holds a {cfg.model.name}; --format hf exports the transformer (a Llama) only"
+                    f"{path} holds a {cfg.model.name}; --format hf exports the transformer (a Llama, "
+                    f"Mistral, Qwen2 or Qwen3) and families with a Hugging Face adapter only"
                 )
             try:
                 max_bytes = hf.parse_size(args.max_shard_size)
             except ValueError as e:
                 raise ConfigError(f"--max-shard-size: {e}") from None
             tokenizer = tokenizer_files(cfg, args.out)  # checked before anything is written
-            written = hf_save(state, cfg.model, args.out, max_bytes, getattr(torch, args.dtype))
+            try:
+                written = hf.save(state, cfg.model, args.out, max_bytes, getattr(torch, args.dtype))
+            except hf.HFError as e:
+                raise ConfigError(str(e)) from None
             for name, data in tokenizer:  # the bytes checked, never a copy of a path
                 files.write_bytes(os.path.join(args.out, name), data)
             written += [name for name, _ in tokenizer if name not in written]
@@ -262,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             torch.save(state, args.out)
         follow_umask([args.out])
-    except (ConfigError, checkpoint.CheckpointError) as e:
+    except (ConfigError, checkpoint.CheckpointError, models.FamilyError) as e:  # FamilyError: model.family's module
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"exported {path} ({sum(v.numel() for v in state.values()) / 1e6:.2f}M values) to {args.out}")

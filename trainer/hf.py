@@ -1,37 +1,39 @@
-"""Hugging Face Llama folders, read and written: the parameter names and the folder format.
+"""Hugging Face model folders, read and written: the folder format, for any family that has a
+Hugging Face adapter (trainer.models.family.HFAdapter: the transformer's is
+trainer/models/transformer_hf.py, which knows Llama, Mistral, Qwen2 and Qwen3).
 
-A folder holds `config.json` (a LlamaConfig) and the weights as safetensors: one
-`model.safetensors`, or shards `model-00001-of-00003.safetensors`, ... listed in
-`model.safetensors.index.json`. Reading and writing need `safetensors` and JSON only.
+A folder holds `config.json` and the weights as safetensors: one `model.safetensors`, or shards
+`model-00001-of-00003.safetensors`, ... listed in `model.safetensors.index.json`. Reading and writing
+need `safetensors` and JSON only. Every byte of a folder is untrusted: its files are read as regular
+files inside it (trainer/files.py; a hub cache's links into its blobs/ only), its config.json is
+checked key by key by the family's adapter, and weights are safetensors, which hold no code.
 
-Our transformer is HF's LlamaForCausalLM with other names. Our RoPE rotates the two halves of each
-head (x[:d/2] against x[d/2:]), HF's `rotate_half` convention, so q_proj and k_proj map unchanged:
-the permutation HF's converter applies is for Meta's original checkpoints, which rotate interleaved
-pairs, and HF folders already hold its result.
+This module imports the models package (downward); nothing there imports it: it asks the run's
+family (`models.spec(args).hf`) for the names and the config.json mapping.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import glob
-import json
 import logging
-import math
 import os
 import re
-import shutil
 from typing import TYPE_CHECKING
 
-from trainer.models import ModelArgs, RopeScaling, TransformerShape, transformer_shape
+from trainer import files, models
 
 if TYPE_CHECKING:
     import torch
+
+    from trainer.models import ModelArgs
+    from trainer.models.family import HFAdapter
 
 log = logging.getLogger("trainer")
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+INDEX_BYTES = 64 << 20  # the largest index read: a 405B model's is a few hundred kilobytes
 # What an export takes over from the folder the run started from (model.init_from), where it is
 # still there, so that generation and evaluation (vLLM, lm-eval) find the tokenizer and its ids.
 TOKENIZER_FILES = (
@@ -42,47 +44,19 @@ TOKENIZER_FILES = (
     "generation_config.json",
 )
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
-
-_TOP = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-_OUR_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
-# Buffers some HF folders hold that are not weights (older transformers saved the RoPE frequencies).
-_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+TOKENIZER_BYTES = 256 << 20  # the largest tokenizer file passed on: real ones are a few tens of MB
 
 
 class HFError(Exception):
     """An HF folder that cannot be used; the message names the file and what to do."""
 
 
-def hf_name(name: str) -> str:
-    """HF's name of one of our transformer's parameters."""
-    name = name.replace("_checkpoint_wrapped_module.", "")
-    if name in _TOP:
-        return _TOP[name]
-    match = _OUR_LAYER.fullmatch(name)
-    if not match or match.group(2) not in _LAYER:
-        raise KeyError(f"no Hugging Face name for parameter {name!r}")
-    return f"model.layers.{match.group(1)}.{_LAYER[match.group(2)]}"
-
-
 # -- config.json ----------------------------------------------------------------------------------
 
 
 def read_config(folder: str) -> dict:
+    """The mapping in `folder`'s config.json, read as a regular file inside the folder; its keys are
+    the family adapter's to check."""
     if not os.path.isdir(folder):
         raise HFError(f"{folder} is not a folder; model.init_from needs a local Hugging Face model folder")
     path = os.path.join(folder, CONFIG)
@@ -92,9 +66,8 @@ def read_config(folder: str) -> dict:
         )
     path = _inside(folder, CONFIG)
     try:
-        with open(path) as f:
-            config = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+        config = files.read_json(os.path.realpath(path))  # _inside: a link only into the hub cache's blobs/
+    except (OSError, ValueError) as e:
         raise HFError(f"{path} is not readable JSON ({e}); replace it with the model's config.json") from None
     if not isinstance(config, dict):
         raise HFError(
@@ -104,126 +77,25 @@ def read_config(folder: str) -> dict:
     return config
 
 
-def _whole(config: dict, key: str, where: str) -> int:
-    value = config[key]
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise HFError(f"{where}: {key} is {value!r}; it must be a whole number of at least 1")
-    return value
-
-
-def _number(config: dict, key: str, where: str, default: float) -> float:
-    value = config.get(key, default)
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise HFError(f"{where}: {key} is {value!r}; it must be a number")
-    return float(value)
-
-
-def _flag(config: dict, key: str, where: str, default: bool) -> bool:
-    value = config.get(key, default)
-    if not isinstance(value, bool):  # bool("false") is True: a string must not pass as a flag
-        raise HFError(f"{where}: {key} is {value!r}; it must be true or false")
-    return value
-
-
-def shape_from_config(config: dict, where: str) -> dict:
-    """ModelArgs shape keys (and max_position_embeddings) from a LlamaConfig mapping; a value of the
-    wrong type or range is an HFError naming the key (the shape itself is checked by trainer.check)."""
-
-    def need(key):
-        if key not in config:
-            raise HFError(f"{where}: '{key}' is missing; is this a Llama config.json?")
-        return _whole(config, key, where)
-
-    def optional(key):
-        return None if config.get(key) is None else _whole(config, key, where)
-
-    if config.get("model_type", "llama") != "llama":
+def adapter(args: ModelArgs) -> HFAdapter:
+    """The Hugging Face adapter of the family of `args`; an HFError where it has none."""
+    found = models.spec(args).hf
+    if found is None:
         raise HFError(
-            f"{where}: model_type is {config['model_type']!r}; only Llama models (model_type llama) can be loaded"
+            f"a {args.name} is not a Hugging Face architecture: its family has no adapter "
+            f"(trainer.models.family.HFAdapter); model.init_from and export --format hf need one"
         )
-    for key, expected in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
-        if config.get(key, expected) != expected:
-            raise HFError(f"{where}: {key} is {config[key]!r}; this trainer's Llama supports only {expected!r}")
-    dim, heads = need("hidden_size"), need("num_attention_heads")
-    if config.get("head_dim") not in (None, dim // heads):
-        raise HFError(
-            f"{where}: head_dim is {config['head_dim']}, not hidden_size / num_attention_heads = {dim // heads}; "
-            f"this trainer's Llama supports only that"
-        )
-    # transformers 5 writes rope_parameters (theta included); earlier ones rope_theta and rope_scaling
-    rope_key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
-    rope = config.get(rope_key) or {}
-    if not isinstance(rope, dict):
-        raise HFError(f"{where}: {rope_key} is {rope!r}; it must be a mapping, or null")
-    theta = _number(rope, "rope_theta", where, _number(config, "rope_theta", where, 10000.0))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type == "llama3":
-        fields = [f.name for f in dataclasses.fields(RopeScaling) if f.name != "rope_type"]
-        missing = [k for k in fields if k not in rope]
-        if missing:
-            raise HFError(f"{where}: rope_scaling of type llama3 lacks {', '.join(missing)}")
-        scaling = RopeScaling(**{k: type(getattr(RopeScaling, k))(_number(rope, k, where, 0.0)) for k in fields})
-    elif rope_type == "default":
-        scaling = RopeScaling(rope_type="none")
-    else:
-        raise HFError(f"{where}: rope type {rope_type!r} is not supported; only llama3 scaling or none")
-    return {
-        "vocab_size": need("vocab_size"),
-        "dim": dim,
-        "n_layers": need("num_hidden_layers"),
-        "n_heads": heads,
-        "n_kv_heads": optional("num_key_value_heads") or heads,
-        "ffn_dim": need("intermediate_size"),
-        "norm_eps": _number(config, "rms_norm_eps", where, 1e-6),
-        "rope_theta": theta,
-        "rope_scaling": scaling,
-        "tie_embeddings": _flag(config, "tie_word_embeddings", where, False),
-        "max_position_embeddings": optional("max_position_embeddings"),
-    }
+    return found
 
 
 def model_args(folder: str, args: ModelArgs) -> ModelArgs:
-    """`args` with the shape of the HF model in `folder`. A shape key the config sets (not None) must
-    agree with config.json: the first that differs is an HFError naming both values."""
-    where = os.path.join(folder, CONFIG)
-    found = shape_from_config(read_config(folder), where)
-    for key, value in found.items():
-        mine = getattr(args, key)
-        if key == "rope_scaling" and mine is not None and value is not None:
-            same = mine == value or mine.rope_type == value.rope_type == "none"
-        else:
-            same = mine is None or value is None or mine == value
-        if not same:
-            raise HFError(
-                f"model.{key} is {mine!r} but {where} says {value!r}; remove model.{key} (the shape "
-                f"comes from model.init_from) or start from another folder"
-            )
-    return dataclasses.replace(args, **{k: v for k, v in found.items() if v is not None})
-
-
-def config_for(shape: TransformerShape, max_position_embeddings: int, dtype: torch.dtype) -> dict:
-    """The LlamaConfig mapping of our transformer."""
-    scaling = shape.rope_scaling
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": shape.dim,
-        "intermediate_size": shape.ffn_dim,
-        "num_attention_heads": shape.n_heads,
-        "num_key_value_heads": shape.n_kv_heads,
-        "num_hidden_layers": shape.n_layers,
-        "head_dim": shape.dim // shape.n_heads,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "rms_norm_eps": shape.norm_eps,
-        "rope_theta": shape.rope_theta,
-        "rope_scaling": None if scaling is None or scaling.rope_type == "none" else dataclasses.asdict(scaling),
-        "vocab_size": shape.vocab_size,
-        "max_position_embeddings": max_position_embeddings,
-        "tie_word_embeddings": shape.tie_embeddings,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-    }
+    """`args` with the shape of the HF model in `folder` (its family's adapter reads config.json). A
+    key the config sets (not None) must agree with config.json: the first that differs is an
+    HFError naming both values."""
+    try:
+        return adapter(args).args(read_config(folder), args, os.path.join(folder, CONFIG))
+    except ValueError as e:
+        raise HFError(str(e)) from None
 
 
 # -- weights --------------------------------------------------------------------------------------
@@ -268,28 +140,27 @@ def weight_files(folder: str) -> dict[str, str]:
     if os.path.lexists(index):
         index = _inside(folder, INDEX)
         try:
-            with open(index) as f:
-                weight_map = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
+            weight_map = files.read_json(os.path.realpath(index), INDEX_BYTES)
+        except (OSError, ValueError) as e:
             raise HFError(f"{index} is not readable JSON ({e}); replace it with the model's {INDEX}") from None
         weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise HFError(
                 f"{index} has no weight_map of parameter names to file names; replace it with the model's {INDEX}"
             )
-        files = {name: _inside(folder, file, index) for name, file in weight_map.items()}
+        found = {name: _inside(folder, file, index) for name, file in weight_map.items()}
     else:
-        files = {}
+        found = {}
         for path in sorted(glob.glob(os.path.join(glob.escape(folder), "*.safetensors"))):
-            files.update((name, path) for name in _header(_inside(folder, os.path.basename(path))))
-        if not files:
+            found.update((name, path) for name in _header(_inside(folder, os.path.basename(path))))
+        if not found:
             raise HFError(
                 f"{folder} holds no *.safetensors file; model.init_from needs the weights in safetensors format"
             )
-        return files
-    for path in set(files.values()):
+        return found
+    for path in set(found.values()):
         _header(path)
-    return files
+    return found
 
 
 def _header(path: str) -> list[str]:
@@ -305,27 +176,26 @@ def _header(path: str) -> list[str]:
         ) from None
 
 
-def load_weights(model: torch.nn.Module, folder: str) -> None:
-    """Copy the weights of the HF folder into `model`, whose parameters may be FSDP-sharded DTensors.
+def load_weights(model: torch.nn.Module, folder: str, args: ModelArgs) -> None:
+    """Copy the weights of the HF folder into `model` (of the model section `args`), whose parameters
+    may be FSDP-sharded DTensors.
 
     Each rank reads only the rows of its own shard of each tensor (safetensors slices), file by
     file, so no rank ever holds the full model."""
     import torch
     from safetensors import safe_open
 
-    files = weight_files(folder)
+    names = adapter(args)
+    found = weight_files(folder)
     params = dict(model.named_parameters())
-    wanted = {hf_name(name): name for name in params}
-    missing = sorted(set(wanted) - set(files))
+    wanted = {names.name(name): name for name in params}
+    missing = sorted(set(wanted) - set(found))
     if missing:
         raise HFError(
             f"{folder} lacks weight {missing[0]!r} ({len(missing)} missing); is config.json the one of these weights?"
         )
-    unexpected = sorted(
-        n
-        for n in set(files) - set(wanted)
-        if not _IGNORED.fullmatch(n) and not (n == "lm_head.weight" and "output.weight" not in params)
-    )  # tied: a copy
+    ours = {name.replace("_checkpoint_wrapped_module.", "") for name in params}
+    unexpected = sorted(n for n in set(found) - set(wanted) if not names.ignored(n, ours))
     if unexpected:
         raise HFError(
             f"{folder} has weight {unexpected[0]!r} that the model lacks ({len(unexpected)} in all); "
@@ -333,7 +203,7 @@ def load_weights(model: torch.nn.Module, folder: str) -> None:
         )
     by_file: dict[str, list[str]] = {}
     for hf in wanted:
-        by_file.setdefault(files[hf], []).append(hf)
+        by_file.setdefault(found[hf], []).append(hf)
     for file, names in sorted(by_file.items()):
         with safe_open(file, framework="pt") as f, torch.no_grad():
             for hf in names:
@@ -382,8 +252,19 @@ def save(
     from safetensors.torch import save_file
 
     dtype = dtype or torch.float32
-    shape = transformer_shape(args)
-    tensors = {hf_name(k): v.to(dtype).contiguous() for k, v in state.items()}  # tied: no lm_head, as HF
+    names = adapter(args)
+    source = {}  # the config.json of the folder the run started from, where it is still there
+    if args.init_from and os.path.isfile(os.path.join(args.init_from, CONFIG)):
+        try:  # read as model.init_from reads it: nothing through a link that leads out of the folder
+            source = read_config(args.init_from)
+        except HFError as e:
+            log.warning("%s; the export lacks its token ids", e)
+    try:
+        config = names.config(args, dtype, source)
+    except ValueError as e:
+        raise HFError(str(e)) from None
+    config.update({k: v for k, v in source.items() if k in TOKEN_ID_KEYS})
+    tensors = {names.name(k): v.to(dtype).contiguous() for k, v in state.items()}  # tied: no lm_head, as HF
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, tensor in tensors.items():
@@ -396,33 +277,29 @@ def save(
     os.makedirs(out, exist_ok=True)
     for stale in glob.glob(os.path.join(out, "model*.safetensors")) + glob.glob(os.path.join(out, INDEX)):
         os.remove(stale)  # an earlier export's shards would be read as weights too
-    names = (
+    written = (
         [SINGLE]
         if len(shards) == 1
         else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
     )
-    for name, shard in zip(names, shards):
+    for name, shard in zip(written, shards):
         save_file(shard, os.path.join(out, name), metadata={"format": "pt"})
     if len(shards) > 1:
         index = {
             "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-            "weight_map": {k: name for name, shard in zip(names, shards) for k in shard},
+            "weight_map": {k: name for name, shard in zip(written, shards) for k in shard},
         }
-        with open(os.path.join(out, INDEX), "w") as f:
-            json.dump(index, f, indent=2)
-        names.append(INDEX)
-    config = config_for(shape, args.max_position_embeddings or args.seq_len, dtype)
+        files.write_json(os.path.join(out, INDEX), index, indent=2, sort_keys=False)
+        written.append(INDEX)
     copied = []
-    source = args.init_from
-    if source and os.path.isfile(os.path.join(source, CONFIG)):
-        try:  # read as model.init_from reads it: nothing through a link that leads out of the folder
-            config.update({k: v for k, v in read_config(source).items() if k in TOKEN_ID_KEYS})
+    if source:
+        try:
             for name in TOKENIZER_FILES:
-                if os.path.lexists(os.path.join(source, name)):
-                    shutil.copyfile(_inside(source, name), os.path.join(out, name))
+                if os.path.lexists(os.path.join(args.init_from, name)):
+                    data = files.read_bytes(os.path.realpath(_inside(args.init_from, name)), TOKENIZER_BYTES)
+                    files.write_bytes(os.path.join(out, name), data)
                     copied.append(name)
-        except HFError as e:
-            log.warning("%s; the export lacks some of its tokenizer files or token ids", e)
-    with open(os.path.join(out, CONFIG), "w") as f:
-        json.dump(config, f, indent=2)
-    return [CONFIG, *names, *copied]
+        except (HFError, OSError) as e:
+            log.warning("%s; the export lacks some of its tokenizer files", e)
+    files.write_json(os.path.join(out, CONFIG), config, indent=2, sort_keys=False)
+    return [CONFIG, *written, *copied]

@@ -403,7 +403,7 @@ def _resume(cfg: Config, ckpt: checkpoint.Checkpointer, model, scheduler, report
     elif cfg.model.init_from:  # a new run from a Hugging Face folder: its weights, step 0
         started = time.perf_counter()
         try:
-            models.spec(cfg.model).hf_load(parallel.unwrap(model), cfg.model.init_from)
+            hf.load_weights(parallel.unwrap(model), cfg.model.init_from, cfg.model)
         except hf.HFError as e:
             raise checkpoint.CheckpointError(f"model.init_from: {e}") from None
         reporter.message(f"initialised from {cfg.model.init_from} in {time.perf_counter() - started:.2f}s")

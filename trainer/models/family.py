@@ -6,6 +6,9 @@ run's `Family` (`trainer.models.spec(cfg.model)`) to build, wrap, check, count a
 
 A spec imports no torch (the config and its checks read it on machines that need none): its network
 is a module of its own (transformer_net.py, mnist_cnn_net.py) that `build` imports when it is called.
+A family that is a Hugging Face architecture has an adapter (`HFAdapter`) in a module of its own
+(transformer_hf.py): trainer/hf.py, which reads and writes the folders, asks the family for it;
+nothing in this package imports trainer.hf.
 """
 
 from __future__ import annotations
@@ -30,6 +33,25 @@ def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def unchanged(args: ModelArgs) -> ModelArgs:
     return args
+
+
+@dataclass(frozen=True)
+class HFAdapter:
+    """A family's Hugging Face architectures: config.json mappings and parameter names, no file read
+    (trainer/hf.py reads and writes the folders, whose bytes are untrusted). Each function raises
+    ValueError with the line for the user, naming the config.json it is given as `where`."""
+
+    # args(config, args, where): `args` with the shape config.json (the mapping `config`) gives; a key
+    # `args` sets must agree with it, and a config.json of an architecture the family lacks is refused.
+    args: Callable[[dict, ModelArgs, str], ModelArgs]
+    # config(args, dtype, source): the config.json mapping of a model of `args` whose weights are
+    # written in `dtype`; `source`: config.json of the folder the run started from ({} if none).
+    config: Callable[[ModelArgs, torch.dtype, dict], dict]
+    # HF's name of one of the built model's parameters (wrappers' prefixes may be in it).
+    name: Callable[[str], str]
+    # ignored(name, ours): whether the folder's tensor `name` is no weight of the model, whose
+    # parameter names are `ours` (a tied head's copy, an old buffer): not refused as unexpected.
+    ignored: Callable[[str, set], bool] = lambda name, ours: False
 
 
 @dataclass(frozen=True)
@@ -59,10 +81,7 @@ class Family:
     init_weights: Callable[[nn.Module, int], None] | None = None
     # Training FLOPs per token of the unwrapped model (an LM): with it, tokens_per_s and MFU are logged.
     flops_per_token: Callable[[nn.Module], float] | None = None
-    # Hugging Face folders, for a family that is a Hugging Face architecture (None: it is not;
-    # model.init_from and export --format hf refuse it). They raise trainer.hf.HFError.
-    hf_args: Callable[[str, ModelArgs], ModelArgs] | None = None  # args with a folder's config.json's shape
-    hf_load: Callable[[nn.Module, str], None] | None = None  # a folder's weights into the built (sharded) model
-    hf_save: Callable[..., list[str]] | None = (
-        None  # a full state dict as a folder: hf_save(state, args, out, max_shard_bytes, dtype)
-    )
+    # How its models are Hugging Face folders, for a family that is a Hugging Face architecture
+    # (None: it is not; model.init_from and export --format hf refuse it). trainer/hf.py reads and
+    # writes the folders and asks this.
+    hf: HFAdapter | None = None

@@ -1,78 +1,25 @@
 """The transformer family's spec: a decoder-only LM (pre-norm blocks with RMSNorm, rotary embeddings,
-grouped-query attention, SwiGLU), Hugging Face's Llama under other names (trainer/hf.py maps them).
+grouped-query attention, SwiGLU), Hugging Face's Llama under other names, with the options of the
+Llama-shaped architectures (Qwen2's q/k/v biases, Qwen3's q/k norms and head size): its Hugging
+Face adapter is transformer_hf.py.
 
-Its shapes, sizes, config checks and `FAMILY`; the network itself is transformer_net.py, imported
-when a model is built. This module imports no torch: the config and its checks read it.
+Its config checks, resolution and `FAMILY`; its shapes and sizes are transformer_shapes.py, the
+network itself transformer_net.py, imported when a model is built. This module imports no torch:
+the config and its checks read it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
+from trainer.models import transformer_hf
 from trainer.models.family import Family
+from trainer.models.transformer_shapes import SHAPE_KEYS, TRANSFORMER_SIZES, transformer_shape
 
 if TYPE_CHECKING:
-    import torch
-
     from trainer.models import ModelArgs
     from trainer.models.transformer_net import Transformer
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """Llama 3's RoPE frequency scaling (Hugging Face `rope_scaling` with `rope_type: llama3`):
-    wavelengths longer than the original context are stretched by `factor`, short ones kept, those
-    in between blended. The defaults are Llama 3.1's."""
-
-    rope_type: Literal["llama3", "none"] = "llama3"  # none: no scaling (also on a size that has it)
-    factor: float = 8.0  # how much longer the long wavelengths become
-    low_freq_factor: float = 1.0  # wavelengths above original_max_position_embeddings / this are scaled fully
-    high_freq_factor: float = 4.0  # wavelengths below original_max_position_embeddings / this are not scaled
-    original_max_position_embeddings: int = 8192  # context length in tokens the model was pretrained with
-
-
-@dataclass(frozen=True)
-class TransformerShape:
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    ffn_dim: int
-    vocab_size: int
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
-    tie_embeddings: bool = False
-
-
-# The ModelArgs keys that make up a TransformerShape.
-SHAPE_KEYS = tuple(f.name for f in dataclasses.fields(TransformerShape))
-
-TRANSFORMER_SIZES = {
-    "tiny": TransformerShape(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=192, vocab_size=256),
-    "small": TransformerShape(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, vocab_size=4096),
-    "125m": TransformerShape(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_dim=2048, vocab_size=32000),
-    "1b": TransformerShape(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, vocab_size=32000),
-    # Llama-3.1-8B in full: its shape, vocabulary, RoPE base and RoPE scaling.
-    "8b": TransformerShape(
-        dim=4096,
-        n_layers=32,
-        n_heads=32,
-        n_kv_heads=8,
-        ffn_dim=14336,
-        vocab_size=128256,
-        rope_theta=500000.0,
-        rope_scaling=RopeScaling(),
-    ),
-}
-
-
-def transformer_shape(args: ModelArgs) -> TransformerShape:
-    """The size's shape with every shape key the config sets in place of the size's value."""
-    shape = TRANSFORMER_SIZES[args.size]
-    return dataclasses.replace(shape, **{k: getattr(args, k) for k in SHAPE_KEYS if getattr(args, k) is not None})
 
 
 def resolve(args: ModelArgs) -> ModelArgs:
@@ -95,7 +42,13 @@ def check(args: ModelArgs, data, fail, resolved) -> None:
         fail("model.vocab_size", f"is {args.vocab_size}; it must be at least 2")
     if data.name not in ("synthetic", "tokens"):
         fail("data.name", f"is {data.name!r} but the transformer needs token data; use synthetic or tokens")
-    _check_shape(resolved(), fail)
+    m = resolved()
+    _check_shape(m, fail)
+    try:  # an architecture the export could not write: said before the run, not after it
+        if m.hf_type is not None:
+            transformer_hf.model_type(transformer_shape(m), m.hf_type)
+    except ValueError as e:
+        fail("model.hf_type", str(e).removeprefix("model.hf_type "))
 
 
 def _check_shape(m: ModelArgs, fail) -> None:
@@ -103,7 +56,10 @@ def _check_shape(m: ModelArgs, fail) -> None:
     for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
         if getattr(m, key) < 1:
             fail(f"model.{key}", f"is {getattr(m, key)}; it must be at least 1")
-    if m.dim % m.n_heads or (m.dim // m.n_heads) % 2:
+    if m.head_dim is not None:
+        if m.head_dim < 2 or m.head_dim % 2:
+            fail("model.head_dim", f"is {m.head_dim}; RoPE rotates pairs: give an even number of at least 2")
+    elif m.dim % m.n_heads or (m.dim // m.n_heads) % 2:
         fail(
             "model.n_heads",
             f"{m.n_heads} heads do not split model.dim={m.dim} into heads of an even size; "
@@ -125,29 +81,6 @@ def _check_shape(m: ModelArgs, fail) -> None:
             )
 
 
-# The Hugging Face adapter is trainer/hf.py; it imports this module, so it is imported when first used.
-
-
-def hf_args(folder: str, args: ModelArgs) -> ModelArgs:
-    from trainer import hf
-
-    return hf.model_args(folder, args)
-
-
-def hf_load(model: Transformer, folder: str) -> None:
-    from trainer import hf
-
-    hf.load_weights(model, folder)
-
-
-def hf_save(
-    state: dict[str, torch.Tensor], args: ModelArgs, out: str, max_shard_bytes: int, dtype: torch.dtype
-) -> list[str]:
-    from trainer import hf
-
-    return hf.save(state, args, out, max_shard_bytes, dtype)
-
-
 FAMILY = Family(
     build=build,
     blocks=lambda model: model.blocks(),
@@ -157,7 +90,5 @@ FAMILY = Family(
     resolve=resolve,
     init_weights=lambda model, seed: model.init_weights(seed),
     flops_per_token=lambda model: model.flops_per_token(),
-    hf_args=hf_args,
-    hf_load=hf_load,
-    hf_save=hf_save,
+    hf=transformer_hf.ADAPTER,
 )

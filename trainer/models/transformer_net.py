@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from trainer.models.transformer import RopeScaling, TransformerShape
+from trainer.models.transformer_shapes import RopeScaling, TransformerShape
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -43,19 +43,32 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
 
 
+def head_size(s: TransformerShape) -> int:
+    """Elements of one attention head: the shape's head_dim (Qwen3's may differ), else dim / n_heads."""
+    return s.head_dim or s.dim // s.n_heads
+
+
 class Attention(nn.Module):
     def __init__(self, s: TransformerShape):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = s.n_heads, s.n_kv_heads, s.dim // s.n_heads
-        self.wq = nn.Linear(s.dim, s.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(s.dim, s.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(s.dim, s.n_kv_heads * self.head_dim, bias=False)
+        self.n_heads, self.n_kv_heads, self.head_dim = s.n_heads, s.n_kv_heads, head_size(s)
+        self.wq = nn.Linear(s.dim, s.n_heads * self.head_dim, bias=s.qkv_bias)
+        self.wk = nn.Linear(s.dim, s.n_kv_heads * self.head_dim, bias=s.qkv_bias)
+        self.wv = nn.Linear(s.dim, s.n_kv_heads * self.head_dim, bias=s.qkv_bias)
         self.wo = nn.Linear(s.n_heads * self.head_dim, s.dim, bias=False)
+        # Qwen3: an RMSNorm over each head of q and k, before RoPE. Absent otherwise (Llama's names).
+        if s.qk_norm:
+            self.q_norm = nn.RMSNorm(self.head_dim, eps=s.norm_eps)
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=s.norm_eps)
+        self.qk_norm = s.qk_norm
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.wq(x).view(b, t, self.n_heads, self.head_dim)
+        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # Grouped-query attention without copying k and v per query head (less memory; on an H200 the
@@ -111,7 +124,7 @@ class Transformer(nn.Module):
 
     def _rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.shape
-        return rope_tables(s.dim // s.n_heads, self.seq_len, s.rope_theta, s.rope_scaling)
+        return rope_tables(head_size(s), self.seq_len, s.rope_theta, s.rope_scaling)
 
     def blocks(self) -> list[nn.Module]:
         return list(self.layers)
@@ -133,6 +146,8 @@ class Transformer(nn.Module):
             full = torch.empty(param.shape, dtype=torch.float32)
             if "norm" in name:
                 full.fill_(1.0)
+            elif name.endswith(".bias"):  # qkv_bias
+                full.zero_()
             else:
                 std = out_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
                 full.normal_(0.0, std, generator=generator)
@@ -147,7 +162,7 @@ class Transformer(nn.Module):
         N excludes the embedding lookup but not the output head, which a tied head still computes."""
         s = self.shape
         head = s.vocab_size * s.dim if s.tie_embeddings else 0  # otherwise already in num_params()
-        return 6 * (self.num_params() + head) + 12 * s.n_layers * s.dim * self.seq_len
+        return 6 * (self.num_params() + head) + 12 * s.n_layers * s.n_heads * head_size(s) * self.seq_len
 
 
 @torch.no_grad()

@@ -1,0 +1,245 @@
+"""A model family from the user's own package, without a fork: `model.family: my_pkg.family` names a
+module on the Python path that defines a FAMILY, and the run gets every feature a built-in family has
+(FSDP units, activation checkpointing, compile, the memory estimate, export). Importing it runs its
+code, so a config that names it must be the user's own: a run dir's config.yaml (or a checkpoint's
+meta.json) that someone else could have written is refused in one line, and nothing is imported."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import PYTHON, ROOT, command, env, rows
+from trainer.check import validate
+from trainer.config import ConfigError, load
+
+FAMILY = "my_pkg.family"
+MINE = [
+    f"model.family={FAMILY}",
+    "model.name=mine",
+    "data.name=synthetic_images",
+    "model.image_size=8",
+    "model.num_classes=3",
+]
+SMALL = ["train.global_batch_size=4", "log.interval=1", "log.progress=false", "optim.warmup_steps=0"]
+
+SPEC = '''
+"""The user's family spec. Every import appends this process's id to `imported` beside it."""
+import os
+
+with open(os.path.join(os.path.dirname(__file__), "imported"), "a") as f:
+    f.write(f"{os.getpid()}\\n")
+
+from trainer.models.family import Family
+
+
+def build(args):
+    from my_pkg.net import Net  # torch only when a model is built, as a family of the trainer
+
+    return Net(args.image_size, args.num_classes)
+
+
+def check(args, data, fail, resolved):
+    if data.name != "synthetic_images":
+        fail("data.name", f"is {data.name!r}; mine trains on synthetic_images")
+
+
+FAMILY = Family(
+    build=build,
+    blocks=lambda model: list(model.layers),
+    check=check,
+    input_shape=lambda args: (3, args.image_size, args.image_size),
+    kind="classifier",
+)
+'''
+NET = """
+import torch
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    def __init__(self, side, classes):
+        super().__init__()
+        self.stem = nn.Linear(3 * side * side, 32)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.GELU()) for _ in range(2))
+        self.head = nn.Linear(32, classes)
+
+    def forward(self, x):
+        h = self.stem(x.flatten(1))
+        for layer in self.layers:
+            h = h + layer(h)
+        return self.head(h)
+"""
+
+
+@pytest.fixture
+def package(tmp_path, monkeypatch):
+    """The folder that holds my_pkg (the family's spec and network), on the Python path of this
+    process and of the processes the tests start (user_env)."""
+    root = tmp_path / "site"
+    (root / "my_pkg").mkdir(parents=True)
+    (root / "my_pkg" / "__init__.py").write_text("")
+    (root / "my_pkg" / "family.py").write_text(textwrap.dedent(SPEC))
+    (root / "my_pkg" / "net.py").write_text(textwrap.dedent(NET))
+    monkeypatch.syspath_prepend(str(root))
+    return root
+
+
+def user_env(package) -> dict:
+    return dict(env(), PYTHONPATH=f"{ROOT}{os.pathsep}{package}")
+
+
+def imports(package) -> int:
+    """How many processes imported the family module."""
+    marker = package / "my_pkg" / "imported"
+    return len(marker.read_text().splitlines()) if marker.exists() else 0
+
+
+def run(package, *args, module: str = "trainer") -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [PYTHON, "-m", module, *args], cwd=ROOT, env=user_env(package), capture_output=True, text=True, timeout=300
+    )
+
+
+def test_a_missing_module_or_one_without_a_family_is_one_line(package):
+    with pytest.raises(ConfigError) as e:
+        validate(load(None, [*MINE, "model.family=no_such_pkg.family"]), 1)
+    assert str(e.value) == (
+        "config: model.family: no module 'no_such_pkg.family' on the Python path; put its package's folder on "
+        "PYTHONPATH (or pip install it)"
+    )
+    with pytest.raises(ConfigError) as e:
+        validate(load(None, [*MINE, "model.family=my_pkg.net"]), 1)
+    assert str(e.value) == (
+        f"config: model.family: my_pkg.net ({package}/my_pkg/net.py) defines no FAMILY = "
+        f"trainer.models.family.Family(...); define one (README, 'Adding a model family')"
+    )
+    with pytest.raises(ConfigError, match=r"model.family: is '\.\./evil'; give a module's dotted name"):
+        validate(load(None, [*MINE, "model.family=../evil"]), 1)
+    # the family's own check speaks, as a built-in family's does
+    with pytest.raises(ConfigError) as e:
+        validate(load(None, [*MINE, "data.name=synthetic"]), 1)
+    assert str(e.value) == "config: data.name: is 'synthetic'; mine trains on synthetic_images"
+
+
+def saved_run(tmp_path, mode: int):
+    """A run dir of mode `mode` whose config.yaml (a run's, ours) names the family."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cfg = load(None, [*MINE, f"run_dir={run_dir}"])
+    from trainer.config import dump
+
+    dump(cfg, run_dir / "config.yaml")
+    run_dir.chmod(mode)
+    return run_dir
+
+
+@pytest.mark.slow  # starts the trainer and its check
+def test_a_run_dir_that_others_can_write_may_not_name_the_family(tmp_path, package):
+    """Someone who can write the run dir can put a config.yaml there that names any module: the
+    trainer refuses it before anything imports it. The user's own command line (or --config file)
+    naming the module is what is imported; so is a config.yaml nobody else could have written."""
+    run_dir = saved_run(tmp_path, 0o777)
+    proc = run(package, "--config", str(ROOT / "configs/default.yaml"), f"run_dir={run_dir}")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"error: {run_dir}/config.yaml: its model.family '{FAMILY}' is not imported (importing runs its code) "
+        f"because its folder {run_dir} can be written by group or others (mode 777), so someone else may have "
+        f"written it; give model.family= on the command line or in your own --config file, and keep the run dir "
+        f"writable by you only (chmod go-w)"
+    ]
+    assert imports(package) == 0 and not (run_dir / "metrics.jsonl").exists()
+
+    # named on the command line: the user's own choice, imported (the check reads the family)
+    default = ("--config", str(ROOT / "configs/default.yaml"))
+    proc = run(package, *default, f"run_dir={run_dir}", f"model.family={FAMILY}", module="trainer.check")
+    assert proc.returncode == 0, proc.stderr
+    assert imports(package) >= 1
+    # a run dir only the user can write: its config.yaml is the user's
+    run_dir.chmod(0o755)
+    before = imports(package)
+    proc = run(package, *default, f"run_dir={run_dir}", module="trainer.check")
+    assert proc.returncode == 0, proc.stderr
+    assert imports(package) > before
+
+
+@pytest.mark.slow
+def test_a_family_of_ones_own_trains_with_fsdp_checkpointing_and_compile_and_exports(tmp_path, package):
+    run_dir = tmp_path / "run"
+    overrides = [
+        *MINE,
+        *SMALL,
+        "train.steps=2",
+        "parallel.activation_checkpointing=true",
+        "parallel.compile=true",
+    ]
+    # the memory estimate: built on the meta device through the family, one FSDP unit per block
+    default = ("--config", str(ROOT / "configs/default.yaml"))
+    proc = run(
+        package,
+        *default,
+        "--nproc",
+        "2",
+        "--gpu-mem-gb",
+        "80",
+        f"run_dir={run_dir}",
+        *overrides,
+        module="trainer.check",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "memory: about " in proc.stdout + proc.stderr
+
+    proc = subprocess.run(
+        command(run_dir, 2, overrides), cwd=ROOT, env=user_env(package), capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    logged = rows(run_dir)
+    assert [r["step"] for r in logged] == [1, 2] and all(math.isfinite(r["loss"]) for r in logged)
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["model"]["family"] == FAMILY
+
+    # export: the consolidated weights are the family's network's, trained
+    proc = run(package, str(run_dir), "--out", str(tmp_path / "model.pt"), module="trainer.export")
+    assert proc.returncode == 0, proc.stderr
+    trained = torch.load(tmp_path / "model.pt", weights_only=True)
+    from my_pkg.net import Net
+
+    torch.manual_seed(load(None, []).train.seed)  # the trainer's start: the seed, then build
+    start = Net(8, 3).state_dict()
+    assert trained.keys() == start.keys()
+    assert all(not torch.equal(trained[k], start[k]) for k in start)
+
+    # without the package on the Python path: one line, as for the trainer
+    proc = subprocess.run(
+        [PYTHON, "-m", "trainer.export", str(run_dir), "--out", str(tmp_path / "none.pt")],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        f"error: model.family: no module '{FAMILY}' on the Python path; put its package's folder on PYTHONPATH "
+        f"(or pip install it)"
+    ]
+
+    # a checkpoint's meta.json that others could have written names no module that is imported
+    from trainer import checkpoint
+
+    step = Path(dict(checkpoint.complete(str(run_dir)))[2])
+    step.chmod(0o777)
+    before = imports(package)
+    proc = run(package, str(run_dir), "--out", str(tmp_path / "again.pt"), module="trainer.export")
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        f"error: {step}/meta.json: its model.family '{FAMILY}' is not imported (importing runs its code) because "
+        f"its folder {step} can be written by group or others (mode 777), so someone else may have written it; "
+        f"give model.family= on the command line or in your own --config file, and keep the run dir writable by "
+        f"you only (chmod go-w)"
+    ]
+    assert imports(package) == before and not (tmp_path / "again.pt").exists()
