@@ -334,56 +334,56 @@ def _restarting_agent(
     that node): the node is named in one line, kept in outcome["lost"], and the launch ends. Of the
     nodes whose ranks failed in the same round, only the one whose failure came first (a death by a
     signal before an exit, then the earlier) says the restart: the others' ranks failed after it.
-    Stop signals never get here: the agent raises SignalException instead of restarting."""
+    Stop signals never get here: the agent raises SignalException instead of restarting.
+
+    It is written against torch_compat.agent_class(), which hands torchrun's private hooks
+    (_start_workers, ...) to public names: a torch that renames one breaks there, not here."""
     from torch.distributed.elastic.agent.server.api import WorkerState
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     from trainer.metrics import START_ENV, process_started
 
     launched = process_started()
 
-    class RestartingAgent(LocalElasticAgent):
-        def _stop_workers(self, worker_group):
+    class RestartingAgent(torch_compat.agent_class()):
+        def stop_workers(self, worker_group):
             """Before a restart (and after the last failure): kill the ranks at once. torchrun would
             send SIGTERM and wait 30 s for each one that does not exit, but a restart resumes from the
             newest committed checkpoint, so nothing a rank still holds is kept, and the ranks it waits
             for are the stuck ones: stopped (SIGSTOP), or blocked in a collective with a dead rank.
             A hang's stacks are taken first (trainer/hangs.py Monitor)."""
             monitor.settle()
-            self._shutdown(signal.SIGKILL)
+            self.kill_workers()
             outcome["stopped"] = time.time()
 
-        def _start_workers(self, worker_group):
+        def start_workers(self, worker_group):
             """The ranks get this start's moments (metrics.START_ENV) for their resume row."""
             moments = {"launcher": launched, "rendezvous": round(time.time(), 3)}
             if "stopped" in outcome:
                 moments["stopped"] = round(outcome.pop("stopped"), 3)
             os.environ[START_ENV] = json.dumps(moments)
-            return super()._start_workers(worker_group)
+            return super().start_workers(worker_group)
 
-        def _rendezvous(self, worker_group):
-            holder = getattr(worker_group.spec.rdzv_handler, "_state_holder", None)
-            if hasattr(holder, "_cache_duration"):  # the state read at most every poll_s, not every second
-                holder._cache_duration = min(holder._cache_duration, poll_s)
-            super()._rendezvous(worker_group)
+        def rendezvous(self, worker_group):
+            self.cap_rendezvous_cache(worker_group, poll_s)  # the state read at most every poll_s, not every second
+            super().rendezvous(worker_group)
             # The ranks' process group keys (trainer/dist.py) are per rendezvous round, which every
             # node agrees on. The restart count is not: a node whose ranks had not failed yet
             # restarts for the others' new round without counting one.
-            state = getattr(getattr(worker_group.spec.rdzv_handler, "_state_holder", None), "state", None)
-            restarts = worker_group.spec.max_restarts - self._remaining_restarts
-            os.environ[ROUND_ENV] = str(getattr(state, "round", restarts))
+            round_ = self.rendezvous_round(worker_group)
+            restarts = worker_group.spec.max_restarts - self.restarts_left
+            os.environ[ROUND_ENV] = str(restarts if round_ is None else round_)
 
-        def _monitor_workers(self, worker_group):
+        def monitor_workers(self, worker_group):
             ended = {w.global_rank for w in worker_group.workers if w.id is not None and _ended(w.id)}
             if any(_failed(w.id) for w in worker_group.workers if w.id is not None):
                 # torchrun would stop the others with SIGTERM and wait 30 s for each that stays: as
-                # in _stop_workers, kill them at once, once a hang's stacks are taken.
+                # in stop_workers, kill them at once, once a hang's stacks are taken.
                 monitor.settle()
                 for w in worker_group.workers:
                     if w.id is not None and not _ended(w.id):
                         with contextlib.suppress(ProcessLookupError):
                             os.kill(w.id, signal.SIGKILL)
-            result = super()._monitor_workers(worker_group)  # stops every rank once one has failed
+            result = super().monitor_workers(worker_group)  # stops every rank once one has failed
             if result.state != WorkerState.FAILED or not result.failures:
                 return result
             rank, failure = outcome["first"] = first_failure(result.failures, ended)
@@ -400,15 +400,15 @@ def _restarting_agent(
                 )
             if lost:
                 beating.lost(lost)
-                self._remaining_restarts = 0
+                self.restarts_left = 0
                 _report_lost(outcome, lost, nnodes, run_dir, endpoint)
                 return result
-            if outcomes.marked(marks) or self._remaining_restarts <= 0:  # not restarted, as the rank said
-                self._remaining_restarts = 0
+            if outcomes.marked(marks) or self.restarts_left <= 0:  # not restarted, as the rank said
+                self.restarts_left = 0
                 return result
             if after_another:  # restarted all the same, said by the node whose rank failed first
                 return result
-            restart = worker_group.spec.max_restarts - self._remaining_restarts + 1
+            restart = worker_group.spec.max_restarts - self.restarts_left + 1
             step = layout.latest_committed_step(run_dir)
             node = node_name()
             start = _resume_point(run_dir)
@@ -613,21 +613,16 @@ def main(argv: list[str] | None = None) -> int:
     bad_input = os.path.join(marks, outcomes.BAD_INPUT.mark)
     os.environ[MARKS_ENV] = marks
     _quiet_torchrun(bad_input)
-    import torch.distributed.launcher.api as launcher_api
-
     outcome: dict = {}
-    agent_class = launcher_api.LocalElasticAgent
     endpoint = a.rdzv_endpoint if a.nnodes > 1 else ""
     beating = heartbeat.Heartbeat(cfg.run_dir, node_name(), endpoint) if endpoint else None
-    launcher_api.LocalElasticAgent = _restarting_agent(
-        cfg.run_dir, marks, outcome, monitor, beating, a.nnodes, rendezvous_poll_s(a.nnodes)
-    )
+    agent = _restarting_agent(cfg.run_dir, marks, outcome, monitor, beating, a.nnodes, rendezvous_poll_s(a.nnodes))
     if beating:
         beating.start()
     os.environ[MEMORY_CHECKED_ENV] = "1"  # validate() above checked it: for the ranks only
     try:
         try:
-            with _rendezvous_poll(rendezvous_poll_s(a.nnodes)):
+            with _rendezvous_poll(rendezvous_poll_s(a.nnodes)), torch_compat.agent_used(agent):
                 torchrun.run(args)
         except ChildFailedError as e:
             if outcome.get("lost"):
@@ -676,7 +671,6 @@ def main(argv: list[str] | None = None) -> int:
         # default handlers while it exits, and torch's agent handler would raise here).
         for sig in signals.STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
-        launcher_api.LocalElasticAgent = agent_class  # main() may run again in this process (submitit)
         if beating:
             beating.stop()
         os.environ.pop(MEMORY_CHECKED_ENV, None)
