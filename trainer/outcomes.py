@@ -29,8 +29,8 @@ code: the launcher's exit code; None for SIGNALLED, 128 + the signal's number (a
 restart: whether the launcher restarts every rank of its node in the allocation (launch.max_restarts).
 requeue: what the requeue check does: REQUEUED, NOT_REQUEUED, WITHOUT_NODES or BY_SLURM.
 mark: the file a rank leaves in the launcher's marks folder (trainer/launch.py MARKS_ENV) before it
-    exits, so that its launcher does not restart it and, signalled by srun meanwhile, still exits
-    with `code`; None where the launcher decides alone.
+    exits, so that its launcher does not restart it (and, for bad input, still exits 2 when srun
+    signals it meanwhile); None where the launcher decides alone.
 every_rank: whether every rank says its error (the one at fault may not be rank 0), else rank 0 only.
 line: the one line said of it (str.format with the named fields), by whoever knows what follows: the
     requeue check for what it decides alone, else the launcher, or the rank (RANK_ERROR) where the
@@ -40,96 +40,126 @@ line: the one line said of it (str.format with the named fields), by whoever kno
 RANK_ERROR = "error: {message}"
 
 FINISHED = Outcome(
-    "finished", 0, False, NOT_REQUEUED, None, False, "training finished at step {step}; {run_dir}"
+    name="finished",
+    code=0,
+    restart=False,
+    requeue=NOT_REQUEUED,
+    mark=None,
+    every_rank=False,
+    line="training finished at step {step}; {run_dir}",
 )  # the requeue check's line: it tells FINISHED from STOPPED by status.json, not by the exit code
 STOPPED = Outcome(
-    "stopped",
-    0,
-    False,
-    REQUEUED,
-    None,
-    False,
-    "stopped by {signal} after step {step}; the checkpoint is saved, a restart resumes there",
+    name="stopped",
+    code=0,
+    restart=False,
+    requeue=REQUEUED,
+    mark=None,
+    every_rank=False,
+    line="stopped by {signal} after step {step}; the checkpoint is saved, a restart resumes there",
 )
 STOPPED_BEFORE_TRAINING = Outcome(
-    "stopped before training",
-    0,
-    False,
-    REQUEUED,
-    None,
-    False,
-    "received {signal} before training started; nothing to save",
+    name="stopped before training",
+    code=0,
+    restart=False,
+    requeue=REQUEUED,
+    mark=None,
+    every_rank=False,
+    line="received {signal} before training started; nothing to save",
 )
 SIGNALLED = Outcome(
-    "signalled",
-    None,
-    False,
-    REQUEUED,
-    None,
-    False,
-    "stopped by {signal}; no checkpoint was saved by this start (ranks get {shutdown_s} s after the signal)",
+    name="signalled",
+    code=None,
+    restart=False,
+    requeue=REQUEUED,
+    mark=None,
+    every_rank=False,
+    line="stopped by {signal}; no checkpoint was saved by this start (ranks get {shutdown_s} s after the signal)",
 )
+# srun stopped this node because another node of the job failed its health check: exit code
+# 128 + the signal's number (signal_code), or 0 when the signal came before training started.
 STOPPED_FOR_HEALTH = Outcome(
-    "stopped for another node's health",
-    None,  # 128 + the signal's number; 0 when the signal came before training started
-    False,
-    REQUEUED,
-    None,
-    False,
-    "{node}: stopped by {signal}: {which} of this job failed the health check (said above); nothing to save",
+    name="stopped for another node's health",
+    code=None,
+    restart=False,
+    requeue=REQUEUED,
+    mark=None,
+    every_rank=False,
+    line="{node}: stopped by {signal}: {which} of this job failed the health check (said above); nothing to save",
 )
-FAILED = Outcome("failed", 1, True, REQUEUED, None, False, "rank {rank} {cause}")
-STUCK_RANK = Outcome("a stuck rank", 1, True, REQUEUED, None, True, RANK_ERROR)
+FAILED = Outcome(
+    name="failed", code=1, restart=True, requeue=REQUEUED, mark=None, every_rank=False, line="rank {rank} {cause}"
+)
+# A rank that stopped answering (trainer/train.py, trainer/hangs.py), said by every rank that saw it:
+# the stuck one may be rank 0.
+STUCK_RANK = Outcome(
+    name="a stuck rank", code=1, restart=True, requeue=REQUEUED, mark=None, every_rank=True, line=RANK_ERROR
+)
 PEER_GONE = Outcome(
-    "a peer went away",
-    1,
-    True,
-    REQUEUED,
-    None,
-    True,
-    "error: rank {rank} on {node}: a peer went away during a collective ({gone}); the launcher says which rank "
+    name="a peer went away",
+    code=1,
+    restart=True,
+    requeue=REQUEUED,
+    mark=None,
+    every_rank=True,
+    line="error: rank {rank} on {node}: a peer went away during a collective ({gone}); the launcher says which rank "
     "or node failed first",
 )
-DIVERGED = Outcome("divergence", 1, False, REQUEUED, "diverged", False, RANK_ERROR)  # it would diverge again
-TORCHRUN_FAILED = Outcome("torchrun failed", 1, False, REQUEUED, None, False, "torchrun failed: {kind}: {first_line}")
+DIVERGED = Outcome(
+    name="divergence", code=1, restart=False, requeue=REQUEUED, mark="diverged", every_rank=False, line=RANK_ERROR
+)  # it would diverge again
+TORCHRUN_FAILED = Outcome(
+    name="torchrun failed",
+    code=1,
+    restart=False,
+    requeue=REQUEUED,
+    mark=None,
+    every_rank=False,
+    line="torchrun failed: {kind}: {first_line}",
+)
 # The rank said what is wrong in one line; neither a restart nor a requeue can help.
 BAD_INPUT = Outcome(
-    "bad input",
-    2,
-    False,
-    NOT_REQUEUED,
-    "bad-input",
-    False,
-    "NOT requeued: the training step stopped on bad input (exit code 2, the line above says what); fix it and "
+    name="bad input",
+    code=2,
+    restart=False,
+    requeue=NOT_REQUEUED,
+    mark="bad-input",
+    every_rank=False,
+    line="NOT requeued: the training step stopped on bad input (exit code 2, the line above says what); fix it and "
     "submit again with the same RUN_DIR ({where})",
 )
 # Another run took over the run dir (trainer/lease.py) and goes on in it: a requeued attempt would be
 # refused, or worse, start over its checkpoints.
 LEASE_LOST = Outcome(
-    "a lost lease",
-    3,
-    False,
-    NOT_REQUEUED,
-    "lease-lost",
-    False,
-    "NOT requeued: another run took over the run dir's lease (exit code 3, the line above says which); two runs "
+    name="a lost lease",
+    code=3,
+    restart=False,
+    requeue=NOT_REQUEUED,
+    mark="lease-lost",
+    every_rank=False,
+    line="NOT requeued: another run took over the run dir's lease (exit code 3, the line above says which); two runs "
     "must not share a RUN_DIR ({run_dir})",
 )
 # A node failed its health check (trainer/health.py; its launcher leaves a record the requeue check
 # reads), or the all-reduce was below its floor (no record: requeued as any failure).
 HEALTH_FAILED = Outcome(
-    "a failed health check",
-    4,
-    False,
-    WITHOUT_NODES,
-    "health",
-    False,
-    "node(s) {names} failed the health check; requeueing without them (excluded: {excluded}; {count} of "
+    name="a failed health check",
+    code=4,
+    restart=False,
+    requeue=WITHOUT_NODES,
+    mark="health",
+    every_rank=False,
+    line="node(s) {names} failed the health check; requeueing without them (excluded: {excluded}; {count} of "
     "health.max_excluded={limit})",
 )
 # A node stopped answering (trainer/heartbeat.py): Slurm requeues the job itself (NODE_FAIL).
 NODE_LOST = Outcome(
-    "a lost node", 5, False, BY_SLURM, None, False, "{node}: {what} (no heartbeat for {silent_s:.0f} s); {after}"
+    name="a lost node",
+    code=5,
+    restart=False,
+    requeue=BY_SLURM,
+    mark=None,
+    every_rank=False,
+    line="{node}: {what} (no heartbeat for {silent_s:.0f} s); {after}",
 )
 
 # Every outcome, in the order of their exit codes. A code that two rows share means one requeue
