@@ -19,10 +19,10 @@
   crashed), up to `launch.max_restarts` times, without going back to the queue: torchrun's own
   restarts, each said in one line and a metrics.jsonl row. Bad input, divergence and stop signals
   never restart;
-* maps the outcome to exit codes: 0 finished or stopped cleanly (the checkpoint is saved),
-  2 bad input (the rank's one line is above), 3 the run dir's lease was lost to another run (not
-  requeued), 4 a failed health check (trainer/health.py: this node's, or the all-reduce's), anything
-  else a failure.
+* maps the outcome to exit codes, as trainer/outcomes.py's table says: 0 finished or stopped cleanly
+  (the checkpoint is saved), 2 bad input (the rank's one line is above), 3 the run dir's lease was
+  lost to another run (not requeued), 4 a failed health check (trainer/health.py: this node's, or
+  the all-reduce's), 5 a node stopped answering, anything else a failure.
 """
 
 from __future__ import annotations
