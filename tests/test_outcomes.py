@@ -148,3 +148,25 @@ def test_the_requeue_check_does_what_the_row_says(row, tmp_path, monkeypatch, ca
         assert result == 0 and "requeue 7" in calls.read_text()
         excluded = "update jobid=7 ExcNodeList=n2" in calls.read_text()
         assert excluded == (row.requeue == outcomes.WITHOUT_NODES), calls.read_text()
+
+
+@pytest.mark.parametrize("module", ["trainer/__main__.py", "trainer/launch.py", "trainer/requeue.py"])
+def test_the_modules_that_read_the_table_write_no_exit_code_of_their_own(module):
+    """#34 item 2: BAD_INPUT was defined twice (launch.py, requeue.py). An exit code other than 0 and
+    1 (finished, and the requeue check's own failure) named, returned or compared as a number, or a 128
+    + a signal's number, is one the table should give."""
+    numbers = []
+    for node in ast.walk(ast.parse((ROOT / module).read_text())):
+        values = []
+        if isinstance(node, (ast.Return, ast.Assign)):
+            values = [node.value]
+        elif isinstance(node, ast.Compare):
+            values = [node.left, *node.comparators]
+        elif isinstance(node, ast.BinOp):
+            values = [node.left, node.right]
+        numbers += [
+            (node.lineno, v.value)
+            for v in values
+            if isinstance(v, ast.Constant) and type(v.value) is int and v.value in {2, 3, 4, 5, 128}
+        ]
+    assert numbers == []
