@@ -13,7 +13,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin")
-HOST_MODULES = ["trainer/requeue.py", "trainer/layout.py", "trainer/files.py", "trainer/__init__.py"]
+HOST_MODULES = [
+    "trainer/requeue.py",
+    "trainer/outcomes.py",
+    "trainer/layout.py",
+    "trainer/files.py",
+    "trainer/__init__.py",
+]
 
 
 @pytest.fixture

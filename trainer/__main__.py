@@ -14,16 +14,11 @@ from trainer import signals
 signals.install()  # before the slow imports below: a stop signal during start-up is kept, not fatal
 signals.stop_with_launcher()  # a rank whose launcher died (kill -9) saves and stops, never trains on alone
 
-from trainer import launch
+from trainer import launch, outcomes
 from trainer.check import check_gpu_memory, check_gpus, validate
-from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError, load_run, resolve
-from trainer.data import DataError
-from trainer.dist import NodeError, exit_process, node_name, peer_gone, read_env, shutdown
-from trainer.health import HealthError
-from trainer.lease import LeaseError, LeaseLost
+from trainer.dist import exit_process, node_name, peer_gone, read_env, shutdown
 from trainer.metrics import setup_logging
-from trainer.requeue import HEALTH_FAILED, LEASE_LOST
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,12 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     env = read_env()
     setup_logging(env.rank)
 
-    def fail(message: str, code: int = 2) -> int:
-        if code == 2:  # first: this node's launcher may be signalled as soon as another node exits 2
-            launch.mark(launch.BAD_INPUT_MARK)
-        if env.rank == 0:  # every rank finds the same problem; one says it
-            print(f"error: {message}", file=sys.stderr, flush=True)
-        return code
+    def stop(outcome: outcomes.Outcome, line: str) -> int:
+        """Mark the outcome for this node's launcher, say `line`, and return the outcome's exit code."""
+        if outcome.mark:  # first: this node's launcher may be signalled as soon as another node exits
+            launch.mark(outcome.mark)
+        if outcome.every_rank or env.rank == 0:  # else every rank finds the same problem; one says it
+            print(line, file=sys.stderr, flush=True)
+        return outcome.code
 
     try:  # all of this before any process group or file exists
         cfg, where, notes = load_run(
@@ -63,40 +59,23 @@ def main(argv: list[str] | None = None) -> int:
         check_gpus(env.local_world_size)
         check_gpu_memory(cfg, env.world_size, env.device, env.local_world_size, where=where)
     except ConfigError as e:
-        return fail(str(e))
+        return stop(outcomes.BAD_INPUT, outcomes.RANK_ERROR.format(message=e))
     if env.rank == 0:
         for line in notes:
             print(line, flush=True)
 
-    from trainer.train import Diverged, StuckRank, train  # torch.distributed set-up lives there
+    from trainer.train import train  # torch.distributed set-up lives there
 
     try:
         train(cfg)
-    except (CheckpointError, DataError, NodeError, LeaseError) as e:
-        return fail(str(e))
-    except LeaseLost as e:  # another run has the run dir now: neither a success nor bad input, not requeued
-        launch.mark(launch.LEASE_LOST_MARK)  # not restarted: the run dir is another run's
-        return fail(str(e), code=LEASE_LOST)
-    except HealthError as e:  # the all-reduce below its floor: rank 0 said it; not restarted in the allocation
-        launch.mark(launch.HEALTH_MARK)
-        return fail(str(e), code=HEALTH_FAILED)
-    except Diverged as e:
-        launch.mark(launch.DIVERGED_MARK)  # not restarted: it would diverge again
-        return fail(str(e), code=1)  # not bad input: the run itself failed
-    except StuckRank as e:  # said by every rank that saw it: the stuck one may be rank 0
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 1
-    except RuntimeError as e:
+    except Exception as e:  # what each means: trainer/outcomes.py; any other is raised again
+        outcome = outcomes.of_exception(e)
+        if outcome is not None:  # bad input, a lost lease, a failed health check, divergence, a stuck rank
+            return stop(outcome, outcomes.RANK_ERROR.format(message=e))
         gone = peer_gone(e)
         if gone is None:  # a failure of this rank's own: its traceback says where
             raise
-        print(
-            f"error: rank {env.rank} on {node_name()}: a peer went away during a collective ({gone}); the "
-            "launcher says which rank or node failed first",
-            file=sys.stderr,
-            flush=True,
-        )
-        return 1
+        return stop(outcomes.PEER_GONE, outcomes.PEER_GONE.line.format(rank=env.rank, node=node_name(), gone=gone))
     finally:
         shutdown()  # for callers of main() in-process; exit_process below checks and skips it
     return 0

@@ -19,10 +19,10 @@
   crashed), up to `launch.max_restarts` times, without going back to the queue: torchrun's own
   restarts, each said in one line and a metrics.jsonl row. Bad input, divergence and stop signals
   never restart;
-* maps the outcome to exit codes: 0 finished or stopped cleanly (the checkpoint is saved),
-  2 bad input (the rank's one line is above), 3 the run dir's lease was lost to another run (not
-  requeued), 4 a failed health check (trainer/health.py: this node's, or the all-reduce's), anything
-  else a failure.
+* maps the outcome to exit codes, as trainer/outcomes.py's table says: 0 finished or stopped cleanly
+  (the checkpoint is saved), 2 bad input (the rank's one line is above), 3 the run dir's lease was
+  lost to another run (not requeued), 4 a failed health check (trainer/health.py: this node's, or
+  the all-reduce's), 5 a node stopped answering, anything else a failure.
 """
 
 from __future__ import annotations
@@ -38,8 +38,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from trainer import files, hangs, heartbeat, layout, signals, torch_compat
-from trainer.requeue import HEALTH_FAILED, LEASE_LOST, NODE_LOST
+from trainer import files, hangs, heartbeat, layout, outcomes, signals, torch_compat
 
 
 @dataclass
@@ -68,7 +67,6 @@ def node_name() -> str:
     return node_name()
 
 
-BAD_INPUT = 2
 # The job's --nodes as Slurm was asked (4, or a range 3-4): set by the batch script and the submitit
 # task, said when a node dies.
 NODES_ENV = "TRAINER_SLURM_NODES"
@@ -77,17 +75,17 @@ ROUND_ENV = "TRAINER_RDZV_ROUND"
 # Set for the ranks once this node's memory was checked for them (trainer/check.py validate): a
 # rank on the CPU then skips the same check, a model traced on the meta device (about 0.5 s a start).
 MEMORY_CHECKED_ENV = "TRAINER_MEMORY_CHECKED"
-# A rank that stops on bad input or divergence marks it in this node-local folder (named by the
-# launcher) before it exits: neither is restarted. Under Slurm, `srun --kill-on-bad-exit=1`
-# terminates every node's task as soon as the first one exits: a launcher whose own ranks stopped on
-# the same input may be signalled before it has seen their exit codes, and must still exit 2 (not
-# 143), or the requeue check requeues bad input.
+# A rank that stops on an outcome that is not restarted (bad input, divergence, a lost lease, a failed
+# health check: trainer/outcomes.py, Outcome.mark) marks it in this node-local folder (named by the
+# launcher) before it exits. Under Slurm, `srun --kill-on-bad-exit=1` terminates every node's task
+# as soon as the first one exits: a launcher whose own ranks stopped on the same input may be
+# signalled before it has seen their exit codes, and must still exit 2 (not 143), or the requeue
+# check requeues bad input.
 MARKS_ENV = signals.MARKS_ENV
-BAD_INPUT_MARK, DIVERGED_MARK, LEASE_LOST_MARK, HEALTH_MARK = "bad-input", "diverged", "lease-lost", "health"
 
 
 def mark(name: str) -> None:
-    """Called by a rank that is about to exit on bad input, divergence or a lost lease (trainer/__main__.py)."""
+    """Called by a rank that is about to exit on an outcome with a mark (trainer/__main__.py)."""
     folder = os.environ.get(MARKS_ENV)
     if folder:
         with files.open_append(os.path.join(folder, name)):
@@ -295,19 +293,6 @@ def _failed(pid: int) -> bool:
     return info is not None and not (info.si_code == os.CLD_EXITED and info.si_status == 0)
 
 
-def _no_restart(marks: str) -> str | None:
-    """Why the failed ranks must not be restarted (they said so: trainer/__main__.py), or None."""
-    for name, why in (
-        (BAD_INPUT_MARK, "bad input"),
-        (DIVERGED_MARK, "divergence"),
-        (LEASE_LOST_MARK, "a lost lease"),
-        (HEALTH_MARK, "a failed health check"),
-    ):
-        if os.path.exists(os.path.join(marks, name)):
-            return why
-    return None
-
-
 def _resume_point(run_dir: str) -> str:
     step = layout.latest_committed_step(run_dir)
     return f"step {step}, the newest checkpoint" if step is not None else "the start (no checkpoint yet)"
@@ -329,7 +314,7 @@ def lost_nodes_line(lost: list[str], nnodes: int, run_dir: str) -> str:
             f"the job ends, Slurm requeues it and it waits for {need} nodes (--nodes={asked or nnodes}; "
             f"MIN_NODES lets it go on with fewer), then resumes from {resume}"
         )
-    return f"{node_name()}: {what} (no heartbeat for {heartbeat.SILENT_S:.0f} s); {after}"
+    return outcomes.NODE_LOST.line.format(node=node_name(), what=what, silent_s=heartbeat.SILENT_S, after=after)
 
 
 def _restarting_agent(
@@ -349,56 +334,56 @@ def _restarting_agent(
     that node): the node is named in one line, kept in outcome["lost"], and the launch ends. Of the
     nodes whose ranks failed in the same round, only the one whose failure came first (a death by a
     signal before an exit, then the earlier) says the restart: the others' ranks failed after it.
-    Stop signals never get here: the agent raises SignalException instead of restarting."""
+    Stop signals never get here: the agent raises SignalException instead of restarting.
+
+    It is written against torch_compat.agent_class(), which hands torchrun's private hooks
+    (_start_workers, ...) to public names: a torch that renames one breaks there, not here."""
     from torch.distributed.elastic.agent.server.api import WorkerState
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     from trainer.metrics import START_ENV, process_started
 
     launched = process_started()
 
-    class RestartingAgent(LocalElasticAgent):
-        def _stop_workers(self, worker_group):
+    class RestartingAgent(torch_compat.agent_class()):
+        def stop_workers(self, worker_group):
             """Before a restart (and after the last failure): kill the ranks at once. torchrun would
             send SIGTERM and wait 30 s for each one that does not exit, but a restart resumes from the
             newest committed checkpoint, so nothing a rank still holds is kept, and the ranks it waits
             for are the stuck ones: stopped (SIGSTOP), or blocked in a collective with a dead rank.
             A hang's stacks are taken first (trainer/hangs.py Monitor)."""
             monitor.settle()
-            self._shutdown(signal.SIGKILL)
+            self.kill_workers()
             outcome["stopped"] = time.time()
 
-        def _start_workers(self, worker_group):
+        def start_workers(self, worker_group):
             """The ranks get this start's moments (metrics.START_ENV) for their resume row."""
             moments = {"launcher": launched, "rendezvous": round(time.time(), 3)}
             if "stopped" in outcome:
                 moments["stopped"] = round(outcome.pop("stopped"), 3)
             os.environ[START_ENV] = json.dumps(moments)
-            return super()._start_workers(worker_group)
+            return super().start_workers(worker_group)
 
-        def _rendezvous(self, worker_group):
-            holder = getattr(worker_group.spec.rdzv_handler, "_state_holder", None)
-            if hasattr(holder, "_cache_duration"):  # the state read at most every poll_s, not every second
-                holder._cache_duration = min(holder._cache_duration, poll_s)
-            super()._rendezvous(worker_group)
+        def rendezvous(self, worker_group):
+            self.cap_rendezvous_cache(worker_group, poll_s)  # the state read at most every poll_s, not every second
+            super().rendezvous(worker_group)
             # The ranks' process group keys (trainer/dist.py) are per rendezvous round, which every
             # node agrees on. The restart count is not: a node whose ranks had not failed yet
             # restarts for the others' new round without counting one.
-            state = getattr(getattr(worker_group.spec.rdzv_handler, "_state_holder", None), "state", None)
-            restarts = worker_group.spec.max_restarts - self._remaining_restarts
-            os.environ[ROUND_ENV] = str(getattr(state, "round", restarts))
+            round_ = self.rendezvous_round(worker_group)
+            restarts = worker_group.spec.max_restarts - self.restarts_left
+            os.environ[ROUND_ENV] = str(restarts if round_ is None else round_)
 
-        def _monitor_workers(self, worker_group):
+        def monitor_workers(self, worker_group):
             ended = {w.global_rank for w in worker_group.workers if w.id is not None and _ended(w.id)}
             if any(_failed(w.id) for w in worker_group.workers if w.id is not None):
                 # torchrun would stop the others with SIGTERM and wait 30 s for each that stays: as
-                # in _stop_workers, kill them at once, once a hang's stacks are taken.
+                # in stop_workers, kill them at once, once a hang's stacks are taken.
                 monitor.settle()
                 for w in worker_group.workers:
                     if w.id is not None and not _ended(w.id):
                         with contextlib.suppress(ProcessLookupError):
                             os.kill(w.id, signal.SIGKILL)
-            result = super()._monitor_workers(worker_group)  # stops every rank once one has failed
+            result = super().monitor_workers(worker_group)  # stops every rank once one has failed
             if result.state != WorkerState.FAILED or not result.failures:
                 return result
             rank, failure = outcome["first"] = first_failure(result.failures, ended)
@@ -415,15 +400,15 @@ def _restarting_agent(
                 )
             if lost:
                 beating.lost(lost)
-                self._remaining_restarts = 0
+                self.restarts_left = 0
                 _report_lost(outcome, lost, nnodes, run_dir, endpoint)
                 return result
-            if _no_restart(marks) or self._remaining_restarts <= 0:
-                self._remaining_restarts = 0
+            if outcomes.marked(marks) or self.restarts_left <= 0:  # not restarted, as the rank said
+                self.restarts_left = 0
                 return result
             if after_another:  # restarted all the same, said by the node whose rank failed first
                 return result
-            restart = worker_group.spec.max_restarts - self._remaining_restarts + 1
+            restart = worker_group.spec.max_restarts - self.restarts_left + 1
             step = layout.latest_committed_step(run_dir)
             node = node_name()
             start = _resume_point(run_dir)
@@ -494,7 +479,7 @@ def _stopped_for_health(run_dir: str, signal_name: str) -> str | None:
     if not nodes:
         return None
     which = f"node {nodes[0]}" if len(nodes) == 1 else "nodes " + ", ".join(nodes)
-    return f"{me}: stopped by {signal_name}: {which} of this job failed the health check (said above); nothing to save"
+    return outcomes.STOPPED_FOR_HEALTH.line.format(node=me, signal=signal_name, which=which)
 
 
 def _health_check(cfg) -> int:
@@ -517,7 +502,20 @@ def _health_check(cfg) -> int:
             health.record(cfg.run_dir, job, node, result.failure, cfg.health.max_excluded)
         except OSError as e:
             _say(f"could not record the failed health check in {cfg.run_dir}: {e}")
-    return HEALTH_FAILED
+    return outcomes.HEALTH_FAILED.code
+
+
+def _signalled_for_others(bad_input: str, run_dir: str, endpoint: str, outcome: dict, nnodes: int) -> int | None:
+    """The exit code of a launcher that srun stopped because of what its ranks or another node ended
+    on, or None: bad input (this node's ranks marked it as they stopped: another node's exit 2 made
+    srun kill this one, which must exit 2 as well), or a node another node named dead (said once)."""
+    if os.path.exists(bad_input):
+        return outcomes.BAD_INPUT.code
+    lost = heartbeat.named_lost(run_dir, endpoint) if endpoint else []
+    if lost and node_name() not in lost:  # srun's kill after another node named a dead one
+        _report_lost(outcome, lost, nnodes, run_dir, endpoint)
+        return outcomes.NODE_LOST.code
+    return None
 
 
 def _quiet_cpp_warnings() -> None:
@@ -552,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         if first:
             print(f"error: {e}", file=sys.stderr, flush=True)
-        return BAD_INPUT
+        return outcomes.BAD_INPUT.code
     done = layout.latest_committed_step(cfg.run_dir)
     if done is not None and done >= cfg.train.steps:  # what the ranks would say, before any check or set-up
         if first:
@@ -568,13 +566,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         where = f"{node_name()}: " if a.nnodes > 1 else ""
         print(f"error: {where}{e}", file=sys.stderr, flush=True)
-        return BAD_INPUT
+        return outcomes.BAD_INPUT.code
     try:
         validate(cfg, nproc * a.nnodes, where=where, overrides=a.overrides, ranks_per_node=nproc)
     except ConfigError as e:
         if first:
             print(f"error: {e}", file=sys.stderr, flush=True)
-        return BAD_INPUT
+        return outcomes.BAD_INPUT.code
     _say(device_line(nproc))
     if cfg.health.enabled:
         code = _health_check(cfg)
@@ -592,8 +590,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, forward)
     if _early:
         name = signal.Signals(_early[0]).name
-        _say(_stopped_for_health(cfg.run_dir, name) or f"received {name} before training started; nothing to save")
-        return 0
+        _say(_stopped_for_health(cfg.run_dir, name) or outcomes.STOPPED_BEFORE_TRAINING.line.format(signal=name))
+        return outcomes.STOPPED_BEFORE_TRAINING.code
 
     shutdown_s = signals.shutdown_budget(a.grace_seconds)
     os.environ.setdefault("OMP_NUM_THREADS", _threads_per_rank(nproc))
@@ -601,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
         args = torchrun.parse_args(_supported(torchrun_args(a, nproc, shutdown_s, cfg.launch.max_restarts)))
     except OSError as e:
         print(f"error: {node_name()}: {e}", file=sys.stderr, flush=True)
-        return BAD_INPUT
+        return outcomes.BAD_INPUT.code
     import torch
 
     gpus = torch.cuda.is_available()  # the ranks' NCCL records its collectives, dumped in a hang
@@ -612,88 +610,67 @@ def main(argv: list[str] | None = None) -> int:
     monitor = hangs.Monitor(cfg.run_dir, started, os.environ[hangs.HANG_DIR_ENV] if gpus else None)
     monitor.start()
     marks = tempfile.mkdtemp(prefix="trainer-launch-")
-    bad_input = os.path.join(marks, BAD_INPUT_MARK)
+    bad_input = os.path.join(marks, outcomes.BAD_INPUT.mark)
     os.environ[MARKS_ENV] = marks
     _quiet_torchrun(bad_input)
-    import torch.distributed.launcher.api as launcher_api
-
     outcome: dict = {}
-    agent_class = launcher_api.LocalElasticAgent
     endpoint = a.rdzv_endpoint if a.nnodes > 1 else ""
     beating = heartbeat.Heartbeat(cfg.run_dir, node_name(), endpoint) if endpoint else None
-    launcher_api.LocalElasticAgent = _restarting_agent(
-        cfg.run_dir, marks, outcome, monitor, beating, a.nnodes, rendezvous_poll_s(a.nnodes)
-    )
+    agent = _restarting_agent(cfg.run_dir, marks, outcome, monitor, beating, a.nnodes, rendezvous_poll_s(a.nnodes))
     if beating:
         beating.start()
     os.environ[MEMORY_CHECKED_ENV] = "1"  # validate() above checked it: for the ranks only
     try:
         try:
-            with _rendezvous_poll(rendezvous_poll_s(a.nnodes)):
+            with _rendezvous_poll(rendezvous_poll_s(a.nnodes)), torch_compat.agent_used(agent):
                 torchrun.run(args)
         except ChildFailedError as e:
             if outcome.get("lost"):
-                return NODE_LOST  # said in one line by the agent
-            codes = {f.exitcode for f in e.failures.values()}
-            if os.path.exists(bad_input) or (BAD_INPUT in codes and all(c == BAD_INPUT or c < 0 for c in codes)):
-                return BAD_INPUT  # the rank said what is wrong, in one line
-            if LEASE_LOST in codes and all(c == LEASE_LOST or c < 0 for c in codes):
-                return LEASE_LOST  # another run took the run dir: rank 0 said which, in one line
-            if HEALTH_FAILED in codes and all(c == HEALTH_FAILED or c < 0 for c in codes):
-                return HEALTH_FAILED  # the all-reduce was below its floor: rank 0 said it, in one line
+                return outcomes.NODE_LOST.code  # said in one line by the agent
+            if os.path.exists(bad_input):
+                return outcomes.BAD_INPUT.code  # the rank said what is wrong, in one line
+            passed_on = outcomes.of_rank_codes({f.exitcode for f in e.failures.values()})
+            if passed_on:  # bad input, a lost lease, the all-reduce below its floor: rank 0 said it, in one line
+                return passed_on.code
             report = monitor.report()
             if report:
                 _say(f"a rank stopped answering: see {report} (the stacks of the ranks are beside it)")
             rank, failure = outcome.get("first") or first_failure(e.failures)
-            _say(f"rank {rank} {_cause(failure)}")
-            return 1
+            _say(outcomes.FAILED.line.format(rank=rank, cause=_cause(failure)))
+            return outcomes.FAILED.code
         except SignalException as e:
-            if os.path.exists(bad_input):  # signalled as the ranks stopped on bad input (another node's srun kill)
-                return BAD_INPUT
-            lost = heartbeat.named_lost(cfg.run_dir, endpoint) if endpoint else []
-            if lost and node_name() not in lost:  # srun's kill after another node named a dead one
-                _report_lost(outcome, lost, a.nnodes, cfg.run_dir, endpoint)
-                return NODE_LOST
+            code = _signalled_for_others(bad_input, cfg.run_dir, endpoint, outcome, a.nnodes)
+            if code is not None:
+                return code
             status = layout.read_status(cfg.run_dir)
             name = signal.Signals(e.sigval).name
             unhealthy = _stopped_for_health(cfg.run_dir, name)
             if unhealthy and status.get("updated", 0) < started:  # no step ran: the job ends for that node
                 _say(unhealthy)
-                return 128 + int(e.sigval)
+                return outcomes.signal_code(e.sigval)
             if status.get("state") == "stopped" and status.get("updated", 0) >= started:
-                _say(
-                    f"stopped by {name} after step {status.get('step')}; the checkpoint is saved, a restart resumes "
-                    "there"
-                )
-                return 0
-            _say(
-                f"stopped by {name}; no checkpoint was saved by this start (ranks get {shutdown_s} s after the signal)"
-            )
-            return 128 + int(e.sigval)
+                _say(outcomes.STOPPED.line.format(signal=name, step=status.get("step")))
+                return outcomes.STOPPED.code
+            _say(outcomes.SIGNALLED.line.format(signal=name, shutdown_s=shutdown_s))
+            return outcomes.signal_code(e.sigval)
         except Exception as e:  # noqa: BLE001 - rendezvous and agent failures: one line, not a traceback
             # The rendezvous store lives on the first node: a dead first node is seen here first.
             lost = heartbeat.silent_nodes(cfg.run_dir, endpoint, node_name()) if endpoint else []
             if lost:
                 _report_lost(outcome, lost, a.nnodes, cfg.run_dir, endpoint)
-                return NODE_LOST
+                return outcomes.NODE_LOST.code
             first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""  # not a C++ stack
-            _say(f"torchrun failed: {type(e).__name__}: {first_line}")
-            return 1
+            _say(outcomes.TORCHRUN_FAILED.line.format(kind=type(e).__name__, first_line=first_line))
+            return outcomes.TORCHRUN_FAILED.code
         return 0
     except SignalException:  # a further signal while the outcome above was being mapped
-        if os.path.exists(bad_input):
-            return BAD_INPUT
-        lost = heartbeat.named_lost(cfg.run_dir, endpoint) if endpoint else []
-        if lost and node_name() not in lost:
-            _report_lost(outcome, lost, a.nnodes, cfg.run_dir, endpoint)
-            return NODE_LOST
-        return 1
+        code = _signalled_for_others(bad_input, cfg.run_dir, endpoint, outcome, a.nnodes)
+        return outcomes.FAILED.code if code is None else code
     finally:
         # The outcome is decided: a late signal must not turn it into a kill (Python restores the
         # default handlers while it exits, and torch's agent handler would raise here).
         for sig in signals.STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
-        launcher_api.LocalElasticAgent = agent_class  # main() may run again in this process (submitit)
         if beating:
             beating.stop()
         os.environ.pop(MEMORY_CHECKED_ENV, None)

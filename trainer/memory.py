@@ -47,9 +47,8 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from trainer import torch_compat
 from trainer.parallel import DTYPES
 
 # Bytes of optimizer state per parameter (float32): Adam(W) and Adadelta keep two tensors, SGD one
@@ -193,7 +192,7 @@ def _activation_peak(model, m, dtype: torch.dtype, gpu: bool = False) -> int:
     from trainer import models
 
     loss = models.spec(m).loss
-    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    params = {torch_compat.storage_key(p.untyped_storage()) for p in model.parameters()}
     peaks = []
     real_sdpa, real_rms_norm = torch.nn.functional.scaled_dot_product_attention, torch.nn.functional.rms_norm
     torch.nn.functional.scaled_dot_product_attention = _fused_attention
@@ -213,7 +212,7 @@ def _activation_peak(model, m, dtype: torch.dtype, gpu: bool = False) -> int:
     return max(0, (peaks[1] - peaks[0]) // 2)
 
 
-class _LiveBytes(TorchDispatchMode):
+class _LiveBytes(torch_compat.dispatch_mode_base()):
     """Counts the bytes of the storages that operations create while it is active, until each is
     freed (a weak reference's callback), and their highest total (`peak`); `skip`: storages not
     to count (the parameters)."""
@@ -224,10 +223,10 @@ class _LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
+        for t in torch_compat.leaves(out):
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()
-                key = storage._cdata
+                key = torch_compat.storage_key(storage)
                 if key not in self.skip and key not in self.alive:
                     self.live += storage.nbytes()
                     self.alive[key] = weakref.ref(storage, functools.partial(self._freed, key, storage.nbytes()))

@@ -9,6 +9,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from trainer import torch_compat
+
 if TYPE_CHECKING:
     import torch
 
@@ -127,4 +129,4 @@ def set_peak_lr(scheduler, args: OptimArgs, total_steps: int) -> None:
     lr = args.lr * lr_factor(args, total_steps, scheduler.last_epoch)
     for group in scheduler.optimizer.param_groups:
         group["initial_lr"], group["lr"] = args.lr, lr
-    scheduler._last_lr = [lr] * len(scheduler.base_lrs)
+    torch_compat.set_last_lr(scheduler, [lr] * len(scheduler.base_lrs))

@@ -17,20 +17,17 @@ import subprocess
 import sys
 import time
 
-from trainer import files, layout
+from trainer import files, layout, outcomes
 
-# Exit code of the training step that means bad input (trainer/launch.py): requeueing cannot help.
-BAD_INPUT = 2
-# Exit code of a training step whose run dir was taken over by another run (trainer/lease.py): that
-# run goes on in it; a requeued attempt would be refused, or worse, start over its checkpoints.
-LEASE_LOST = 3
-# Exit code of a node's launcher whose node failed the health check (trainer/health.py); it first
-# leaves a record in <run_dir>/slurm/health/<job>.<node>.json, which this check reads.
-HEALTH_FAILED = 4
+# The training step's exit codes this check tells apart (trainer/outcomes.py says what each means and
+# what follows; health.py, submit.py and the tests import them from here too).
+BAD_INPUT = outcomes.BAD_INPUT.code
+LEASE_LOST = outcomes.LEASE_LOST.code
+HEALTH_FAILED = outcomes.HEALTH_FAILED.code
+NODE_LOST = outcomes.NODE_LOST.code
+# Where a node's launcher that failed the health check (trainer/health.py) leaves its record,
+# <run_dir>/slurm/health/<job>.<node>.json, before it exits HEALTH_FAILED; this check reads it.
 HEALTH_RECORDS = ("slurm", "health")
-# Exit code of a training step that ended because a node stopped answering (trainer/launch.py,
-# trainer/heartbeat.py): Slurm requeues the job itself (NODE_FAIL).
-NODE_LOST = 5
 # A node name as Slurm's hostnames are: one name, never a hostlist ('n[1-4]') or a list ('n1,n2').
 NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,254}")
 
@@ -87,24 +84,12 @@ def requeue_check(run_dir, exit_code, max_attempts, job_id, max_excluded=0):
     prefix = "requeue-check: job {}:".format(job_id)
     where = "newest checkpoint: step {}".format(latest) if latest is not None else "no checkpoint yet"
     if status.get("state") == "finished" or (total is not None and latest == total):
-        print("{} training finished at step {}; {}".format(prefix, latest, run_dir), flush=True)
-        return 0
-    if exit_code == BAD_INPUT:
-        print(
-            "{} NOT requeued: the training step stopped on bad input (exit code 2, the line above says "
-            "what); fix it and submit again with the same RUN_DIR ({})".format(prefix, where),
-            file=sys.stderr,
-            flush=True,
-        )
-        return BAD_INPUT
-    if exit_code == LEASE_LOST:
-        print(
-            "{} NOT requeued: another run took over the run dir's lease (exit code 3, the line above says "
-            "which); two runs must not share a RUN_DIR ({})".format(prefix, run_dir),
-            file=sys.stderr,
-            flush=True,
-        )
-        return LEASE_LOST
+        print("{} {}".format(prefix, outcomes.FINISHED.line.format(step=latest, run_dir=run_dir)), flush=True)
+        return outcomes.FINISHED.code
+    outcome = outcomes.by_code(exit_code)
+    if outcome.requeue == outcomes.NOT_REQUEUED:  # bad input, a lost lease: the line above says what
+        print("{} {}".format(prefix, outcome.line.format(where=where, run_dir=run_dir)), file=sys.stderr, flush=True)
+        return outcome.code
 
     failed = health_records(run_dir, job_id, prefix)
     if failed:
@@ -270,11 +255,8 @@ def requeue_without(run_dir, job_id, failed, prefix, limit):
     # The requeue ends this job's processes, this one among them (SIGTERM; SIGKILL after KillWait):
     # it must live on to set the excluded nodes, which Slurm takes only once the job is pending again.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    print(
-        "{} node(s) {} failed the health check; requeueing without them (excluded: {}; {} of "
-        "health.max_excluded={})".format(prefix, names, exclude, len(mine) + len(new), limit),
-        flush=True,
-    )
+    line = outcomes.HEALTH_FAILED.line.format(names=names, excluded=exclude, count=len(mine) + len(new), limit=limit)
+    print("{} {}".format(prefix, line), flush=True)
     result = _scontrol("requeue", str(job_id))
     if result.returncode != 0:
         print("{} scontrol requeue failed: {}".format(prefix, result.stderr.strip()), file=sys.stderr, flush=True)

@@ -47,10 +47,9 @@ from concurrent.futures import Future
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-from trainer import checksums, files
+from trainer import checksums, files, torch_compat
 
 # The storage classes a pickled tensor names, by dtype (torch.serialization's own list).
 _STORAGE_DTYPES = {
@@ -97,7 +96,7 @@ class ShardReader(FileSystemReader):
         self.share = (rank, world_size)  # not self.rank: DCP sets that in set_up_storage_reader
 
     def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
-        metadata = load_metadata(self._get_metadata_path(kwargs.get("rank")))
+        metadata = load_metadata(torch_compat.metadata_path(self, kwargs.get("rank")))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -189,7 +188,7 @@ _METADATA_CLASSES = {
             "_MEM_FORMAT_ENCODING",
         )
     },
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): torch_compat.storage_info_class(),
     ("torch", "Size"): torch.Size,
     ("torch.serialization", "_get_layout"): _layout,
     **{

@@ -1,30 +1,49 @@
 """Every torch-private API the trainer touches, in one place, with the torch versions it was checked on.
 
-torch may rename or drop a private name in any release. Each use is listed in `PRIVATE` (module,
-name, who uses it, what happens where it is missing); `missing()` says which this torch lacks, and
-tests/test_torch_compat.py runs it in both test venvs (`make test`, `make test-compat`).
+torch may rename or drop a private name in any release. Nothing else in trainer/ names one: each use
+is a function here, listed in `PRIVATE` (a module's name), `AGENT` (a hook of torchrun's agent) or
+`ATTRIBUTES` (an attribute torch sets on its objects); `missing()` says which this torch lacks, and
+tests/test_torch_compat.py runs it in both test venvs (`make test`, `make test-compat`) and checks
+that no other module of trainer/ reaches into torch's private names.
 
 Checked on: torch 2.11.0 (.venv-compat, the H100 machines) and 2.14.1 (.venv), 2026-11-26.
 
-| private name                                   | used by                 | where missing            |
-|------------------------------------------------|-------------------------|--------------------------|
-| distributed_c10d._get_default_store            | train.py (store keys)   | the trainer cannot start |
-| elastic dynamic_rendezvous._delay              | launch.py (poll faster) | rendezvous polls at 1 s  |
-| torch.distributed.run parser `_actions`        | launch.py (options)     | the launch fails         |
-| LocalElasticAgent._start_workers, _stop_workers, _monitor_workers, _rendezvous, _shutdown,  |
-|   _remaining_restarts; rdzv handler _state_holder(.state, ._cache_duration) | launch.py's agent |
-|                                                | (see AGENT)             | the launch fails         |
-| algorithms._checkpoint.checkpoint_wrapper      | parallel.py (AC)        | AC cannot be used        |
-| distributed.tensor._utils.compute_local_shape_and_global_offset | hf.py  | HF import of a DTensor   |
-| checkpoint.filesystem._StorageInfo             | shard_reader.py         | checkpoints cannot load  |
-| torch._utils._rebuild_tensor_v2, serialization._get_layout | shard_reader.py's unpickler (names in the files) |
-| utils._python_dispatch.TorchDispatchMode, utils._pytree.tree_flatten | memory.py | the memory estimate |
+Each private name: who uses it (through which function here); what happens where it is missing.
+
+* distributed_c10d._get_default_store: train.py (default_store); the trainer cannot start.
+* elastic dynamic_rendezvous._delay: launch.py (rendezvous_poll); the rendezvous polls at 1 s.
+* torch.distributed.run's parser `_actions`: launch.py (torchrun_options); the launch fails.
+* LocalElasticAgent._start_workers, _stop_workers, _monitor_workers, _rendezvous, _shutdown,
+  SimpleElasticAgent._remaining_restarts, the rendezvous handler's _state_holder (.state,
+  ._cache_duration): launch.py's agent (agent_class, see AGENT and ATTRIBUTES); the launch fails.
+* algorithms._checkpoint.checkpoint_wrapper: parallel.py (checkpoint_wrapper); AC cannot be used.
+* distributed.tensor._utils.compute_local_shape_and_global_offset: hf.py (local_shape_and_offset);
+  no HF import of a DTensor.
+* checkpoint.filesystem._StorageInfo, FileSystemReader._get_metadata_path: shard_reader.py
+  (storage_info_class, metadata_path); checkpoints cannot load.
+* torch._utils._rebuild_tensor_v2, serialization._get_layout: names that checkpoint files' pickles
+  carry, which shard_reader.py's unpickler maps to its own functions (never torch's); checked here.
+* utils._python_dispatch.TorchDispatchMode, utils._pytree.tree_flatten, UntypedStorage._cdata:
+  memory.py (dispatch_mode_base, leaves, storage_key); no memory estimate.
+* LRScheduler._last_lr: optim.py (set_last_lr); get_last_lr() says the old lr until the next step
+  after a resumed run changed optim.lr.
+* nn.modules.batchnorm._BatchNorm: parallel.py (batch_norm_base; it still names it itself: it is
+  being rewritten beside this change); no BatchNorm statistics synced, or the trainer cannot start.
+  parallel.py's `module._buffers[name] = ...` needs no private name: setattr(module, name, tensor)
+  sets a registered buffer.
+
+Not calls, so not here: the `_checkpoint_wrapped_module.` prefix that checkpoint_wrapper puts in
+parameter names (parallel.py, hf.py and models/transformer_net.py take it out), and FileSystemReader's
+`_extension_registry` argument, passed through as shard_reader.py receives it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
+import inspect
+import signal
 
 # (module, attribute) of every private name above; a dotted attribute is looked up step by step.
 PRIVATE = [
@@ -33,17 +52,28 @@ PRIVATE = [
     ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "checkpoint_wrapper"),
     ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.distributed.checkpoint.filesystem", "FileSystemReader._get_metadata_path"),
     ("torch._utils", "_rebuild_tensor_v2"),
     ("torch.serialization", "_get_layout"),
     ("torch.utils._python_dispatch", "TorchDispatchMode"),
     ("torch.utils._pytree", "tree_flatten"),
+    ("torch", "UntypedStorage._cdata"),
+    ("torch.nn.modules.batchnorm", "_BatchNorm"),
 ]
-# What trainer/launch.py's agent (a LocalElasticAgent) overrides or reads of torchrun's agent.
+# The hooks of torchrun's agent (a LocalElasticAgent) that Agent below hands to public names.
 AGENT = ["_start_workers", "_stop_workers", "_monitor_workers", "_rendezvous", "_shutdown"]
+# (module, class, attribute) that torch sets on its objects (`self.<attribute> =` in the class's source):
+# read or set by Agent below and by set_last_lr.
+ATTRIBUTES = [
+    ("torch.distributed.elastic.agent.server.api", "SimpleElasticAgent", "_remaining_restarts"),
+    ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "DynamicRendezvousHandler", "_state_holder"),
+    ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_BackendRendezvousStateHolder", "_cache_duration"),
+    ("torch.optim.lr_scheduler", "LRScheduler", "_last_lr"),
+]
 
 
 def missing() -> list[str]:
-    """The private names of PRIVATE and AGENT that this torch lacks (empty where all are there)."""
+    """The private names of PRIVATE, AGENT and ATTRIBUTES that this torch lacks (empty where all are there)."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     gone = []
@@ -55,6 +85,13 @@ def missing() -> list[str]:
         except (ImportError, AttributeError):
             gone.append(f"{module}.{name}")
     gone += [f"LocalElasticAgent.{name}" for name in AGENT if not hasattr(LocalElasticAgent, name)]
+    for module, cls, name in ATTRIBUTES:
+        try:
+            source = inspect.getsource(getattr(importlib.import_module(module), cls))
+        except (ImportError, AttributeError, OSError, TypeError):
+            source = ""
+        if f"self.{name} =" not in source and f"self.{name}: " not in source:
+            gone.append(f"{module}.{cls}.{name}")
     return gone
 
 
@@ -93,6 +130,89 @@ def rendezvous_poll(poll_s: float):
         dynamic_rendezvous._delay = original
 
 
+@functools.cache
+def agent_class() -> type:
+    """torchrun's agent (LocalElasticAgent) with its private hooks handed to public names: the one
+    seam trainer/launch.py's agent is written against. As torchelastic's own subclasses do
+    (LocalElasticAgent over SimpleElasticAgent), a subclass overrides a hook and calls super() for
+    torch's behaviour; only its names differ, so that a torch that renames a hook breaks here, in one
+    class that tests/test_torch_compat.py checks, not in the launcher's logic.
+
+    A subclass overrides start_workers, stop_workers, monitor_workers, rendezvous (torch's
+    _start_workers, ...); it reads and sets restarts_left (the restarts torchrun has left in this
+    launch), and calls kill_workers() (every rank at once, SIGKILL), rendezvous_round() and
+    cap_rendezvous_cache(). Built once, on first use: importing this module does not import torch."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    class Agent(LocalElasticAgent):
+        # torch calls these; each hands over to the public name below
+        def _start_workers(self, worker_group):
+            return self.start_workers(worker_group)
+
+        def _stop_workers(self, worker_group):
+            return self.stop_workers(worker_group)
+
+        def _monitor_workers(self, worker_group):
+            return self.monitor_workers(worker_group)
+
+        def _rendezvous(self, worker_group):
+            return self.rendezvous(worker_group)
+
+        # torch's own behaviour, what a subclass's super() call reaches
+        def start_workers(self, worker_group):
+            return LocalElasticAgent._start_workers(self, worker_group)
+
+        def stop_workers(self, worker_group):
+            return LocalElasticAgent._stop_workers(self, worker_group)
+
+        def monitor_workers(self, worker_group):
+            return LocalElasticAgent._monitor_workers(self, worker_group)
+
+        def rendezvous(self, worker_group):
+            return LocalElasticAgent._rendezvous(self, worker_group)
+
+        def kill_workers(self) -> None:
+            """Every rank of this node killed at once (SIGKILL), as torch's shutdown does it."""
+            self._shutdown(signal.SIGKILL)
+
+        @property
+        def restarts_left(self) -> int:
+            return self._remaining_restarts
+
+        @restarts_left.setter
+        def restarts_left(self, value: int) -> None:
+            self._remaining_restarts = value
+
+        @staticmethod
+        def rendezvous_round(worker_group):
+            """The round of the rendezvous this node's ranks started in (the same on every node), or
+            None where the handler is not torchrun's dynamic one."""
+            holder = getattr(worker_group.spec.rdzv_handler, "_state_holder", None)
+            return getattr(getattr(holder, "state", None), "round", None)
+
+        @staticmethod
+        def cap_rendezvous_cache(worker_group, seconds: float) -> None:
+            """The rendezvous state is read again at most `seconds` after the last read (torchrun: 1 s)."""
+            holder = getattr(worker_group.spec.rdzv_handler, "_state_holder", None)
+            if hasattr(holder, "_cache_duration"):
+                holder._cache_duration = min(holder._cache_duration, seconds)
+
+    return Agent
+
+
+@contextlib.contextmanager
+def agent_used(agent: type):
+    """torchrun's launcher starts `agent` (a subclass of agent_class()) in place of its own while this runs."""
+    import torch.distributed.launcher.api as launcher_api
+
+    original = launcher_api.LocalElasticAgent
+    launcher_api.LocalElasticAgent = agent
+    try:
+        yield
+    finally:
+        launcher_api.LocalElasticAgent = original  # main() may run again in this process (submitit)
+
+
 def checkpoint_wrapper(module):
     """`module` wrapped for activation checkpointing (torch's wrapper, still under a private path)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as wrap
@@ -105,3 +225,47 @@ def local_shape_and_offset(param):
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     return compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+
+
+def storage_info_class() -> type:
+    """DCP's record of where a tensor lies in a shard file, a class its .metadata pickles name."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return _StorageInfo
+
+
+def metadata_path(reader, rank: int | None):
+    """The path of the .metadata file a FileSystemReader `reader` reads for `rank`."""
+    return reader._get_metadata_path(rank)
+
+
+def dispatch_mode_base() -> type:
+    """torch's TorchDispatchMode: the base of a mode that sees every op dispatched while it is on."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
+def leaves(tree) -> list:
+    """The leaves of a nest of lists, tuples and dicts (an op's outputs), in order."""
+    from torch.utils._pytree import tree_flatten
+
+    return tree_flatten(tree)[0]
+
+
+def storage_key(storage) -> int:
+    """What tells one tensor storage from another while both live, on the meta device too (where
+    data_ptr() is 0 for all)."""
+    return storage._cdata
+
+
+def set_last_lr(scheduler, lrs: list[float]) -> None:
+    """What `scheduler.get_last_lr()` answers until its next step."""
+    scheduler._last_lr = list(lrs)
+
+
+def batch_norm_base() -> type:
+    """The base class of every BatchNorm of torch (1d, 2d, 3d, lazy and synced)."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    return _BatchNorm
