@@ -64,7 +64,8 @@ def _exception_classes() -> set[tuple[str, str]]:
     """(module, name) of every class in trainer/ that derives from an exception (by its bases' names)."""
     found = set()
     for path in sorted((ROOT / "trainer").rglob("*.py")):
-        module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)  # a package's: its own name
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef):
                 bases = [ast.unparse(b) for b in node.bases]

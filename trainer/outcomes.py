@@ -190,6 +190,7 @@ RAISED = {
     ("trainer.data", "DataError"): BAD_INPUT,
     ("trainer.dist", "NodeError"): BAD_INPUT,
     ("trainer.lease", "LeaseError"): BAD_INPUT,
+    ("trainer.models", "FamilyError"): BAD_INPUT,  # model.family names no usable module (on this node)
     ("trainer.lease", "LeaseLost"): LEASE_LOST,
     ("trainer.health", "HealthError"): HEALTH_FAILED,
     ("trainer.train", "Diverged"): DIVERGED,
