@@ -266,6 +266,33 @@ def one_line(proc: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
+# A Hugging Face llama config small enough for a folder in a test (hf_folder).
+HF_CONFIG = {
+    "model_type": "llama",
+    "vocab_size": 256,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+}
+
+
+def hf_folder(tmp_path, config=HF_CONFIG, index: str | None = None) -> Path:
+    """A Hugging Face folder as trainer.check reads it: config.json and a safetensors file (its header
+    is read, not its names), with `index` as model.safetensors.index.json if given."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "hf"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file({"model.norm.weight": torch.ones(32)}, str(folder / "model.safetensors"))
+    if index is not None:
+        (folder / "model.safetensors.index.json").write_text(index)
+    return folder
+
+
 # ---- the local Slurm cluster (make slurm-up): tests/test_slurm_jobs.py, test_slurm_failures.py ----
 
 FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL")

@@ -280,7 +280,7 @@ def test_the_config_and_its_validation_need_no_torch(tmp_path, start):
     when it starts from a Hugging Face folder (config.json and the weights' headers are read)."""
     overrides = [f"run_dir={tmp_path / 'run'}"]
     if start == "hf":
-        from test_bad_input import hf_folder
+        from conftest import hf_folder
 
         overrides.append(f"model.init_from={hf_folder(tmp_path)}")
     code = (
