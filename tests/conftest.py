@@ -229,6 +229,53 @@ def corpus(n: int, seed: int = 0) -> list[str]:
     ]
 
 
+# ---- what an attacker plants in a run dir, and a checkpoint tampered with -------------------------
+
+SECRET = "the victim's own file\n"  # the text of the `secret` fixture's file
+
+
+@pytest.fixture
+def secret(tmp_path):
+    """A file of the victim's own, which a link planted in a run dir points to."""
+    path = tmp_path / "secret"
+    path.write_text(SECRET)
+    return path
+
+
+def plant(kind: str, path: Path, secret: Path) -> None:
+    """Put at `path` what someone else could: a link to `secret`, a FIFO, or a folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "link":
+        os.symlink(secret, path)
+    elif kind == "fifo":
+        os.mkfifo(path)
+    else:
+        os.mkdir(path)
+
+
+def load_metadata(folder):
+    """A checkpoint folder's .metadata (DCP's pickle), to tamper with."""
+    import pickle
+
+    with open(os.path.join(folder, ".metadata"), "rb") as f:
+        return pickle.load(f)  # only ever a file this test wrote or is about to tamper with
+
+
+def rerecord(folder) -> None:
+    """Record the folder's files again, as someone who tampers with a checkpoint would: the
+    checksums then agree, and only the reader's own care stands in the way."""
+    from trainer import checksums
+
+    for name in os.listdir(folder):
+        if name.endswith(checksums.SUFFIX):
+            shard = os.path.join(folder, name[: -len(checksums.SUFFIX)])
+            size, digest = checksums.checksum_file(shard)
+            with open(shard + checksums.SUFFIX, "w") as f:
+                json.dump({"size": size, "xxh3_64": digest}, f)
+    if os.path.exists(os.path.join(folder, "manifest.json")):  # checkpoints saved since issue 27
+        checksums.write_manifest(str(folder), json.load(open(os.path.join(folder, "meta.json"))).get("run_id"))
+
+
 # ---- bad input: one line, exit 2, nothing written -----------------------------------------------
 
 DEFAULT = str(ROOT / "configs" / "default.yaml")  # the default config, as the bad-input tests name it
