@@ -54,7 +54,7 @@ def test_a_killed_rank_restarts_every_rank_from_the_newest_checkpoint(tmp_path):
 
 def test_divergence_is_not_restarted(tmp_path):
     """A diverged run would diverge again: one error line, exit 1, no restart. (Bad input is not
-    restarted either: tests/test_bad_input.py's launcher tests see one line.)"""
+    restarted either: tests/test_bad_input_launch.py's tests see one line.)"""
     proc = launch(tmp_path / "run", "optim.lr=1e30", "optim.warmup_steps=0", "train.grad_clip=null")
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 1
