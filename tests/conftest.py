@@ -54,12 +54,12 @@ def env(gpu: bool = False) -> dict:
 
 
 def run_command(
-    cmd: list, timeout: float | None = 120, extra_env: dict | None = None, **kw
+    cmd: list, timeout: float | None = 120, extra_env: dict | None = None, gpu: bool = False, **kw
 ) -> subprocess.CompletedProcess:
-    """`cmd` in the repository with the trainer's environment (env(), then `extra_env`), to its end;
+    """`cmd` in the repository with the trainer's environment (env(gpu), then `extra_env`), to its end;
     its output captured as text. `kw`: more of subprocess.run's arguments (umask)."""
     return subprocess.run(
-        cmd, cwd=ROOT, env={**env(), **(extra_env or {})}, capture_output=True, text=True, timeout=timeout, **kw
+        cmd, cwd=ROOT, env={**env(gpu), **(extra_env or {})}, capture_output=True, text=True, timeout=timeout, **kw
     )
 
 
@@ -87,14 +87,7 @@ def train(
 ) -> subprocess.CompletedProcess:
     """Run the trainer to the end; fail the test with its output if the exit code is not `expect`.
     `module`: what `python -m` runs (a test's own entry point into the trainer)."""
-    proc = subprocess.run(
-        command(run_dir, nproc, overrides, config, module),
-        cwd=ROOT,
-        env=env(gpu),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    proc = run_command(command(run_dir, nproc, overrides, config, module), timeout=timeout, gpu=gpu)
     if proc.returncode != expect:
         pytest.fail(
             f"trainer exited {proc.returncode}, expected {expect}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
