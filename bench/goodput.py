@@ -10,7 +10,7 @@ each event strikes once the run has logged its step since the previous recovery.
   hang        SIGSTOP of one rank: the others' collective times out after parallel.timeout_s, the
               hang is written down (trainer/hangs.py), the ranks are restarted in the allocation
   preemption  an exclusive job of the `urgent` partition on the job's nodes: SIGTERM, the ranks
-              save, the job is requeued (Slurm's ~120 s hold cut to 2 s, as tests/test_slurm.py
+              save, the job is requeued (Slurm's ~120 s hold cut to 2 s, as tests/test_slurm_failures.py
               does, and left out of the wall time) and resumes
 
   node_death  one node's slurmd and the job's processes on it killed (bench/nodes.py), as a power

@@ -1,13 +1,12 @@
 """BatchNorm under FSDP: the running statistics are averaged over the ranks before evaluation and
 saving, so neither depends on the rank (each rank's own statistics follow its own batches)."""
 
-import subprocess
 import textwrap
 
 import pytest
 import torch
 
-from conftest import ROOT, TORCHRUN, env, train, weights
+from conftest import TORCHRUN, run_command, train, weights
 
 pytestmark = pytest.mark.slow  # every test trains on 2 processes
 
@@ -58,14 +57,7 @@ SCRIPT = textwrap.dedent("""
 def test_running_stats_are_equal_on_all_ranks_after_a_step(tmp_path):
     script = tmp_path / "bn.py"
     script.write_text(SCRIPT)
-    proc = subprocess.run(
-        [TORCHRUN, "--standalone", "--nproc-per-node=2", str(script), *RESNET],
-        cwd=ROOT,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_command([TORCHRUN, "--standalone", "--nproc-per-node=2", str(script), *RESNET], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
     assert float(lines["differed"]) > 1e-3  # the ranks' batches gave them different statistics

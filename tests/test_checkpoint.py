@@ -13,14 +13,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import (
-    PYTHON,
-    ROOT,
     TINY,
     assert_same_losses,
     assert_same_weights,
-    env,
     kill_group,
     losses,
+    python,
     rows,
     start,
     train,
@@ -209,14 +207,7 @@ def test_raising_steps_continues_and_export_round_trips(tmp_path):
     assert "at step 6" in out and sorted(losses(tmp_path)) == list(range(1, 9))
 
     for name in ("model.pt", "model.safetensors"):
-        proc = subprocess.run(
-            [PYTHON, "-m", "trainer.export", str(tmp_path), "--out", str(tmp_path / name)],
-            cwd=ROOT,
-            env=env(),
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        proc = python("-m", "trainer.export", str(tmp_path), "--out", str(tmp_path / name), timeout=120)
         assert proc.returncode == 0, proc.stderr
     state = torch.load(tmp_path / "model.pt", weights_only=True)
     from safetensors.torch import load_file

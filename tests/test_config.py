@@ -4,13 +4,12 @@ code 2, no traceback, nothing written."""
 import os
 import re
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 import yaml
 
-from conftest import ROOT, env
+from conftest import ROOT, python
 from trainer import check
 from trainer.check import check_devices, validate
 from trainer.config import ConfigError, load, resolve
@@ -206,7 +205,7 @@ def test_too_many_processes_for_this_machine():
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    return python(*args, timeout=120)
 
 
 @pytest.mark.slow  # an interpreter of trainer.check or the trainer per case
@@ -280,7 +279,7 @@ def test_the_config_and_its_validation_need_no_torch(tmp_path, start):
     when it starts from a Hugging Face folder (config.json and the weights' headers are read)."""
     overrides = [f"run_dir={tmp_path / 'run'}"]
     if start == "hf":
-        from test_bad_input import hf_folder
+        from conftest import hf_folder
 
         overrides.append(f"model.init_from={hf_folder(tmp_path)}")
     code = (
@@ -290,7 +289,5 @@ def test_the_config_and_its_validation_need_no_torch(tmp_path, start):
         f"cfg, where, notes = load_run('configs/default.yaml', {overrides!r})\n"
         "print(validate(cfg, 2, where=where, ranks_per_node=None), cfg.model.name)\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120
-    )
+    proc = python("-c", code, timeout=120)
     assert proc.returncode == 0 and proc.stdout == "[] transformer\n", proc.stderr

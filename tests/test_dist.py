@@ -3,7 +3,6 @@ follow the machine. GPUs cannot run here, so their presence is mocked and what t
 hand to torch.distributed is checked. How a rank that finished leaves is run for real."""
 
 import re
-import socket
 import subprocess
 import sys
 import textwrap
@@ -11,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from conftest import ROOT, TORCHRUN, env
+from conftest import ROOT, TORCHRUN, env, run_command
 from trainer import dist, metrics
 
 LAUNCHER_VARS = (
@@ -194,14 +193,7 @@ def test_ranks_that_finished_exit_0_with_all_they_printed(tmp_path):
         "train.global_batch_size=8",
     ]
     for attempt in range(6):
-        proc = subprocess.run(
-            [TORCHRUN, "--standalone", "--nproc-per-node=2", str(script), *overrides],
-            cwd=ROOT,
-            env=env(),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        proc = run_command([TORCHRUN, "--standalone", "--nproc-per-node=2", str(script), *overrides], timeout=300)
         assert proc.returncode == 0, f"attempt {attempt}: {proc.stderr[-3000:]}"
         assert sorted(proc.stdout.splitlines()) == ["rank 0 averaged True counted 2", "rank 1 averaged True counted 2"]
 
@@ -253,9 +245,7 @@ def test_a_collective_whose_peer_went_away_is_one_line(tmp_path):
     lost peer (a rank's own failure, a timeout: those keep their traceback), as torch words them."""
     script = tmp_path / "peer.py"
     script.write_text(PEER_SCRIPT)
-    with socket.socket() as s:  # a free port for the two ranks' store
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = str(dist.free_port("127.0.0.1"))  # for the two ranks' store
     ranks = [
         subprocess.Popen(
             [sys.executable, str(script), str(rank)],

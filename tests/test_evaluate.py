@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from conftest import PYTHON, ROOT, TINY, env, train
+from conftest import TINY, metrics, python, train
 from trainer import generate as gen
 
 pytestmark = pytest.mark.slow  # a module fixture trains a run
@@ -26,14 +26,7 @@ def run(tmp_path_factory):
 
 
 def evaluate(run_dir, *args) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [PYTHON, "-m", "trainer.evaluate", str(run_dir), *map(str, args)],
-        cwd=ROOT,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return python("-m", "trainer.evaluate", str(run_dir), *map(str, args), timeout=300)
 
 
 def snapshot(run_dir) -> dict[str, str]:
@@ -43,10 +36,6 @@ def snapshot(run_dir) -> dict[str, str]:
         for p in sorted(run_dir.rglob("*"))
         if p.is_file() and p.name != "metrics.jsonl"
     }
-
-
-def metrics(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_evaluate_gives_the_training_loops_eval_loss_and_writes_one_row_only(run):

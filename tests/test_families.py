@@ -6,14 +6,12 @@ from __future__ import annotations
 import json
 import math
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import ROOT, TINY, env, rows, train, weights
+from conftest import ROOT, TINY, python, rows, train, weights
 from tests.toy_family_net import TinyMLP
 from toy_family import FAMILY
 from trainer import models
@@ -60,7 +58,7 @@ def test_the_family_specs_need_no_torch(tmp_path):
         "except ImportError as e:\n"
         "    print(e)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60)
+    proc = python("-c", code, timeout=60)
     assert proc.returncode == 0 and proc.stdout == "[]\n[]\nimport of torch halted; None in sys.modules\n", proc.stderr
 
 

@@ -7,23 +7,8 @@ import stat
 
 import pytest
 
+from conftest import plant
 from trainer import files
-
-
-@pytest.fixture
-def secret(tmp_path):
-    path = tmp_path / "secret"
-    path.write_text("the victim's own file\n")
-    return path
-
-
-def plant(kind, path, secret):
-    if kind == "link":
-        os.symlink(secret, path)
-    elif kind == "fifo":
-        os.mkfifo(path)
-    else:
-        os.mkdir(path)
 
 
 @pytest.mark.parametrize("kind", ["link", "fifo", "folder"])

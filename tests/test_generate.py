@@ -6,7 +6,6 @@ file made by trainer.prepare with a tokenizer trained here (nothing is downloade
 
 import json
 import os
-import random
 import stat
 import subprocess
 from pathlib import Path
@@ -17,7 +16,7 @@ import torch
 os.environ["HF_HUB_OFFLINE"] = "1"
 tokenizers = pytest.importorskip("tokenizers")
 
-from conftest import PYTHON, ROOT, TINY, env, train  # noqa: E402 - after HF_HUB_OFFLINE is set above
+from conftest import TINY, corpus, export_hf, python, train  # noqa: E402 - after HF_HUB_OFFLINE is set above
 from trainer import generate as gen  # noqa: E402 - after HF_HUB_OFFLINE is set above
 from trainer import models  # noqa: E402 - after HF_HUB_OFFLINE is set above
 
@@ -25,12 +24,6 @@ pytestmark = pytest.mark.slow  # a module fixture trains a run
 
 EOS = "<|endoftext|>"
 PROMPT = "the cat sees"
-
-
-def corpus(n: int) -> list[str]:
-    rng = random.Random(0)
-    words = ["the cat", "a dog", "my bird", "sees", "eats", "likes", "the fish.", "a bone.", "some seeds."]
-    return [" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -50,24 +43,17 @@ def run(tmp_path_factory):
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS}))
     (root / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    proc = subprocess.run(
-        [
-            PYTHON,
-            "-m",
-            "trainer.prepare",
-            str(root / "docs.jsonl"),
-            "--tokenizer",
-            str(folder),
-            "--out",
-            str(root / "train.bin"),
-            "--workers",
-            "1",
-            "--no-progress",
-        ],
-        cwd=ROOT,
-        env=env(),
-        capture_output=True,
-        text=True,
+    proc = python(
+        "-m",
+        "trainer.prepare",
+        str(root / "docs.jsonl"),
+        "--tokenizer",
+        str(folder),
+        "--out",
+        str(root / "train.bin"),
+        "--workers",
+        "1",
+        "--no-progress",
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
@@ -84,25 +70,7 @@ def run(tmp_path_factory):
 
 
 def generate_cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [PYTHON, "-m", "trainer.generate", *map(str, args)],
-        cwd=ROOT,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
-def export_hf(run_dir, out, umask: int) -> None:
-    """trainer.export --format hf in this process, under `umask`."""
-    from trainer.export import main as export
-
-    old = os.umask(umask)
-    try:
-        assert export([str(run_dir), "--format", "hf", "--out", str(out)]) == 0
-    finally:
-        os.umask(old)
+    return python("-m", "trainer.generate", *map(str, args), timeout=300)
 
 
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640)], ids=["umask_022", "umask_027"])
@@ -112,7 +80,7 @@ def test_exported_files_follow_the_umask(run, tmp_path, umask, mode):
     from trainer.export import main as export
 
     run_dir, _ = run
-    export_hf(run_dir, tmp_path / "hf", umask)
+    export_hf(run_dir, tmp_path / "hf", umask=umask)
     old = os.umask(umask)
     try:
         for name in ("model.safetensors", "model.pt"):
@@ -129,7 +97,7 @@ def test_export_copies_the_tokenizer_of_the_token_file(run, tmp_path):
     """Defect 5: only a run started from model.init_from passed a tokenizer on; one trained on a
     prepared token file left the folder without one."""
     run_dir, folder = run
-    export_hf(run_dir, tmp_path / "hf", 0o022)
+    export_hf(run_dir, tmp_path / "hf", umask=0o022)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (tmp_path / "hf" / name).read_bytes() == (folder / name).read_bytes()
     loaded = tokenizers.Tokenizer.from_file(str(tmp_path / "hf" / "tokenizer.json"))
@@ -152,7 +120,7 @@ def test_greedy_output_is_transformers_greedy_generate(run, tmp_path, capsys):
     from a checkpoint saved by 2 processes; and as text, what the run's tokenizer decodes."""
     transformers = pytest.importorskip("transformers")
     run_dir, folder = run
-    export_hf(run_dir, tmp_path / "hf", 0o022)
+    export_hf(run_dir, tmp_path / "hf", umask=0o022)
     capsys.readouterr()
     tok = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
     prompt = tok.encode(PROMPT, add_special_tokens=False).ids

@@ -8,12 +8,12 @@ import os
 import re
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TINY, env, rows, wait_for
+import conftest
+from conftest import ROOT, env, rows, wait_for
 from trainer import hangs
 
 TIMEOUT = ["parallel.timeout_s=10"]  # the smallest that lets a step finish on a loaded 2-core machine
@@ -21,24 +21,15 @@ TIMEOUT = ["parallel.timeout_s=10"]  # the smallest that lets a step finish on a
 
 def launch(run_dir, *args: str, pythonpath: str = "") -> subprocess.Popen:
     """The launcher with 2 ranks; 25 s of grace: torchrun kills a stopped rank 5 s after the first exit."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "trainer.launch",
-        "--nproc-per-node=2",
-        "--grace-seconds=25",
-        "--config",
-        str(ROOT / "configs/default.yaml"),
-        f"run_dir={run_dir}",
-        *TINY,
+    extra_env = {"PYTHONPATH": f"{pythonpath}{os.pathsep}{env()['PYTHONPATH']}"} if pythonpath else None
+    return conftest.launch(
+        run_dir,
         *TIMEOUT,
         "launch.max_restarts=0",  # the hang's evidence and exit, not the restart that follows (tests/test_restart.py)
         *args,
-    ]
-    e = env()
-    if pythonpath:
-        e["PYTHONPATH"] = f"{pythonpath}{os.pathsep}{e['PYTHONPATH']}"
-    return subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        options=["--grace-seconds=25"],
+        extra_env=extra_env,
+    )
 
 
 def ranks_of(launcher_pid: int) -> dict[int, int]:

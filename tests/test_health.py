@@ -1,6 +1,6 @@
 """The health check's judgements (trainer/health.py), each on its own: only the GPUs are mocked (a
 fake device whose matmul is wrong, a node that sees fewer GPUs than assigned). The ranks' all-reduce
-is measured in real 2-process runs: test_launch.py (gloo, one node), test_slurm.py (two nodes)."""
+is measured in real 2-process runs: test_launch.py (gloo, one node), test_slurm_failures.py (two nodes)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Which node stopped answering (trainer/heartbeat.py) and what the launcher says then: the files of
-the shared run dir, with real beating threads, in one process (the cluster test is in test_slurm.py)."""
+the shared run dir, with real beating threads, in one process (the cluster test is in test_slurm_failures.py)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,6 @@
 
 import json
 import os
-import subprocess
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ import torch
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing is downloaded: every model is made here
 transformers = pytest.importorskip("transformers")
 
-from conftest import PYTHON, ROOT, TINY, env, train, weights
+from conftest import TINY, export_hf, python, train, weights
 from trainer import hf, models
 from trainer.config import (
     Config,
@@ -233,19 +232,6 @@ def test_the_run_dirs_own_checkpoints_win_over_init_from(tmp_path, sharded_llama
     assert "resumed from" in proc.stdout + proc.stderr
 
 
-def export_hf(run_dir, out, *options) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [PYTHON, "-m", "trainer.export", str(run_dir), "--format", "hf", "--out", str(out), *options],
-        cwd=ROOT,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return proc
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_export_loads_in_transformers_with_the_same_logits(tmp_path, tied):
@@ -277,22 +263,16 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, tied):
 @pytest.mark.slow
 def test_export_refuses_a_bad_shard_size(tmp_path):
     train(tmp_path / "run", 1, *TINY, "train.steps=1")
-    proc = subprocess.run(
-        [
-            PYTHON,
-            "-m",
-            "trainer.export",
-            str(tmp_path / "run"),
-            "--format",
-            "hf",
-            "--out",
-            str(tmp_path / "out"),
-            "--max-shard-size",
-            "lots",
-        ],
-        cwd=ROOT,
-        env=env(),
-        capture_output=True,
-        text=True,
+    proc = python(
+        "-m",
+        "trainer.export",
+        str(tmp_path / "run"),
+        "--format",
+        "hf",
+        "--out",
+        str(tmp_path / "out"),
+        "--max-shard-size",
+        "lots",
+        timeout=None,
     )
     assert proc.returncode == 2 and "--max-shard-size: size 'lots'" in proc.stderr

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY, kill_group, losses, rows, start, train, wait_for, weights
+from conftest import TINY, kill_group, load_metadata, losses, rerecord, rows, start, train, wait_for, weights
 from trainer import checkpoint, layout
 
 pytestmark = pytest.mark.slow  # every test trains in real processes (damaged checkpoints, the kill -9 soak)
@@ -359,9 +359,7 @@ def _replace_bytes_item(folder: Path, suffix: str, value) -> None:
     import io
     import pickle
 
-    from test_trust import _load_metadata, _rerecord
-
-    metadata = _load_metadata(folder)
+    metadata = load_metadata(folder)
     index, info = next((i, s) for i, s in metadata.storage_data.items() if i.fqn.endswith(suffix))
     data = io.BytesIO()
     torch.save(value, data)
@@ -372,14 +370,12 @@ def _replace_bytes_item(folder: Path, suffix: str, value) -> None:
     metadata.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(data.getvalue()))
     with open(folder / ".metadata", "wb") as f:
         pickle.dump(metadata, f)
-    _rerecord(folder)
+    rerecord(folder)
 
 
 def _replace_rng(folder: Path, rank: int, state: torch.Tensor) -> None:
-    from test_trust import _rerecord
-
     torch.save({"torch": state}, folder / "rng" / f"rank_{rank:05d}.pt")
-    _rerecord(folder)
+    rerecord(folder)
 
 
 @pytest.mark.slow

@@ -16,34 +16,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT, TINY, env, rows, wait_for
+from conftest import ROOT, TINY, launch, rows, run_command, wait_for
 from trainer import layout, signals
 from trainer.launch import interface_address
 
 pytestmark = pytest.mark.slow  # every test starts the launcher with 2 ranks
-
-
-def launch(run_dir, *args: str, extra_env: dict | None = None, **kw) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "trainer.launch",
-        "--nproc-per-node=2",
-        "--config",
-        str(ROOT / "configs/default.yaml"),
-        f"run_dir={run_dir}",
-        *TINY,
-        *args,
-    ]
-    return subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env={**env(), **(extra_env or {})},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        **kw,
-    )
 
 
 def test_bad_input_is_one_line_and_exit_2_before_anything_is_written(tmp_path):
@@ -137,7 +114,7 @@ def test_a_signal_during_an_evaluation_stops_every_rank_at_that_step(tmp_path):
         "eval.interval=3",
         "eval.batches=1",
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    proc = run_command(cmd, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "stopped by signal after step 3; the checkpoint is saved" in proc.stdout + proc.stderr
     assert layout.read_status(run_dir)["step"] == 3 and layout.latest_committed_step(run_dir) == 3

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PYTHON, ROOT, TINY, env, rows, wait_for
+from conftest import PYTHON, ROOT, TINY, rows, run_command, wait_for
 from trainer import layout
 from trainer import lease as lease_module
 from trainer.lease import STALE_S, Lease, LeaseError
@@ -201,7 +201,7 @@ def test_a_run_in_another_pid_namespace_is_refused_and_a_run_that_loses_its_leas
     2. lease.json then overwritten by another run: no checkpoint is committed or deleted after it,
        every rank stops within a step or two, one line names the new owner, and the launcher exits
        with requeue.LEASE_LOST (not 0, a clean stop; not 2, bad input)."""
-    from test_launch import launch
+    from conftest import launch
     from trainer.requeue import LEASE_LOST
 
     run_dir = tmp_path / "run"
@@ -209,7 +209,7 @@ def test_a_run_in_another_pid_namespace_is_refused_and_a_run_that_loses_its_leas
     try:
         wait_for(lambda: (layout.latest_committed_step(run_dir) or 0) >= 2, 120, "the run to save")
         owner = json.loads((run_dir / "lease.json").read_text())
-        second = subprocess.run(
+        second = run_command(
             [
                 "unshare",
                 "--pid",
@@ -224,10 +224,6 @@ def test_a_run_in_another_pid_namespace_is_refused_and_a_run_that_loses_its_leas
                 *TINY,
                 "train.steps=100000",
             ],
-            cwd=ROOT,
-            env=env(),
-            capture_output=True,
-            text=True,
             timeout=60,
         )
         assert second.returncode == 2, second.stderr[-3000:]

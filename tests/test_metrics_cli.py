@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
 
 import numpy as np
 import pytest
 
-from conftest import PYTHON, ROOT, env
+from conftest import python
 from trainer import metrics
 
 
@@ -47,14 +46,7 @@ def test_the_summary_matches_the_file(tmp_path):
 def test_the_command_prints_a_line_per_run_and_plots_each_run(tmp_path):
     a, b = _run(tmp_path)
     png = tmp_path / "loss.png"
-    proc = subprocess.run(
-        [PYTHON, "-m", "trainer.metrics", str(a), str(b), "--plot", str(png)],
-        cwd=ROOT,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = python("-m", "trainer.metrics", str(a), str(b), "--plot", str(png), timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].startswith(f"{a}: 6 steps, loss 1.9000 (best 1.9000 at step 6), eval at step 6: eval_loss 2.2500")
@@ -72,14 +64,7 @@ def test_the_command_prints_a_line_per_run_and_plots_each_run(tmp_path):
 
 @pytest.mark.slow  # an interpreter of trainer.metrics
 def test_a_folder_without_metrics_is_one_line(tmp_path):
-    proc = subprocess.run(
-        [PYTHON, "-m", "trainer.metrics", str(tmp_path)],
-        cwd=ROOT,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = python("-m", "trainer.metrics", str(tmp_path), timeout=120)
     assert proc.returncode == 2 and proc.stderr == f"error: {tmp_path}: no metrics.jsonl (is it a run dir?)\n"
 
 
@@ -95,9 +80,7 @@ def test_escape_sequences_are_never_printed_and_a_string_step_or_time_is_skipped
         {"step": "\x1b[2J4", "loss": 0.5, "time": 4.0},
     ]
     _write(run, rows)
-    proc = subprocess.run(
-        [PYTHON, "-m", "trainer.metrics", str(run)], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120
-    )
+    proc = python("-m", "trainer.metrics", str(run), timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert not any(c < " " for c in proc.stdout.replace("\n", "")), repr(proc.stdout)
     assert proc.stdout.startswith(f"{run}: 1 steps, loss 2.0000") and "eval_x 1.0000" in proc.stdout

@@ -1,7 +1,6 @@
 """Each model builds and takes a real optimizer step; the datasets read real files made here."""
 
 import struct
-import subprocess
 
 import numpy as np
 import pytest
@@ -100,30 +99,16 @@ def write_mnist(root, n: int) -> None:
 @pytest.mark.slow  # an interpreter of trainer.data
 def test_fake_mnist_is_the_idx_format_the_reader_takes(tmp_path):
     """The command a user without internet runs: its files are what torchvision's MNIST reads."""
-    from conftest import PYTHON, ROOT, env
+    from conftest import python
 
-    proc = subprocess.run(
-        [PYTHON, "-m", "trainer.data", "fake-mnist", str(tmp_path), "--samples", "12"],
-        cwd=ROOT,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = python("-m", "trainer.data", "fake-mnist", str(tmp_path), "--samples", "12", timeout=120)
     assert proc.returncode == 0, proc.stderr
     raw = tmp_path / "MNIST" / "raw"
     assert sorted(p.name for p in raw.iterdir()) == sorted(data.MNIST_FILES)
     assert (raw / "t10k-labels-idx1-ubyte").read_bytes()[:8] == struct.pack(">II", 2049, 12)
     ds = data.mnist(str(tmp_path), train=False, download=False)
     assert len(ds) == 12 and ds[7][1] == 7
-    again = subprocess.run(
-        [PYTHON, "-m", "trainer.data", "fake-mnist", str(tmp_path)],
-        cwd=ROOT,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    again = python("-m", "trainer.data", "fake-mnist", str(tmp_path), timeout=120)
     assert again.returncode == 2 and "never overwrites" in again.stderr
 
 

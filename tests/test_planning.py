@@ -6,20 +6,13 @@ import subprocess
 
 import pytest
 
-from conftest import PYTHON, ROOT, env
+from conftest import ROOT, python
 from trainer import check, memory
 from trainer.config import load
 
 
 def run_check(*args) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [PYTHON, "-m", "trainer.check", *map(str, args)],
-        cwd=ROOT,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return python("-m", "trainer.check", *map(str, args), timeout=300)
 
 
 @pytest.mark.slow

@@ -6,30 +6,11 @@ and one line names the file. In this process, function by function; one real sta
 import json
 import os
 import stat
-import subprocess
 
 import pytest
 
-from conftest import ROOT as REPO
-from conftest import TINY, command, env
+from conftest import SECRET, TINY, command, plant, run_command
 from trainer import files, layout
-
-SECRET = "the victim's own file\n"
-
-
-@pytest.fixture
-def secret(tmp_path):
-    path = tmp_path / "secret"
-    path.write_text(SECRET)
-    return path
-
-
-def plant(kind, path, secret):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if kind == "link":
-        os.symlink(secret, path)
-    else:
-        os.mkfifo(path)
 
 
 def untouched(secret, run):
@@ -172,14 +153,7 @@ def test_the_metrics_command_names_a_fifo_and_exits(tmp_path):
     run.mkdir()
     (run / layout.METRICS_FILE).write_text(json.dumps({"step": 1, "loss": 2.0, "time": 1.0}) + "\n")
     os.mkfifo(run / layout.SUPERSEDED_FILE)
-    proc = subprocess.run(
-        [command(run, 1, [])[0], "-m", "trainer.metrics", str(run)],
-        cwd=REPO,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_command([command(run, 1, [])[0], "-m", "trainer.metrics", str(run)], timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.splitlines() == [
         f"error: {run / layout.SUPERSEDED_FILE} is a FIFO, not a regular file: move it away; a run dir's "
@@ -193,7 +167,7 @@ def test_a_fifo_at_status_json_stops_the_trainer_before_it_starts(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     os.mkfifo(run / layout.STATUS_FILE)
-    proc = subprocess.run(command(run, 1, TINY), cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+    proc = run_command(command(run, 1, TINY), timeout=300)
     assert proc.returncode == 2, proc.stderr
     assert f"{run / layout.STATUS_FILE} is a FIFO, where the run keeps its status.json file" in proc.stderr
     assert stat.S_ISFIFO(os.lstat(run / layout.STATUS_FILE).st_mode)

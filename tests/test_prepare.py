@@ -4,31 +4,16 @@ it; a sidecar that does not fit the model stops the start with one line."""
 
 import json
 import os
-import random
 import subprocess
 
 import numpy as np
 import pytest
 
-from conftest import PYTHON, ROOT, TINY, env, rows, train
+from conftest import TINY, corpus, python, rows, train
 
 tokenizers = pytest.importorskip("tokenizers")
 
 EOS = "<|endoftext|>"
-
-
-def corpus(n: int, seed: int = 0) -> list[str]:
-    """Sentences from a small grammar: learnable structure."""
-    rng = random.Random(seed)
-    subjects, verbs, objects = (
-        ["the cat", "a dog", "my bird", "the fox"],
-        ["sees", "eats", "likes"],
-        ["the fish.", "a bone.", "some seeds."],
-    )
-    return [
-        " ".join(f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)}" for _ in range(rng.randint(1, 4)))
-        for _ in range(n)
-    ]
 
 
 @pytest.fixture(scope="module")
@@ -51,14 +36,7 @@ def inputs(tmp_path_factory):
 
 
 def prepare(*args) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [PYTHON, "-m", "trainer.prepare", *map(str, args)],
-        cwd=ROOT,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return python("-m", "trainer.prepare", *map(str, args), timeout=300)
 
 
 def test_tokens_in_order_with_an_end_of_document_token_between(inputs, tmp_path):

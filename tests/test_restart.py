@@ -7,32 +7,15 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT, TINY, assert_same_weights, env, rows, train, wait_for, weights
+from conftest import TINY, assert_same_weights, launch, rows, train, wait_for, weights
 from trainer import layout
 from trainer.dist import node_name
 from trainer.metrics import LogArgs, Reporter
 
 pytestmark = pytest.mark.slow  # kills and restarts trainer runs
-
-
-def launch(run_dir, *overrides: str) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "trainer.launch",
-        "--nproc-per-node=2",
-        "--config",
-        str(ROOT / "configs/default.yaml"),
-        f"run_dir={run_dir}",
-        *TINY,
-        *overrides,
-    ]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def test_a_killed_rank_restarts_every_rank_from_the_newest_checkpoint(tmp_path):
@@ -71,7 +54,7 @@ def test_a_killed_rank_restarts_every_rank_from_the_newest_checkpoint(tmp_path):
 
 def test_divergence_is_not_restarted(tmp_path):
     """A diverged run would diverge again: one error line, exit 1, no restart. (Bad input is not
-    restarted either: tests/test_bad_input.py's launcher tests see one line.)"""
+    restarted either: tests/test_bad_input_launch.py's tests see one line.)"""
     proc = launch(tmp_path / "run", "optim.lr=1e30", "optim.warmup_steps=0", "train.grad_clip=null")
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 1

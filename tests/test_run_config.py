@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 
-from conftest import PYTHON, ROOT, TINY, env, train
+from conftest import ROOT, TINY, python, train
 
 pytestmark = pytest.mark.slow  # trains and restarts a run
 
@@ -28,13 +26,8 @@ def test_a_restart_keeps_the_runs_overrides_and_says_what_differs(tmp_path):
     other = tmp_path / "other.yaml"
     other.write_text((ROOT / "configs" / "default.yaml").read_text().replace("lr: 3.0e-3", "lr: 0.01"))
     assert "lr: 0.01" in other.read_text()
-    check = subprocess.run(
-        [PYTHON, "-m", "trainer.check", "--config", str(other), f"run_dir={run}", *TINY, "train.steps=10"],
-        cwd=ROOT,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
+    check = python(
+        "-m", "trainer.check", "--config", str(other), f"run_dir={run}", *TINY, "train.steps=10", timeout=120
     )
     assert check.returncode == 0, check.stderr
     assert (

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY, env, rows, train
+from trainer.dist import free_port
 
 pytestmark = pytest.mark.slow  # trains runs, starts TensorBoard and MLflow servers
 
@@ -24,12 +24,6 @@ CRASHED = [*TINY, "checkpoint.interval=3", "checkpoint.keep=0"]
 def _crash_after_logging(run_dir: Path) -> None:
     """What a kill between step 6's rows and its save leaves: the rows of 4-6, the newest checkpoint 3."""
     shutil.rmtree(run_dir / "checkpoints" / "step_00000006")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str, timeout: float = 60):
@@ -67,7 +61,7 @@ def test_tensorboard_holds_each_step_once_after_a_restart(tensorboard_run):
 
 
 def test_a_real_tensorboard_server_serves_the_loss_series(tensorboard_run):
-    port = _free_port()
+    port = free_port("127.0.0.1")
     server = subprocess.Popen(
         [
             str(Path(sys.executable).parent / "tensorboard"),
@@ -109,7 +103,7 @@ def test_wandb_offline_continues_the_same_run(tmp_path, monkeypatch):
 
 def test_mlflow_server_gets_one_run_continued_after_a_restart(tmp_path, monkeypatch):
     pytest.importorskip("mlflow")
-    port = _free_port()
+    port = free_port("127.0.0.1")
     server = subprocess.Popen(
         [
             str(Path(sys.executable).parent / "mlflow"),

@@ -21,8 +21,8 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension, ZStandard
 from torch.distributed.checkpoint.api import CheckpointException
 
-from conftest import TINY, losses, train
-from trainer import checkpoint, checksums
+from conftest import TINY, load_metadata, losses, rerecord, train
+from trainer import checkpoint
 from trainer.shard_reader import ShardReader
 
 
@@ -41,24 +41,6 @@ def said(caplog) -> str:
     return "\n".join(r.getMessage() for r in caplog.records if r.name == "trainer")
 
 
-def _load_metadata(folder):
-    with open(os.path.join(folder, ".metadata"), "rb") as f:
-        return pickle.load(f)  # only ever a file this test wrote or is about to tamper with
-
-
-def _rerecord(folder) -> None:
-    """Record the folder's files again, as someone who tampers with a checkpoint would: the
-    checksums then agree, and only the reader's own care stands in the way."""
-    for name in os.listdir(folder):
-        if name.endswith(checksums.SUFFIX):
-            shard = os.path.join(folder, name[: -len(checksums.SUFFIX)])
-            size, digest = checksums.checksum_file(shard)
-            with open(shard + checksums.SUFFIX, "w") as f:
-                json.dump({"size": size, "xxh3_64": digest}, f)
-    if os.path.exists(os.path.join(folder, "manifest.json")):  # checkpoints saved since issue 27
-        checksums.write_manifest(str(folder), json.load(open(os.path.join(folder, "meta.json"))).get("run_id"))
-
-
 def as_saved_before_manifests(folder) -> None:
     """Make `folder` a checkpoint as saved before issue 27: no manifest.json, and a meta.json that
     does not say its commit wrote one (nor the run id, younger still)."""
@@ -72,17 +54,17 @@ def as_saved_before_manifests(folder) -> None:
 
 def plant_metadata(folder, marker) -> None:
     """DCP's .metadata of `folder`, still good for DCP, now also creating `marker` when unpickled."""
-    metadata = _load_metadata(folder)
+    metadata = load_metadata(folder)
     metadata.storage_meta.modules = [Payload(marker)]
     with open(os.path.join(folder, ".metadata"), "wb") as f:
         pickle.dump(metadata, f)
-    _rerecord(folder)
+    rerecord(folder)
 
 
 def plant_bytes_item(folder, marker, suffix: str) -> None:
     """The first pickled (bytes) item whose name ends with `suffix` pointed at a torch.save of the
     payload appended to its shard file, .metadata and checksums rewritten to match."""
-    metadata = _load_metadata(folder)
+    metadata = load_metadata(folder)
     index, info = next(
         (i, s) for i, s in sorted(metadata.storage_data.items(), key=lambda e: e[0].fqn) if i.fqn.endswith(suffix)
     )
@@ -95,7 +77,7 @@ def plant_bytes_item(folder, marker, suffix: str) -> None:
     metadata.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(payload.getvalue()))
     with open(os.path.join(folder, ".metadata"), "wb") as f:
         pickle.dump(metadata, f)
-    _rerecord(folder)
+    rerecord(folder)
 
 
 # -- in this process: a process group of one, a tiny model ----------------------------------------

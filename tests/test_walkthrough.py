@@ -14,6 +14,7 @@ import urllib.request
 import pytest
 
 from conftest import ROOT, env, rows, wait_for
+from trainer.dist import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -23,14 +24,6 @@ def walkthrough() -> list[str]:
     section = text[text.index("## A run's life") :]
     block = section[section.index("```sh\n") + 6 :]
     return block[: block.index("```")].splitlines()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_runs_life_as_the_readme_walks_it(tmp_path):
@@ -70,7 +63,7 @@ def test_a_runs_life_as_the_readme_walks_it(tmp_path):
     # 2. the rest, each as written
     for argv in commands[1:]:
         if os.path.basename(argv[0]) == "tensorboard":
-            port = _free_port()
+            port = free_port("127.0.0.1")
             server = subprocess.Popen(
                 [*argv, "--port", str(port)], cwd=ROOT, env=e, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
             )
