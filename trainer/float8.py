@@ -18,11 +18,14 @@ train float8 on the CPU; it is no faster.
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 import torch
 import torch.nn as nn
 
 from trainer.config import Config, ParallelArgs
+
+log = logging.getLogger("trainer")
 
 # float8 matmuls (torch._scaled_mm) need Ada or Hopper tensor cores: compute capability 8.9 or newer.
 MIN_CAPABILITY = (8, 9)
@@ -91,25 +94,47 @@ def _linears(model: nn.Module, blocks) -> list[tuple[str, nn.Linear]]:
     ]
 
 
-def convert(model: nn.Module, args: ParallelArgs, blocks, fsdp: bool) -> None:
+def convert(model: nn.Module, args: ParallelArgs, blocks, fsdp_ranks: int) -> None:
     """Swap the blocks' linear layers for torchao's Float8Linear, in place; before fully_shard, so
-    that FSDP shards (and, tensorwise, all-gathers in float8) their weights."""
+    that FSDP shards (and, tensorwise, all-gathers in float8) their weights. `fsdp_ranks`: how many
+    ranks FSDP shards a weight over (0: no FSDP).
+
+    Float8 all-gather only where each rank holds as many rows: torchao 0.18 casts the unpadded
+    shard (its fsdp_pre_all_gather takes the mesh alone, so FSDP2 does not check it), and a rank
+    whose shard FSDP padded sends fewer bytes than the all-gather expects (64 rows on 3 ranks:
+    gloo aborts on the size mismatch). Such a layer is all-gathered in param_dtype, then cast."""
+    import dataclasses
+
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
+    linears = _linears(model, blocks)
     if args.float8 == "tensorwise":
-        config = Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp, emulate=args.float8_emulate)
+        config = Float8LinearConfig(emulate=args.float8_emulate)
     else:
-        import dataclasses
-
         config = dataclasses.replace(Float8LinearConfig.from_recipe_name("rowwise"), emulate=args.float8_emulate)
         # torchtitan's workaround for pytorch#150859: compiled rowwise casts must round as eager ones do
-        torch._inductor.config.emulate_precision_casts = True
-    targets = {id(m) for _, m in _linears(model, blocks)}
-    convert_to_float8_training(model, config=config, module_filter_fn=lambda m, _fqn: id(m) in targets)
-    if config.enable_fsdp_float8_all_gather:
-        for module in model.modules():
-            if type(module).__name__ == "Float8Linear":
-                module.register_state_dict_post_hook(_plain_weight)
+        from torch._inductor import config as inductor
+
+        inductor.emulate_precision_casts = True
+    gathered = set()
+    if args.float8 == "tensorwise" and fsdp_ranks:
+        gathered = {id(m) for _, m in linears if m.out_features % fsdp_ranks == 0}
+        uneven = [name for name, m in linears if id(m) not in gathered]
+        if uneven:
+            log.info(
+                "float8: %d linear layer(s) (%s) have rows that %d ranks do not share evenly: they are "
+                "all-gathered in param_dtype, the others in float8",
+                len(uneven),
+                ", ".join(uneven[:3]) + (", ..." if len(uneven) > 3 else ""),
+                fsdp_ranks,
+            )
+        all_gather = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+        convert_to_float8_training(model, config=all_gather, module_filter_fn=lambda m, _fqn: id(m) in gathered)
+    rest = {id(m) for _, m in linears} - gathered
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda m, _fqn: id(m) in rest)
+    for module in model.modules():
+        if type(module).__name__ == "Float8Linear":  # a no-op where the weight is a plain tensor
+            module.register_state_dict_post_hook(_plain_weight)
 
 
 def _plain_weight(module: nn.Module, state_dict: dict, prefix: str, _local_metadata) -> None:

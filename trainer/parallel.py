@@ -81,7 +81,8 @@ def apply(model: nn.Module, args: ParallelArgs, env: Env, blocks: Blocks) -> nn.
     if args.float8 != "none":  # first, as torchtitan: compile, checkpointing and FSDP see the float8 layers
         from trainer import float8
 
-        float8.convert(model, args, blocks, fsdp=args.strategy == "fsdp")
+        shards = (args.shard_size or env.local_world_size) if args.sharding == "hybrid" else env.world_size
+        float8.convert(model, args, blocks, fsdp_ranks=shards if args.strategy == "fsdp" else 0)
     units = units_of(model, args, blocks)
     if args.compile:
         for unit in units:
