@@ -5,7 +5,8 @@ What runs: 50 steps of the tiny transformer in bf16 and in float8 (tensorwise wi
 all-gather, and rowwise) on 2 gloo ranks; the float8 losses stay within FLOAT8_RTOL of bf16's. The
 tensorwise run's step-25 checkpoint resumed on 2 and on 3 ranks continues as the uninterrupted run;
 loaded with float8=none it continues too, and its export to Hugging Face holds the checkpoint's
-weights (float32, unchanged). A layer whose rows 3 ranks do not share evenly trains too.
+weights (float32, unchanged). A run stopped by a signal resumes on 3 ranks. A layer whose rows 3
+ranks do not share evenly trains too.
 The refusals: no GPU of compute capability 8.9+, no compile, a dimension not divisible by 16,
 no torchao, each one line before anything is written.
 """
@@ -13,12 +14,27 @@ no torchao, each one line before anything is written.
 from __future__ import annotations
 
 import importlib.util
+import os
+import signal
 import subprocess
 
 import pytest
 import torch
 
-from conftest import PYTHON, ROOT, TINY, assert_same_losses, assert_same_weights, env, losses, train, weights
+from conftest import (
+    PYTHON,
+    ROOT,
+    TINY,
+    assert_same_losses,
+    assert_same_weights,
+    env,
+    losses,
+    rows,
+    start,
+    train,
+    wait_for,
+    weights,
+)
 from trainer import config, hf
 from trainer.check import check_float8, validate
 from trainer.config import ConfigError
@@ -91,6 +107,26 @@ def test_a_float8_checkpoint_resumes_as_the_uninterrupted_run(runs, tmp_path, np
     assert_same_losses(losses(tmp_path), expected, rtol=1e-5 if nproc == 2 else 1e-3)
     if nproc == 2:
         assert_same_weights(weights(tmp_path), weights(source))
+
+
+@pytest.mark.slow
+def test_a_float8_run_stopped_by_a_signal_resumes_on_3_ranks(runs, tmp_path):
+    """Stopped mid-run (SIGTERM to torchrun, as Slurm or docker stop), saved at that step and
+    restarted on 3 ranks: the steps before the stop are the uninterrupted run's very losses, the
+    ones after within the 3-rank tolerance above."""
+    overrides = [*BF16, "parallel.float8=tensorwise", *EMULATED]
+    job = start(tmp_path, 2, *overrides)
+    wait_for(lambda: len(rows(tmp_path)) >= 5, what="5 logged steps")
+    os.kill(job.pid, signal.SIGTERM)
+    out = job.communicate(timeout=120)[0]
+    assert "stopped by signal after step" in out, out[-3000:]
+    stopped = max(losses(tmp_path))
+    assert 5 <= stopped < STEPS
+    train(tmp_path, 3, *overrides)
+    reference = losses(runs["tensorwise"])
+    got = losses(tmp_path)
+    assert {s: got[s] for s in got if s <= stopped} == {s: reference[s] for s in reference if s <= stopped}
+    assert_same_losses(got, reference, rtol=1e-3)
 
 
 @pytest.mark.slow
