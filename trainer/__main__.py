@@ -15,7 +15,7 @@ signals.install()  # before the slow imports below: a stop signal during start-u
 signals.stop_with_launcher()  # a rank whose launcher died (kill -9) saves and stops, never trains on alone
 
 from trainer import launch, outcomes
-from trainer.check import check_gpu_memory, check_gpus, validate
+from trainer.check import check_float8, check_gpu_memory, check_gpus, validate
 from trainer.config import ConfigError, load_run, resolve
 from trainer.dist import exit_process, node_name, peer_gone, read_env, shutdown
 from trainer.metrics import setup_logging
@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = resolve(cfg, where=where, world_size=env.world_size)  # as config.yaml records it
         check_gpus(env.local_world_size)
         check_gpu_memory(cfg, env.world_size, env.device, env.local_world_size, where=where)
+        check_float8(cfg, env.device, where=where)
     except ConfigError as e:
         return stop(outcomes.BAD_INPUT, outcomes.RANK_ERROR.format(message=e))
     if env.rank == 0:

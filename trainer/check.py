@@ -225,6 +225,12 @@ def validate(
             fail("parallel.shard_size", f"{shard} does not divide the {world_size} processes; choose a divisor")
     if p.strategy == "none" and world_size > 1:
         fail("parallel.strategy", f"is 'none' but {world_size} processes run; use fsdp or ddp")
+    if p.float8 != "none":  # torchao, compile, the blocks' dimensions; the GPU is each rank's check_float8
+        from trainer.float8 import config_problem
+
+        problem = config_problem(cfg)
+        if problem:
+            fail("parallel.float8", problem)
 
     # files
     c = cfg.checkpoint
@@ -467,6 +473,17 @@ def check_gpus(local_world_size: int) -> None:
             f"own GPU: start at most {have} per node (torchrun --nproc-per-node={have}), or hide the "
             f"GPUs (CUDA_VISIBLE_DEVICES=) to train on the CPU"
         )
+
+
+def check_float8(cfg: Config, device: torch.device, where: str = "config") -> None:
+    """Each rank: float8 matmuls need its GPU to have compute capability 8.9+ (emulation runs anywhere)."""
+    if cfg.parallel.float8 == "none":
+        return
+    from trainer.float8 import device_problem
+
+    problem = device_problem(cfg.parallel, device)
+    if problem:
+        raise ConfigError(f"{where}: parallel.float8: {problem}")
 
 
 def main(argv: list[str] | None = None) -> int:

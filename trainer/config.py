@@ -113,6 +113,11 @@ class ParallelArgs:
     cpu_offload: bool = False  # keep sharded params, grads and optimizer state in host memory
     activation_checkpointing: bool = False  # recompute each block's activations in backward
     compile: bool = False  # torch.compile each block and the loss
+    # float8 matmuls in the blocks' linear layers (torchao: pip install .[float8]); tensorwise: one scale a
+    # tensor, weights all-gathered in float8 under FSDP; rowwise: one scale a row, closer to bf16, slower.
+    # Needs a GPU of compute capability 8.9+ and compile=true. The head and embeddings stay as they are.
+    float8: Literal["none", "tensorwise", "rowwise"] = "none"
+    float8_emulate: bool = False  # float8 math emulated in high precision, on any device: for tests, no faster
     # Seconds a collective of the training process group waits for a rank that does not answer;
     # then the run stops with an error naming the step (exit code 1), so that Slurm can requeue it.
     timeout_s: int = 600

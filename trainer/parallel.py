@@ -78,6 +78,11 @@ def units_of(model: nn.Module, args: ParallelArgs, blocks: Blocks) -> list[nn.Mo
 def apply(model: nn.Module, args: ParallelArgs, env: Env, blocks: Blocks) -> nn.Module:
     """Wrap `model` for the configured strategy; parameters end up on `env.device`. `blocks`: the
     model family's repeated units (per-block wrapping, activation checkpointing, compile)."""
+    if args.float8 != "none":  # first, as torchtitan: compile, checkpointing and FSDP see the float8 layers
+        from trainer import float8
+
+        shards = (args.shard_size or env.local_world_size) if args.sharding == "hybrid" else env.world_size
+        float8.convert(model, args, blocks, fsdp_ranks=shards if args.strategy == "fsdp" else 0)
     units = units_of(model, args, blocks)
     if args.compile:
         for unit in units:

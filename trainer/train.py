@@ -290,6 +290,10 @@ def _train(
             scaler.update()
         else:
             optimizer.step()
+        if cfg.parallel.float8 != "none":  # tensorwise under FSDP: the next all-gathers' scales, all at once
+            from trainer import float8
+
+            float8.precompute_scales(model, cfg.parallel)
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
