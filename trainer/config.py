@@ -5,10 +5,12 @@ becomes a `ConfigError` whose message says what, where and what to do.
 
 Reading and checking a config needs no torch (a login node's `make check` and `make submit`): this
 module imports none, nor does any module it imports. So a section is defined beside the code it
-configures where that module imports torch only in the functions that use it (optim, launch, the
-model section in the models package, whose specs keep their networks apart, as torchtitan keeps a
-model's args apart from its model code); the sections of the modules that need torch to be imported
-at all (train, eval, data, parallel, checkpoint, log) are defined here, each imported by its module.
+configures where that module imports torch only in the functions that use it and sits below the
+config (optim, health, the model section in the models package, whose specs keep their networks
+apart, as torchtitan keeps a model's args apart from its model code); the sections of the modules
+that need torch to be imported at all (train, eval, data, parallel, checkpoint, log) and of the
+launcher (a front door, above everything: nothing here imports it) are defined here, each imported
+by its module. tools/imports.py keeps it so: no import circle, none running up its floors.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import stat
 import types
 import typing
 from dataclasses import dataclass, field
@@ -27,7 +28,6 @@ import yaml
 
 from trainer import files
 from trainer.health import HealthArgs
-from trainer.launch import LaunchArgs
 from trainer.layout import CONFIG_FILE
 from trainer.models import ModelArgs
 from trainer.optim import OptimArgs
@@ -124,6 +124,16 @@ class LogArgs:
 
 
 @dataclass
+class LaunchArgs:
+    # Times the launcher (trainer/launch.py) restarts every rank of the job, in the same allocation,
+    # from the newest checkpoint after a rank failed (killed, crashed; never bad input, divergence or a
+    # stop signal), counted over one launch (torchrun's --max-restarts); 0: a failure ends the launch at
+    # once. The default 3 survives a few transient faults (a killed process, a lost connection) without
+    # the queue; a failure that repeats at once costs 3 quick starts before the exit code says it.
+    max_restarts: int = 3
+
+
+@dataclass
 class Config:
     run_dir: str = "runs/default"  # config, metrics and checkpoints of the run all go here
     model: ModelArgs = field(default_factory=ModelArgs)
@@ -150,36 +160,21 @@ def resolve_batch(cfg: Config, world_size: int) -> Config:
 def resolve(cfg: Config, where: str = "config", world_size: int = 1) -> Config:
     """The config as the run records it: the global batch of `world_size` processes, and the
     transformer's shape spelled out, from model.init_from's config.json (keys the config sets
-    must agree with it) or else from model.size."""
-    from trainer.models import find as find_family  # the families, torch with them
+    must agree with it; trainer/hf.py reads the folder), from the token file's sidecar for the
+    vocabulary (trainer/prepare.py reads it), and else from model.size."""
+    from trainer import hf  # torch only where a folder's weights are read
     from trainer.models import resolve as resolve_model
+    from trainer.prepare import sidecar_vocab
 
     cfg = resolve_batch(cfg, world_size)
     model = cfg.model
-    family = find_family(model.name)
-    if model.init_from and family is not None and family.hf_args is not None:
-        from trainer import hf
-
-        try:
-            model = family.hf_args(model.init_from, model)
-            hf.weight_files(model.init_from)  # the index and the weights' headers, read before anything starts
-        except hf.HFError as e:
-            raise ConfigError(f"{where}: model.init_from: {e}") from None
-    if cfg.data.name == "tokens" and model.vocab_size is None and not model.init_from:
-        model = dataclasses.replace(model, vocab_size=_sidecar_vocab(cfg.data.path))
-    return dataclasses.replace(cfg, model=resolve_model(model))
-
-
-def _sidecar_vocab(path: str | None) -> int | None:
-    """The vocabulary size trainer.prepare recorded beside the token file at `path`, or None."""
-    from trainer.prepare import read_sidecar
-
     try:
-        info = read_sidecar(path) if path and os.path.isfile(path) else None
-    except (OSError, ValueError):
-        return None  # the check names an unreadable sidecar
-    vocab = info.get("vocab_size") if isinstance(info, dict) else None
-    return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab >= 2 else None
+        model = hf.init_args(model)
+    except hf.HFError as e:
+        raise ConfigError(f"{where}: model.init_from: {e}") from None
+    if cfg.data.name == "tokens" and model.vocab_size is None and not model.init_from:
+        model = dataclasses.replace(model, vocab_size=sidecar_vocab(cfg.data.path))
+    return dataclasses.replace(cfg, model=resolve_model(model))
 
 
 def load(path: str | None, overrides: list[str] = ()) -> Config:
@@ -392,29 +387,11 @@ def _parse(text: str, where: str, lines: bool = False) -> Any:
         raise ConfigError(f"{at}: invalid YAML ({problem}); {todo}") from None
 
 
-def special_file(path: str) -> str | None:
-    """What `path` is when it is neither a regular file, a folder nor missing ("a FIFO (named pipe)",
-    ...), told by stat alone: opening a FIFO to read waits for a writer."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        return None
-    for test, what in (
-        (stat.S_ISFIFO, "a FIFO (named pipe)"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-    ):
-        if test(mode):
-            return what
-    return None
-
-
 def _read_yaml(path: str) -> dict:
     """The top-level mapping of the YAML file at `path`; every problem with the file is a ConfigError."""
     if os.path.isdir(path):
         raise ConfigError(f"{path}: is a folder; pass a YAML file with --config")
-    kind = special_file(path)
+    kind = files.special_file(path)
     if kind:  # never opened: reading a FIFO waits for a writer
         raise ConfigError(f"{path}: is {kind}, not a regular file; pass a YAML file with --config")
     if not os.path.isfile(path):

@@ -68,6 +68,20 @@ class HFError(Exception):
     """An HF folder that cannot be used; the message names the file and what to do."""
 
 
+def init_args(args: ModelArgs) -> ModelArgs:
+    """`args` with the shape of model.init_from's config.json (keys `args` sets must agree), the
+    folder's weights index and headers read before anything starts (HFError otherwise); `args`
+    as they are without init_from or for a family that takes no Hugging Face folder."""
+    from trainer.models import find
+
+    family = find(args.name)
+    if not args.init_from or family is None or family.hf_args is None:
+        return args
+    args = family.hf_args(args.init_from, args)
+    weight_files(args.init_from)
+    return args
+
+
 def hf_name(name: str) -> str:
     """HF's name of one of our transformer's parameters."""
     name = name.replace("_checkpoint_wrapped_module.", "")
