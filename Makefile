@@ -112,8 +112,9 @@ NOQA_WITHOUT_REASON := \#[[:space:]]*noqa(:[[:space:]]*[A-Z]+[0-9]+([[:space:]]*
 
 lint: venv ## ruff check and ruff format --check over trainer, tests and bench; a noqa needs its reason
 	@status=0; \
-	$(VENV)/bin/ruff check $(LINT_PATHS) || status=1; \
-	$(VENV)/bin/ruff format --check $(LINT_PATHS) || status=1; \
+	$(VENV)/bin/ruff check $(LINT_PATHS) tools || status=1; \
+	$(VENV)/bin/ruff format --check $(LINT_PATHS) tools || status=1; \
+	$(PY) tools/imports.py --quiet || status=1; \
 	if grep -rnE --include='*.py' '$(NOQA_WITHOUT_REASON)' $(LINT_PATHS); then \
 	    echo "lint: each noqa above needs its reason on its line: # noqa: E402 - why" >&2; status=1; fi; \
 	exit $$status
