@@ -15,9 +15,18 @@ by its module. tools/imports.py keeps it so: no import circle, none running up i
 
 from __future__ import annotations
 
+import argparse
+import ast
 import copy
 import dataclasses
+import functools
+import inspect
+import json
 import os
+import re
+import sys
+import textwrap
+import tokenize
 import types
 import typing
 from dataclasses import dataclass, field
@@ -61,6 +70,8 @@ class EvalArgs:
 
 @dataclass
 class DataArgs:
+    # What the samples are: generated token sequences the model can learn, a token file made by
+    # trainer.prepare, MNIST, a folder of images in one subfolder per class, or generated images.
     name: Literal["synthetic", "tokens", "mnist", "imagefolder", "synthetic_images"] = "synthetic"
     path: str | None = None  # token file, MNIST root or ImageFolder root (for the training split)
     eval_path: str | None = None  # the same for evaluation; None: a held-out part of the stream
@@ -512,3 +523,141 @@ def to_dict(cfg: Config) -> dict:
 def dump(cfg: Config, path: str | Path) -> None:
     """Write the config as YAML to `path` (files.write_text: a link or FIFO there is replaced)."""
     files.write_text(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+# --- The whole config in view (python -m trainer.config --print, make config; the README's key table)
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """{field name: its comment} of the dataclass `cls`, read from its source once: the comment at
+    the end of the field's line, else the comment lines right above it (STYLE.md: a field is
+    documented where it is defined, so the meaning shown is the one next to the code)."""
+    lines, _ = inspect.getsourcelines(cls)
+    comments: dict[int, str] = {}  # line (0-based in `lines`) -> its comment's text
+    code_lines: set[int] = set()
+    for tok in tokenize.generate_tokens(iter(lines).__next__):
+        if tok.type == tokenize.COMMENT:
+            comments[tok.start[0] - 1] = tok.string.lstrip("#").strip()
+        elif tok.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER):
+            code_lines.add(tok.start[0] - 1)
+    docs = {}
+    names = {f.name for f in dataclasses.fields(cls)}
+    for node in ast.parse(textwrap.dedent("".join(lines))).body[0].body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)) or node.target.id not in names:
+            continue
+        line = node.lineno - 1
+        if line in comments:  # at the end of the field's line
+            docs[node.target.id] = comments[line]
+            continue
+        above = []
+        while line - 1 in comments and line - 1 not in code_lines:
+            line -= 1
+            above.insert(0, comments[line])
+        docs[node.target.id] = " ".join(above)
+    return docs
+
+
+def meaning(doc: str) -> str:
+    """The first sentence of a field's comment: its meaning on one line."""
+    match = re.match(r"(.+?(?<!e\.g)(?<!i\.e)\.)\s+(?=[^a-z])", doc)
+    return (match.group(1) if match else doc).rstrip(".")
+
+
+def _choices(tp) -> tuple | None:
+    """The values a Literal type (or a Literal | None) allows, or None."""
+    for arm in (tp, *typing.get_args(tp)):
+        if typing.get_origin(arm) is Literal:
+            return typing.get_args(arm)
+    return None
+
+
+def keys(
+    cfg: Config | None = None, prefix: str = "", defaults=None, whole: bool = False
+) -> list[tuple[str, Any, Any, str]]:
+    """(dotted key, value in `cfg`, default, meaning) of every key of the config, in the order of
+    the sections' fields; the meaning is the first sentence of the field's comment, `whole`: all of
+    it, and the choices of a field that has them. A section that may be null (model.rope_scaling) is
+    listed with its keys, whose defaults are what they take when the section is given."""
+    cfg = Config() if cfg is None else cfg
+    defaults = type(cfg)() if defaults is None else defaults
+    docs = field_docs(type(cfg))
+    hints = typing.get_type_hints(type(cfg))
+    out = []
+    for f in dataclasses.fields(cfg):
+        key, value, default = prefix + f.name, getattr(cfg, f.name), getattr(defaults, f.name)
+        if dataclasses.is_dataclass(value) and dataclasses.is_dataclass(default):
+            out += keys(value, key + ".", default, whole)
+            continue
+        doc = docs.get(f.name, "") if whole else meaning(docs.get(f.name, ""))
+        choices = _choices(hints[f.name])
+        if choices:
+            doc = "; ".join(filter(None, (doc.rstrip("."), f"one of {', '.join(map(str, choices))}")))
+        out.append((key, value, default, doc))
+        inner = [a for a in typing.get_args(hints[f.name]) if dataclasses.is_dataclass(a)]
+        if inner:  # a section that may be null: its keys, with the defaults they take when given
+            section = inner[0]
+            for k, _, d, m in keys(section(), key + ".", section(), whole):
+                out.append((k, getattr(value, k.rpartition(".")[2]) if value is not None else None, d, m))
+    return out
+
+
+def show(value: Any) -> str:
+    """A value as YAML spells it on a command line: null, true, [0.9, 0.95], fsdp."""
+    if isinstance(value, tuple):
+        value = list(value)
+    if dataclasses.is_dataclass(value):
+        value = dataclasses.asdict(value)
+    if isinstance(value, str):
+        return json.dumps(value) if value == "" or value != value.strip() else value
+    return json.dumps(value)
+
+
+def key_table() -> str:
+    """The README's table of every key (between its `config keys` markers), from the fields' own
+    comments: tests/test_config_print.py keeps the two equal."""
+    rows = ["| key | default | meaning |", "|---|---|---|"]
+    rows += [f"| `{k}` | `{show(d)}` | {m.replace('|', '&#124;')} |" for k, _, d, m in keys(whole=True)]
+    return "\n".join(rows) + "\n"
+
+
+def print_config(cfg: Config) -> str:
+    """Every key of `cfg` on a line: key, value, default (where the value differs), meaning."""
+    rows = [(k, show(v), show(d), m) for k, v, d, m in keys(cfg)]
+    width = max(len(k) for k, *_ in rows)
+    value_width = min(24, max(len(v) for _, v, _, _ in rows))
+    lines = []
+    for k, v, d, m in rows:
+        differs = f" (default {d})" if v != d else ""
+        lines.append(f"{k:<{width}}  {v + differs:<{value_width}}  # {m}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer.config",
+        description="Print every key of the config (the defaults, a YAML file and key=value overrides): its "
+        "value, its default where that differs, and its meaning.",
+    )
+    parser.add_argument("--print", action="store_true", help="print every key (the default action)")
+    parser.add_argument("--table", action="store_true", help="print the README's markdown table of the keys")
+    parser.add_argument("--config", help="YAML config file; none: the defaults")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    args = parser.parse_intermixed_args(argv)
+    if args.table:
+        sys.stdout.write(key_table())
+        return 0
+    try:
+        cfg, where, notes = load_run(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for line in notes:
+        print(line, file=sys.stderr)
+    print(f"# the config of {cfg.run_dir}, from {where}{' and the command line' if args.overrides else ''}")
+    print(print_config(cfg))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

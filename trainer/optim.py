@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class OptimArgs:
-    name: Literal["adamw", "adam", "adadelta", "sgd"] = "adamw"
+    name: Literal["adamw", "adam", "adadelta", "sgd"] = "adamw"  # the optimizer (torch.optim's class)
     lr: float = 3e-3  # peak learning rate; > 0
     weight_decay: float = 0.0  # decoupled for AdamW, L2 for the others; >= 0
     betas: tuple[float, float] = (0.9, 0.95)  # Adam(W) moment decay rates; each in [0, 1)
