@@ -9,9 +9,12 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 from trainer import config
-from trainer.config import Config, keys, load, to_dict
+from trainer.check import validate
+from trainer.config import Config, ConfigError, keys, load, to_dict
 
 
 def leaves(d: dict, prefix: str = "") -> list[str]:
@@ -25,7 +28,7 @@ def test_every_key_has_a_meaning_from_the_comment_beside_its_field():
     listed = {k: m for k, _, _, m in keys()}
     assert set(leaves(to_dict(Config()))) <= set(listed)  # every key of the config, none left out
     assert not [k for k, m in listed.items() if not m], "a field without a comment beside it"
-    assert listed["train.steps"] == "total optimizer steps of the run"  # the trailing comment
+    assert listed["train.steps"] == "total optimizer steps of the run; >= 1"  # the trailing comment, the range
     assert listed["launch.max_restarts"].startswith("Times the launcher")  # the comment block above
     assert listed["data.token_dtype"] == "element type of a token file; one of uint16, uint32"  # and its choices
     # the meaning is the first sentence: the explanation after it is left to the source and the README
@@ -58,7 +61,7 @@ def test_print_shows_every_key_with_its_value_and_the_default_it_replaces(tmp_pa
     assert lines[0] == f"# the config of {tmp_path / 'run'}, from {path} and the command line"
     rows = {line.split()[0]: line for line in lines[1:]}
     assert list(rows) == [k for k, *_ in keys()]  # every key, in the sections' order
-    assert re.match(r"train\.steps +50 \(default 200\) +# total optimizer steps of the run$", rows["train.steps"])
+    assert re.match(r"train\.steps +50 \(default 200\) +# total optimizer steps of the run; >= 1$", rows["train.steps"])
     assert re.match(r"optim\.lr +0\.0002 \(default 0\.003\) +# peak learning rate", rows["optim.lr"])
     assert "[0.8, 0.9] (default [0.9, 0.95])" in rows["optim.betas"]
     assert re.match(r'health\.command +"" +# ', rows["health.command"])  # the default: no "(default" said
@@ -87,3 +90,40 @@ def test_make_config_runs_the_printer_with_config_and_args():
     )
     assert out.returncode == 0, out.stderr
     assert "-m trainer.config --print --config configs/mnist.yaml  train.steps=3 log.wandb=true" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "override, shown, message",
+    [
+        ("optim.lr=0", "peak learning rate; > 0", "optim.lr: is 0.0; it must be positive"),
+        (
+            "train.seed=-1",
+            "; [0, 4294967295]",
+            "train.seed: is -1; it must be in [0, 4294967295] (numpy's and torch's generators)",
+        ),
+        (
+            "optim.betas=[0.9, 1.0]",
+            "; [0] [0, 1) and [1] [0, 1)",
+            "optim.betas[1]: is 1.0; it must be in [0, 1), e.g. 0.95",
+        ),
+        (
+            "health.command_timeout_s=604801",
+            "; >= 1 and <= 604800",
+            "health.command_timeout_s: is 604801; it must be at most 604800 (7 days)",
+        ),
+        (
+            "model.dropout=0.5",
+            "; [0, 0.5)",
+            "model.dropout: is 0.5; it must be in [0, 0.5): the MNIST CNN's second dropout is twice it",
+        ),
+    ],
+)
+def test_a_range_declared_beside_its_field_is_shown_and_checked(tmp_path, override, shown, message):
+    """One declaration (trainer/ranges.py, in the field's annotation) gives the key table its range
+    and the check its refusal."""
+    key = override.split("=")[0]
+    assert {k: m for k, _, _, m in keys()}[key].endswith(shown)
+    cfg = load(None, [override, f"run_dir={tmp_path}"])
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, 1, overrides=[override])
+    assert str(e.value) == f"override {override!r}: {message}"

@@ -34,7 +34,7 @@ import sys
 # Bottom first. A name ending in ".*" places a package's __init__ and every module under it.
 FLOORS: list[tuple[str, list[str]]] = [
     # The standard-library helpers every module may use; the host modules (Python 3.6) among them.
-    ("base", ["trainer", "trainer.files", "trainer.torch_compat", "trainer.signals"]),
+    ("base", ["trainer", "trainer.files", "trainer.ranges", "trainer.torch_compat", "trainer.signals"]),
     # The run dir's files and what watches a run through them.
     (
         "run dir",

@@ -31,41 +31,50 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 
-from trainer import files
+from trainer import files, ranges
 from trainer.health import HealthArgs
 from trainer.layout import CONFIG_FILE
 from trainer.models import ModelArgs
 from trainer.optim import OptimArgs
+from trainer.ranges import AT_LEAST_1, MAX_SEED, NOT_NEGATIVE, POSITIVE, TIMEOUT_S, Range
 
 
 class ConfigError(Exception):
     """A mistake in the user's configuration; the message is shown as one line."""
 
 
+# Beside each number field: the values it takes (trainer/ranges.py; trainer/check.py refuses others).
+_GRAD_CLIP = "give a positive norm, or null to disable clipping"
+_MTBF = "give the hours between interruptions (> 0), or null for the Llama 3 report's rate"
+
+
 @dataclass
 class TrainArgs:
-    steps: int = 200  # total optimizer steps of the run
-    global_batch_size: int = 32  # samples per optimizer step, summed over all ranks
+    steps: Annotated[int, AT_LEAST_1] = 200  # total optimizer steps of the run
+    global_batch_size: Annotated[int, AT_LEAST_1] = 32  # samples per optimizer step, summed over all ranks
     # Samples per optimizer step on each rank (the tutorials' batch_size): when set, global_batch_size
     # becomes this times the number of processes, whatever it says.
-    rank_batch_size: int | None = None
+    rank_batch_size: Annotated[int | None, AT_LEAST_1] = None
     # How a step's loss is reduced over the rank's samples (tokens for the LM) before backward: mean,
     # or sum (the MNIST tutorial's nll_loss(reduction="sum"): gradients micro_batch x larger). The
     # gradients are averaged over the ranks either way; the logged loss is the mean in both cases.
     loss_reduction: Literal["mean", "sum"] = "mean"
-    micro_batch_size: int | None = None  # samples per forward/backward on one rank; None: all at once
-    seed: int = 0  # seeds the weights and the order of the data; in [0, 2**32 - 1]
-    grad_clip: float | None = 1.0  # max global gradient norm, > 0; None disables clipping
+    # samples per forward/backward on one rank; None: all at once
+    micro_batch_size: Annotated[int | None, AT_LEAST_1] = None
+    # seeds the weights and the order of the data
+    seed: Annotated[int, Range(0, MAX_SEED, note=" (numpy's and torch's generators)")] = 0
+    # max global gradient norm; None: no clipping
+    grad_clip: Annotated[float | None, Range(0, low_open=True, says=_GRAD_CLIP)] = 1.0
 
 
 @dataclass
 class EvalArgs:
-    interval: int = 0  # optimizer steps between evaluations; 0 disables them
-    batches: int = 4  # micro-batches per rank in one evaluation
+    interval: Annotated[int, NOT_NEGATIVE] = 0  # optimizer steps between evaluations; 0 disables them
+    batches: Annotated[int, AT_LEAST_1] = 4  # micro-batches per rank in one evaluation
 
 
 @dataclass
@@ -77,7 +86,7 @@ class DataArgs:
     eval_path: str | None = None  # the same for evaluation; None: a held-out part of the stream
     token_dtype: Literal["uint16", "uint32"] = "uint16"  # element type of a token file
     download: bool = True  # MNIST: download into `path` when the files are not there
-    num_workers: int = 0  # DataLoader worker processes per rank
+    num_workers: Annotated[int, NOT_NEGATIVE] = 0  # DataLoader worker processes per rank
     trace: bool = False  # append each rank's global sample indices to run_dir/trace/ (debugging)
 
 
@@ -88,42 +97,43 @@ class ParallelArgs:
     # unsharded between forward and backward (SHARD_GRAD_OP, ZeRO-2); hybrid: full shard inside a
     # group of `shard_size` ranks, replicate across groups (HYBRID_SHARD, a 2-D mesh).
     sharding: Literal["full", "grad_op", "hybrid"] = "full"
-    shard_size: int | None = None  # hybrid: ranks per shard group; None: the ranks of one node
+    shard_size: Annotated[int | None, AT_LEAST_1] = None  # hybrid: ranks per shard group; None: the ranks of one node
     # block: one FSDP unit per model block (transformer layer, ResNet block); size: one unit per
     # module holding at least `wrap_min_params` parameters not already wrapped below it.
     wrap: Literal["block", "size"] = "block"
-    wrap_min_params: int = 100_000  # size policy threshold, in parameters
+    wrap_min_params: Annotated[int, AT_LEAST_1] = 100_000  # size policy threshold, in parameters
     param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # compute dtype
     reduce_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # gradient reduction dtype
     # float16 only: the loss scale the run starts from (GradScaler's init_scale); it halves at each step
     # whose gradients overflow (that step is skipped) and doubles after 2000 steps without one. > 0.
-    loss_scale: float = 65536.0
+    loss_scale: Annotated[float, POSITIVE] = 65536.0
     cpu_offload: bool = False  # keep sharded params, grads and optimizer state in host memory
     activation_checkpointing: bool = False  # recompute each block's activations in backward
     compile: bool = False  # torch.compile each block and the loss
     # Seconds a collective of the training process group waits for a rank that does not answer;
     # then the run stops with an error naming the step (exit code 1), so that Slurm can requeue it.
-    timeout_s: int = 600
+    timeout_s: Annotated[int, TIMEOUT_S] = 600
 
 
 @dataclass
 class CheckpointArgs:
     # Optimizer steps between saves; 0: save only at the end and when stopped; auto: the Young-Daly
     # interval sqrt(2 x blocking save seconds x mtbf), in steps, from the run's own save and step times.
-    interval: int | Literal["auto"] = 100
+    interval: Annotated[int | Literal["auto"], NOT_NEGATIVE] = 100
     # Mean time between interruptions of the whole job in hours (interval=auto); None: the Llama 3
     # report's trainer.checkpoint.GPU_MTBF_HOURS (45,566 GPU-hours) divided by the job's processes.
-    mtbf_hours: float | None = None
-    keep: int = 3  # newest complete checkpoints kept, older ones are deleted; 0 keeps all
-    keep_every: int = 0  # also keep forever every checkpoint whose step is a multiple of this; 0: none
+    mtbf_hours: Annotated[float | None, Range(0, low_open=True, says=_MTBF)] = None
+    keep: Annotated[int, NOT_NEGATIVE] = 3  # newest complete checkpoints kept, older ones are deleted; 0 keeps all
+    # also keep forever every checkpoint whose step is a multiple of this; 0: none
+    keep_every: Annotated[int, NOT_NEGATIVE] = 0
     async_save: bool = False  # write shards in the background while training goes on
     resume_from: str | None = None  # a checkpoint folder a new run starts from; once run_dir has its own, they win
-    timeout_s: int = 3600  # limit for the collectives of one save or load (slow filesystems)
+    timeout_s: Annotated[int, TIMEOUT_S] = 3600  # limit for the collectives of one save or load (slow filesystems)
 
 
 @dataclass
 class LogArgs:
-    interval: int = 10  # optimizer steps between metric rows
+    interval: Annotated[int, AT_LEAST_1] = 10  # optimizer steps between metric rows
     progress: bool = True  # live progress line on a terminal (rank 0 only)
     tensorboard: bool = False  # also write TensorBoard event files to <run_dir>/tensorboard (trainer/trackers.py)
     wandb: bool = False  # also log to a Weights & Biases run, the same one after each restart
@@ -131,7 +141,7 @@ class LogArgs:
     project: str | None = None  # W&B project / MLflow experiment; None: the run dir's name
     # A rank whose compute time per step (a metrics row's compute_s_*) exceeds this many times the
     # median of all ranks' for 3 logged windows in a row is named as a straggler (rank and node); > 1.
-    straggler_factor: float = 1.5
+    straggler_factor: Annotated[float, Range(1, low_open=True, note=" (times the median compute time)")] = 1.5
 
 
 @dataclass
@@ -141,7 +151,7 @@ class LaunchArgs:
     # stop signal), counted over one launch (torchrun's --max-restarts); 0: a failure ends the launch at
     # once. The default 3 survives a few transient faults (a killed process, a lost connection) without
     # the queue; a failure that repeats at once costs 3 quick starts before the exit code says it.
-    max_restarts: int = 3
+    max_restarts: Annotated[int, NOT_NEGATIVE] = 3
 
 
 @dataclass
@@ -547,8 +557,9 @@ def field_docs(cls: type) -> dict[str, str]:
         if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)) or node.target.id not in names:
             continue
         line = node.lineno - 1
-        if line in comments:  # at the end of the field's line
-            docs[node.target.id] = comments[line]
+        beside = [comments[i] for i in range(line, node.end_lineno) if i in comments]
+        if beside:  # at the end of the field's line(s)
+            docs[node.target.id] = " ".join(beside)
             continue
         above = []
         while line - 1 in comments and line - 1 not in code_lines:
@@ -583,6 +594,7 @@ def keys(
     defaults = type(cfg)() if defaults is None else defaults
     docs = field_docs(type(cfg))
     hints = typing.get_type_hints(type(cfg))
+    extras = typing.get_type_hints(type(cfg), include_extras=True)
     out = []
     for f in dataclasses.fields(cfg):
         key, value, default = prefix + f.name, getattr(cfg, f.name), getattr(defaults, f.name)
@@ -593,6 +605,10 @@ def keys(
         choices = _choices(hints[f.name])
         if choices:
             doc = "; ".join(filter(None, (doc.rstrip("."), f"one of {', '.join(map(str, choices))}")))
+        allowed = ranges.of(extras[f.name])
+        if allowed:  # beside the field (trainer/ranges.py), as trainer/check.py checks it
+            bounds = " and ".join(f"[{r.item}] {r.bounds()}" if r.item is not None else r.bounds() for r in allowed)
+            doc = f"{doc.rstrip('.')}; {bounds}"
         out.append((key, value, default, doc))
         inner = [a for a in typing.get_args(hints[f.name]) if dataclasses.is_dataclass(a)]
         if inner:  # a section that may be null: its keys, with the defaults they take when given
