@@ -21,7 +21,7 @@ layers go: the config's sections and their checks torch-free at the bottom, the 
 Within a floor only the circle check applies. A module of the package that no floor names is a
 problem too: a new module is placed where it belongs, on purpose.
 
-Standard library only, so that it runs before the venv exists and on any Python 3.8+.
+Standard library only, so that it runs before the venv exists (any python3 of 3.9 or later).
 """
 
 from __future__ import annotations

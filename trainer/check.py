@@ -25,7 +25,6 @@ from trainer.models import choices as model_choices
 from trainer.models import find as find_family
 from trainer.optim import schedule_warning
 from trainer.prepare import token_file_problem
-from trainer.ranges import MAX_SEED, MAX_TIMEOUT_S  # noqa: F401 - the limits, named here before they moved
 
 if TYPE_CHECKING:
     import torch
