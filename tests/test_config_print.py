@@ -127,3 +127,18 @@ def test_a_range_declared_beside_its_field_is_shown_and_checked(tmp_path, overri
     with pytest.raises(ConfigError) as e:
         validate(cfg, 1, overrides=[override])
     assert str(e.value) == f"override {override!r}: {message}"
+
+
+def test_print_into_a_pipe_closed_early_says_nothing_more():
+    """`make config | head -3`: head leaves after 3 lines; the printer ends quietly (it printed a
+    BrokenPipeError traceback)."""
+    proc = subprocess.run(
+        f"{sys.executable} -m trainer.config --print | head -3",
+        shell=True,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert len(proc.stdout.splitlines()) == 3
+    assert proc.stderr == ""

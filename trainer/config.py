@@ -670,8 +670,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for line in notes:
         print(line, file=sys.stderr)
-    print(f"# the config of {cfg.run_dir}, from {where}{' and the command line' if args.overrides else ''}")
-    print(print_config(cfg))
+    try:
+        print(f"# the config of {cfg.run_dir}, from {where}{' and the command line' if args.overrides else ''}")
+        print(print_config(cfg), flush=True)
+    except BrokenPipeError:  # `make config | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
     return 0
 
 
