@@ -39,7 +39,7 @@ DRY_RUN       ?=
 # (check), the partition's GPU type from gres (submit).
 GPU_MEM_GB    ?=
 
-.PHONY: help venv run check evaluate plot test test-fast test-compat test-gpu gpu-check lint format bench image up docker-engine submit slurm-up slurm-down clean
+.PHONY: help venv config run check evaluate plot test test-fast test-compat test-gpu gpu-check lint format bench image up docker-engine submit slurm-up slurm-down clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^[^:]*:([a-z-]+):.*## /\1\t/; s/^([a-z-]+):.*## /\1\t/'
@@ -56,6 +56,9 @@ venv: $(VENV)/.installed ## create .venv with the trainer and its dependencies
 
 check: venv ## validate CONFIG (+ARGS) for NPROC processes x NODES nodes; the plan; memory per GPU (GPU_MEM_GB=)
 	@$(PY) -m trainer.check --config $(CONFIG) --nproc $(NPROC) --nnodes $(NODES) --gpu-mem-gb "$(GPU_MEM_GB)" $(OVERRIDES)
+
+config: venv ## print every key of CONFIG (+ARGS, RUN_DIR=): its value, its default where that differs, its meaning
+	@$(PY) -m trainer.config --print --config $(CONFIG) $(OVERRIDES)
 
 run: venv ## train CONFIG on NPROC local processes (RUN_DIR=, ARGS="k=v ..."); checks the config first
 	$(PY) -m trainer.launch --nproc-per-node=$(NPROC) --config $(CONFIG) $(CONFIG_DEFAULT) $(OVERRIDES)
@@ -112,8 +115,9 @@ NOQA_WITHOUT_REASON := \#[[:space:]]*noqa(:[[:space:]]*[A-Z]+[0-9]+([[:space:]]*
 
 lint: venv ## ruff check and ruff format --check over trainer, tests and bench; a noqa needs its reason
 	@status=0; \
-	$(VENV)/bin/ruff check $(LINT_PATHS) || status=1; \
-	$(VENV)/bin/ruff format --check $(LINT_PATHS) || status=1; \
+	$(VENV)/bin/ruff check $(LINT_PATHS) tools || status=1; \
+	$(VENV)/bin/ruff format --check $(LINT_PATHS) tools || status=1; \
+	$(PY) tools/imports.py --quiet || status=1; \
 	if grep -rnE --include='*.py' '$(NOQA_WITHOUT_REASON)' $(LINT_PATHS); then \
 	    echo "lint: each noqa above needs its reason on its line: # noqa: E402 - why" >&2; status=1; fi; \
 	exit $$status

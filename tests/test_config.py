@@ -291,3 +291,19 @@ def test_the_config_and_its_validation_need_no_torch(tmp_path, start):
     )
     proc = python("-c", code, timeout=120)
     assert proc.returncode == 0 and proc.stdout == "[] transformer\n", proc.stderr
+
+
+@pytest.mark.parametrize("optimizer, per_param", [("adamw", 12), ("adam", 12), ("adadelta", 12), ("sgd", 8)])
+def test_the_checkpoint_size_comes_from_the_memory_estimates_table(tmp_path, optimizer, per_param):
+    """One table of bytes per parameter (trainer/memory.py): the save time the plan estimates for a
+    run dir without a measured save counts the float32 weight and the optimizer's state, the same
+    bytes the memory estimate counts for them."""
+    from trainer import memory
+    from trainer.checkpoint import param_count, save_seconds
+
+    cfg = load(None, [f"optim.name={optimizer}", "model.size=tiny", f"run_dir={tmp_path}"])
+    assert memory.checkpoint_bytes(optimizer) == memory.WEIGHT_BYTES + memory.OPTIMIZER_BYTES[optimizer] == per_param
+    seconds, how = save_seconds(cfg, nodes=2, run_dir=str(tmp_path))
+    gb = param_count(cfg) * per_param / 1e9
+    assert seconds == pytest.approx(gb / 2)  # 1 GB/s per node assumed
+    assert f"{gb:.2f} GB of weights and optimizer state over 2 node(s)" in how

@@ -24,7 +24,7 @@ HOST_MODULES = [
 
 @pytest.fixture
 def scontrol(tmp_path):
-    """A stand-in for scontrol that records its calls (the real cluster runs in test_slurm_jobs.py and test_slurm_failures.py)."""
+    """A stand-in for scontrol that records its calls (test_slurm_jobs.py runs the real cluster)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     calls = tmp_path / "calls"

@@ -15,9 +15,10 @@ import os
 import stat
 import sys
 import tempfile
+import typing
 from typing import TYPE_CHECKING
 
-from trainer import files
+from trainer import files, ranges
 from trainer.config import Config, ConfigError, load_run, resolve, resolve_batch
 from trainer.layout import RUN_DIR_FILES, RUN_DIR_FOLDERS, WRITTEN_FILES, WRITTEN_FOLDERS
 from trainer.models import FamilyError, family_of
@@ -27,13 +28,6 @@ from trainer.prepare import token_file_problem
 
 if TYPE_CHECKING:
     import torch
-
-# Largest train.seed: numpy's legacy seed limit; (seed x 1_000_003 + 2**32) stays within torch's 2**64.
-MAX_SEED = 2**32 - 1
-# Largest parallel.timeout_s, checkpoint.timeout_s and health.command_timeout_s in seconds: a week.
-# timedelta ends at 8.6e13 s, c10d's clocks (int64 nanoseconds) at 9.2e9 s; a collective that waits
-# a week is lost anyway.
-MAX_TIMEOUT_S = 7 * 24 * 3600
 
 
 def validate(
@@ -74,95 +68,10 @@ def validate(
     for key, value in _floats(cfg):
         if not math.isfinite(value):
             fail(key, f"is {value}; give a finite number")
-    # The range of every float of the config, as documented where each is defined.
-    o = cfg.optim
-    for key, value, ok, allowed in (
-        ("optim.lr", o.lr, o.lr > 0, "it must be positive"),
-        ("parallel.loss_scale", cfg.parallel.loss_scale, cfg.parallel.loss_scale > 0, "it must be positive"),
-        ("optim.weight_decay", o.weight_decay, o.weight_decay >= 0, "it must be 0 or more"),
-        (
-            "health.min_busbw_gbps",
-            cfg.health.min_busbw_gbps,
-            cfg.health.min_busbw_gbps >= 0,
-            "it must be 0 or more (GB/s; 0: not judged)",
-        ),
-        (
-            "health.min_write_mbps",
-            cfg.health.min_write_mbps,
-            cfg.health.min_write_mbps >= 0,
-            "it must be 0 or more (MB/s; 0: not judged)",
-        ),
-        ("optim.betas[0]", o.betas[0], 0 <= o.betas[0] < 1, "it must be in [0, 1), e.g. 0.9"),
-        ("optim.betas[1]", o.betas[1], 0 <= o.betas[1] < 1, "it must be in [0, 1), e.g. 0.95"),
-        ("optim.momentum", o.momentum, 0 <= o.momentum < 1, "it must be in [0, 1), e.g. 0.9"),
-        ("optim.min_lr_ratio", o.min_lr_ratio, 0 <= o.min_lr_ratio <= 1, "it must be in [0, 1]"),
-        ("optim.gamma", o.gamma, 0 < o.gamma <= 1, "it must be in (0, 1], e.g. 0.7"),
-        (
-            "model.dropout",
-            cfg.model.dropout,
-            0 <= cfg.model.dropout < 0.5,
-            "it must be in [0, 0.5): the MNIST CNN's second dropout is twice it",
-        ),
-    ):
-        if not ok:
+    # The range of every number of the config, declared beside its field (trainer/ranges.py).
+    for key, value, allowed in _ranges(cfg):
+        if not allowed.allows(value):
             fail(key, f"is {value}; {allowed}")
-    if cfg.train.grad_clip is not None and cfg.train.grad_clip <= 0:
-        fail("train.grad_clip", f"is {cfg.train.grad_clip}; give a positive norm, or null to disable clipping")
-
-    positive = {
-        "train.steps": cfg.train.steps,
-        "train.global_batch_size": cfg.train.global_batch_size,
-        "log.interval": cfg.log.interval,
-        "eval.batches": cfg.eval.batches,
-        "model.seq_len": cfg.model.seq_len,
-        "optim.step_size": cfg.optim.step_size,
-        "parallel.wrap_min_params": cfg.parallel.wrap_min_params,
-        "checkpoint.timeout_s": cfg.checkpoint.timeout_s,
-        "model.image_size": cfg.model.image_size,
-        "parallel.timeout_s": cfg.parallel.timeout_s,
-        "health.command_timeout_s": cfg.health.command_timeout_s,
-    }
-    if cfg.train.micro_batch_size is not None:
-        positive["train.micro_batch_size"] = cfg.train.micro_batch_size
-    if cfg.train.rank_batch_size is not None:
-        positive["train.rank_batch_size"] = cfg.train.rank_batch_size
-    if cfg.parallel.shard_size is not None:
-        positive["parallel.shard_size"] = cfg.parallel.shard_size
-    if cfg.optim.decay_steps is not None:
-        positive["optim.decay_steps"] = cfg.optim.decay_steps
-    for key, value in positive.items():
-        if value < 1:
-            fail(key, f"is {value}; it must be at least 1")
-    # What the ranks' libraries take: numpy's and torch's generators, timedelta and c10d's clocks.
-    if not 0 <= cfg.train.seed <= MAX_SEED:
-        fail("train.seed", f"is {cfg.train.seed}; it must be in [0, {MAX_SEED}] (numpy's and torch's generators)")
-    if not cfg.log.straggler_factor > 1:
-        fail(
-            "log.straggler_factor",
-            f"is {cfg.log.straggler_factor}; it must be more than 1 (times the median compute time)",
-        )
-    for key in ("parallel.timeout_s", "checkpoint.timeout_s", "health.command_timeout_s"):
-        if positive[key] > MAX_TIMEOUT_S:
-            fail(key, f"is {positive[key]}; it must be at most {MAX_TIMEOUT_S} (7 days)")
-    if cfg.checkpoint.mtbf_hours is not None and not cfg.checkpoint.mtbf_hours > 0:
-        fail(
-            "checkpoint.mtbf_hours",
-            f"is {cfg.checkpoint.mtbf_hours}; give the hours between interruptions (> 0), "
-            f"or null for the Llama 3 report's rate",
-        )
-    interval = 0 if cfg.checkpoint.interval == "auto" else cfg.checkpoint.interval
-    for key, value in {
-        "checkpoint.interval": interval,
-        "checkpoint.keep": cfg.checkpoint.keep,
-        "checkpoint.keep_every": cfg.checkpoint.keep_every,
-        "eval.interval": cfg.eval.interval,
-        "data.num_workers": cfg.data.num_workers,
-        "optim.warmup_steps": cfg.optim.warmup_steps,
-        "launch.max_restarts": cfg.launch.max_restarts,
-        "health.max_excluded": cfg.health.max_excluded,
-    }.items():
-        if value < 0:
-            fail(key, f"is {value}; it must be 0 or more")
 
     if "\0" in cfg.health.command:
         fail("health.command", "holds a NUL byte; give a shell command line, e.g. /etc/nhc/nhc")
@@ -368,6 +277,24 @@ def _check_sources(d, seq_len: int, vocab_size, fail, elsewhere) -> None:
                 (elsewhere if not os.path.exists(path) else fail)(f"{key}.{name}", problem)
             elif path:
                 _check_sidecar(f"{key}.{name}", path, d.token_dtype, vocab_size(), fail)
+
+
+def _ranges(section, prefix: str = ""):
+    """(dotted key, value, Range) of every number of the config whose field declares a range beside
+    it, in the order of the sections' fields; a tuple's element as `key[i]`, a null value skipped."""
+    hints = typing.get_type_hints(type(section), include_extras=True)
+    for field in dataclasses.fields(section):
+        value, key = getattr(section, field.name), prefix + field.name
+        if dataclasses.is_dataclass(value):
+            yield from _ranges(value, key + ".")
+            continue
+        for allowed in ranges.of(hints[field.name]):
+            if allowed.item is not None:
+                value_i, key_i = value[allowed.item], f"{key}[{allowed.item}]"
+            else:
+                value_i, key_i = value, key
+            if isinstance(value_i, (int, float)) and not isinstance(value_i, bool):
+                yield key_i, value_i, allowed
 
 
 def _floats(section, prefix: str = ""):

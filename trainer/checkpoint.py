@@ -71,8 +71,6 @@ def young_daly_interval(save_s: float, mtbf_s: float, step_s: float) -> int:
     return max(1, round(math.sqrt(2 * max(save_s, 0.0) * mtbf_s) / step_s))
 
 
-# Bytes a checkpoint holds per parameter: the float32 weight and the optimizer's float32 state.
-CHECKPOINT_BYTES_PER_PARAM = {"adamw": 12, "adam": 12, "adadelta": 12, "sgd": 8}
 # Write speed of one node assumed until a save of the run was measured: cautious for NFS/Lustre
 # (bench/results has this machine's figures; a parallel filesystem often does several GB/s).
 ASSUMED_SAVE_GB_PER_S_PER_NODE = 1.0
@@ -94,7 +92,9 @@ def save_seconds(cfg: Config, nodes: int, run_dir: str) -> tuple[float, str]:
     if measured is not None:
         return float(measured), f"measured by the last save in {run_dir}"
     params = param_count(cfg)
-    gb = params * CHECKPOINT_BYTES_PER_PARAM[cfg.optim.name] / 1e9
+    from trainer.memory import checkpoint_bytes  # the one table of bytes per parameter
+
+    gb = params * checkpoint_bytes(cfg.optim.name) / 1e9
     seconds = gb / (nodes * ASSUMED_SAVE_GB_PER_S_PER_NODE)
     return seconds, (
         f"estimated: {params / 1e6:.1f}M parameters, {gb:.2f} GB of weights and optimizer state over "

@@ -5,59 +5,76 @@ becomes a `ConfigError` whose message says what, where and what to do.
 
 Reading and checking a config needs no torch (a login node's `make check` and `make submit`): this
 module imports none, nor does any module it imports. So a section is defined beside the code it
-configures where that module imports torch only in the functions that use it (optim, launch, the
-model section in the models package, whose specs keep their networks apart, as torchtitan keeps a
-model's args apart from its model code); the sections of the modules that need torch to be imported
-at all (train, eval, data, parallel, checkpoint, log) are defined here, each imported by its module.
+configures where that module imports torch only in the functions that use it and sits below the
+config (optim, health, the model section in the models package, whose specs keep their networks
+apart, as torchtitan keeps a model's args apart from its model code); the sections of the modules
+that need torch to be imported at all (train, eval, data, parallel, checkpoint, log) and of the
+launcher (a front door, above everything: nothing here imports it) are defined here, each imported
+by its module. tools/imports.py keeps it so: no import circle, none running up its floors.
 """
 
 from __future__ import annotations
 
+import argparse
+import ast
 import copy
 import dataclasses
+import functools
+import inspect
+import json
 import os
 import re
-import stat
+import sys
+import textwrap
+import tokenize
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 
-from trainer import files
+from trainer import files, ranges
 from trainer.health import HealthArgs
-from trainer.launch import LaunchArgs
 from trainer.layout import CONFIG_FILE
 from trainer.models import ModelArgs
 from trainer.optim import OptimArgs
+from trainer.ranges import AT_LEAST_1, MAX_SEED, NOT_NEGATIVE, POSITIVE, TIMEOUT_S, Range
 
 
 class ConfigError(Exception):
     """A mistake in the user's configuration; the message is shown as one line."""
 
 
+# Beside each number field: the values it takes (trainer/ranges.py; trainer/check.py refuses others).
+_GRAD_CLIP = "give a positive norm, or null to disable clipping"
+_MTBF = "give the hours between interruptions (> 0), or null for the Llama 3 report's rate"
+
+
 @dataclass
 class TrainArgs:
-    steps: int = 200  # total optimizer steps of the run
-    global_batch_size: int = 32  # samples per optimizer step, summed over all ranks
+    steps: Annotated[int, AT_LEAST_1] = 200  # total optimizer steps of the run
+    global_batch_size: Annotated[int, AT_LEAST_1] = 32  # samples per optimizer step, summed over all ranks
     # Samples per optimizer step on each rank (the tutorials' batch_size): when set, global_batch_size
     # becomes this times the number of processes, whatever it says.
-    rank_batch_size: int | None = None
+    rank_batch_size: Annotated[int | None, AT_LEAST_1] = None
     # How a step's loss is reduced over the rank's samples (tokens for the LM) before backward: mean,
     # or sum (the MNIST tutorial's nll_loss(reduction="sum"): gradients micro_batch x larger). The
     # gradients are averaged over the ranks either way; the logged loss is the mean in both cases.
     loss_reduction: Literal["mean", "sum"] = "mean"
-    micro_batch_size: int | None = None  # samples per forward/backward on one rank; None: all at once
-    seed: int = 0  # seeds the weights and the order of the data; in [0, 2**32 - 1]
-    grad_clip: float | None = 1.0  # max global gradient norm, > 0; None disables clipping
+    # samples per forward/backward on one rank; None: all at once
+    micro_batch_size: Annotated[int | None, AT_LEAST_1] = None
+    # seeds the weights and the order of the data
+    seed: Annotated[int, Range(0, MAX_SEED, note=" (numpy's and torch's generators)")] = 0
+    # max global gradient norm; None: no clipping
+    grad_clip: Annotated[float | None, Range(0, low_open=True, says=_GRAD_CLIP)] = 1.0
 
 
 @dataclass
 class EvalArgs:
-    interval: int = 0  # optimizer steps between evaluations; 0 disables them
-    batches: int = 4  # micro-batches per rank in one evaluation
+    interval: Annotated[int, NOT_NEGATIVE] = 0  # optimizer steps between evaluations; 0 disables them
+    batches: Annotated[int, AT_LEAST_1] = 4  # micro-batches per rank in one evaluation
 
 
 @dataclass
@@ -81,12 +98,14 @@ SOURCE_LABEL = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 @dataclass
 class DataArgs:
+    # What the samples are: generated token sequences the model can learn, a token file made by
+    # trainer.prepare, MNIST, a folder of images in one subfolder per class, or generated images.
     name: Literal["synthetic", "tokens", "mnist", "imagefolder", "synthetic_images"] = "synthetic"
     path: str | None = None  # token file, MNIST root or ImageFolder root (for the training split)
     eval_path: str | None = None  # the same for evaluation; None: a held-out part of the stream
     token_dtype: Literal["uint16", "uint32"] = "uint16"  # element type of a token file
     download: bool = True  # MNIST: download into `path` when the files are not there
-    num_workers: int = 0  # DataLoader worker processes per rank
+    num_workers: Annotated[int, NOT_NEGATIVE] = 0  # DataLoader worker processes per rank
     trace: bool = False  # append each rank's global sample indices to run_dir/trace/ (debugging)
     # Several token files mixed by weight (data.name=tokens, instead of data.path), e.g.
     # [{path: a.bin, weight: 0.7}, {path: b.bin, weight: 0.3}]; empty: the single data.path.
@@ -100,16 +119,16 @@ class ParallelArgs:
     # unsharded between forward and backward (SHARD_GRAD_OP, ZeRO-2); hybrid: full shard inside a
     # group of `shard_size` ranks, replicate across groups (HYBRID_SHARD, a 2-D mesh).
     sharding: Literal["full", "grad_op", "hybrid"] = "full"
-    shard_size: int | None = None  # hybrid: ranks per shard group; None: the ranks of one node
+    shard_size: Annotated[int | None, AT_LEAST_1] = None  # hybrid: ranks per shard group; None: the ranks of one node
     # block: one FSDP unit per model block (transformer layer, ResNet block); size: one unit per
     # module holding at least `wrap_min_params` parameters not already wrapped below it.
     wrap: Literal["block", "size"] = "block"
-    wrap_min_params: int = 100_000  # size policy threshold, in parameters
+    wrap_min_params: Annotated[int, AT_LEAST_1] = 100_000  # size policy threshold, in parameters
     param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # compute dtype
     reduce_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # gradient reduction dtype
     # float16 only: the loss scale the run starts from (GradScaler's init_scale); it halves at each step
     # whose gradients overflow (that step is skipped) and doubles after 2000 steps without one. > 0.
-    loss_scale: float = 65536.0
+    loss_scale: Annotated[float, POSITIVE] = 65536.0
     cpu_offload: bool = False  # keep sharded params, grads and optimizer state in host memory
     activation_checkpointing: bool = False  # recompute each block's activations in backward
     compile: bool = False  # torch.compile each block and the loss
@@ -120,27 +139,28 @@ class ParallelArgs:
     float8_emulate: bool = False  # float8 math emulated in high precision, on any device: for tests, no faster
     # Seconds a collective of the training process group waits for a rank that does not answer;
     # then the run stops with an error naming the step (exit code 1), so that Slurm can requeue it.
-    timeout_s: int = 600
+    timeout_s: Annotated[int, TIMEOUT_S] = 600
 
 
 @dataclass
 class CheckpointArgs:
     # Optimizer steps between saves; 0: save only at the end and when stopped; auto: the Young-Daly
     # interval sqrt(2 x blocking save seconds x mtbf), in steps, from the run's own save and step times.
-    interval: int | Literal["auto"] = 100
+    interval: Annotated[int | Literal["auto"], NOT_NEGATIVE] = 100
     # Mean time between interruptions of the whole job in hours (interval=auto); None: the Llama 3
     # report's trainer.checkpoint.GPU_MTBF_HOURS (45,566 GPU-hours) divided by the job's processes.
-    mtbf_hours: float | None = None
-    keep: int = 3  # newest complete checkpoints kept, older ones are deleted; 0 keeps all
-    keep_every: int = 0  # also keep forever every checkpoint whose step is a multiple of this; 0: none
+    mtbf_hours: Annotated[float | None, Range(0, low_open=True, says=_MTBF)] = None
+    keep: Annotated[int, NOT_NEGATIVE] = 3  # newest complete checkpoints kept, older ones are deleted; 0 keeps all
+    # also keep forever every checkpoint whose step is a multiple of this; 0: none
+    keep_every: Annotated[int, NOT_NEGATIVE] = 0
     async_save: bool = False  # write shards in the background while training goes on
     resume_from: str | None = None  # a checkpoint folder a new run starts from; once run_dir has its own, they win
-    timeout_s: int = 3600  # limit for the collectives of one save or load (slow filesystems)
+    timeout_s: Annotated[int, TIMEOUT_S] = 3600  # limit for the collectives of one save or load (slow filesystems)
 
 
 @dataclass
 class LogArgs:
-    interval: int = 10  # optimizer steps between metric rows
+    interval: Annotated[int, AT_LEAST_1] = 10  # optimizer steps between metric rows
     progress: bool = True  # live progress line on a terminal (rank 0 only)
     tensorboard: bool = False  # also write TensorBoard event files to <run_dir>/tensorboard (trainer/trackers.py)
     wandb: bool = False  # also log to a Weights & Biases run, the same one after each restart
@@ -148,7 +168,17 @@ class LogArgs:
     project: str | None = None  # W&B project / MLflow experiment; None: the run dir's name
     # A rank whose compute time per step (a metrics row's compute_s_*) exceeds this many times the
     # median of all ranks' for 3 logged windows in a row is named as a straggler (rank and node); > 1.
-    straggler_factor: float = 1.5
+    straggler_factor: Annotated[float, Range(1, low_open=True, note=" (times the median compute time)")] = 1.5
+
+
+@dataclass
+class LaunchArgs:
+    # Times the launcher (trainer/launch.py) restarts every rank of the job, in the same allocation,
+    # from the newest checkpoint after a rank failed (killed, crashed; never bad input, divergence or a
+    # stop signal), counted over one launch (torchrun's --max-restarts); 0: a failure ends the launch at
+    # once. The default 3 survives a few transient faults (a killed process, a lost connection) without
+    # the queue; a failure that repeats at once costs 3 quick starts before the exit code says it.
+    max_restarts: Annotated[int, NOT_NEGATIVE] = 3
 
 
 @dataclass
@@ -178,37 +208,22 @@ def resolve_batch(cfg: Config, world_size: int) -> Config:
 def resolve(cfg: Config, where: str = "config", world_size: int = 1) -> Config:
     """The config as the run records it: the global batch of `world_size` processes, and the
     transformer's shape spelled out, from model.init_from's config.json (keys the config sets
-    must agree with it) or else from model.size."""
-    from trainer.models import family_of  # the families, torch with them
+    must agree with it; trainer/hf.py reads the folder), from the token files' sidecars for the
+    vocabulary (trainer/prepare.py reads them; a mixture: the largest), and else from model.size."""
+    from trainer import hf  # torch only where a folder's weights are read
     from trainer.models import resolve as resolve_model
+    from trainer.prepare import sidecar_vocab
 
     cfg = resolve_batch(cfg, world_size)
     model = cfg.model
-    family = family_of(model)
-    if model.init_from and family is not None and family.hf is not None:
-        from trainer import hf
-
-        try:
-            model = hf.model_args(model.init_from, model)
-            hf.weight_files(model.init_from)  # the index and the weights' headers, read before anything starts
-        except hf.HFError as e:
-            raise ConfigError(f"{where}: model.init_from: {e}") from None
-    if cfg.data.name == "tokens" and model.vocab_size is None and not model.init_from:
-        paths = [cfg.data.path] + [source.path for source in cfg.data.sources]  # a mixture: the largest
-        model = dataclasses.replace(model, vocab_size=max(filter(None, map(_sidecar_vocab, paths)), default=None))
-    return dataclasses.replace(cfg, model=resolve_model(model))
-
-
-def _sidecar_vocab(path: str | None) -> int | None:
-    """The vocabulary size trainer.prepare recorded beside the token file at `path`, or None."""
-    from trainer.prepare import read_sidecar
-
     try:
-        info = read_sidecar(path) if path and os.path.isfile(path) else None
-    except (OSError, ValueError):
-        return None  # the check names an unreadable sidecar
-    vocab = info.get("vocab_size") if isinstance(info, dict) else None
-    return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab >= 2 else None
+        model = hf.init_args(model)
+    except hf.HFError as e:
+        raise ConfigError(f"{where}: model.init_from: {e}") from None
+    if cfg.data.name == "tokens" and model.vocab_size is None and not model.init_from:
+        paths = [cfg.data.path] + [source.path for source in cfg.data.sources]
+        model = dataclasses.replace(model, vocab_size=max(filter(None, map(sidecar_vocab, paths)), default=None))
+    return dataclasses.replace(cfg, model=resolve_model(model))
 
 
 def load(path: str | None, overrides: list[str] = ()) -> Config:
@@ -438,29 +453,11 @@ def _parse(text: str, where: str, lines: bool = False) -> Any:
         raise ConfigError(f"{at}: invalid YAML ({problem}); {todo}") from None
 
 
-def special_file(path: str) -> str | None:
-    """What `path` is when it is neither a regular file, a folder nor missing ("a FIFO (named pipe)",
-    ...), told by stat alone: opening a FIFO to read waits for a writer."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        return None
-    for test, what in (
-        (stat.S_ISFIFO, "a FIFO (named pipe)"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-    ):
-        if test(mode):
-            return what
-    return None
-
-
 def _read_yaml(path: str) -> dict:
     """The top-level mapping of the YAML file at `path`; every problem with the file is a ConfigError."""
     if os.path.isdir(path):
         raise ConfigError(f"{path}: is a folder; pass a YAML file with --config")
-    kind = special_file(path)
+    kind = files.special_file(path)
     if kind:  # never opened: reading a FIFO waits for a writer
         raise ConfigError(f"{path}: is {kind}, not a regular file; pass a YAML file with --config")
     if not os.path.isfile(path):
@@ -585,3 +582,153 @@ def to_dict(cfg: Config) -> dict:
 def dump(cfg: Config, path: str | Path) -> None:
     """Write the config as YAML to `path` (files.write_text: a link or FIFO there is replaced)."""
     files.write_text(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+# --- The whole config in view (python -m trainer.config --print, make config; the README's key table)
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """{field name: its comment} of the dataclass `cls`, read from its source once: the comment at
+    the end of the field's line, else the comment lines right above it (STYLE.md: a field is
+    documented where it is defined, so the meaning shown is the one next to the code)."""
+    lines, _ = inspect.getsourcelines(cls)
+    comments: dict[int, str] = {}  # line (0-based in `lines`) -> its comment's text
+    code_lines: set[int] = set()
+    for tok in tokenize.generate_tokens(iter(lines).__next__):
+        if tok.type == tokenize.COMMENT:
+            comments[tok.start[0] - 1] = tok.string.lstrip("#").strip()
+        elif tok.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER):
+            code_lines.add(tok.start[0] - 1)
+    docs = {}
+    names = {f.name for f in dataclasses.fields(cls)}
+    for node in ast.parse(textwrap.dedent("".join(lines))).body[0].body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)) or node.target.id not in names:
+            continue
+        line = node.lineno - 1
+        beside = [comments[i] for i in range(line, node.end_lineno) if i in comments]
+        if beside:  # at the end of the field's line(s)
+            docs[node.target.id] = " ".join(beside)
+            continue
+        above = []
+        while line - 1 in comments and line - 1 not in code_lines:
+            line -= 1
+            above.insert(0, comments[line])
+        docs[node.target.id] = " ".join(above)
+    return docs
+
+
+def meaning(doc: str) -> str:
+    """The first sentence of a field's comment: its meaning on one line."""
+    match = re.match(r"(.+?(?<!e\.g)(?<!i\.e)\.)\s+(?=[^a-z])", doc)
+    return (match.group(1) if match else doc).rstrip(".")
+
+
+def _choices(tp) -> tuple | None:
+    """The values a Literal type (or a Literal | None) allows, or None."""
+    for arm in (tp, *typing.get_args(tp)):
+        if typing.get_origin(arm) is Literal:
+            return typing.get_args(arm)
+    return None
+
+
+def keys(
+    cfg: Config | None = None, prefix: str = "", defaults=None, whole: bool = False
+) -> list[tuple[str, Any, Any, str]]:
+    """(dotted key, value in `cfg`, default, meaning) of every key of the config, in the order of
+    the sections' fields; the meaning is the first sentence of the field's comment, `whole`: all of
+    it, and the choices of a field that has them. A section that may be null (model.rope_scaling) is
+    listed with its keys, whose defaults are what they take when the section is given."""
+    cfg = Config() if cfg is None else cfg
+    defaults = type(cfg)() if defaults is None else defaults
+    docs = field_docs(type(cfg))
+    hints = typing.get_type_hints(type(cfg))
+    extras = typing.get_type_hints(type(cfg), include_extras=True)
+    out = []
+    for f in dataclasses.fields(cfg):
+        key, value, default = prefix + f.name, getattr(cfg, f.name), getattr(defaults, f.name)
+        if dataclasses.is_dataclass(value) and dataclasses.is_dataclass(default):
+            out += keys(value, key + ".", default, whole)
+            continue
+        doc = docs.get(f.name, "") if whole else meaning(docs.get(f.name, ""))
+        choices = _choices(hints[f.name])
+        if choices:
+            doc = "; ".join(filter(None, (doc.rstrip("."), f"one of {', '.join(map(str, choices))}")))
+        allowed = ranges.of(extras[f.name])
+        if allowed:  # beside the field (trainer/ranges.py), as trainer/check.py checks it
+            bounds = " and ".join(f"[{r.item}] {r.bounds()}" if r.item is not None else r.bounds() for r in allowed)
+            doc = f"{doc.rstrip('.')}; {bounds}"
+        out.append((key, value, default, doc))
+        inner = [a for a in typing.get_args(hints[f.name]) if dataclasses.is_dataclass(a)]
+        if inner and typing.get_origin(hints[f.name]) is tuple:  # a list of sections (data.sources): each item's keys
+            section = inner[0]
+            out += [(k, None, d, m) for k, _, d, m in keys(section(), key + "[].", section(), whole)]
+        elif inner:  # a section that may be null: its keys, with the defaults they take when given
+            section = inner[0]
+            for k, _, d, m in keys(section(), key + ".", section(), whole):
+                out.append((k, getattr(value, k.rpartition(".")[2]) if value is not None else None, d, m))
+    return out
+
+
+def show(value: Any) -> str:
+    """A value as YAML spells it on a command line: null, true, [0.9, 0.95], fsdp."""
+    if isinstance(value, tuple):
+        value = list(value)
+    if dataclasses.is_dataclass(value):
+        value = dataclasses.asdict(value)
+    if isinstance(value, str):
+        return json.dumps(value) if value == "" or value != value.strip() else value
+    return json.dumps(value)
+
+
+def key_table() -> str:
+    """The README's table of every key (between its `config keys` markers), from the fields' own
+    comments: tests/test_config_print.py keeps the two equal."""
+    rows = ["| key | default | meaning |", "|---|---|---|"]
+    rows += [f"| `{k}` | `{show(d)}` | {m.replace('|', '&#124;')} |" for k, _, d, m in keys(whole=True)]
+    return "\n".join(rows) + "\n"
+
+
+def print_config(cfg: Config) -> str:
+    """Every key of `cfg` on a line: key, value, default (where the value differs), meaning."""
+    rows = [(k, show(v), show(d), m) for k, v, d, m in keys(cfg)]
+    width = max(len(k) for k, *_ in rows)
+    value_width = min(24, max(len(v) for _, v, _, _ in rows))
+    lines = []
+    for k, v, d, m in rows:
+        differs = f" (default {d})" if v != d else ""
+        lines.append(f"{k:<{width}}  {v + differs:<{value_width}}  # {m}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer.config",
+        description="Print every key of the config (the defaults, a YAML file and key=value overrides): its "
+        "value, its default where that differs, and its meaning.",
+    )
+    parser.add_argument("--print", action="store_true", help="print every key (the default action)")
+    parser.add_argument("--table", action="store_true", help="print the README's markdown table of the keys")
+    parser.add_argument("--config", help="YAML config file; none: the defaults")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    args = parser.parse_intermixed_args(argv)
+    if args.table:
+        sys.stdout.write(key_table())
+        return 0
+    try:
+        cfg, where, notes = load_run(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for line in notes:
+        print(line, file=sys.stderr)
+    try:
+        print(f"# the config of {cfg.run_dir}, from {where}{' and the command line' if args.overrides else ''}")
+        print(print_config(cfg), flush=True)
+    except BrokenPipeError:  # `make config | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

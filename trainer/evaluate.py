@@ -64,20 +64,6 @@ def append_row(run_dir: str, row: dict) -> None:
         f.buffer.write(line)  # one write, as the trainer's own rows
 
 
-def evaluate_sources(model, cfg, env, eval_set, compute_dtype) -> dict:
-    """trainer.train.evaluate's numbers for `eval_set`; for a mixture's per-source evaluation files
-    (data.EvalSources: data.sources[i].eval_path) each source's as eval_loss/<source> (and
-    eval_accuracy/<source>), and eval_loss their mean weighted by the sources' weights."""
-    from trainer.train import evaluate
-
-    if not isinstance(eval_set, data.EvalSources):
-        return evaluate(model, cfg, env, eval_set, compute_dtype)
-    results = {name: evaluate(model, cfg, env, dataset, compute_dtype) for name, dataset in eval_set.items()}
-    weights = eval_set.weights
-    mean = sum(weights[name] * r["eval_loss"] for name, r in results.items()) / sum(weights.values())
-    return {"eval_loss": mean, **{f"{k}/{name}": v for name, r in results.items() for k, v in r.items()}}
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.evaluate", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir")
@@ -104,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         model.load_state_dict(state)
         del state
         model = parallel.apply(model, cfg.parallel, env, models.spec(cfg.model).blocks)  # its mixed precision
+        from trainer.train import evaluate_sources
+
         result = evaluate_sources(model, cfg, env, eval_set, parallel.autocast_dtype(model, cfg.parallel))
     finally:
         distributed.shutdown()

@@ -56,6 +56,25 @@ def kind(mode):
     return "not a regular file"
 
 
+def special_file(path):
+    """What `path` is when it is neither a regular file, a folder nor missing ("a FIFO (named pipe)",
+    ...), told by stat alone (it follows a link: the config and token files a user names may be
+    links): opening a FIFO to read waits for a writer. None otherwise."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    for test, what in (
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return what
+    return None
+
+
 def _open(path, flags):
     """os.open with O_NOFOLLOW; a link at `path` is an UnsafeFile, not an ELOOP traceback."""
     try:

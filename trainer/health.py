@@ -29,8 +29,10 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import Annotated
 
 from trainer import files
+from trainer.ranges import NOT_NEGATIVE, TIMEOUT_S, Range
 from trainer.requeue import HEALTH_FAILED, HEALTH_RECORDS
 
 __all__ = ["HEALTH_FAILED", "HealthArgs", "HealthError", "NodeCheck"]
@@ -49,23 +51,23 @@ class HealthArgs:
     # Seconds health.command may run before the node fails the check: a hung command (nvidia-smi on a
     # GPU that fell off the bus is the classic one) fails the node instead of the job waiting on it.
     # 60: site checks take seconds; this leaves room for a slow one.
-    command_timeout_s: int = 60
+    command_timeout_s: Annotated[int, TIMEOUT_S] = 60
     # Floor of the all-reduce's bus bandwidth across the allocation, in GB/s (1e9 bytes) as nccl-tests
     # define it: bytes x 2 (n - 1) / n / time, for n ranks. Judged on GPUs only; 0 measures and prints
     # it without judging. The default is 0 because the right floor depends on the fabric (hundreds of
     # GB/s within an NVLink node, tens across InfiniBand, a few over Ethernet): set it to about 80% of
     # what the line `health: all-reduce ...` says on healthy nodes.
-    min_busbw_gbps: float = 0.0
+    min_busbw_gbps: Annotated[float, Range(0, note=" (GB/s; 0: not judged)")] = 0.0
     # Floor of the run dir's write speed on each node, in MB/s (1e6 bytes): 8 MiB written and
     # fsync'ed to a temporary file there, then removed. 10: every shared filesystem in service
     # writes far faster; below it a checkpoint of a few GB would take minutes, a sign of a degraded
     # mount on that node.
-    min_write_mbps: float = 10.0
+    min_write_mbps: Annotated[float, Range(0, note=" (MB/s; 0: not judged)")] = 10.0
     # Nodes a Slurm job may exclude over its whole life after they failed the check (each one costs
     # a requeue); one more failing node and the job is not requeued, and says so. 2: a bad node or
     # two are routine on a large allocation; more usually means a broken check or a systemic
     # problem (the fabric, the filesystem) that excluding nodes will not fix.
-    max_excluded: int = 2
+    max_excluded: Annotated[int, NOT_NEGATIVE] = 2
 
 
 class HealthError(Exception):

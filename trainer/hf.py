@@ -51,6 +51,20 @@ class HFError(Exception):
     """An HF folder that cannot be used; the message names the file and what to do."""
 
 
+def init_args(args: ModelArgs) -> ModelArgs:
+    """`args` with the shape of model.init_from's config.json (keys `args` sets must agree), the
+    folder's weights index and headers read before anything starts (HFError otherwise); `args`
+    as they are without init_from or for a family that takes no Hugging Face folder."""
+    from trainer.models import family_of
+
+    family = family_of(args)
+    if not args.init_from or family is None or family.hf is None:
+        return args
+    args = model_args(args.init_from, args)
+    weight_files(args.init_from)
+    return args
+
+
 # -- config.json ----------------------------------------------------------------------------------
 
 

@@ -36,20 +36,8 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 
 from trainer import files, hangs, heartbeat, layout, outcomes, signals, torch_compat
-
-
-@dataclass
-class LaunchArgs:
-    # Times the launcher restarts every rank of the job, in the same allocation, from the newest
-    # checkpoint after a rank failed (killed, crashed; never bad input, divergence or a stop signal),
-    # counted over one launch (torchrun's --max-restarts); 0: a failure ends the launch at once. The
-    # default 3 survives a few transient faults (a killed process, a lost connection) without the
-    # queue; a failure that repeats at once costs 3 quick starts before the exit code says it.
-    max_restarts: int = 3
-
 
 # A signal before torchrun's agent takes over (imports, validation, rendezvous) ends the launch
 # cleanly instead of killing it: remembered here (main() listens first thing), acted on once the

@@ -51,9 +51,19 @@ import torch
 from trainer import torch_compat
 from trainer.parallel import DTYPES
 
-# Bytes of optimizer state per parameter (float32): Adam(W) and Adadelta keep two tensors, SGD one
-# (its momentum buffer, none without momentum).
+# The one table of bytes per parameter, float32 throughout: the weight, its gradient, and the
+# optimizer's state (Adam(W) and Adadelta keep two tensors, SGD one: its momentum buffer, none without
+# momentum). A checkpoint holds the weight and the state (checkpoint_bytes: trainer/checkpoint.py).
+WEIGHT_BYTES = 4
+GRADIENT_BYTES = 4
 OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "adadelta": 8, "sgd": 4}
+
+
+def checkpoint_bytes(optimizer: str) -> int:
+    """Bytes a checkpoint holds per parameter with optimizer `optimizer`: the weight and the state."""
+    return WEIGHT_BYTES + OPTIMIZER_BYTES[optimizer]
+
+
 # The CUDA caching allocator reserves more than it hands out: blocks are rounded (512 B, 2 MB
 # segments) and freed blocks fragment. 10% of what is allocated is the usual reserved/allocated
 # ratio of steady training loops; an assumption until bench/memory_calibration.py --device cuda
@@ -322,7 +332,7 @@ def estimate(
     state = OPTIMIZER_BYTES[cfg.optim.name] if cfg.optim.name != "sgd" or cfg.optim.momentum else 0
     notes = {}
     what = f"1/{s} of {n / 1e6:,.1f}M (sharded over {s} ranks)" if s > 1 else f"all {n / 1e6:,.1f}M"
-    parameters, gradients, optimizer = 4 * n // s, 4 * n // s, state * n // s
+    parameters, gradients, optimizer = WEIGHT_BYTES * n // s, GRADIENT_BYTES * n // s, state * n // s
     notes["parameters"] = f"float32, {what}"
     notes["gradients"] = f"float32, {what}, held through the next micro-batch's backward (accumulation)"
     notes["optimizer"] = f"{state} bytes per parameter ({cfg.optim.name}), {what}"

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from trainer import torch_compat
+from trainer.ranges import AT_LEAST_1, NOT_NEGATIVE, POSITIVE, Range
 
 if TYPE_CHECKING:
     import torch
@@ -17,21 +18,26 @@ if TYPE_CHECKING:
 
 @dataclass
 class OptimArgs:
-    name: Literal["adamw", "adam", "adadelta", "sgd"] = "adamw"
-    lr: float = 3e-3  # peak learning rate; > 0
-    weight_decay: float = 0.0  # decoupled for AdamW, L2 for the others; >= 0
-    betas: tuple[float, float] = (0.9, 0.95)  # Adam(W) moment decay rates; each in [0, 1)
-    momentum: float = 0.9  # SGD momentum; in [0, 1)
+    name: Literal["adamw", "adam", "adadelta", "sgd"] = "adamw"  # the optimizer (torch.optim's class)
+    lr: Annotated[float, POSITIVE] = 3e-3  # peak learning rate
+    weight_decay: Annotated[float, NOT_NEGATIVE] = 0.0  # decoupled for AdamW, L2 for the others
+    # Adam(W) moment decay rates
+    betas: Annotated[
+        tuple[float, float],
+        Range(0, 1, high_open=True, note=", e.g. 0.9", item=0),
+        Range(0, 1, high_open=True, note=", e.g. 0.95", item=1),
+    ] = (0.9, 0.95)
+    momentum: Annotated[float, Range(0, 1, high_open=True, note=", e.g. 0.9")] = 0.9  # SGD momentum
     # warmup_cosine: linear warmup then cosine decay to min_lr_ratio·lr; step: multiply by gamma
     # every step_size steps (the tutorials' StepLR); constant: lr throughout.
     schedule: Literal["warmup_cosine", "step", "constant"] = "warmup_cosine"
-    warmup_steps: int = 20  # linear warmup length, in optimizer steps
+    warmup_steps: Annotated[int, NOT_NEGATIVE] = 20  # linear warmup length, in optimizer steps
     # Optimizer step at which the cosine decay reaches min_lr_ratio·lr (the lr stays there after it);
     # null: train.steps. Set it to keep a run's decay horizon when train.steps is raised to continue it.
-    decay_steps: int | None = None
-    min_lr_ratio: float = 0.1  # final lr of the cosine schedule, as a fraction of lr; in [0, 1]
-    step_size: int = 1  # StepLR period, in optimizer steps
-    gamma: float = 0.7  # StepLR decay factor; in (0, 1]
+    decay_steps: Annotated[int | None, AT_LEAST_1] = None
+    min_lr_ratio: Annotated[float, Range(0, 1)] = 0.1  # final lr of the cosine schedule, as a fraction of lr
+    step_size: Annotated[int, AT_LEAST_1] = 1  # StepLR period, in optimizer steps
+    gamma: Annotated[float, Range(0, 1, low_open=True, note=", e.g. 0.7")] = 0.7  # StepLR decay factor
     fused: bool | None = None  # fused Adam(W) kernels; None: where the device supports them
 
 

@@ -31,7 +31,6 @@ import time
 import numpy as np
 
 from trainer import files as shared_files  # `files` names the input files here
-from trainer.config import special_file
 
 # End-of-document tokens of common tokenizers, tried in this order when neither --eos nor the
 # folder's tokenizer_config.json names one: Llama 3, GPT-2/NeoX, Llama 2/Mistral, Gemma.
@@ -55,11 +54,23 @@ def read_sidecar(token_file: str) -> dict | None:
         return None
 
 
+def sidecar_vocab(token_file: str | None) -> int | None:
+    """The vocabulary size recorded beside the token file at `token_file` (the config's
+    model.vocab_size where it sets none), or None: no file, no sidecar, or one unreadable (the
+    check names it) or without a usable size."""
+    try:
+        info = read_sidecar(token_file) if token_file and os.path.isfile(token_file) else None
+    except (OSError, ValueError):
+        return None
+    vocab = info.get("vocab_size") if isinstance(info, dict) else None
+    return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab >= 2 else None
+
+
 def token_file_problem(path: str, dtype: str, seq_len: int) -> str | None:
     """What is wrong with a token file that its size tells (the ids are checked as the ranks read it)."""
     if os.path.isdir(path):
         return f"{path} is a folder; give a token file (a flat {dtype} array of token ids)"
-    kind = special_file(path)
+    kind = shared_files.special_file(path)
     if kind:
         return f"{path} is {kind}, not a regular file; give a token file (a flat {dtype} array of token ids)"
     if not os.path.isfile(path):

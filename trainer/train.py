@@ -15,7 +15,6 @@ import torch.distributed as dist
 from trainer import checkpoint, data, files, hangs, health, hf, layout, models, optim, parallel, signals, torch_compat
 from trainer import dist as distributed
 from trainer.config import Config, dump, to_dict
-from trainer.evaluate import evaluate_sources
 from trainer.lease import Lease, LeaseError, LeaseLost
 from trainer.metrics import Reporter, Speed, peak_flops, start_times, timed
 
@@ -87,6 +86,18 @@ def evaluate(model, cfg: Config, env: distributed.Env, dataset, compute_dtype) -
     if family.kind == "classifier":
         result["eval_accuracy"] = (totals[1] / totals[2]).item()
     return result
+
+
+def evaluate_sources(model, cfg, env, eval_set, compute_dtype) -> dict:
+    """evaluate's numbers for `eval_set`; for a mixture's per-source evaluation files
+    (data.EvalSources: data.sources[i].eval_path) each source's as eval_loss/<source> (and
+    eval_accuracy/<source>), and eval_loss their mean weighted by the sources' weights."""
+    if not isinstance(eval_set, data.EvalSources):
+        return evaluate(model, cfg, env, eval_set, compute_dtype)
+    results = {name: evaluate(model, cfg, env, dataset, compute_dtype) for name, dataset in eval_set.items()}
+    weights = eval_set.weights
+    mean = sum(weights[name] * r["eval_loss"] for name, r in results.items()) / sum(weights.values())
+    return {"eval_loss": mean, **{f"{k}/{name}": v for name, r in results.items() for k, v in r.items()}}
 
 
 def train(cfg: Config) -> None:

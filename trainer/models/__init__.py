@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
 from trainer.models import mnist_cnn, transformer, vision
 from trainer.models.family import Family, loss_fn  # noqa: F401 - loss_fn: imported from here
@@ -26,6 +26,7 @@ from trainer.models.transformer_shapes import (  # noqa: F401 - the names bench 
     TransformerShape,
     transformer_shape,
 )
+from trainer.ranges import AT_LEAST_1, Range
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -69,10 +70,11 @@ class ModelArgs:
     # Context length in tokens an HF export advertises (its max_position_embeddings); None: seq_len,
     # with init_from: config.json's (a model trained on shorter sequences keeps its long context).
     max_position_embeddings: int | None = None
-    seq_len: int = 128  # transformer context length in tokens
+    seq_len: Annotated[int, AT_LEAST_1] = 128  # transformer context length in tokens
     num_classes: int = 10  # classes of the image classifiers
-    image_size: int = 224  # side in pixels that torchvision models see (MNIST is always 28)
-    dropout: float = 0.0  # MNIST CNN dropout after the convolutions, in [0, 0.5); after fc1 twice it (tutorial: 0.25)
+    image_size: Annotated[int, AT_LEAST_1] = 224  # side in pixels that torchvision models see (MNIST is always 28)
+    # MNIST CNN dropout after the convolutions; after fc1 twice it (tutorial: 0.25)
+    dropout: Annotated[float, Range(0, 0.5, high_open=True, note=": the MNIST CNN's second dropout is twice it")] = 0.0
 
 
 def find(name: str) -> Family | None:

@@ -1,0 +1,144 @@
+"""See the whole config (issue #35 item 4): `python -m trainer.config --print` and `make config` list
+every key with its value, its default and its meaning, read from the comment beside each field;
+README's key table is made from the same comments and kept equal to them here."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from trainer import config
+from trainer.check import validate
+from trainer.config import Config, ConfigError, keys, load, to_dict
+
+
+def leaves(d: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k, v in d.items():
+        out += leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else [prefix + k]
+    return out
+
+
+def test_every_key_has_a_meaning_from_the_comment_beside_its_field():
+    listed = {k: m for k, _, _, m in keys()}
+    assert set(leaves(to_dict(Config()))) <= set(listed)  # every key of the config, none left out
+    assert not [k for k, m in listed.items() if not m], "a field without a comment beside it"
+    assert listed["train.steps"] == "total optimizer steps of the run; >= 1"  # the trailing comment, the range
+    assert listed["launch.max_restarts"].startswith("Times the launcher")  # the comment block above
+    assert listed["data.token_dtype"] == "element type of a token file; one of uint16, uint32"  # and its choices
+    # the meaning is the first sentence: the explanation after it is left to the source and the README
+    assert not listed["health.min_write_mbps"].endswith("degraded mount on that node")
+    for k in ("model.rope_scaling.factor", "log.tensorboard", "log.wandb", "log.mlflow"):
+        assert listed[k], k
+
+
+def test_the_readme_key_table_is_the_one_the_fields_make():
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("<!-- config keys:")
+    table = readme[readme.index("\n", start) + 1 : readme.index("<!-- end of config keys -->")]
+    assert table == config.key_table(), "README's key table is stale: python -m trainer.config --table makes it"
+    for key in ("log.tensorboard", "log.wandb", "log.mlflow", "health.command_timeout_s", "launch.max_restarts"):
+        assert f"| `{key}` |" in table, key
+
+
+def run(*args: str, cwd=ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "trainer.config", *args], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_print_shows_every_key_with_its_value_and_the_default_it_replaces(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"run_dir: {tmp_path / 'run'}\ntrain:\n  steps: 50\n")
+    proc = run("--print", "--config", str(path), "optim.lr=2e-4", "optim.betas=[0.8, 0.9]")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == f"# the config of {tmp_path / 'run'}, from {path} and the command line"
+    rows = {line.split()[0]: line for line in lines[1:]}
+    assert list(rows) == [k for k, *_ in keys()]  # every key, in the sections' order
+    assert re.match(r"train\.steps +50 \(default 200\) +# total optimizer steps of the run; >= 1$", rows["train.steps"])
+    assert re.match(r"optim\.lr +0\.0002 \(default 0\.003\) +# peak learning rate", rows["optim.lr"])
+    assert "[0.8, 0.9] (default [0.9, 0.95])" in rows["optim.betas"]
+    assert re.match(r'health\.command +"" +# ', rows["health.command"])  # the default: no "(default" said
+    assert re.match(r"log\.wandb +false +# also log to a Weights & Biases run", rows["log.wandb"])
+    cfg = load(str(path), ["optim.lr=2e-4", "optim.betas=[0.8, 0.9]"])
+    assert len(rows) == len(keys(cfg)) and dataclasses.asdict(cfg)["optim"]["lr"] == 2e-4
+
+
+def test_print_of_a_bad_override_is_one_line_and_exit_2():
+    proc = run("--print", "train.stepz=3")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: override 'train.stepz=3': unknown key 'train.stepz'; known keys here: global_batch_size, "
+        "grad_clip, loss_reduction, micro_batch_size, rank_batch_size, seed, steps"
+    ]
+    assert proc.stdout == ""
+
+
+def test_make_config_runs_the_printer_with_config_and_args():
+    out = subprocess.run(
+        ["make", "-n", "config", "CONFIG=configs/mnist.yaml", "ARGS=train.steps=3 log.wandb=true"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "-m trainer.config --print --config configs/mnist.yaml  train.steps=3 log.wandb=true" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "override, shown, message",
+    [
+        ("optim.lr=0", "peak learning rate; > 0", "optim.lr: is 0.0; it must be positive"),
+        (
+            "train.seed=-1",
+            "; [0, 4294967295]",
+            "train.seed: is -1; it must be in [0, 4294967295] (numpy's and torch's generators)",
+        ),
+        (
+            "optim.betas=[0.9, 1.0]",
+            "; [0] [0, 1) and [1] [0, 1)",
+            "optim.betas[1]: is 1.0; it must be in [0, 1), e.g. 0.95",
+        ),
+        (
+            "health.command_timeout_s=604801",
+            "; >= 1 and <= 604800",
+            "health.command_timeout_s: is 604801; it must be at most 604800 (7 days)",
+        ),
+        (
+            "model.dropout=0.5",
+            "; [0, 0.5)",
+            "model.dropout: is 0.5; it must be in [0, 0.5): the MNIST CNN's second dropout is twice it",
+        ),
+    ],
+)
+def test_a_range_declared_beside_its_field_is_shown_and_checked(tmp_path, override, shown, message):
+    """One declaration (trainer/ranges.py, in the field's annotation) gives the key table its range
+    and the check its refusal."""
+    key = override.split("=")[0]
+    assert {k: m for k, _, _, m in keys()}[key].endswith(shown)
+    cfg = load(None, [override, f"run_dir={tmp_path}"])
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, 1, overrides=[override])
+    assert str(e.value) == f"override {override!r}: {message}"
+
+
+def test_print_into_a_pipe_closed_early_says_nothing_more():
+    """`make config | head -3`: head leaves after 3 lines; the printer ends quietly (it printed a
+    BrokenPipeError traceback)."""
+    proc = subprocess.run(
+        f"{sys.executable} -m trainer.config --print | head -3",
+        shell=True,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert len(proc.stdout.splitlines()) == 3
+    assert proc.stderr == ""
