@@ -23,6 +23,7 @@ import logging
 import torch
 import torch.nn as nn
 
+from trainer import torch_compat
 from trainer.config import Config, ParallelArgs
 
 log = logging.getLogger("trainer")
@@ -113,9 +114,7 @@ def convert(model: nn.Module, args: ParallelArgs, blocks, fsdp_ranks: int) -> No
     else:
         config = dataclasses.replace(Float8LinearConfig.from_recipe_name("rowwise"), emulate=args.float8_emulate)
         # torchtitan's workaround for pytorch#150859: compiled rowwise casts must round as eager ones do
-        from torch._inductor import config as inductor
-
-        inductor.emulate_precision_casts = True
+        torch_compat.emulate_precision_casts()
     gathered = set()
     if args.float8 == "tensorwise" and fsdp_ranks:
         gathered = {id(m) for _, m in linears if m.out_features % fsdp_ranks == 0}
@@ -146,9 +145,9 @@ def _plain_weight(module: nn.Module, state_dict: dict, prefix: str, _local_metad
 
     key = prefix + "weight"
     weight = state_dict.get(key)
-    if isinstance(weight, DTensor) and hasattr(weight._local_tensor, "_tensor"):
+    if isinstance(weight, DTensor) and hasattr(torch_compat.local_tensor(weight), "_tensor"):
         state_dict[key] = DTensor.from_local(
-            weight._local_tensor._tensor,
+            torch_compat.local_tensor(weight)._tensor,
             weight.device_mesh,
             weight.placements,
             run_check=False,

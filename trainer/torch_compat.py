@@ -27,6 +27,11 @@ Each private name: who uses it (through which function here); what happens where
   memory.py (dispatch_mode_base, leaves, storage_key); no memory estimate.
 * LRScheduler._last_lr: optim.py (set_last_lr); get_last_lr() says the old lr until the next step
   after a resumed run changed optim.lr.
+* _inductor.config.emulate_precision_casts: float8.py (emulate_precision_casts; torchtitan's
+  workaround for pytorch#150859); compiled rowwise float8 rounds unlike eager.
+* DTensor._local_tensor (a class annotation; torch sets it on each instance): float8.py
+  (local_tensor: the very tensor, where to_local() would give a view); float8 checkpoints hold
+  torchao's class.
 * nn.modules.batchnorm._BatchNorm: parallel.py (batch_norm_base; it still names it itself: it is
   being rewritten beside this change); no BatchNorm statistics synced, or the trainer cannot start.
   parallel.py's `module._buffers[name] = ...` needs no private name: setattr(module, name, tensor)
@@ -59,6 +64,7 @@ PRIVATE = [
     ("torch.utils._pytree", "tree_flatten"),
     ("torch", "UntypedStorage._cdata"),
     ("torch.nn.modules.batchnorm", "_BatchNorm"),
+    ("torch._inductor.config", "emulate_precision_casts"),
 ]
 # The hooks of torchrun's agent (a LocalElasticAgent) that Agent below hands to public names.
 AGENT = ["_start_workers", "_stop_workers", "_monitor_workers", "_rendezvous", "_shutdown"]
@@ -85,6 +91,10 @@ def missing() -> list[str]:
         except (ImportError, AttributeError):
             gone.append(f"{module}.{name}")
     gone += [f"LocalElasticAgent.{name}" for name in AGENT if not hasattr(LocalElasticAgent, name)]
+    from torch.distributed.tensor import DTensor
+
+    if "_local_tensor" not in getattr(DTensor, "__annotations__", {}):  # set on instances, declared on the class
+        gone.append("torch.distributed.tensor.DTensor._local_tensor")
     for module, cls, name in ATTRIBUTES:
         try:
             source = inspect.getsource(getattr(importlib.import_module(module), cls))
@@ -269,3 +279,17 @@ def batch_norm_base() -> type:
     from torch.nn.modules.batchnorm import _BatchNorm
 
     return _BatchNorm
+
+
+def emulate_precision_casts() -> None:
+    """Compiled code rounds casts as eager code does (torchtitan's workaround for pytorch#150859,
+    needed by rowwise float8 under compile)."""
+    from torch._inductor import config
+
+    config.emulate_precision_casts = True
+
+
+def local_tensor(dtensor):
+    """This rank's tensor of `dtensor` itself, not a view of it (to_local's): a tensor subclass
+    (torchao's float8 weight) stays what it is."""
+    return dtensor._local_tensor
