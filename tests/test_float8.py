@@ -38,6 +38,7 @@ from conftest import (
 from trainer import config, hf
 from trainer.check import check_float8, validate
 from trainer.config import ConfigError
+from trainer.models import transformer_hf
 
 pytest.importorskip("torchao", reason="float8 needs torchao: pip install .[float8] (the test extra has it)")
 
@@ -156,10 +157,10 @@ def _hf_state(folder) -> dict[str, torch.Tensor]:
 
     files = hf.weight_files(str(folder))
     ours = {}
-    for name in [*hf._TOP, *(f"layers.{i}.{k}" for i in range(2) for k in hf._LAYER)]:
-        if hf.hf_name(name) in files:
-            with safe_open(files[hf.hf_name(name)], framework="pt") as f:
-                ours[name] = f.get_tensor(hf.hf_name(name))
+    for name in [*transformer_hf._TOP, *(f"layers.{i}.{k}" for i in range(2) for k in transformer_hf._LAYER)]:
+        if transformer_hf.hf_name(name) in files:
+            with safe_open(files[transformer_hf.hf_name(name)], framework="pt") as f:
+                ours[name] = f.get_tensor(transformer_hf.hf_name(name))
     return ours
 
 
