@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from trainer import checkpoint
+from trainer import checkpoint, shard_reader
 from trainer.shard_reader import load_metadata
 
 EMA_ROWS = 10  # 5 + 5 rows on 2 ranks, 4 + 4 + 2 on 3: the load reads across the saved shards' edges
@@ -71,8 +71,14 @@ def _worker(rank: int, world: int, run_dir: str, action: str, out: str) -> None:
             scheduler.step()
             ckpt.save(1, {"samples": 3}, blocking=True)
         else:
+            reads = []  # .metadata unpickled by this rank: rank 0 once, for every rank (checkpoint.choose)
+            real = shard_reader.load_metadata
+            checkpoint.load_metadata = shard_reader.load_metadata = lambda path: reads.append(path) or real(path)
             meta = ckpt.load()
             assert meta is not None and meta["step"] == 1
+            counts = [None] * world
+            dist.all_gather_object(counts, len(reads))
+            assert counts == [1] + [0] * (world - 1), counts
         held = {"ema": ema.weight.full_tensor(), **{k: v.full_tensor() for k, v in model.state_dict().items()}}
         held["last_epoch"] = torch.tensor(scheduler.last_epoch)
         if rank == 0:
@@ -89,6 +95,8 @@ def _run(world: int, run_dir, action: str, out) -> dict:
 
 @pytest.mark.slow
 def test_a_sharded_part_is_saved_through_dcp_and_resharded_from_2_to_3_ranks(tmp_path):
+    """EMA weights of 10 rows saved by 2 ranks (5 + 5) load on 3 (4 + 4 + 2) equal, with the model
+    and the small parts; the load's .metadata is unpickled once, by rank 0, for every rank."""
     run_dir = tmp_path / "run"
     saved = _run(2, run_dir, "save", tmp_path / "saved.pt")
     step1 = Path(checkpoint.step_path(run_dir, 1))

@@ -30,6 +30,7 @@ not as its commit wrote it is skipped like an unreadable one (docs/security.md).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import logging
 import math
@@ -49,6 +50,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -144,6 +147,17 @@ class AutoInterval:
         )
 
 
+# DCP's save-plan caching (torch 2.6+; 2.11 and 2.14 have it), and the class-level caches it fills.
+_PLAN_CACHING = "enable_plan_caching" in inspect.signature(DefaultSavePlanner.__init__).parameters
+_PLAN_CACHES = (
+    "_cached_save_plan",
+    "_cached_all_plans",
+    "_cached_global_plan",
+    "_cached_metadata",
+    "_cached_final_save_plan",
+)
+
+
 class CheckpointError(Exception):
     """A checkpoint that cannot be used; the message names it and what to do."""
 
@@ -180,16 +194,21 @@ def unusable(path: str) -> str | None:
     """Why the checkpoint at `path` cannot be loaded, or None: `problem`, then closer, as rank 0
     does before any rank reads it: the checksum of every file the load does not check as it reads
     (all but the shards), and DCP's metadata unpickled with nothing but its own classes."""
+    return _checked_metadata(path)[0]
+
+
+def _checked_metadata(path: str) -> tuple[str | None, dcp.metadata.Metadata | None]:
+    """(`unusable`'s answer, the checkpoint's DCP metadata as the restricted unpickler read it, or
+    None where it is unusable): what rank 0 reads once and hands to every rank at a load."""
     why = problem(path) or checksums.manifest_problem(path, deep=True)
     if why:
-        return why
+        return why, None
     try:
-        load_metadata(os.path.join(path, ".metadata"))
+        return None, load_metadata(os.path.join(path, ".metadata"))
     except Refused as e:
-        return str(e)
+        return str(e), None
     except Exception as e:  # noqa: BLE001 - any unreadable file makes it unusable
-        return f"unreadable metadata ({type(e).__name__}: {e})"
-    return None
+        return f"unreadable metadata ({type(e).__name__}: {e})", None
 
 
 _RUN_ID = re.compile(r"[0-9a-f]{32}")  # what run_id holds: 128 random bits in hex
@@ -614,6 +633,8 @@ class Checkpointer:
         self.pending: tuple[Future, int, str, dict] | None = None  # an async save not yet committed
         self.staging: Future | None = None  # its copy of the state, until the copy is done
         self.last_saved: int | None = None
+        self.metadata: dcp.metadata.Metadata | None = None  # of the checkpoint `choose` chose, as rank 0 read it
+        self.plan_key = f"trainer.checkpoint/{uuid.uuid4().hex}/{world_size}"  # this one's save plans (`_planner`)
         self.said: set[tuple[str, str]] = set()  # (folder, why) of the checkpoints skipped so far: said once
         self.stager = _stager() if args.async_save else None
         if rank == 0:
@@ -681,14 +702,14 @@ class Checkpointer:
         """The checkpoint to resume from, decided by rank 0 and told to all: the run's newest complete
         one not found `unreadable` (by the load, or by `unusable` here, newest first: only the one
         chosen is read), else checkpoint.resume_from for a run without its own."""
-        choice = [None]
+        choice, metadata = [None], None
         if self.rank == 0:
             listed = complete(self.run_dir, self.said)
             found = []
             for step, path in reversed(listed):
                 if path in unreadable:
                     continue
-                why = unusable(path)
+                why, metadata = _checked_metadata(path)
                 if why is None:
                     found = [(step, path)]
                     break
@@ -720,7 +741,7 @@ class Checkpointer:
                     )
                 ]
             elif self.args.resume_from:
-                why = unusable(self.args.resume_from)
+                why, metadata = _checked_metadata(self.args.resume_from)
                 choice = (
                     [("error", f"checkpoint.resume_from={self.args.resume_from} is not a usable checkpoint: {why}")]
                     if why
@@ -729,9 +750,13 @@ class Checkpointer:
         if self.rank == 0 and isinstance(choice[0], str):
             _warn_if_others_can_write(choice[0])
             _warn_if_unverified(choice[0])
+        # With the choice, the metadata rank 0 read (the restricted unpickler, once): no other rank
+        # reads or unpickles the file (at 16k ranks a 1 GB .metadata, minutes of each rank's time).
+        choice.append(metadata if isinstance(choice[0], str) else None)
         dist.broadcast_object_list(choice, src=0, group=self.group)
         if isinstance(choice[0], tuple):
             raise CheckpointError(choice[0][1])
+        self.metadata = choice[1]
         return choice[0]
 
     def load(self) -> dict | None:
@@ -808,9 +833,10 @@ class Checkpointer:
         try:
             with warnings.catch_warnings():  # no_dist warns that it assumes one process; it is each rank alone
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.load(
-                    state, storage_reader=self.reader(path, rank=self.rank, world_size=self.world_size), no_dist=True
-                )
+                reader = self.reader(path, rank=self.rank, world_size=self.world_size)
+                if isinstance(reader, ShardReader):
+                    reader.metadata = self.metadata  # as rank 0 read it in `choose`
+                dcp.load(state, storage_reader=reader, no_dist=True)
             for name, value in state.items():
                 what = "its optimizer state" if name == "optim" else f"its {name} state"
                 bad = getattr(self.sharded[name], "problem", lambda _: None)(value)
@@ -867,15 +893,32 @@ class Checkpointer:
         self.last_saved = step
         if self.args.async_save and not blocking:
             response = dcp.async_save(
-                state, storage_writer=ChecksumWriter(tmp), process_group=self.group, **self.stager
+                state,
+                storage_writer=ChecksumWriter(tmp),
+                planner=self._planner(),
+                process_group=self.group,
+                **self.stager,
             )
             future = getattr(response, "upload_completion", response)
             self.staging = getattr(response, "staging_completion", None)
             self.pending = (future, step, tmp, meta)
         else:
             with _write_errors(step, tmp):
-                dcp.save(state, storage_writer=ChecksumWriter(tmp), process_group=self.group)
+                dcp.save(state, storage_writer=ChecksumWriter(tmp), planner=self._planner(), process_group=self.group)
             self._commit(step, tmp, meta)
+
+    def _planner(self) -> DefaultSavePlanner:
+        """DCP's save planner, caching its plans where the installed torch can: a rank whose plan is
+        as at the last save sends none, and rank 0 reuses its global plan and metadata (at 16k ranks
+        its planning was most of a save). DCP keys its cache by the planner's class, in class-level
+        dicts; here the key is this Checkpointer's own (`plan_key`), so a cached plan is never used
+        for another layout: another process group or world size, or another Checkpointer's state
+        in the same process (a test, the bench), starts a cache of its own on every rank at once."""
+        if not _PLAN_CACHING:
+            return DefaultSavePlanner()
+        planner = DefaultSavePlanner(enable_plan_caching=True)
+        planner._cached_plans_key = self.plan_key
+        return planner
 
     def wait_staged(self) -> None:
         """Block until an async save has copied the state; call before the optimizer changes it."""
@@ -899,10 +942,12 @@ class Checkpointer:
             self._commit(step, tmp, meta)
 
     def close(self) -> None:
-        """Finish and commit the save in flight and release the stager's buffers."""
+        """Finish and commit the save in flight and release the stager's buffers and cached plans."""
         self.wait()
         if self.stager:
             self.stager["async_stager"].close()
+        for cache in _PLAN_CACHES:
+            getattr(SavePlanner, cache, {}).pop(self.plan_key, None)
 
     def _commit(self, step: int, tmp: str, meta: dict) -> None:
         # DCP's save returns on a rank only after the coordinator wrote .metadata, which it does only
