@@ -490,19 +490,51 @@ class RandomStates:
         return None
 
 
-def _stager() -> dict:
+# The (rank, world size) the process-based async save's background process was made for: DCP starts
+# one per trainer process, at its first such save, with a process group of that size, and keeps it.
+_SAVER_PROCESS_FOR: tuple[int, int] | None = None
+
+
+def _stager(rank: int, world_size: int) -> dict:
     """Arguments for dcp.async_save: one stager kept for the whole run, copying the state in a
     background thread into buffers it reuses from save to save (allocating them anew each time is
-    what makes an async save stall the loop). Older torch without DefaultStager: its default."""
+    what makes an async save stall the loop), pinned where CUDA is. Where the installed torch has
+    it, the save itself runs in DCP's background process (AsyncCheckpointerType.PROCESS): the
+    planning, the writes and their checksums (ChecksumWriter is pickled to it, and writes its
+    .xxh3 records there) hold no lock of the training's Python. The staged copy is then in shared
+    memory, which the process reads without another copy. DCP keeps one such process per trainer
+    process, with a process group of the first save's size: a later Checkpointer of another
+    (rank, world size) in the same process (tests, the bench) saves with the thread instead.
+    Older torch without DefaultStager: its default (the thread, a fresh copy per save)."""
+    global _SAVER_PROCESS_FOR
     try:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     except ImportError:
         return {}
+    try:
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        process = AsyncCheckpointerType.PROCESS
+    except (ImportError, AttributeError):
+        process = None
+    if "async_checkpointer_type" not in inspect.signature(dcp.async_save).parameters:
+        process = None
+    if process is not None and _SAVER_PROCESS_FOR not in (None, (rank, world_size)):
+        log.info(
+            "async saves of this %d-rank checkpointer run in a thread: DCP's save process is for another", world_size
+        )
+        process = None
     cuda = torch.cuda.is_available()
     options = StagingOptions(
-        use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=cuda
+        use_pinned_memory=cuda,
+        use_shared_memory=process is not None,
+        use_async_staging=True,
+        use_non_blocking_copy=cuda,
     )
-    return {"async_stager": DefaultStager(options)}
+    if process is None:
+        return {"async_stager": DefaultStager(options)}
+    _SAVER_PROCESS_FOR = (rank, world_size)
+    return {"async_stager": DefaultStager(options), "async_checkpointer_type": process}
 
 
 def _check_rng(rng) -> None:
@@ -636,7 +668,7 @@ class Checkpointer:
         self.metadata: dcp.metadata.Metadata | None = None  # of the checkpoint `choose` chose, as rank 0 read it
         self.plan_key = f"trainer.checkpoint/{uuid.uuid4().hex}/{world_size}"  # this one's save plans (`_planner`)
         self.said: set[tuple[str, str]] = set()  # (folder, why) of the checkpoints skipped so far: said once
-        self.stager = _stager() if args.async_save else None
+        self.stager = _stager(rank, world_size) if args.async_save else None
         if rank == 0:
             os.makedirs(folder(run_dir), exist_ok=True)
             for name in os.listdir(folder(run_dir)):
