@@ -30,6 +30,7 @@ not as its commit wrote it is skipped like an unreadable one (docs/security.md).
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import json
 import logging
@@ -537,6 +538,24 @@ def _stager(rank: int, world_size: int) -> dict:
     return {"async_stager": DefaultStager(options), "async_checkpointer_type": process}
 
 
+@functools.cache
+def _stager_reusable() -> bool:
+    """Whether one DefaultStager stages more than once. torch 2.11's empties its copier table at the
+    end of every stage (to break a reference cycle), so its second stage raises KeyError(type): with
+    it every async save after the first failed. 2.14's keeps it. Tried once, on a tiny state."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+    try:
+        for _ in range(2):
+            stager.stage({"probe": torch.zeros(1)})
+    except KeyError:
+        return False
+    finally:
+        stager.close()
+    return True
+
+
 def _check_rng(rng) -> None:
     """Raise ValueError unless `rng` (an rng/rank_N.pt as read) is what a save writes and each of its
     states is one its generator takes: tried on a scratch generator, so nothing is set yet."""
@@ -924,6 +943,10 @@ class Checkpointer:
         }
         self.last_saved = step
         if self.args.async_save and not blocking:
+            if self.stager and not _stager_reusable():  # a fresh one per save where it cannot be reused
+                used = self.stager["async_stager"]
+                used.close()
+                self.stager["async_stager"] = type(used)(used._config)
             response = dcp.async_save(
                 state,
                 storage_writer=ChecksumWriter(tmp),
