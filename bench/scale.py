@@ -454,7 +454,9 @@ PLAN_KEYS = (
 
 def summary(rounds: list[dict], keys, factor: float = 1.0) -> dict:
     """key -> bench/stats.py figure of its rounds (scaled by `factor` where it counts items)."""
-    scaled = {"manifest_bytes", "manifest_read_s"}  # per rank, not per item: the same for any slice
+    # per rank, not per item: the same for any slice (rank 0's cached planning handles N empty plans)
+    scaled = {"manifest_bytes", "manifest_read_s", "cached_gather_s", "cached_global_plan_s", "cached_scatter_s"}
+    scaled |= {"cached_planning_s"}
     return {k: stats.figure([x[k] * (1 if k in scaled else factor) for x in rounds]) for k in keys}
 
 
