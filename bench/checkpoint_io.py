@@ -314,6 +314,7 @@ def async_save(ckpt, step, model, optimizer, scheduler, small, small_stream, env
         "async_slowdown_s": common.rank_max(slowdown, control),
         "async_cost_s": common.rank_max(sum(blocked.values()) + slowdown, control),
         "async_in_flight_s": common.rank_max(in_flight, control),
+        "async_path": "background process" if "async_checkpointer_type" in (ckpt.stager or {}) else "thread",
         "steps_before_save_s": steps_before,
         "steps_during_save_s": steps_during,
     }

@@ -13,10 +13,18 @@ plain tensor on every rank. The coordinator's work at a save is then done as on 
   scatter       pickle the N global plans back (dist.scatter_object_list)
   finish        unpickle the N ranks' write results, build storage_data, pickle .metadata (its bytes)
 
-and at a load, on every rank: unpickle .metadata (pickle.loads; and trainer.shard_reader.load_metadata,
-the restricted unpickler the trainer uses), then DefaultLoadPlanner.create_local_plan for one rank (the
-middle one) of the same N against it. Also the size of our manifest.json for N ranks (3 files each:
-the shard file, its .xxh3 record, rng/rank_R.pt) and the seconds to read and check its digest.
+with DCP's save-plan caching on, as the trainer saves (trainer/checkpoint.py `_planner`); then rank
+0's planning at a second save of the same layout: every rank's plan unchanged, so each sends an
+empty unusable plan (gather), the cached global plan and metadata are reused (global_plan), and N
+empty plans go back (scatter); one rank's side is comparing its new plan with its cached one. The
+finish is a save's own (the write results differ from save to save) and is not repeated here.
+
+And at a load: rank 0 unpickles .metadata with trainer.shard_reader.load_metadata (the restricted
+unpickler; pickle.loads beside it) and pickles it for the broadcast to every rank, each of which
+unpickles that (pickle.loads: the trainer reads the file once per load, not once per rank); then
+DefaultLoadPlanner.create_local_plan for one rank (the middle one) of the same N against it. Also
+the size of our manifest.json for N ranks (3 files each: the shard file, its .xxh3 record,
+rng/rank_R.pt) and the seconds to read and check its digest.
 
 The whole 8B state is 1164 items per rank (291 tensors x model, exp_avg, exp_avg_sq, step); at 16k ranks
 that is 19M Python objects, more than this VM holds. So each round plans a slice of it, every item of
@@ -203,6 +211,8 @@ def plan_round(world: int, whole: bool) -> dict:
     """One round at `world` ranks: seconds and bytes of each phase (the module's docstring)."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import SavePlan
+    from torch.distributed.checkpoint.planner_helpers import _compare_save_plans
 
     from trainer import checksums, shard_reader
 
@@ -221,14 +231,36 @@ def plan_round(world: int, whole: bool) -> dict:
     r["gather_s"] = time.perf_counter() - t
     del blobs
     t = time.perf_counter()
-    global_plans, metadata = DefaultSavePlanner().create_global_plan(plans)
+    coordinator = DefaultSavePlanner(enable_plan_caching=True)  # as trainer/checkpoint.py saves
+    coordinator._cached_plans_key = f"bench.scale/{world}/{os.urandom(8).hex()}"  # a cache of its own
+    global_plans, metadata = coordinator.create_global_plan(plans)
     r["global_plan_s"] = time.perf_counter() - t
-    del plans
+    one, again = (save_plan(items, world, world // 2, mappings) for _ in range(2))
+    t = time.perf_counter()
+    assert _compare_save_plans(one, again)
+    r["cached_local_compare_s"] = time.perf_counter() - t  # one rank at the second save: plan unchanged?
+    del plans, one, again
     t = time.perf_counter()
     scattered = [pickle.dumps(p) for p in global_plans]
     r["scatter_s"] = time.perf_counter() - t
     r["scatter_bytes"] = sum(map(len, scattered))
     del scattered
+
+    # The second save of the same layout: rank 0's planning from its cache.
+    unchanged = [pickle.dumps(SavePlan([], usable=False)) for _ in range(world)]
+    t = time.perf_counter()
+    plans = [pickle.loads(b) for b in unchanged]
+    r["cached_gather_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    delta, cached_metadata = coordinator.create_global_plan(plans)
+    r["cached_global_plan_s"] = time.perf_counter() - t
+    assert cached_metadata is metadata and not any(p.usable for p in delta)
+    t = time.perf_counter()
+    r["cached_scatter_bytes"] = sum(len(pickle.dumps(p)) for p in delta)
+    r["cached_scatter_s"] = time.perf_counter() - t
+    r["planning_s"] = r["gather_s"] + r["global_plan_s"] + r["scatter_s"]
+    r["cached_planning_s"] = r["cached_gather_s"] + r["cached_global_plan_s"] + r["cached_scatter_s"]
+    del plans, delta, unchanged
 
     results = [pickle.dumps(write_results(p, rank)) for rank, p in enumerate(global_plans)]  # each rank's own
     del global_plans
@@ -252,6 +284,9 @@ def plan_round(world: int, whole: bool) -> dict:
         t = time.perf_counter()
         shard_reader.load_metadata(f.name)
         r["metadata_restricted_unpickle_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    r["metadata_broadcast_bytes"] = len(pickle.dumps(loaded))  # rank 0 pickles it once for the broadcast
+    r["metadata_broadcast_pickle_s"] = time.perf_counter() - t
     del data
     planner = DefaultLoadPlanner()
     planner.set_up_planner({}, loaded, is_coordinator=False)
@@ -398,11 +433,18 @@ PLAN_KEYS = (
     "global_plan_s",
     "scatter_s",
     "finish_s",
+    "planning_s",
+    "cached_gather_s",
+    "cached_global_plan_s",
+    "cached_scatter_s",
+    "cached_planning_s",
+    "cached_local_compare_s",
     "coordinator_peak_bytes",
     "metadata_bytes",
     "plans_bytes",
     "metadata_unpickle_s",
     "metadata_restricted_unpickle_s",
+    "metadata_broadcast_pickle_s",
     "load_local_plan_s",
     "load_plan_bytes",
     "manifest_bytes",
@@ -412,7 +454,9 @@ PLAN_KEYS = (
 
 def summary(rounds: list[dict], keys, factor: float = 1.0) -> dict:
     """key -> bench/stats.py figure of its rounds (scaled by `factor` where it counts items)."""
-    scaled = {"manifest_bytes", "manifest_read_s"}  # per rank, not per item: the same for any slice
+    # per rank, not per item: the same for any slice (rank 0's cached planning handles N empty plans)
+    scaled = {"manifest_bytes", "manifest_read_s", "cached_gather_s", "cached_global_plan_s", "cached_scatter_s"}
+    scaled |= {"cached_planning_s"}
     return {k: stats.figure([x[k] * (1 if k in scaled else factor) for x in rounds]) for k in keys}
 
 

@@ -3,9 +3,9 @@
 Layout of `<run_dir>/checkpoints/`:
 
     step_00000100/        a complete checkpoint: it only ever appears by an atomic rename
-        .metadata, *.distcp   DCP: model and optimizer, each rank writing its own shards
-        meta.json         step, samples consumed, world size, parameter shapes, the named parts (scheduler, ...)
-        rng/rank_00000.pt each rank's random number generator states
+        .metadata, *.distcp   DCP: the sharded parts (model, optim, ...), each rank writing its own shards
+        meta.json         step, samples consumed, world size, parameter shapes, the small parts (scheduler, ...)
+        rng/rank_00000.pt the per-rank parts: each rank's random number generator states
         manifest.json     size and checksum of every file above (trainer/checksums.py)
     .tmp_step_00000200/   a save in progress (or killed): never read, removed on the next start
 
@@ -13,6 +13,13 @@ A save writes into the temporary folder; once every rank's shards are on disk (D
 has written `.metadata`), rank 0 writes meta.json and manifest.json, fsyncs and renames the folder
 to its final name. Only rank 0 creates, renames, lists and deletes folders, and it tells the other
 ranks which checkpoint to load, so no rank acts on a stale view of an NFS or Lustre directory.
+
+What is saved is a set of named parts, each a `Stateful` (state_dict() and load_state_dict(), as
+torchtitan's CheckpointManager takes them), kept in one of three places by its kind: sharded parts
+(the model, the optimizer, any other state of sharded tensors) through DCP, resharded at a load on
+another number of ranks; small parts (the scheduler, the loss scaler) in meta.json; per-rank parts
+(the random states) one file per rank, restored only on as many ranks as saved them. A checkpoint
+saved before a part existed loads without it, the part starting afresh.
 
 A checkpoint may come from elsewhere (checkpoint.resume_from, a copied run dir): loading or listing
 one never runs code it carries (trainer/shard_reader.py), listing reads its manifest and no pickle,
@@ -23,6 +30,8 @@ not as its commit wrote it is skipped like an unreadable one (docs/security.md).
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import json
 import logging
 import math
@@ -42,7 +51,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlanner
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
 
 from trainer import checksums, files, layout
 from trainer.checksums import ChecksumWriter
@@ -131,6 +148,17 @@ class AutoInterval:
         )
 
 
+# DCP's save-plan caching (torch 2.6+; 2.11 and 2.14 have it), and the class-level caches it fills.
+_PLAN_CACHING = "enable_plan_caching" in inspect.signature(DefaultSavePlanner.__init__).parameters
+_PLAN_CACHES = (
+    "_cached_save_plan",
+    "_cached_all_plans",
+    "_cached_global_plan",
+    "_cached_metadata",
+    "_cached_final_save_plan",
+)
+
+
 class CheckpointError(Exception):
     """A checkpoint that cannot be used; the message names it and what to do."""
 
@@ -167,16 +195,21 @@ def unusable(path: str) -> str | None:
     """Why the checkpoint at `path` cannot be loaded, or None: `problem`, then closer, as rank 0
     does before any rank reads it: the checksum of every file the load does not check as it reads
     (all but the shards), and DCP's metadata unpickled with nothing but its own classes."""
+    return _checked_metadata(path)[0]
+
+
+def _checked_metadata(path: str) -> tuple[str | None, dcp.metadata.Metadata | None]:
+    """(`unusable`'s answer, the checkpoint's DCP metadata as the restricted unpickler read it, or
+    None where it is unusable): what rank 0 reads once and hands to every rank at a load."""
     why = problem(path) or checksums.manifest_problem(path, deep=True)
     if why:
-        return why
+        return why, None
     try:
-        load_metadata(os.path.join(path, ".metadata"))
+        return None, load_metadata(os.path.join(path, ".metadata"))
     except Refused as e:
-        return str(e)
+        return str(e), None
     except Exception as e:  # noqa: BLE001 - any unreadable file makes it unusable
-        return f"unreadable metadata ({type(e).__name__}: {e})"
-    return None
+        return f"unreadable metadata ({type(e).__name__}: {e})", None
 
 
 _RUN_ID = re.compile(r"[0-9a-f]{32}")  # what run_id holds: 128 random bits in hex
@@ -403,19 +436,124 @@ def _rng_state() -> dict:
     return state
 
 
-def _stager() -> dict:
+class ModelState:
+    """The model's weights, a sharded part: each rank saves and loads its shards (torchtitan's ModelWrapper)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def state_dict(self) -> dict:
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state: dict) -> None:
+        set_model_state_dict(self.model, state)
+
+
+class OptimizerState:
+    """The optimizer's state, a sharded part, keyed by parameter name. `problem` names what makes a
+    state read from a checkpoint unfit before anything is set: its param_groups, which DCP reads as
+    they were pickled, against those of the state_dict() the read was made into."""
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+        self.groups: list[dict] = []  # the param_groups of the last state_dict(), as this run has them
+
+    def state_dict(self) -> dict:
+        state = get_optimizer_state_dict(self.model, self.optimizer)
+        self.groups = [dict(g) for g in state.get("param_groups", [])]
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state)
+
+    def problem(self, state: dict) -> str | None:
+        return _param_groups_problem(state.get("param_groups"), self.groups)
+
+
+class RandomStates:
+    """This rank's random number generators, a per-rank part (rng/rank_N.pt): read with
+    torch.load(weights_only=True) and checked by `problem` before anything is set."""
+
+    def state_dict(self) -> dict:
+        return _rng_state()
+
+    def load_state_dict(self, rng: dict) -> None:
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+
+    @staticmethod
+    def problem(rng) -> str | None:
+        try:
+            _check_rng(rng)
+        except ValueError as e:
+            return str(e)
+        return None
+
+
+# The (rank, world size) the process-based async save's background process was made for: DCP starts
+# one per trainer process, at its first such save, with a process group of that size, and keeps it.
+_SAVER_PROCESS_FOR: tuple[int, int] | None = None
+
+
+def _stager(rank: int, world_size: int) -> dict:
     """Arguments for dcp.async_save: one stager kept for the whole run, copying the state in a
     background thread into buffers it reuses from save to save (allocating them anew each time is
-    what makes an async save stall the loop). Older torch without DefaultStager: its default."""
+    what makes an async save stall the loop), pinned where CUDA is. Where the installed torch has
+    it, the save itself runs in DCP's background process (AsyncCheckpointerType.PROCESS): the
+    planning, the writes and their checksums (ChecksumWriter is pickled to it, and writes its
+    .xxh3 records there) hold no lock of the training's Python. The staged copy is then in shared
+    memory, which the process reads without another copy. DCP keeps one such process per trainer
+    process, with a process group of the first save's size: a later Checkpointer of another
+    (rank, world size) in the same process (tests, the bench) saves with the thread instead.
+    Older torch without DefaultStager: its default (the thread, a fresh copy per save)."""
+    global _SAVER_PROCESS_FOR
     try:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     except ImportError:
         return {}
+    try:
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        process = AsyncCheckpointerType.PROCESS
+    except (ImportError, AttributeError):
+        process = None
+    if "async_checkpointer_type" not in inspect.signature(dcp.async_save).parameters:
+        process = None
+    if process is not None and _SAVER_PROCESS_FOR not in (None, (rank, world_size)):
+        log.info(
+            "async saves of this %d-rank checkpointer run in a thread: DCP's save process is for another", world_size
+        )
+        process = None
     cuda = torch.cuda.is_available()
     options = StagingOptions(
-        use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=cuda
+        use_pinned_memory=cuda,
+        use_shared_memory=process is not None,
+        use_async_staging=True,
+        use_non_blocking_copy=cuda,
     )
-    return {"async_stager": DefaultStager(options)}
+    if process is None:
+        return {"async_stager": DefaultStager(options)}
+    _SAVER_PROCESS_FOR = (rank, world_size)
+    return {"async_stager": DefaultStager(options), "async_checkpointer_type": process}
+
+
+@functools.cache
+def _stager_reusable() -> bool:
+    """Whether one DefaultStager stages more than once. torch 2.11's empties its copier table at the
+    end of every stage (to break a reference cycle), so its second stage raises KeyError(type): with
+    it every async save after the first failed. 2.14's keeps it. Tried once, on a tiny state."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+    try:
+        for _ in range(2):
+            stager.stage({"probe": torch.zeros(1)})
+    except KeyError:
+        return False
+    finally:
+        stager.close()
+    return True
 
 
 def _check_rng(rng) -> None:
@@ -482,6 +620,7 @@ def _param_groups_problem(loaded, expected: list[dict]) -> str | None:
 # meta.json's keys the checkpointer writes itself (and `progress`'s); no part may be named like one.
 OWN_KEYS = (
     "step",
+    "sharded",
     "world_size",
     "optimizer",
     "shapes",
@@ -492,6 +631,18 @@ OWN_KEYS = (
     "manifest",
     "run_id",
 )
+
+
+def _sharded_names(path: str, meta: dict) -> list[str]:
+    """The sharded parts the checkpoint at `path` holds, as its meta.json lists them; one saved
+    before the list was kept holds the model and the optimizer."""
+    names = meta.get("sharded", ["model", "optim"])
+    if not (isinstance(names, list) and all(isinstance(n, str) for n in names) and {"model", "optim"} <= set(names)):
+        raise CheckpointError(
+            f"checkpoint {path}: meta.json's 'sharded' is {str(names)[:60]}, not the list of parts a save writes; "
+            f"give another checkpoint as checkpoint.resume_from, or move it away"
+        )
+    return names
 
 
 class Checkpointer:
@@ -509,23 +660,34 @@ class Checkpointer:
         group: dist.ProcessGroup,
         model,
         optimizer,
-        parts: dict | None = None,
+        parts: dict[str, Stateful] | None = None,
+        sharded: dict[str, Stateful] | None = None,
     ):
-        """What a checkpoint holds: `model` and `optimizer`, sharded (DCP, each rank its shards); each
-        rank's random states; and `parts`, named states small enough for meta.json (the scheduler, the
-        loss scaler, ...): each an object with state_dict() and load_state_dict(), saved under its
-        name. A new part is one more entry; a checkpoint saved before it existed loads without it."""
+        """What a checkpoint holds, each part a `Stateful` saved under its name: `model` and `optimizer`
+        (the sharded parts "model" and "optim") and `sharded`, more states of (D)tensors that DCP saves
+        and reshards like them (EMA weights, a second optimizer); each rank's random states ("rng");
+        and `parts`, states small enough for meta.json (the scheduler, the loss scaler, ...). A new
+        part is one more entry; a checkpoint saved before it existed loads without it."""
         self.args, self.run_dir, self.rank, self.world_size, self.group = args, run_dir, rank, world_size, group
         self.model, self.optimizer = model, optimizer
         self.parts = {name: part for name, part in (parts or {}).items() if part is not None}
         taken = set(self.parts) & set(OWN_KEYS)
         if taken:
             raise ValueError(f"checkpoint part names {sorted(taken)} are meta.json's own keys; choose other names")
+        self.sharded: dict[str, Stateful] = {"model": ModelState(model), "optim": OptimizerState(model, optimizer)}
+        self.per_rank: dict[str, Stateful] = {"rng": RandomStates()}
+        extra = {name: part for name, part in (sharded or {}).items() if part is not None}
+        taken = set(extra) & (set(self.sharded) | set(self.per_rank) | set(self.parts))
+        if taken:
+            raise ValueError(f"sharded checkpoint part names {sorted(taken)} are taken by other parts; choose others")
+        self.sharded.update(extra)
         self.pending: tuple[Future, int, str, dict] | None = None  # an async save not yet committed
         self.staging: Future | None = None  # its copy of the state, until the copy is done
         self.last_saved: int | None = None
+        self.metadata: dcp.metadata.Metadata | None = None  # of the checkpoint `choose` chose, as rank 0 read it
+        self.plan_key = f"trainer.checkpoint/{uuid.uuid4().hex}/{world_size}"  # this one's save plans (`_planner`)
         self.said: set[tuple[str, str]] = set()  # (folder, why) of the checkpoints skipped so far: said once
-        self.stager = _stager() if args.async_save else None
+        self.stager = _stager(rank, world_size) if args.async_save else None
         if rank == 0:
             os.makedirs(folder(run_dir), exist_ok=True)
             for name in os.listdir(folder(run_dir)):
@@ -591,14 +753,14 @@ class Checkpointer:
         """The checkpoint to resume from, decided by rank 0 and told to all: the run's newest complete
         one not found `unreadable` (by the load, or by `unusable` here, newest first: only the one
         chosen is read), else checkpoint.resume_from for a run without its own."""
-        choice = [None]
+        choice, metadata = [None], None
         if self.rank == 0:
             listed = complete(self.run_dir, self.said)
             found = []
             for step, path in reversed(listed):
                 if path in unreadable:
                     continue
-                why = unusable(path)
+                why, metadata = _checked_metadata(path)
                 if why is None:
                     found = [(step, path)]
                     break
@@ -630,7 +792,7 @@ class Checkpointer:
                     )
                 ]
             elif self.args.resume_from:
-                why = unusable(self.args.resume_from)
+                why, metadata = _checked_metadata(self.args.resume_from)
                 choice = (
                     [("error", f"checkpoint.resume_from={self.args.resume_from} is not a usable checkpoint: {why}")]
                     if why
@@ -639,24 +801,30 @@ class Checkpointer:
         if self.rank == 0 and isinstance(choice[0], str):
             _warn_if_others_can_write(choice[0])
             _warn_if_unverified(choice[0])
+        # With the choice, the metadata rank 0 read (the restricted unpickler, once): no other rank
+        # reads or unpickles the file (at 16k ranks a 1 GB .metadata, minutes of each rank's time).
+        choice.append(metadata if isinstance(choice[0], str) else None)
         dist.broadcast_object_list(choice, src=0, group=self.group)
         if isinstance(choice[0], tuple):
             raise CheckpointError(choice[0][1])
+        self.metadata = choice[1]
         return choice[0]
 
     def load(self) -> dict | None:
-        """Restore the model, the optimizer, the random states and every part from the newest usable
-        checkpoint; returns its meta (step, samples), or None. A checkpoint that turns out unreadable
-        is skipped with a warning for the next older one."""
-        model, optimizer = self.model, self.optimizer
+        """Restore every part from the newest usable checkpoint: the sharded ones (model, optimizer,
+        ...), the small ones from meta.json, and the per-rank ones (random states) where as many ranks
+        saved it; returns its meta (step, samples), or None. A checkpoint that turns out unreadable is
+        skipped with a warning for the next older one."""
+        optimizer = self.optimizer
         unreadable: tuple[str, ...] = ()
         while True:
             path = self.choose(unreadable)
             if path is None:
                 return None
             meta = read_meta(path)
-            model_state, optim_state = get_state_dict(model, optimizer)
-            check_compatible(path, meta["shapes"], shapes(model_state))
+            names = _sharded_names(path, meta)
+            state = {name: part.state_dict() for name, part in self.sharded.items() if name in names}
+            check_compatible(path, meta["shapes"], shapes(state["model"]))
             saved_optimizer = meta.get("optimizer", type(optimizer).__name__)
             if saved_optimizer != type(optimizer).__name__:
                 raise CheckpointError(
@@ -665,10 +833,13 @@ class Checkpointer:
                     f"new run_dir"
                 )
             started = time.perf_counter()
-            state = {"model": model_state, "optim": optim_state}
-            rng_file = os.path.join(path, "rng", f"rank_{self.rank:05d}.pt")
-            same_ranks = meta["world_size"] == self.world_size and os.path.isfile(rng_file)
-            why, rng = self._read_shards(path, state, rng_file if same_ranks else None)
+            same_ranks = meta["world_size"] == self.world_size
+            per_rank = {
+                name: os.path.join(path, name, f"rank_{self.rank:05d}.pt")
+                for name in self.per_rank
+                if same_ranks and os.path.isfile(os.path.join(path, name, f"rank_{self.rank:05d}.pt"))
+            }
+            why, own = self._read_shards(path, state, per_rank)
             if why is None:
                 break
             if path == self.args.resume_from:
@@ -676,50 +847,58 @@ class Checkpointer:
             if self.rank == 0:  # every rank has the same `why`: said once
                 log.warning("skipping checkpoint %s: %s; trying the next older one", path, why)
             unreadable += (path,)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        for name, part in self.sharded.items():
+            if name in state:
+                part.load_state_dict(state[name])
+            else:
+                log.info("checkpoint %s holds no %s state (saved before it was kept): it starts afresh", path, name)
         for name, part in self.parts.items():
             if name in meta:
                 part.load_state_dict(meta[name])
             else:
                 log.info("checkpoint %s holds no %s state (saved before it was kept): it starts afresh", path, name)
-        if rng is not None:
-            torch.set_rng_state(rng["torch"])
-            if "cuda" in rng and torch.cuda.is_available():
-                torch.cuda.set_rng_state(rng["cuda"])
+        for name, value in own.items():
+            self.per_rank[name].load_state_dict(value)
         meta["load_time_s"] = time.perf_counter() - started
         meta["path"] = path
         self.last_saved = meta["step"]
         return meta
 
-    def _read_shards(self, path: str, state: dict, rng_file: str | None) -> tuple[str | None, dict | None]:
-        """Fill `state`'s tensors (this rank's shards) from the checkpoint at `path`, and read this
-        rank's random states from `rng_file` (None: none to read); (None, the random states), or on
-        every rank (why some rank could not, None) (the tensors may then be partly overwritten: load
-        them again). A random state file is read here so that one torch.load cannot read makes the
-        checkpoint unreadable like a shard, instead of failing the start.
+    def _read_shards(self, path: str, state: dict, per_rank: dict[str, str]) -> tuple[str | None, dict]:
+        """Fill `state`'s tensors (this rank's shards of each sharded part) from the checkpoint at
+        `path`, and read this rank's file of each per-rank part named in `per_rank` (name: file);
+        (None, those parts' states read), or on every rank (why some rank could not, {}) (the tensors
+        may then be partly overwritten: load them again). Nothing is set before every rank has read
+        all: a per-rank file is read here so that one torch.load cannot read makes the checkpoint
+        unreadable like a shard, instead of failing the start; a part's `problem` (if it has one)
+        names a state read that it cannot take.
 
         Each rank plans its own reads (`no_dist`): DCP's default load plan needs no coordination (its
         global step hands every rank its own plan back), and routing the plans through rank 0 took
         0.3 s of a 1 s load (125m, 2 processes, cache warm; more with more ranks). What the collective
         gave, every rank failing with the error of any, is done here with one small all-gather.
         The reading itself is `self.reader`'s: `ShardReader` (shard_reader.py)."""
-        error = rng = None
+        error = None
+        own: dict = {}
         what = "its shards"
-        expected = [dict(g) for g in state["optim"].get("param_groups", [])]  # this run's, before the read
         try:
             with warnings.catch_warnings():  # no_dist warns that it assumes one process; it is each rank alone
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.load(
-                    state, storage_reader=self.reader(path, rank=self.rank, world_size=self.world_size), no_dist=True
-                )
-            what = "its optimizer state"
-            bad = _param_groups_problem(state["optim"].get("param_groups"), expected)
-            if bad:
-                raise ValueError(bad)
-            if rng_file:
-                what = os.path.relpath(rng_file, path)
-                rng = torch.load(rng_file, weights_only=True)
-                _check_rng(rng)
+                reader = self.reader(path, rank=self.rank, world_size=self.world_size)
+                if isinstance(reader, ShardReader):
+                    reader.metadata = self.metadata  # as rank 0 read it in `choose`
+                dcp.load(state, storage_reader=reader, no_dist=True)
+            for name, value in state.items():
+                what = "its optimizer state" if name == "optim" else f"its {name} state"
+                bad = getattr(self.sharded[name], "problem", lambda _: None)(value)
+                if bad:
+                    raise ValueError(bad)
+            for name, file in per_rank.items():
+                what = os.path.relpath(file, path)
+                own[name] = torch.load(file, weights_only=True)  # tensors and containers: never code
+                bad = getattr(self.per_rank[name], "problem", lambda _: None)(own[name])
+                if bad:
+                    raise ValueError(bad)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - any failure stops every rank, with its cause
             cause = e.failures[min(e.failures)][0] if isinstance(e, CheckpointException) and e.failures else e
             log.debug("rank %d: reading checkpoint %s failed: %s: %s", self.rank, path, type(cause).__name__, cause)
@@ -730,15 +909,14 @@ class Checkpointer:
         failed = next(((rank, e) for rank, e in enumerate(errors) if e), None)
         if failed:
             rank, e = failed
-            return f"rank {rank} could not read {e}", None
-        return None, rng
+            return f"rank {rank} could not read {e}", {}
+        return None, own
 
     # -- save ---------------------------------------------------------------------------------------
 
     def save(self, step: int, progress: dict, blocking: bool = False) -> None:
-        """Save the state after `step`, with `progress` (samples consumed, the config) in meta.json.
-        Async unless configured otherwise or `blocking`."""
-        model, optimizer = self.model, self.optimizer
+        """Save every part's state after `step`, with `progress` (samples consumed, the config) in
+        meta.json. Async unless configured otherwise or `blocking`."""
         if step == self.last_saved:
             return  # already on disk (e.g. stopped right after resuming)
         self.wait()  # at most one save in flight
@@ -746,33 +924,56 @@ class Checkpointer:
         if self.rank == 0:  # made here, never through a link someone else placed: mkdir fails on any leftover
             remove(tmp)
             os.mkdir(tmp)
-            os.mkdir(os.path.join(tmp, "rng"))
+            for name in self.per_rank:
+                os.mkdir(os.path.join(tmp, name))
         dist.barrier(group=self.group)
-        torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{self.rank:05d}.pt"))
-        model_state, optim_state = get_state_dict(model, optimizer)
+        for name, part in self.per_rank.items():
+            torch.save(part.state_dict(), os.path.join(tmp, name, f"rank_{self.rank:05d}.pt"))
+        state = {name: part.state_dict() for name, part in self.sharded.items()}
         meta = {
             **progress,
             "step": step,
             "world_size": self.world_size,
             **{name: part.state_dict() for name, part in self.parts.items()},
-            "optimizer": type(optimizer).__name__,
-            "shapes": shapes(model_state),
+            "sharded": list(state),
+            "optimizer": type(self.optimizer).__name__,
+            "shapes": shapes(state["model"]),
             "torch": torch.__version__,
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
-        state = {"model": model_state, "optim": optim_state}
         self.last_saved = step
         if self.args.async_save and not blocking:
+            if self.stager and not _stager_reusable():  # a fresh one per save where it cannot be reused
+                used = self.stager["async_stager"]
+                used.close()
+                self.stager["async_stager"] = type(used)(used._config)
             response = dcp.async_save(
-                state, storage_writer=ChecksumWriter(tmp), process_group=self.group, **self.stager
+                state,
+                storage_writer=ChecksumWriter(tmp),
+                planner=self._planner(),
+                process_group=self.group,
+                **self.stager,
             )
             future = getattr(response, "upload_completion", response)
             self.staging = getattr(response, "staging_completion", None)
             self.pending = (future, step, tmp, meta)
         else:
             with _write_errors(step, tmp):
-                dcp.save(state, storage_writer=ChecksumWriter(tmp), process_group=self.group)
+                dcp.save(state, storage_writer=ChecksumWriter(tmp), planner=self._planner(), process_group=self.group)
             self._commit(step, tmp, meta)
+
+    def _planner(self) -> DefaultSavePlanner:
+        """DCP's save planner, caching its plans where the installed torch can: a rank whose plan is
+        as at the last save sends none, and rank 0 reuses its global plan and metadata (at 16k ranks
+        its planning was most of a save). DCP keys its cache by the planner's class, in class-level
+        dicts; here the key is this Checkpointer's own (`plan_key`), so a cached plan is never used
+        for another layout: another process group or world size, or another Checkpointer's state
+        in the same process (a test, the bench), starts a cache of its own on every rank at once."""
+        if not _PLAN_CACHING:
+            return DefaultSavePlanner()
+        planner = DefaultSavePlanner(enable_plan_caching=True)
+        planner._cached_plans_key = self.plan_key
+        return planner
 
     def wait_staged(self) -> None:
         """Block until an async save has copied the state; call before the optimizer changes it."""
@@ -796,10 +997,12 @@ class Checkpointer:
             self._commit(step, tmp, meta)
 
     def close(self) -> None:
-        """Finish and commit the save in flight and release the stager's buffers."""
+        """Finish and commit the save in flight and release the stager's buffers and cached plans."""
         self.wait()
         if self.stager:
             self.stager["async_stager"].close()
+        for cache in _PLAN_CACHES:
+            getattr(SavePlanner, cache, {}).pop(self.plan_key, None)
 
     def _commit(self, step: int, tmp: str, meta: dict) -> None:
         # DCP's save returns on a rank only after the coordinator wrote .metadata, which it does only

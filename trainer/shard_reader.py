@@ -94,9 +94,12 @@ class ShardReader(FileSystemReader):
     def __init__(self, path: str | os.PathLike, _extension_registry=None, *, rank: int = 0, world_size: int = 1):
         super().__init__(path, _extension_registry=_extension_registry)
         self.share = (rank, world_size)  # not self.rank: DCP sets that in set_up_storage_reader
+        # Given by the caller: `.metadata` as rank 0 read it with `load_metadata` and broadcast it
+        # (trainer/checkpoint.py), so that this rank neither reads nor unpickles it. None: read it.
+        self.metadata: dcp_metadata.Metadata | None = None
 
     def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
-        metadata = load_metadata(torch_compat.metadata_path(self, kwargs.get("rank")))
+        metadata = self.metadata or load_metadata(torch_compat.metadata_path(self, kwargs.get("rank")))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id

@@ -1,0 +1,173 @@
+"""A checkpoint is a set of named Stateful parts (trainer/checkpoint.py): a sharded part beyond the
+model and the optimizer (here EMA weights, sharded like FSDP2 shards the model) is saved through DCP
+and resharded at a load on another number of ranks; small parts stay in meta.json; a checkpoint
+saved before a part existed loads without it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from trainer import checkpoint, shard_reader
+from trainer.shard_reader import load_metadata
+
+EMA_ROWS = 10  # 5 + 5 rows on 2 ranks, 4 + 4 + 2 on 3: the load reads across the saved shards' edges
+
+
+class EMA:
+    """Weights averaged over steps, sharded by rows over the ranks: a state of DTensors, as an EMA
+    of an FSDP2 model is. load_state_dict takes what DCP read into state_dict()'s tensors."""
+
+    def __init__(self, mesh, full: torch.Tensor):
+        self.weight = distribute_tensor(full, mesh, [Shard(0)])
+
+    def state_dict(self) -> dict:
+        return {"weight": self.weight}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.weight = state["weight"]
+
+
+def _ema_full(seed: int) -> torch.Tensor:
+    return torch.randn(EMA_ROWS, 3, generator=torch.Generator().manual_seed(seed))
+
+
+def _worker(rank: int, world: int, run_dir: str, action: str, out: str) -> None:
+    """One rank: `save` step 1 with the EMA part (the full EMA and weights written to `out`), or
+    `load` it into a fresh model and EMA of another seed (what they hold after the load to `out`)."""
+    dist.init_process_group("gloo", init_method=f"file://{out}.store", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        torch.manual_seed(0 if action == "save" else 1)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 7), torch.nn.Linear(7, 2))
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        ema = EMA(mesh, _ema_full(0 if action == "save" else 1))
+        ckpt = checkpoint.Checkpointer(
+            checkpoint.CheckpointArgs(keep=0),
+            run_dir,
+            rank,
+            world,
+            dist.group.WORLD,
+            model,
+            optimizer,
+            parts={"scheduler": scheduler},
+            sharded={"ema": ema},
+        )
+        if action == "save":
+            model(torch.randn(3, 4)).sum().backward()
+            optimizer.step()
+            scheduler.step()
+            ckpt.save(1, {"samples": 3}, blocking=True)
+        else:
+            reads = []  # .metadata unpickled by this rank: rank 0 once, for every rank (checkpoint.choose)
+            real = shard_reader.load_metadata
+            checkpoint.load_metadata = shard_reader.load_metadata = lambda path: reads.append(path) or real(path)
+            meta = ckpt.load()
+            assert meta is not None and meta["step"] == 1
+            counts = [None] * world
+            dist.all_gather_object(counts, len(reads))
+            assert counts == [1] + [0] * (world - 1), counts
+        held = {"ema": ema.weight.full_tensor(), **{k: v.full_tensor() for k, v in model.state_dict().items()}}
+        held["last_epoch"] = torch.tensor(scheduler.last_epoch)
+        if rank == 0:
+            torch.save(held, out)
+        ckpt.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(world: int, run_dir, action: str, out) -> dict:
+    mp.spawn(_worker, args=(world, str(run_dir), action, str(out)), nprocs=world)
+    return torch.load(out, weights_only=True)
+
+
+@pytest.mark.slow
+def test_a_sharded_part_is_saved_through_dcp_and_resharded_from_2_to_3_ranks(tmp_path):
+    """EMA weights of 10 rows saved by 2 ranks (5 + 5) load on 3 (4 + 4 + 2) equal, with the model
+    and the small parts; the load's .metadata is unpickled once, by rank 0, for every rank."""
+    run_dir = tmp_path / "run"
+    saved = _run(2, run_dir, "save", tmp_path / "saved.pt")
+    step1 = Path(checkpoint.step_path(run_dir, 1))
+    meta = json.loads((step1 / "meta.json").read_text())
+    assert meta["sharded"] == ["model", "optim", "ema"] and "ema" not in meta and meta["scheduler"]["last_epoch"] == 1
+    stored = {key.split(".")[0] for key in load_metadata(step1 / ".metadata").state_dict_metadata}
+    assert stored == {"model", "optim", "ema"}
+
+    loaded = _run(3, run_dir, "load", tmp_path / "loaded.pt")
+    assert set(loaded) == set(saved)
+    assert not torch.equal(_ema_full(0), _ema_full(1))  # the load had something to change
+    for key in saved:
+        assert torch.equal(loaded[key], saved[key]), key
+    assert torch.equal(loaded["ema"], _ema_full(0))
+
+
+# -- in this process: a process group of one ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def _checkpointer(run_dir, group, seed: int, ema: EMA | None):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    parts = {"scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)}
+    args = checkpoint.CheckpointArgs(keep=0)
+    ckpt = checkpoint.Checkpointer(args, str(run_dir), 0, 1, group, model, optimizer, parts, sharded={"ema": ema})
+    return ckpt, model
+
+
+def test_a_checkpoint_saved_before_a_sharded_part_existed_loads_without_it(tmp_path, group, caplog):
+    """A checkpoint of the model and optimizer only (as every checkpoint before sharded parts):
+    a run with an EMA part resumes from it, its weights restored, the EMA left as it was, one line
+    saying so; its meta.json without 'sharded' reads as the model and the optimizer."""
+    ckpt, model = _checkpointer(tmp_path, group, 0, None)
+    ckpt.save(1, {"samples": 3}, blocking=True)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    meta_file = Path(checkpoint.step_path(tmp_path, 1)) / "meta.json"
+    assert json.loads(meta_file.read_text())["sharded"] == ["model", "optim"]
+
+    mesh = init_device_mesh("cpu", (1,))
+    ema = EMA(mesh, _ema_full(1))
+    ckpt, model = _checkpointer(tmp_path, group, 1, ema)
+    caplog.set_level(logging.INFO, "trainer")
+    meta = ckpt.load()
+    assert meta["step"] == 1 and "sharded" in meta
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+    assert torch.equal(ema.weight.full_tensor(), _ema_full(1))
+    assert f"checkpoint {meta['path']} holds no ema state (saved before it was kept): it starts afresh" in caplog.text
+
+
+def test_a_sharded_part_named_like_another_part_is_refused(tmp_path, group):
+    mesh = init_device_mesh("cpu", (1,))
+    for name in ("model", "optim", "rng"):
+        with pytest.raises(ValueError, match=rf"sharded checkpoint part names \['{name}'\] are taken by other parts"):
+            torch.manual_seed(0)
+            model = torch.nn.Linear(4, 2)
+            checkpoint.Checkpointer(
+                checkpoint.CheckpointArgs(),
+                str(tmp_path),
+                0,
+                1,
+                group,
+                model,
+                torch.optim.AdamW(model.parameters()),
+                sharded={name: EMA(mesh, _ema_full(0))},
+            )
+    assert not os.path.exists(checkpoint.folder(str(tmp_path)))  # refused before anything is written
