@@ -21,61 +21,47 @@ from trainer.metrics import Reporter, Speed, peak_flops, start_times, timed
 log = logging.getLogger("trainer")
 
 
-def batch_plan(cfg: Config, world_size: int) -> tuple[int, int]:
-    """(micro-batch size, accumulation steps) per rank; the config check guarantees they divide."""
-    per_rank = cfg.train.global_batch_size // world_size
+def batch_plan(cfg: Config, dp_size: int) -> tuple[int, int]:
+    """(micro-batch size, accumulation steps) per rank, the global batch divided over the `dp_size`
+    data-parallel ranks (the plan's); the config check guarantees they divide."""
+    per_rank = cfg.train.global_batch_size // dp_size
     micro = cfg.train.micro_batch_size or per_rank
     return micro, per_rank // micro
 
 
-def build_model(cfg: Config, env: distributed.Env) -> torch.nn.Module:
-    """The model, wrapped for the configured strategy, with the same initial weights on any number
-    of processes. A family with its own init_weights (the transformer) is built on the meta device
-    and initialised shard by shard."""
+def build_model(cfg: Config, env: distributed.Env, plan: parallel.Plan | None = None) -> torch.nn.Module:
+    """The model, wrapped by the parallel plan (`plan`, else the one of `cfg` and `env`), with the
+    same initial weights on any number of processes. A family with its own init_weights (the
+    transformer) is built on the meta device and initialised shard by shard."""
     torch.manual_seed(cfg.train.seed)
+    plan = plan or parallel.Plan.of(cfg.parallel, env)
     family = models.spec(cfg.model)
     if family.init_weights:
         with torch.device("meta"):
             model = family.build(cfg.model)
-        model = parallel.apply(model, cfg.parallel, env, family.blocks)
+        model = plan.apply(model, family)
         family.init_weights(parallel.unwrap(model), cfg.train.seed)
         return model
-    return parallel.apply(family.build(cfg.model), cfg.parallel, env, family.blocks)
-
-
-def _autocast(env: distributed.Env, dtype: torch.dtype | None):
-    """Lower-precision compute where FSDP does not cast itself (see parallel.autocast_dtype)."""
-    return torch.autocast(env.device.type, dtype=dtype) if dtype else contextlib.nullcontext()
-
-
-def _no_sync(model, cfg: Config, micro: int, accum: int):
-    """Skip the gradient reduction on all but the last micro-batch of an accumulation. Without one
-    there is nothing to do: the reduction is on by default (FSDP's setter walks every module)."""
-    if accum == 1:
-        return contextlib.nullcontext()
-    last_micro = micro == accum - 1
-    if cfg.parallel.strategy == "fsdp":
-        model.set_requires_gradient_sync(last_micro)
-    elif cfg.parallel.strategy == "ddp" and not last_micro:
-        return model.no_sync()
-    return contextlib.nullcontext()
+    return plan.apply(family.build(cfg.model), family)
 
 
 @torch.no_grad()
 def evaluate(model, cfg: Config, env: distributed.Env, dataset, compute_dtype) -> dict:
-    """Mean loss (and accuracy for classifiers) over fixed evaluation batches, over all ranks."""
+    """Mean loss (and accuracy for classifiers) over fixed evaluation batches, over all ranks; each
+    data-parallel rank takes its own part of them (the plan's rank and size)."""
     model.eval()
-    micro, _ = batch_plan(cfg, env.world_size)
+    plan = parallel.Plan.of(cfg.parallel, env)
+    micro, _ = batch_plan(cfg, plan.dp_size)
     start = 2**61 if len(dataset) >= 2**62 else 0  # generated data: a range training never reaches
     batches = data.loader(
-        dataset, cfg.data, cfg.train.seed, start, micro * env.world_size, micro, env.rank, env.world_size
+        dataset, cfg.data, cfg.train.seed, start, micro * plan.dp_size, micro, plan.dp_rank, plan.dp_size
     )
     totals = torch.zeros(3, dtype=torch.float64, device=env.device)  # loss sum, correct, count
     family = models.spec(cfg.model)
     for _ in range(cfg.eval.batches):
         x, y, _ = next(batches)
         x, y = x.to(env.device), y.to(env.device)
-        with _autocast(env, compute_dtype):
+        with plan.autocast(compute_dtype):
             logits = model(x)
         totals[0] += family.loss(logits, y).double() * y.numel()
         totals[1] += (logits.argmax(-1) == y).sum()
@@ -232,14 +218,15 @@ def _train(
 ) -> None:
     # set-up: the model and what trains it, the newest checkpoint (or model.init_from), the run dir
     run_dir = cfg.run_dir
-    micro, accum = batch_plan(cfg, env.world_size)
+    plan = parallel.Plan.of(cfg.parallel, env)
+    micro, accum = batch_plan(cfg, plan.dp_size)
     B = cfg.train.global_batch_size
-    model = build_model(cfg, env)
+    model = build_model(cfg, env, plan)
     loss_fn = _loss_fn(cfg)
     optimizer = optim.build(model.parameters(), cfg.optim, env.device)
     scheduler = optim.scheduler(optimizer, cfg.optim, cfg.train.steps)
-    scaler = _grad_scaler(cfg, env)
-    compute_dtype = parallel.autocast_dtype(model, cfg.parallel)
+    scaler = plan.scaler()
+    compute_dtype = plan.autocast_dtype(model)
     ckpt = _checkpointer(cfg, env, io_group, lease, model, optimizer, scheduler, scaler)
     reporter = Reporter(run_dir, cfg.log, cfg.train.steps, env.is_main)
     step, samples, meta = _resume(cfg, ckpt, model, scheduler, reporter, times)
@@ -247,9 +234,9 @@ def _train(
     if step >= cfg.train.steps:
         _nothing_to_do(cfg, env, reporter, step)
         return
-    batches = data.loader(train_set, cfg.data, cfg.train.seed, samples, B, micro, env.rank, env.world_size)
+    batches = data.loader(train_set, cfg.data, cfg.train.seed, samples, B, micro, plan.dp_rank, plan.dp_size)
     trace = _open_trace(run_dir, env.rank) if cfg.data.trace else None
-    _begin_steps(cfg, env, model, ckpt, reporter, step)
+    _begin_steps(cfg, env, plan, model, ckpt, reporter, step)
     # This rank's compute time since the last row: CPU seconds of this process in the step's own work
     # (data, forward, backward, clip, optimizer), so the waits for other ranks in the collectives FSDP
     # runs inside forward and backward do not count (a wall clock would give every rank the slowest
@@ -268,7 +255,7 @@ def _train(
             if trace:
                 trace.write(f"{step} {' '.join(map(str, index.tolist()))}\n")
             x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
-            with _no_sync(model, cfg, i, accum), _autocast(env, compute_dtype):
+            with plan.no_sync(model, i, accum), plan.autocast(compute_dtype):
                 loss = loss_fn(model(x), y) / accum
             # sum: the sum over the micro-batch's samples (tokens), as the tutorial's reduction="sum"
             grad_loss = loss * (y.numel() * accum) if cfg.train.loss_reduction == "sum" else loss
@@ -434,15 +421,21 @@ def _nothing_to_do(cfg: Config, env: distributed.Env, reporter: Reporter, step: 
 
 
 def _begin_steps(
-    cfg: Config, env: distributed.Env, model, ckpt: checkpoint.Checkpointer, reporter: Reporter, step: int
+    cfg: Config,
+    env: distributed.Env,
+    plan: parallel.Plan,
+    model,
+    ckpt: checkpoint.Checkpointer,
+    reporter: Reporter,
+    step: int,
 ) -> None:
     """Before the first step: the line that says what trains, the checkpointer's save plan, and the
     reporter's speed (tokens/s and MFU for an LM) and straggler names."""
-    micro, accum = batch_plan(cfg, env.world_size)
+    micro, accum = batch_plan(cfg, plan.dp_size)
     n_params = sum(p.numel() for p in model.parameters())  # sharded: numel() is the global size
     reporter.message(
         f"training {cfg.model.name} ({n_params / 1e6:.2f}M params) on {env.world_size} x {env.device.type}, "
-        f"strategy {cfg.parallel.strategy}, {micro} samples x {accum} micro-batches per rank, steps "
+        f"strategy {plan.strategy}, {micro} samples x {accum} micro-batches per rank, steps "
         f"{step}->{cfg.train.steps}"
     )
     model.train()
@@ -608,14 +601,3 @@ def _open_trace(run_dir: str, rank: int):
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def _grad_scaler(cfg: Config, env: distributed.Env):
-    """Loss scaling, needed for float16 compute only."""
-    if cfg.parallel.param_dtype != "float16":
-        return None
-    if cfg.parallel.strategy == "fsdp":
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        return ShardedGradScaler(env.device.type, init_scale=cfg.parallel.loss_scale)
-    return torch.amp.GradScaler(env.device.type, init_scale=cfg.parallel.loss_scale)
