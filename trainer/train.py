@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -89,8 +90,9 @@ def train(cfg: Config) -> None:
     store = torch_compat.default_store()
     store.set(f"trainer/where/{env.rank}", f"{hangs.node()} {os.getpid()}")  # named in hang files and straggler lines
     watchdog = hangs.Watchdog(run_dir, env.rank, cfg.parallel.timeout_s, store)  # armed by the loop's first step
+    plan = parallel.Plan.of(cfg.parallel, env)
     try:
-        _train(cfg, env, control, io_group, lease, watchdog, times, *datasets)
+        _train(Run(cfg, env, plan, control, io_group, lease, watchdog, times), *datasets)
     except RuntimeError as e:  # torch.distributed.DistBackendError is one
         watchdog.stop()
         if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
@@ -100,6 +102,24 @@ def train(cfg: Config) -> None:
         watchdog.stop()
         if lease:
             lease.release()
+
+
+@dataclass
+class Run:
+    """One start of training, from set-up to tear-down: what the loop's phases share, passed as one
+    object (torchtitan's Trainer holds the same). train() makes it; _train adds what it builds."""
+
+    cfg: Config
+    env: distributed.Env
+    plan: parallel.Plan  # how the model is spread: the data-parallel rank and size, wrapping, autocast
+    control: object  # gloo group: the stop flag and rank-0 decisions
+    io_group: object  # gloo group of the checkpoint's collectives (DCP), also from its own thread
+    lease: Lease | None  # rank 0's lease of the run dir (None on the other ranks)
+    watchdog: hangs.Watchdog
+    times: dict  # the start's moments, for the resume row (metrics.start_times)
+    reporter: Reporter | None = None  # set once the model is built
+    ckpt: checkpoint.Checkpointer | None = None  # the same
+    trace: object = None  # the sample trace file (data.trace), else None
 
 
 class StuckRank(Exception):
@@ -205,20 +225,10 @@ def _datasets(cfg: Config, env: distributed.Env, group) -> tuple:
     return sets
 
 
-def _train(
-    cfg: Config,
-    env: distributed.Env,
-    control,
-    io_group,
-    lease: Lease | None,
-    watchdog: hangs.Watchdog,
-    times: dict,
-    train_set,
-    eval_set,
-) -> None:
+def _train(run: Run, train_set, eval_set) -> None:
     # set-up: the model and what trains it, the newest checkpoint (or model.init_from), the run dir
+    cfg, env, plan, lease, watchdog = run.cfg, run.env, run.plan, run.lease, run.watchdog
     run_dir = cfg.run_dir
-    plan = parallel.Plan.of(cfg.parallel, env)
     micro, accum = batch_plan(cfg, plan.dp_size)
     B = cfg.train.global_batch_size
     model = build_model(cfg, env, plan)
@@ -227,16 +237,16 @@ def _train(
     scheduler = optim.scheduler(optimizer, cfg.optim, cfg.train.steps)
     scaler = plan.scaler()
     compute_dtype = plan.autocast_dtype(model)
-    ckpt = _checkpointer(cfg, env, io_group, lease, model, optimizer, scheduler, scaler)
-    reporter = Reporter(run_dir, cfg.log, cfg.train.steps, env.is_main)
-    step, samples, meta = _resume(cfg, ckpt, model, scheduler, reporter, times)
-    _accept_start(cfg, env, reporter, step, meta, times)
+    run.ckpt = ckpt = _checkpointer(run, model, optimizer, scheduler, scaler)
+    run.reporter = reporter = Reporter(run_dir, cfg.log, cfg.train.steps, env.is_main)
+    step, samples, meta = _resume(cfg, ckpt, model, scheduler, reporter, run.times)
+    _accept_start(cfg, env, reporter, step, meta, run.times)
     if step >= cfg.train.steps:
         _nothing_to_do(cfg, env, reporter, step)
         return
     batches = data.loader(train_set, cfg.data, cfg.train.seed, samples, B, micro, plan.dp_rank, plan.dp_size)
-    trace = _open_trace(run_dir, env.rank) if cfg.data.trace else None
-    _begin_steps(cfg, env, plan, model, ckpt, reporter, step)
+    run.trace = trace = _open_trace(run_dir, env.rank) if cfg.data.trace else None
+    _begin_steps(run, model, step)
     # This rank's compute time since the last row: CPU seconds of this process in the step's own work
     # (data, forward, backward, clip, optimizer), so the waits for other ranks in the collectives FSDP
     # runs inside forward and backward do not count (a wall clock would give every rank the slowest
@@ -315,15 +325,11 @@ def _train(
 
         # save
         if stopping is None:  # the stop flag and the lease, agreed in one tiny CPU all-reduce
-            stops, lost = _agreed_max(control, float(signals.pending()), float(bool(lease and lease.lost)))
+            stops, lost = _agreed_max(run.control, float(signals.pending()), float(bool(lease and lease.lost)))
             if lost:
                 _raise_lease_lost(lease, run_dir, step, ckpt)
             stopping = stops > 0
-        if ckpt.due(step, stopping):
-            _stop_if_diverged(first_bad, ckpt, model)
-            parallel.average_batchnorm_stats(model)  # the checkpoint keeps one rank's copy: make it all ranks'
-            watchdog.allow(cfg.checkpoint.timeout_s)
-            ckpt.save_due(step, {"samples": samples, "config": to_dict(cfg)}, stopping)
+        _save(run, model, step, samples, first_bad, stopping)
         if stopping:
             if not os.environ.get(signals.MARKS_ENV):  # else the launcher says it, with the signal's name
                 reporter.message(
@@ -332,25 +338,37 @@ def _train(
             break
 
     # tear-down
-    _finish(cfg, env, control, lease, watchdog, ckpt, reporter, trace, step)
+    _finish(run, step)
 
 
-def _checkpointer(
-    cfg: Config, env: distributed.Env, io_group, lease: Lease | None, model, optimizer, scheduler, scaler
-):
+def _save(run: Run, model, step: int, samples: int, first_bad: torch.Tensor, stopping: bool) -> None:
+    """The loop's one call to save, after every step (torchtitan's checkpointer.save(step,
+    last_step=...)): the checkpointer says whether a save is due (a stop, the last step, the
+    interval); if it is, nothing non-finite is saved (Diverged instead, on every rank), BatchNorm's
+    statistics become all ranks' (the checkpoint keeps one rank's copy), the watchdog allows the
+    save its own time, and the checkpointer saves, blocking at a stop and at the end."""
+    if not run.ckpt.due(step, stopping):
+        return
+    _stop_if_diverged(first_bad, run.ckpt, model)
+    parallel.average_batchnorm_stats(model)
+    run.watchdog.allow(run.cfg.checkpoint.timeout_s)
+    run.ckpt.save_due(step, {"samples": samples, "config": to_dict(run.cfg)}, stopping)
+
+
+def _checkpointer(run: Run, model, optimizer, scheduler, scaler) -> checkpoint.Checkpointer:
     """The run's checkpoint manager and the named parts it saves beside the model and optimizer."""
     ckpt = checkpoint.Checkpointer(
-        cfg.checkpoint,
-        cfg.run_dir,
-        env.rank,
-        env.world_size,
-        io_group,
+        run.cfg.checkpoint,
+        run.cfg.run_dir,
+        run.env.rank,
+        run.env.world_size,
+        run.io_group,
         model,
         optimizer,
         parts={"scheduler": scheduler, "scaler": scaler},
     )
-    if lease:  # rank 0 reads the lease again right before it commits or deletes a checkpoint
-        ckpt.still_owner = lease.check
+    if run.lease:  # rank 0 reads the lease again right before it commits or deletes a checkpoint
+        ckpt.still_owner = run.lease.check
     return ckpt
 
 
@@ -420,17 +438,10 @@ def _nothing_to_do(cfg: Config, env: distributed.Env, reporter: Reporter, step: 
         reporter.trackers.close()
 
 
-def _begin_steps(
-    cfg: Config,
-    env: distributed.Env,
-    plan: parallel.Plan,
-    model,
-    ckpt: checkpoint.Checkpointer,
-    reporter: Reporter,
-    step: int,
-) -> None:
+def _begin_steps(run: Run, model, step: int) -> None:
     """Before the first step: the line that says what trains, the checkpointer's save plan, and the
     reporter's speed (tokens/s and MFU for an LM) and straggler names."""
+    cfg, env, plan, ckpt, reporter = run.cfg, run.env, run.plan, run.ckpt, run.reporter
     micro, accum = batch_plan(cfg, plan.dp_size)
     n_params = sum(p.numel() for p in model.parameters())  # sharded: numel() is the global size
     reporter.message(
@@ -456,19 +467,11 @@ def _begin_steps(
     reporter.begin(step, speed, node_of=lambda r: store.get(f"trainer/where/{r}").decode().split(" ")[0])
 
 
-def _finish(
-    cfg: Config,
-    env: distributed.Env,
-    control,
-    lease: Lease | None,
-    watchdog: hangs.Watchdog,
-    ckpt: checkpoint.Checkpointer,
-    reporter: Reporter,
-    trace,
-    step: int,
-) -> None:
+def _finish(run: Run, step: int) -> None:
     """After the last step (or a stop): the watchdog, the last async save, the trackers and the trace
     closed in this order; a lease lost at the last save raised; the status and the closing line."""
+    cfg, env, control, lease, watchdog = run.cfg, run.env, run.control, run.lease, run.watchdog
+    ckpt, reporter, trace = run.ckpt, run.reporter, run.trace
     run_dir = cfg.run_dir
     watchdog.stop()  # what follows (the last async save's end) is not a step
     ckpt.close()
