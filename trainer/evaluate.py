@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         del state
         plan = parallel.Plan.of(cfg.parallel, env)
         model = plan.apply(model, models.spec(cfg.model))  # its mixed precision
-        result = evaluate(model, cfg, env, eval_set, plan.autocast_dtype(model))
+        result = evaluate(model, cfg, env, eval_set, plan.autocast_dtype(model), plan)
     finally:
         distributed.shutdown()
     if env.is_main:

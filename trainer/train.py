@@ -47,11 +47,14 @@ def build_model(cfg: Config, env: distributed.Env, plan: parallel.Plan | None = 
 
 
 @torch.no_grad()
-def evaluate(model, cfg: Config, env: distributed.Env, dataset, compute_dtype) -> dict:
+def evaluate(
+    model, cfg: Config, env: distributed.Env, dataset, compute_dtype, plan: parallel.Plan | None = None
+) -> dict:
     """Mean loss (and accuracy for classifiers) over fixed evaluation batches, over all ranks; each
-    data-parallel rank takes its own part of them (the plan's rank and size)."""
+    data-parallel rank takes its own part of them (the rank and size of `plan`, else of the plan of
+    `cfg` and `env`)."""
     model.eval()
-    plan = parallel.Plan.of(cfg.parallel, env)
+    plan = plan or parallel.Plan.of(cfg.parallel, env)
     micro, _ = batch_plan(cfg, plan.dp_size)
     start = 2**61 if len(dataset) >= 2**62 else 0  # generated data: a range training never reaches
     batches = data.loader(
@@ -318,7 +321,7 @@ def _train(run: Run, train_set, eval_set) -> None:
         if eval_set is not None and step % cfg.eval.interval == 0:
             parallel.average_batchnorm_stats(model)  # the same statistics on every rank
             watchdog.allow(cfg.parallel.timeout_s)  # the evaluation is not a step: its own allowance
-            result = evaluate(model, cfg, env, eval_set, compute_dtype)
+            result = evaluate(model, cfg, env, eval_set, compute_dtype, plan)
             reporter.message(f"eval at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
             reporter.write(timed({"step": step, **result}))
             stopping = None  # a signal may have come during the evaluation: ask again
