@@ -133,9 +133,8 @@ def test_the_scaler_and_autocast_follow_the_strategy():
         transformer = models.build(load(None, ["model.seq_len=32"]).model)
         with_batchnorm = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.BatchNorm2d(2))
     assert plan(*bf16).autocast_dtype(transformer) is None  # FSDP casts its parameters itself
-    assert (
-        plan(*bf16).autocast_dtype(with_batchnorm) == torch.bfloat16
-    )  # BatchNorm: FSDP stays float32, autocast computes
+    # BatchNorm: FSDP keeps float32 parameters and autocast computes in bfloat16
+    assert plan(*bf16).autocast_dtype(with_batchnorm) == torch.bfloat16
     assert plan(*bf16, "parallel.strategy=ddp").autocast_dtype(transformer) == torch.bfloat16
     assert plan().autocast_dtype(transformer) is None
 
