@@ -24,6 +24,7 @@ from trainer.layout import RUN_DIR_FILES, RUN_DIR_FOLDERS, WRITTEN_FILES, WRITTE
 from trainer.models import FamilyError, family_of
 from trainer.models import choices as model_choices
 from trainer.optim import schedule_warning
+from trainer.parallel import Plan
 from trainer.prepare import token_file_problem
 
 if TYPE_CHECKING:
@@ -124,17 +125,10 @@ def validate(
             f"(global_batch_size {t.global_batch_size} / {world_size} processes); use a divisor of {per_rank}",
         )
 
-    # parallelism
-    p = cfg.parallel
-    if p.strategy != "fsdp" and p.cpu_offload:
-        fail("parallel.cpu_offload", f"needs parallel.strategy=fsdp (it is {p.strategy})")
-    if p.strategy == "fsdp" and p.sharding == "hybrid":
-        shard = p.shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        if world_size % shard:
-            fail("parallel.shard_size", f"{shard} does not divide the {world_size} processes; choose a divisor")
-    if p.strategy == "none" and world_size > 1:
-        fail("parallel.strategy", f"is 'none' but {world_size} processes run; use fsdp or ddp")
-    if p.float8 != "none":  # torchao, compile, the blocks' dimensions; the GPU is each rank's check_float8
+    # parallelism: the plan's own checks (trainer.parallel, imported without torch)
+    for key, message in Plan(cfg.parallel, world_size).problems():
+        fail(key, message)
+    if cfg.parallel.float8 != "none":  # torchao, compile, the blocks' dimensions; the GPU is each rank's check_float8
         from trainer.float8 import config_problem
 
         problem = config_problem(cfg)

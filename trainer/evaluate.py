@@ -89,10 +89,11 @@ def main(argv: list[str] | None = None) -> int:
         model = models.build(cfg.model)
         model.load_state_dict(state)
         del state
-        model = parallel.apply(model, cfg.parallel, env, models.spec(cfg.model).blocks)  # its mixed precision
+        plan = parallel.Plan.of(cfg.parallel, env)
+        model = plan.apply(model, models.spec(cfg.model))  # its mixed precision
         from trainer.train import evaluate_sources
 
-        result = evaluate_sources(model, cfg, env, eval_set, parallel.autocast_dtype(model, cfg.parallel))
+        result = evaluate_sources(model, cfg, env, eval_set, plan.autocast_dtype(model), plan)
     finally:
         distributed.shutdown()
     if env.is_main:

@@ -42,14 +42,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import weakref
 from dataclasses import dataclass
 
 import torch
 
 from trainer import torch_compat
-from trainer.parallel import DTYPES
+from trainer.parallel import Plan
+from trainer.parallel import dtype as torch_dtype
 
 # The one table of bytes per parameter, float32 throughout: the weight, its gradient, and the
 # optimizer's state (Adam(W) and Adadelta keep two tensors, SGD one: its momentum buffer, none without
@@ -175,7 +175,7 @@ def measure(cfg, gpu: bool = False) -> Profile:
     with torch.device("meta"):
         model = family.build(cfg.model)
     batchnorm = parallel.has_batchnorm(model)
-    dtype = torch.float32 if batchnorm else DTYPES[cfg.parallel.param_dtype]
+    dtype = torch.float32 if batchnorm else torch_dtype(cfg.parallel.param_dtype)
     units = parallel.wrap_units(model, cfg.parallel, family.blocks)
     in_units = {id(p) for u in units for p in u.parameters()}
     plain = _activation_peak(model.to(dtype), cfg.model, dtype, gpu)
@@ -305,12 +305,7 @@ def _name(dtype: torch.dtype) -> str:
 
 def shard_count(cfg, world_size: int, ranks_per_node: int | None = None) -> int:
     """The ranks one parameter is sharded over."""
-    p = cfg.parallel
-    if p.strategy != "fsdp":
-        return 1
-    if p.sharding == "hybrid":
-        return p.shard_size or ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    return world_size
+    return Plan(cfg.parallel, world_size, ranks_per_node=ranks_per_node).memory_factors().shards
 
 
 def estimate(
@@ -326,8 +321,8 @@ def estimate(
     offload moves state to the host), else on the CPU. `profile`: measure(cfg, gpu), when known."""
     pr = profile or measure(cfg, gpu)
     p, n = cfg.parallel, pr.params
-    fsdp = p.strategy == "fsdp"
-    s = shard_count(cfg, world_size, ranks_per_node)
+    factors = Plan(p, world_size, ranks_per_node=ranks_per_node).memory_factors()
+    fsdp, s = factors.gathers, factors.shards
     b = pr.compute_dtype.itemsize
     state = OPTIMIZER_BYTES[cfg.optim.name] if cfg.optim.name != "sgd" or cfg.optim.momentum else 0
     notes = {}
@@ -336,7 +331,7 @@ def estimate(
     notes["parameters"] = f"float32, {what}"
     notes["gradients"] = f"float32, {what}, held through the next micro-batch's backward (accumulation)"
     notes["optimizer"] = f"{state} bytes per parameter ({cfg.optim.name}), {what}"
-    if fsdp and p.sharding == "grad_op":
+    if factors.keeps_gathered:
         unsharded = n * b
         notes["unsharded"] = f"every unit all-gathered in {_name(pr.compute_dtype)} from forward to backward (grad_op)"
     elif fsdp:
@@ -351,11 +346,11 @@ def estimate(
     else:
         unsharded = 0
         notes["unsharded"] = "none: no FSDP, float32"
-    reduce_bytes = DTYPES[p.reduce_dtype].itemsize
+    reduce_bytes = torch_dtype(p.reduce_dtype).itemsize
     if fsdp:
         reduce_buffers = pr.largest_unit * (b + (reduce_bytes if reduce_bytes != b else 0))
         notes["reduce_buffers"] = "the largest unit's unsharded gradients before reduce-scatter"
-    elif p.strategy == "ddp" and world_size > 1:
+    elif factors.bucket_copy:
         reduce_buffers = 4 * n
         notes["reduce_buffers"] = "DDP's gradient buckets (a copy of the gradients)"
     else:
@@ -365,7 +360,7 @@ def estimate(
     if p.compile:
         per_sample = int(per_sample * COMPILED_ACTIVATIONS)
     activations = per_sample * micro_batch
-    offloaded = gpu and fsdp and p.cpu_offload
+    offloaded = gpu and factors.can_offload and p.cpu_offload
     accumulating = accumulation(cfg, world_size, micro_batch) > 1
     if not accumulating and not offloaded:  # see the module's docstring: gradients at the peak
         gradients = max(0, gradients - activations)
@@ -390,7 +385,7 @@ def estimate(
         grad_bytes = reduce_bytes if reduce_bytes != b else b
         gradients = n * grad_bytes
         notes["gradients"] = (
-            f"{_name(DTYPES[p.reduce_dtype]) if reduce_bytes != b else _name(pr.compute_dtype)}, all "
+            f"{_name(torch_dtype(p.reduce_dtype)) if reduce_bytes != b else _name(pr.compute_dtype)}, all "
             f"{n / 1e6:,.1f}M unsharded: FSDP keeps the micro-batches' gradients unsharded until the last one's "
             f"reduce-scatter (gradient accumulation)"
         )
@@ -484,7 +479,7 @@ def changes_that_fit(
         e = estimate(changed, world, mb, rpn, gpu=True, profile=pr)
         return e.total if e.total <= have else None
 
-    p = cfg.parallel
+    p, factors = cfg.parallel, Plan(cfg.parallel, world_size, ranks_per_node=ranks_per_node).memory_factors()
     if not p.activation_checkpointing:
         total = fits(_with(cfg, parallel={"activation_checkpointing": True}))
         if total:
@@ -492,15 +487,15 @@ def changes_that_fit(
     smaller = [m for m in range(micro - 1, 0, -1) if per_rank % m == 0 and fits(cfg, mb=m)]
     if smaller:
         fixes.append(f"train.micro_batch_size={smaller[0]} ({gb(fits(cfg, mb=smaller[0]))})")
-    if p.strategy == "fsdp" and not p.cpu_offload:
+    if factors.can_offload and not p.cpu_offload:
         total = fits(_with(cfg, parallel={"cpu_offload": True}))
         if total:
             fixes.append(f"parallel.cpu_offload=true ({gb(total)}, slower)")
-    if p.strategy == "fsdp" and p.sharding == "hybrid" and shard_count(cfg, world_size, ranks_per_node) < world_size:
+    if factors.node_shards:
         total = fits(_with(cfg, parallel={"sharding": "full"}))
         if total:
             fixes.append(f"parallel.sharding=full ({gb(total)})")
-    if ranks_option and p.strategy == "fsdp" and not p.shard_size:
+    if ranks_option and factors.finer_per_node:
         for rpn in (2, 4, 8):
             world = rpn * nodes
             if rpn <= ranks_per_node or cfg.train.global_batch_size % world:
@@ -509,7 +504,7 @@ def changes_that_fit(
             if total:
                 fixes.append(f"{ranks_option.format(rpn)} ({gb(total)})")
                 break
-    if p.strategy == "fsdp" and p.sharding != "hybrid":
+    if factors.finer_with_nodes:
         for more in range(nodes + 1, 16 * nodes + 1):
             world = more * ranks_per_node
             if cfg.train.global_batch_size % world:

@@ -1,52 +1,280 @@
 """How the model is spread over the ranks: FSDP2 (`fully_shard`), DDP as the baseline, or nothing.
 
-`apply` is the one function that does it: the config in, the wrapped model out. What the FSDP
+`Plan` is the one object that knows (torchtitan's `ParallelDims`): built once from `ParallelArgs` and
+the environment, it owns the device mesh with named dimensions, says this rank's data-parallel rank
+and size, wraps the model (`apply`: the config in, the wrapped model out), and answers what differs
+between the strategies: `no_sync`, the grad scaler, autocast, the config's checks and what one rank
+holds (`memory_factors`). Nothing outside this module asks which strategy runs. What the FSDP
 tutorials call auto-wrap policies, sharding strategies, mixed precision and CPU offload all map
 onto `fully_shard` arguments here.
+
+Importing this module needs no torch (each function imports it where it runs): the config check
+reads the plan's checks on a login node, as it reads the model families' specs.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from trainer.config import ConfigError, ParallelArgs
 
-from trainer.config import ParallelArgs
-from trainer.dist import Env
+if TYPE_CHECKING:
+    import torch
+    import torch.nn as nn
+    from torch.distributed.device_mesh import DeviceMesh
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    from trainer.dist import Env
+    from trainer.models.family import Family
+
+
+def dtype(name: str) -> torch.dtype:
+    """The torch dtype of a config's dtype name: float32, bfloat16, float16."""
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+@dataclass(frozen=True)
+class MemoryFactors:
+    """What one rank holds under the plan, for trainer.memory's estimate and the changes it offers."""
+
+    shards: int  # ranks one parameter (its gradient, its optimizer state) is sharded over; 1: every rank holds all
+    gathers: bool  # units are all-gathered in the compute dtype and gradients reduce-scattered (FSDP)
+    keeps_gathered: bool  # every unit stays all-gathered from forward to backward (FSDP's grad_op)
+    bucket_copy: bool  # DDP over more than one rank: its gradient buckets are a second copy of the gradients
+    can_offload: bool  # parallel.cpu_offload would apply (FSDP)
+    node_shards: bool  # hybrid sharding over fewer ranks than the world: sharding=full would shard finer
+    finer_per_node: bool  # more ranks per node shard finer (FSDP without a fixed shard_size)
+    finer_with_nodes: bool  # more nodes shard finer (FSDP over the whole world)
+
+
+@dataclass(eq=False)
+class Plan:
+    """The parallel plan of one run (torchtitan's ParallelDims), built once: `Plan.of(args, env)` in
+    the trainer, `Plan(args, world_size)` for the arithmetic alone (the config check, the memory
+    estimate, tests), which needs no process group. Data parallelism is `dp_replicate x dp_shard`
+    ranks: FSDP shards over dp_shard (all ranks, or hybrid's groups) and replicates over
+    dp_replicate; DDP replicates over all. `tp` is the tensor-parallel degree, reserved: 1 until a
+    family gives a tensor-parallel plan; the data-parallel rank and size already leave room for it."""
+
+    args: ParallelArgs
+    world_size: int
+    rank: int = 0
+    ranks_per_node: int | None = None  # hybrid's default shard group; None: LOCAL_WORLD_SIZE, else the world
+    device: Any = "cpu"  # a torch.device or its name: where the parameters live
+    tp: int = 1  # tensor-parallel degree (reserved)
+
+    @classmethod
+    def of(cls, args: ParallelArgs, env: Env) -> Plan:
+        return cls(args, env.world_size, env.rank, env.local_world_size, env.device)
+
+    # -- dimensions ---------------------------------------------------------------------------------
+
+    @property
+    def strategy(self) -> str:
+        """The strategy's name, for the line that says what trains."""
+        return self.args.strategy
+
+    @property
+    def fsdp(self) -> bool:
+        return self.args.strategy == "fsdp"
+
+    @property
+    def hybrid(self) -> bool:
+        return self.fsdp and self.args.sharding == "hybrid"
+
+    @property
+    def shard_size(self) -> int:
+        """Hybrid sharding's group: parallel.shard_size, else the ranks of one node."""
+        return self.args.shard_size or self.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks that take different samples: the global batch is divided over them."""
+        return self.world_size // self.tp
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's place among them (the tensor-parallel ranks of one group share samples)."""
+        return self.rank // self.tp
+
+    @property
+    def dp_shard(self) -> int:
+        """Ranks one parameter is sharded over (1: not sharded)."""
+        if not self.fsdp:
+            return 1
+        return self.shard_size if self.hybrid else self.dp_size
+
+    @property
+    def dp_replicate(self) -> int:
+        """Copies of each shard (DDP: of the whole model)."""
+        return self.dp_size // self.dp_shard
+
+    @functools.cached_property
+    def mesh(self) -> DeviceMesh:
+        """The device mesh FSDP shards over, made on first use (it needs the process group). Named
+        as torchtitan names them; a tensor-parallel dimension joins as "tp" once tp > 1."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device_type = self._device_type
+        if self.hybrid:
+            shape, names = (self.dp_replicate, self.dp_shard), ("dp_replicate", "dp_shard")
+        else:
+            shape, names = (self.dp_size,), ("dp_shard",)
+        return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+    @property
+    def _device_type(self) -> str:
+        return getattr(self.device, "type", str(self.device).split(":")[0])
+
+    # -- checks -------------------------------------------------------------------------------------
+
+    def problems(self) -> list[tuple[str, str]]:
+        """What is wrong with the parallel config for this world: (key, message), in the order the
+        config check says them (trainer.check.validate raises the first, blamed on its source)."""
+        p, found = self.args, []
+        if p.strategy != "fsdp" and p.cpu_offload:
+            found.append(("parallel.cpu_offload", f"needs parallel.strategy=fsdp (it is {p.strategy})"))
+        if self.hybrid and self.world_size % self.shard_size:
+            found.append(
+                (
+                    "parallel.shard_size",
+                    f"{self.shard_size} does not divide the {self.world_size} processes; choose a divisor",
+                )
+            )
+        if p.strategy == "none" and self.world_size > 1:
+            found.append(("parallel.strategy", f"is 'none' but {self.world_size} processes run; use fsdp or ddp"))
+        return found
+
+    def check(self, where: str = "config") -> None:
+        """Raise ConfigError with the first problem, one line: where, key, what to do."""
+        for key, message in self.problems():
+            raise ConfigError(f"{where}: {key}: {message}")
+
+    def memory_factors(self) -> MemoryFactors:
+        p = self.args
+        return MemoryFactors(
+            shards=self.dp_shard,
+            gathers=self.fsdp,
+            keeps_gathered=self.fsdp and p.sharding == "grad_op",
+            bucket_copy=p.strategy == "ddp" and self.world_size > 1,
+            can_offload=self.fsdp,
+            node_shards=self.hybrid and self.dp_shard < self.world_size,
+            finer_per_node=self.fsdp and not p.shard_size,
+            finer_with_nodes=self.fsdp and not self.hybrid,
+        )
+
+    # -- training -----------------------------------------------------------------------------------
+
+    def autocast_dtype(self, model: nn.Module) -> torch.dtype | None:
+        """The dtype to run the forward under torch.autocast, or None.
+
+        FSDP casts its parameters itself. DDP and plain training use autocast instead, and so does
+        FSDP for models with BatchNorm: its running statistics stay float32, which the CPU kernels
+        refuse to mix with bfloat16 parameters (FSDP1 kept BatchNorm in float32 for the same reason).
+        """
+        import torch
+
+        compute = dtype(self.args.param_dtype)
+        if compute == torch.float32 or (self.fsdp and not has_batchnorm(model)):
+            return None
+        return compute
+
+    def autocast(self, compute_dtype: torch.dtype | None):
+        """Lower-precision compute where FSDP does not cast itself (`compute_dtype`: autocast_dtype's)."""
+        import torch
+
+        return torch.autocast(self._device_type, dtype=compute_dtype) if compute_dtype else contextlib.nullcontext()
+
+    def no_sync(self, model: nn.Module, micro: int, accum: int):
+        """Skip the gradient reduction on all but the last micro-batch of an accumulation. Without one
+        there is nothing to do: the reduction is on by default (FSDP's setter walks every module)."""
+        if accum == 1:
+            return contextlib.nullcontext()
+        last_micro = micro == accum - 1
+        if self.fsdp:
+            model.set_requires_gradient_sync(last_micro)
+        elif self.args.strategy == "ddp" and not last_micro:
+            return model.no_sync()
+        return contextlib.nullcontext()
+
+    def scaler(self):
+        """Loss scaling, needed for float16 compute only (None otherwise)."""
+        import torch
+
+        if self.args.param_dtype != "float16":
+            return None
+        if self.fsdp:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            return ShardedGradScaler(self._device_type, init_scale=self.args.loss_scale)
+        return torch.amp.GradScaler(self._device_type, init_scale=self.args.loss_scale)
+
+    def apply(self, model: nn.Module, family: Family) -> nn.Module:
+        """Wrap `model` for the configured strategy; parameters end up on the plan's device. The
+        model family's repeated units (`family.blocks`) are what per-block wrapping, activation
+        checkpointing and compile take one by one."""
+        import torch
+
+        args, device = self.args, self.device
+        if args.float8 != "none":  # first, as torchtitan: compile, checkpointing and FSDP see the float8 layers
+            from trainer import float8
+
+            float8.convert(model, args, family.blocks, fsdp_ranks=self.dp_shard if self.fsdp else 0)
+        units = units_of(model, args, family.blocks)
+        if args.compile:
+            for unit in units:
+                unit.compile()
+        if args.activation_checkpointing:
+            # The wrappers become the FSDP units (torchtitan's order): FSDP's pre-forward hook casts the
+            # block's float inputs (the RoPE tables) to param_dtype outside the checkpointed region, so
+            # the recompute sees the dtypes the forward saved. Sharded inside the wrapper, torch < 2.13
+            # skips that cast in the recompute (pytorch#150140) and raises CheckpointError at step 1.
+            units = checkpoint_units(model, units)
+        if args.strategy == "none":
+            return model.to_empty(device=device) if _on_meta(model) else model.to(device)
+        if args.strategy == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            model = model.to_empty(device=device) if _on_meta(model) else model.to(device)
+            return DistributedDataParallel(model, device_ids=[device.index] if self._device_type == "cuda" else None)
+
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        param_dtype = torch.float32 if has_batchnorm(model) else dtype(args.param_dtype)  # see autocast_dtype
+        options = dict(
+            mesh=self.mesh,
+            mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=dtype(args.reduce_dtype)),
+            offload_policy=CPUOffloadPolicy(pin_memory=self._device_type == "cuda")
+            if args.cpu_offload
+            else OffloadPolicy(),
+            reshard_after_forward=args.sharding != "grad_op",
+        )
+        for unit in units:
+            fully_shard(unit, **options)
+        # The root's parameters (embeddings, head) are needed right after the last block's backward:
+        # keeping them unsharded after forward saves one all-gather, as torchtitan does.
+        fully_shard(model, **{**options, "reshard_after_forward": False})
+        if _on_meta(model):  # fully_shard moved real tensors already; meta ones get storage now
+            model.to_empty(device="cpu" if args.cpu_offload else device)
+            if args.cpu_offload:  # FSDP offloads the parameters only: buffers (RoPE tables) stay where compute is
+                _buffers_to(model, device)
+        return model
 
 
 def has_batchnorm(model: nn.Module) -> bool:
+    import torch.nn as nn
+
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
-def autocast_dtype(model: nn.Module, args: ParallelArgs) -> torch.dtype | None:
-    """The dtype to run the forward under torch.autocast, or None.
-
-    FSDP casts its parameters itself. DDP and plain training use autocast instead, and so does FSDP
-    for models with BatchNorm: its running statistics stay float32, which the CPU kernels refuse to
-    mix with bfloat16 parameters (FSDP1 kept BatchNorm in float32 for the same reason).
-    """
-    dtype = DTYPES[args.param_dtype]
-    if dtype == torch.float32 or (args.strategy == "fsdp" and not has_batchnorm(model)):
-        return None
-    return dtype
-
-
-def mesh_for(args: ParallelArgs, env: Env) -> DeviceMesh:
-    device_type = env.device.type
-    if args.strategy == "fsdp" and args.sharding == "hybrid":
-        shard = args.shard_size or env.local_world_size
-        return init_device_mesh(device_type, (env.world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh(device_type, (env.world_size,), mesh_dim_names=("dp",))
-
-
 # A model family's repeated units of a built model (trainer.models.Family.blocks).
-Blocks = Callable[[nn.Module], list[nn.Module]]
+Blocks = Callable[["nn.Module"], list["nn.Module"]]
 
 
 def wrap_units(model: nn.Module, args: ParallelArgs, blocks: Blocks) -> list[nn.Module]:
@@ -75,55 +303,6 @@ def units_of(model: nn.Module, args: ParallelArgs, blocks: Blocks) -> list[nn.Mo
     return wrap_units(model, args, blocks) if args.strategy == "fsdp" else blocks(model)
 
 
-def apply(model: nn.Module, args: ParallelArgs, env: Env, blocks: Blocks) -> nn.Module:
-    """Wrap `model` for the configured strategy; parameters end up on `env.device`. `blocks`: the
-    model family's repeated units (per-block wrapping, activation checkpointing, compile)."""
-    if args.float8 != "none":  # first, as torchtitan: compile, checkpointing and FSDP see the float8 layers
-        from trainer import float8
-
-        shards = (args.shard_size or env.local_world_size) if args.sharding == "hybrid" else env.world_size
-        float8.convert(model, args, blocks, fsdp_ranks=shards if args.strategy == "fsdp" else 0)
-    units = units_of(model, args, blocks)
-    if args.compile:
-        for unit in units:
-            unit.compile()
-    if args.activation_checkpointing:
-        # The wrappers become the FSDP units (torchtitan's order): FSDP's pre-forward hook casts the
-        # block's float inputs (the RoPE tables) to param_dtype outside the checkpointed region, so
-        # the recompute sees the dtypes the forward saved. Sharded inside the wrapper, torch < 2.13
-        # skips that cast in the recompute (pytorch#150140) and raises CheckpointError at step 1.
-        units = checkpoint_units(model, units)
-    if args.strategy == "none":
-        return model.to_empty(device=env.device) if _on_meta(model) else model.to(env.device)
-    if args.strategy == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
-        model = model.to_empty(device=env.device) if _on_meta(model) else model.to(env.device)
-        return DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda" else None)
-
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
-    mesh = mesh_for(args, env)
-    param_dtype = torch.float32 if has_batchnorm(model) else DTYPES[args.param_dtype]  # see autocast_dtype
-    options = dict(
-        mesh=mesh,
-        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=DTYPES[args.reduce_dtype]),
-        offload_policy=CPUOffloadPolicy(pin_memory=env.device.type == "cuda") if args.cpu_offload else OffloadPolicy(),
-        reshard_after_forward=args.sharding != "grad_op",
-    )
-    for unit in units:
-        fully_shard(unit, **options)
-    # The root's parameters (embeddings, head) are needed right after the last block's backward:
-    # keeping them unsharded after forward saves one all-gather, as torchtitan does.
-    fully_shard(model, **{**options, "reshard_after_forward": False})
-    if _on_meta(model):  # fully_shard moved real tensors already; meta ones get storage now
-        model.to_empty(device="cpu" if args.cpu_offload else env.device)
-        if args.cpu_offload:  # FSDP offloads the parameters only: buffers (RoPE tables) stay where compute is
-            _buffers_to(model, env.device)
-    return model
-
-
-@torch.no_grad()
 def average_batchnorm_stats(model: nn.Module) -> None:
     """Make every BatchNorm's running mean and variance the mean over all ranks.
 
@@ -132,6 +311,10 @@ def average_batchnorm_stats(model: nn.Module) -> None:
     rank's copy) would depend on the rank. The trainer calls this before both. The mean of the
     variances leaves out the spread of the ranks' means, as SyncBatchNorm's running statistics do
     not; num_batches_tracked is the same on every rank (every rank takes every step)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+
     stats = [
         buffer
         for m in model.modules()
@@ -140,11 +323,12 @@ def average_batchnorm_stats(model: nn.Module) -> None:
     ]
     if not stats or not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    flat = torch.cat([s.flatten().double() for s in stats])
-    dist.all_reduce(flat)  # gloo has no AVG
-    flat /= dist.get_world_size()
-    for s, mean in zip(stats, flat.split([s.numel() for s in stats])):
-        s.copy_(mean.view_as(s))
+    with torch.no_grad():
+        flat = torch.cat([s.flatten().double() for s in stats])
+        dist.all_reduce(flat)  # gloo has no AVG
+        flat /= dist.get_world_size()
+        for s, mean in zip(stats, flat.split([s.numel() for s in stats])):
+            s.copy_(mean.view_as(s))
 
 
 def _buffers_to(model: nn.Module, device: torch.device) -> None:

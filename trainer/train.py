@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -21,61 +22,50 @@ from trainer.metrics import Reporter, Speed, peak_flops, start_times, timed
 log = logging.getLogger("trainer")
 
 
-def batch_plan(cfg: Config, world_size: int) -> tuple[int, int]:
-    """(micro-batch size, accumulation steps) per rank; the config check guarantees they divide."""
-    per_rank = cfg.train.global_batch_size // world_size
+def batch_plan(cfg: Config, dp_size: int) -> tuple[int, int]:
+    """(micro-batch size, accumulation steps) per rank, the global batch divided over the `dp_size`
+    data-parallel ranks (the plan's); the config check guarantees they divide."""
+    per_rank = cfg.train.global_batch_size // dp_size
     micro = cfg.train.micro_batch_size or per_rank
     return micro, per_rank // micro
 
 
-def build_model(cfg: Config, env: distributed.Env) -> torch.nn.Module:
-    """The model, wrapped for the configured strategy, with the same initial weights on any number
-    of processes. A family with its own init_weights (the transformer) is built on the meta device
-    and initialised shard by shard."""
+def build_model(cfg: Config, env: distributed.Env, plan: parallel.Plan | None = None) -> torch.nn.Module:
+    """The model, wrapped by the parallel plan (`plan`, else the one of `cfg` and `env`), with the
+    same initial weights on any number of processes. A family with its own init_weights (the
+    transformer) is built on the meta device and initialised shard by shard."""
     torch.manual_seed(cfg.train.seed)
+    plan = plan or parallel.Plan.of(cfg.parallel, env)
     family = models.spec(cfg.model)
     if family.init_weights:
         with torch.device("meta"):
             model = family.build(cfg.model)
-        model = parallel.apply(model, cfg.parallel, env, family.blocks)
+        model = plan.apply(model, family)
         family.init_weights(parallel.unwrap(model), cfg.train.seed)
         return model
-    return parallel.apply(family.build(cfg.model), cfg.parallel, env, family.blocks)
-
-
-def _autocast(env: distributed.Env, dtype: torch.dtype | None):
-    """Lower-precision compute where FSDP does not cast itself (see parallel.autocast_dtype)."""
-    return torch.autocast(env.device.type, dtype=dtype) if dtype else contextlib.nullcontext()
-
-
-def _no_sync(model, cfg: Config, micro: int, accum: int):
-    """Skip the gradient reduction on all but the last micro-batch of an accumulation. Without one
-    there is nothing to do: the reduction is on by default (FSDP's setter walks every module)."""
-    if accum == 1:
-        return contextlib.nullcontext()
-    last_micro = micro == accum - 1
-    if cfg.parallel.strategy == "fsdp":
-        model.set_requires_gradient_sync(last_micro)
-    elif cfg.parallel.strategy == "ddp" and not last_micro:
-        return model.no_sync()
-    return contextlib.nullcontext()
+    return plan.apply(family.build(cfg.model), family)
 
 
 @torch.no_grad()
-def evaluate(model, cfg: Config, env: distributed.Env, dataset, compute_dtype) -> dict:
-    """Mean loss (and accuracy for classifiers) over fixed evaluation batches, over all ranks."""
+def evaluate(
+    model, cfg: Config, env: distributed.Env, dataset, compute_dtype, plan: parallel.Plan | None = None
+) -> dict:
+    """Mean loss (and accuracy for classifiers) over fixed evaluation batches, over all ranks; each
+    data-parallel rank takes its own part of them (the rank and size of `plan`, else of the plan of
+    `cfg` and `env`)."""
     model.eval()
-    micro, _ = batch_plan(cfg, env.world_size)
+    plan = plan or parallel.Plan.of(cfg.parallel, env)
+    micro, _ = batch_plan(cfg, plan.dp_size)
     start = 2**61 if len(dataset) >= 2**62 else 0  # generated data: a range training never reaches
     batches = data.loader(
-        dataset, cfg.data, cfg.train.seed, start, micro * env.world_size, micro, env.rank, env.world_size
+        dataset, cfg.data, cfg.train.seed, start, micro * plan.dp_size, micro, plan.dp_rank, plan.dp_size
     )
     totals = torch.zeros(3, dtype=torch.float64, device=env.device)  # loss sum, correct, count
     family = models.spec(cfg.model)
     for _ in range(cfg.eval.batches):
         x, y, _ = next(batches)
         x, y = x.to(env.device), y.to(env.device)
-        with _autocast(env, compute_dtype):
+        with plan.autocast(compute_dtype):
             logits = model(x)
         totals[0] += family.loss(logits, y).double() * y.numel()
         totals[1] += (logits.argmax(-1) == y).sum()
@@ -88,13 +78,13 @@ def evaluate(model, cfg: Config, env: distributed.Env, dataset, compute_dtype) -
     return result
 
 
-def evaluate_sources(model, cfg, env, eval_set, compute_dtype) -> dict:
+def evaluate_sources(model, cfg, env, eval_set, compute_dtype, plan: parallel.Plan | None = None) -> dict:
     """evaluate's numbers for `eval_set`; for a mixture's per-source evaluation files
     (data.EvalSources: data.sources[i].eval_path) each source's as eval_loss/<source> (and
     eval_accuracy/<source>), and eval_loss their mean weighted by the sources' weights."""
     if not isinstance(eval_set, data.EvalSources):
-        return evaluate(model, cfg, env, eval_set, compute_dtype)
-    results = {name: evaluate(model, cfg, env, dataset, compute_dtype) for name, dataset in eval_set.items()}
+        return evaluate(model, cfg, env, eval_set, compute_dtype, plan)
+    results = {name: evaluate(model, cfg, env, dataset, compute_dtype, plan) for name, dataset in eval_set.items()}
     weights = eval_set.weights
     mean = sum(weights[name] * r["eval_loss"] for name, r in results.items()) / sum(weights.values())
     return {"eval_loss": mean, **{f"{k}/{name}": v for name, r in results.items() for k, v in r.items()}}
@@ -115,8 +105,9 @@ def train(cfg: Config) -> None:
     store = torch_compat.default_store()
     store.set(f"trainer/where/{env.rank}", f"{hangs.node()} {os.getpid()}")  # named in hang files and straggler lines
     watchdog = hangs.Watchdog(run_dir, env.rank, cfg.parallel.timeout_s, store)  # armed by the loop's first step
+    plan = parallel.Plan.of(cfg.parallel, env)
     try:
-        _train(cfg, env, control, io_group, lease, watchdog, times, *datasets)
+        _train(Run(cfg, env, plan, control, io_group, lease, watchdog, times), *datasets)
     except RuntimeError as e:  # torch.distributed.DistBackendError is one
         watchdog.stop()
         if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
@@ -126,6 +117,24 @@ def train(cfg: Config) -> None:
         watchdog.stop()
         if lease:
             lease.release()
+
+
+@dataclass
+class Run:
+    """One start of training, from set-up to tear-down: what the loop's phases share, passed as one
+    object (torchtitan's Trainer holds the same). train() makes it; _train adds what it builds."""
+
+    cfg: Config
+    env: distributed.Env
+    plan: parallel.Plan  # how the model is spread: the data-parallel rank and size, wrapping, autocast
+    control: object  # gloo group: the stop flag and rank-0 decisions
+    io_group: object  # gloo group of the checkpoint's collectives (DCP), also from its own thread
+    lease: Lease | None  # rank 0's lease of the run dir (None on the other ranks)
+    watchdog: hangs.Watchdog
+    times: dict  # the start's moments, for the resume row (metrics.start_times)
+    reporter: Reporter | None = None  # set once the model is built
+    ckpt: checkpoint.Checkpointer | None = None  # the same
+    trace: object = None  # the sample trace file (data.trace), else None
 
 
 class StuckRank(Exception):
@@ -231,37 +240,28 @@ def _datasets(cfg: Config, env: distributed.Env, group) -> tuple:
     return sets
 
 
-def _train(
-    cfg: Config,
-    env: distributed.Env,
-    control,
-    io_group,
-    lease: Lease | None,
-    watchdog: hangs.Watchdog,
-    times: dict,
-    train_set,
-    eval_set,
-) -> None:
+def _train(run: Run, train_set, eval_set) -> None:
     # set-up: the model and what trains it, the newest checkpoint (or model.init_from), the run dir
+    cfg, env, plan, lease, watchdog = run.cfg, run.env, run.plan, run.lease, run.watchdog
     run_dir = cfg.run_dir
-    micro, accum = batch_plan(cfg, env.world_size)
+    micro, accum = batch_plan(cfg, plan.dp_size)
     B = cfg.train.global_batch_size
-    model = build_model(cfg, env)
+    model = build_model(cfg, env, plan)
     loss_fn = _loss_fn(cfg)
     optimizer = optim.build(model.parameters(), cfg.optim, env.device)
     scheduler = optim.scheduler(optimizer, cfg.optim, cfg.train.steps)
-    scaler = _grad_scaler(cfg, env)
-    compute_dtype = parallel.autocast_dtype(model, cfg.parallel)
-    ckpt = _checkpointer(cfg, env, io_group, lease, model, optimizer, scheduler, scaler)
-    reporter = Reporter(run_dir, cfg.log, cfg.train.steps, env.is_main)
-    step, samples, meta = _resume(cfg, ckpt, model, scheduler, reporter, times)
-    _accept_start(cfg, env, reporter, step, meta, times)
+    scaler = plan.scaler()
+    compute_dtype = plan.autocast_dtype(model)
+    run.ckpt = ckpt = _checkpointer(run, model, optimizer, scheduler, scaler)
+    run.reporter = reporter = Reporter(run_dir, cfg.log, cfg.train.steps, env.is_main)
+    step, samples, meta = _resume(cfg, ckpt, model, scheduler, reporter, run.times)
+    _accept_start(cfg, env, reporter, step, meta, run.times)
     if step >= cfg.train.steps:
         _nothing_to_do(cfg, env, reporter, step)
         return
-    batches = data.loader(train_set, cfg.data, cfg.train.seed, samples, B, micro, env.rank, env.world_size)
-    trace = _open_trace(run_dir, env.rank) if cfg.data.trace else None
-    _begin_steps(cfg, env, model, ckpt, reporter, step)
+    batches = data.loader(train_set, cfg.data, cfg.train.seed, samples, B, micro, plan.dp_rank, plan.dp_size)
+    run.trace = trace = _open_trace(run_dir, env.rank) if cfg.data.trace else None
+    _begin_steps(run, model, step)
     # This rank's compute time since the last row: CPU seconds of this process in the step's own work
     # (data, forward, backward, clip, optimizer), so the waits for other ranks in the collectives FSDP
     # runs inside forward and backward do not count (a wall clock would give every rank the slowest
@@ -280,7 +280,7 @@ def _train(
             if trace:
                 trace.write(f"{step} {' '.join(map(str, index.tolist()))}\n")
             x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
-            with _no_sync(model, cfg, i, accum), _autocast(env, compute_dtype):
+            with plan.no_sync(model, i, accum), plan.autocast(compute_dtype):
                 loss = loss_fn(model(x), y) / accum
             # sum: the sum over the micro-batch's samples (tokens), as the tutorial's reduction="sum"
             grad_loss = loss * (y.numel() * accum) if cfg.train.loss_reduction == "sum" else loss
@@ -338,22 +338,20 @@ def _train(
         if eval_set is not None and step % cfg.eval.interval == 0:
             parallel.average_batchnorm_stats(model)  # the same statistics on every rank
             watchdog.allow(cfg.parallel.timeout_s)  # the evaluation is not a step: its own allowance
-            result = evaluate_sources(model, cfg, env, eval_set, compute_dtype)  # eval_loss/<source> with data.sources
+            result = evaluate_sources(
+                model, cfg, env, eval_set, compute_dtype, plan
+            )  # eval_loss/<source> with data.sources
             reporter.message(f"eval at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
             reporter.write(timed({"step": step, **result}))
             stopping = None  # a signal may have come during the evaluation: ask again
 
         # save
         if stopping is None:  # the stop flag and the lease, agreed in one tiny CPU all-reduce
-            stops, lost = _agreed_max(control, float(signals.pending()), float(bool(lease and lease.lost)))
+            stops, lost = _agreed_max(run.control, float(signals.pending()), float(bool(lease and lease.lost)))
             if lost:
                 _raise_lease_lost(lease, run_dir, step, ckpt)
             stopping = stops > 0
-        if ckpt.due(step, stopping):
-            _stop_if_diverged(first_bad, ckpt, model)
-            parallel.average_batchnorm_stats(model)  # the checkpoint keeps one rank's copy: make it all ranks'
-            watchdog.allow(cfg.checkpoint.timeout_s)
-            ckpt.save_due(step, {"samples": samples, "config": to_dict(cfg)}, stopping)
+        _save(run, model, step, samples, first_bad, stopping)
         if stopping:
             if not os.environ.get(signals.MARKS_ENV):  # else the launcher says it, with the signal's name
                 reporter.message(
@@ -362,25 +360,37 @@ def _train(
             break
 
     # tear-down
-    _finish(cfg, env, control, lease, watchdog, ckpt, reporter, trace, step)
+    _finish(run, step)
 
 
-def _checkpointer(
-    cfg: Config, env: distributed.Env, io_group, lease: Lease | None, model, optimizer, scheduler, scaler
-):
+def _save(run: Run, model, step: int, samples: int, first_bad: torch.Tensor, stopping: bool) -> None:
+    """The loop's one call to save, after every step (torchtitan's checkpointer.save(step,
+    last_step=...)): the checkpointer says whether a save is due (a stop, the last step, the
+    interval); if it is, nothing non-finite is saved (Diverged instead, on every rank), BatchNorm's
+    statistics become all ranks' (the checkpoint keeps one rank's copy), the watchdog allows the
+    save its own time, and the checkpointer saves, blocking at a stop and at the end."""
+    if not run.ckpt.due(step, stopping):
+        return
+    _stop_if_diverged(first_bad, run.ckpt, model)
+    parallel.average_batchnorm_stats(model)
+    run.watchdog.allow(run.cfg.checkpoint.timeout_s)
+    run.ckpt.save_due(step, {"samples": samples, "config": to_dict(run.cfg)}, stopping)
+
+
+def _checkpointer(run: Run, model, optimizer, scheduler, scaler) -> checkpoint.Checkpointer:
     """The run's checkpoint manager and the named parts it saves beside the model and optimizer."""
     ckpt = checkpoint.Checkpointer(
-        cfg.checkpoint,
-        cfg.run_dir,
-        env.rank,
-        env.world_size,
-        io_group,
+        run.cfg.checkpoint,
+        run.cfg.run_dir,
+        run.env.rank,
+        run.env.world_size,
+        run.io_group,
         model,
         optimizer,
         parts={"scheduler": scheduler, "scaler": scaler},
     )
-    if lease:  # rank 0 reads the lease again right before it commits or deletes a checkpoint
-        ckpt.still_owner = lease.check
+    if run.lease:  # rank 0 reads the lease again right before it commits or deletes a checkpoint
+        ckpt.still_owner = run.lease.check
     return ckpt
 
 
@@ -453,16 +463,15 @@ def _nothing_to_do(cfg: Config, env: distributed.Env, reporter: Reporter, step: 
         reporter.trackers.close()
 
 
-def _begin_steps(
-    cfg: Config, env: distributed.Env, model, ckpt: checkpoint.Checkpointer, reporter: Reporter, step: int
-) -> None:
+def _begin_steps(run: Run, model, step: int) -> None:
     """Before the first step: the line that says what trains, the checkpointer's save plan, and the
     reporter's speed (tokens/s and MFU for an LM) and straggler names."""
-    micro, accum = batch_plan(cfg, env.world_size)
+    cfg, env, plan, ckpt, reporter = run.cfg, run.env, run.plan, run.ckpt, run.reporter
+    micro, accum = batch_plan(cfg, plan.dp_size)
     n_params = sum(p.numel() for p in model.parameters())  # sharded: numel() is the global size
     reporter.message(
         f"training {cfg.model.name} ({n_params / 1e6:.2f}M params) on {env.world_size} x {env.device.type}, "
-        f"strategy {cfg.parallel.strategy}, {micro} samples x {accum} micro-batches per rank, steps "
+        f"strategy {plan.strategy}, {micro} samples x {accum} micro-batches per rank, steps "
         f"{step}->{cfg.train.steps}"
     )
     model.train()
@@ -483,19 +492,11 @@ def _begin_steps(
     reporter.begin(step, speed, node_of=lambda r: store.get(f"trainer/where/{r}").decode().split(" ")[0])
 
 
-def _finish(
-    cfg: Config,
-    env: distributed.Env,
-    control,
-    lease: Lease | None,
-    watchdog: hangs.Watchdog,
-    ckpt: checkpoint.Checkpointer,
-    reporter: Reporter,
-    trace,
-    step: int,
-) -> None:
+def _finish(run: Run, step: int) -> None:
     """After the last step (or a stop): the watchdog, the last async save, the trackers and the trace
     closed in this order; a lease lost at the last save raised; the status and the closing line."""
+    cfg, env, control, lease, watchdog = run.cfg, run.env, run.control, run.lease, run.watchdog
+    ckpt, reporter, trace = run.ckpt, run.reporter, run.trace
     run_dir = cfg.run_dir
     watchdog.stop()  # what follows (the last async save's end) is not a step
     ckpt.close()
@@ -628,14 +629,3 @@ def _open_trace(run_dir: str, rank: int):
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def _grad_scaler(cfg: Config, env: distributed.Env):
-    """Loss scaling, needed for float16 compute only."""
-    if cfg.parallel.param_dtype != "float16":
-        return None
-    if cfg.parallel.strategy == "fsdp":
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        return ShardedGradScaler(env.device.type, init_scale=cfg.parallel.loss_scale)
-    return torch.amp.GradScaler(env.device.type, init_scale=cfg.parallel.loss_scale)
