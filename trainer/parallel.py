@@ -268,9 +268,9 @@ class Plan:
 
 
 def has_batchnorm(model: nn.Module) -> bool:
-    import torch.nn as nn
+    from trainer.torch_compat import batch_norm_base
 
-    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    return any(isinstance(m, batch_norm_base()) for m in model.modules())
 
 
 # A model family's repeated units of a built model (trainer.models.Family.blocks).
@@ -313,12 +313,13 @@ def average_batchnorm_stats(model: nn.Module) -> None:
     not; num_batches_tracked is the same on every rank (every rank takes every step)."""
     import torch
     import torch.distributed as dist
-    import torch.nn as nn
+
+    from trainer.torch_compat import batch_norm_base
 
     stats = [
         buffer
         for m in model.modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None
+        if isinstance(m, batch_norm_base()) and m.running_mean is not None
         for buffer in (m.running_mean, m.running_var)
     ]
     if not stats or not dist.is_initialized() or dist.get_world_size() == 1:
@@ -334,7 +335,7 @@ def average_batchnorm_stats(model: nn.Module) -> None:
 def _buffers_to(model: nn.Module, device: torch.device) -> None:
     for module in model.modules():
         for name, buffer in module.named_buffers(recurse=False):
-            module._buffers[name] = buffer.to(device)
+            setattr(module, name, buffer.to(device))  # a registered buffer stays one
 
 
 def _on_meta(model: nn.Module) -> bool:

@@ -32,10 +32,8 @@ Each private name: who uses it (through which function here); what happens where
 * DTensor._local_tensor (a class annotation; torch sets it on each instance): float8.py
   (local_tensor: the very tensor, where to_local() would give a view); float8 checkpoints hold
   torchao's class.
-* nn.modules.batchnorm._BatchNorm: parallel.py (batch_norm_base; it still names it itself: it is
-  being rewritten beside this change); no BatchNorm statistics synced, or the trainer cannot start.
-  parallel.py's `module._buffers[name] = ...` needs no private name: setattr(module, name, tensor)
-  sets a registered buffer.
+* nn.modules.batchnorm._BatchNorm: parallel.py (batch_norm_base); no BatchNorm statistics synced,
+  or the trainer cannot start.
 
 Not calls, so not here: the `_checkpoint_wrapped_module.` prefix that checkpoint_wrapper puts in
 parameter names (parallel.py, hf.py and models/transformer_net.py take it out), and FileSystemReader's
