@@ -104,3 +104,20 @@ def test_launch_raises_the_launchers_line(tmp_path):
 def test_import_is_cheap():
     proc = python("-c", "import sys, trainer.api; print('torch' in sys.modules)")
     assert proc.stdout.strip() == "False", proc.stderr
+
+
+def test_train_refuses_a_process_group_it_did_not_start(tmp_path):
+    """torch.distributed starts once per process group: train() starts and ends its own, and says so
+    where another is there, before anything is written."""
+    script = f"""
+import torch.distributed as dist
+from trainer import api
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+try:
+    api.train(api.config({DEFAULT!r}, run_dir={str(tmp_path / "run")!r}))
+except RuntimeError as e:
+    print(e)
+"""
+    proc = python("-c", script)
+    assert proc.stdout.strip().startswith("trainer.api.train: torch.distributed is already initialized"), proc.stderr
+    assert not (tmp_path / "run").exists()

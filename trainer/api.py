@@ -74,7 +74,7 @@ def train(cfg: Config) -> None:
     when the run reached train.steps; the trainer's errors (a lost lease, divergence) are raised.
 
     It may be called again in the same process (to continue the run, or train another): each call
-    starts and ends its own process group. A group this process started otherwise is refused.
+    starts and ends its own process group. A group started otherwise is refused (RuntimeError).
     Ctrl-C interrupts at once (the run continues from its last checkpoint); launch() stops gracefully."""
     import torch.distributed as dist
 
@@ -84,8 +84,8 @@ def train(cfg: Config) -> None:
     from trainer.metrics import setup_logging
     from trainer.train import train as run
 
-    if dist.is_initialized():
-        raise ConfigError(
+    if dist.is_initialized():  # not this module's: each call ends the group it starts
+        raise RuntimeError(
             "trainer.api.train: torch.distributed is already initialized in this process (by something else); "
             "call destroy_process_group() first, or use trainer.api.launch() to train in processes of its own"
         )
@@ -114,8 +114,8 @@ def _where(cfg: Config) -> str:
     return f"the config of run_dir {cfg.run_dir}"
 
 
-def launch(cfg: Config, nproc: int | str = 2, options: list[str] | tuple[str, ...] = ()) -> int:
-    """Train `cfg` with `nproc` processes of this machine ("gpu": one per GPU): `python -m
+def launch(cfg: Config, nproc: int | str = "auto", options: list[str] | tuple[str, ...] = ()) -> int:
+    """Train `cfg` with `nproc` processes of this machine ("auto": one per GPU, else 1): `python -m
     trainer.launch`, the launcher of `make run`, with its checks, restarts and graceful stop, in a
     process of its own; `options`: more of its options (--max-restarts=0). Its output goes to this
     process's. Returns 0; raises LaunchError with the launcher's last line on stderr (its `error:`
@@ -124,7 +124,7 @@ def launch(cfg: Config, nproc: int | str = 2, options: list[str] | tuple[str, ..
     The config travels as a YAML file, plus, for a run dir that holds a run (whose saved config is
     the base), the keys where `cfg` differs from it, as key=value overrides. The config is checked
     here first, so that a mistake is named as train() names it, not by that file's passing name."""
-    if isinstance(nproc, int):  # "gpu" is counted by the launcher, which checks it then
+    if isinstance(nproc, int):  # "auto" is counted by the launcher, which checks it then
         from trainer.check import validate
 
         validate(cfg, nproc, where=_where(cfg))
