@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import signal
 import subprocess
 
 import pytest
 
-from conftest import PYTHON, ROOT, TINY, env, metrics, one_line, python, train
+from conftest import PYTHON, ROOT, TINY, env, metrics, one_line, python, train, wait_for
 from trainer import api
+from trainer.layout import latest_committed_step
 
 DEFAULT = str(ROOT / "configs" / "default.yaml")
 
@@ -121,3 +123,40 @@ except RuntimeError as e:
     proc = python("-c", script)
     assert proc.stdout.strip().startswith("trainer.api.train: torch.distributed is already initialized"), proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+STOPPED = """
+import sys
+from trainer import api
+
+cfg = api.config(sys.argv[1], sys.argv[3:], run_dir=sys.argv[2])
+try:
+    api.launch(cfg, nproc=2)
+except KeyboardInterrupt:
+    print("interrupted")
+"""
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_launch_stops_the_ranks_which_save(tmp_path):
+    """A notebook's interrupt reaches the caller only: launch() stops its launcher as Ctrl-C at make
+    run would (the ranks save at the step they reached), waits for it, and raises the interrupt."""
+    run_dir = tmp_path / "run"
+    program = subprocess.Popen(
+        [PYTHON, "-c", STOPPED, DEFAULT, str(run_dir), *TINY, "train.steps=100000"],
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(lambda: metrics(run_dir), timeout=300, what="the first row")
+        program.send_signal(signal.SIGINT)
+        out, err = program.communicate(timeout=300)
+    finally:
+        program.kill()
+    assert out.strip().splitlines()[-1] == "interrupted", out[-3000:] + err[-3000:]
+    saved = latest_committed_step(str(run_dir))
+    assert saved is not None and 0 < saved < 100000, err[-3000:]
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "stopped"

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from typing import Any
 
 from trainer.config import Config, ConfigError, dump, load_run, to_dict
@@ -46,8 +48,9 @@ def config(file: str | None = None, overrides: list[str] | tuple[str, ...] = (),
     its saved config is the base, `file` fills only what it lacks, and what is given here changes it."""
     given = [f"{key}={json.dumps(value)}" for key, value in _dotted(values).items()]
     cfg, _, notes = load_run(file, [*given, *overrides])
-    for line in notes:  # what `python -m trainer` says about a continued run
-        print(line, flush=True)
+    if os.environ.get("RANK", "0") == "0":  # what `python -m trainer` says about a continued run, once
+        for line in notes:
+            print(line, flush=True)
     return cfg
 
 
@@ -117,9 +120,10 @@ def _where(cfg: Config) -> str:
 def launch(cfg: Config, nproc: int | str = "auto", options: list[str] | tuple[str, ...] = ()) -> int:
     """Train `cfg` with `nproc` processes of this machine ("auto": one per GPU, else 1): `python -m
     trainer.launch`, the launcher of `make run`, with its checks, restarts and graceful stop, in a
-    process of its own; `options`: more of its options (--max-restarts=0). Its output goes to this
-    process's. Returns 0; raises LaunchError with the launcher's last line on stderr (its `error:`
-    line for bad input) and its exit code otherwise.
+    process of its own; `options`: more of its options (--max-restarts=0). Its output is passed on
+    to this process's; Ctrl-C stops it as at `make run` (the ranks save) and is raised again.
+    Returns 0; raises LaunchError with the launcher's last line on stderr (its `error:` line for
+    bad input) and its exit code otherwise.
 
     The config travels as a YAML file, plus, for a run dir that holds a run (whose saved config is
     the base), the keys where `cfg` differs from it, as key=value overrides. The config is checked
@@ -135,15 +139,37 @@ def launch(cfg: Config, nproc: int | str = "auto", options: list[str] | tuple[st
         want, have = _dotted(to_dict(cfg)), _dotted(to_dict(base))
         changed = [f"{key}={json.dumps(value)}" for key, value in want.items() if have.get(key) != value]
         command = [sys.executable, "-m", "trainer.launch", f"--nproc-per-node={nproc}", *options]
-        proc = subprocess.Popen([*command, "--config", path, *changed], stderr=subprocess.PIPE, text=True)
-        last = ""
-        for line in proc.stderr:  # passed on as it comes; the last line kept for the error
-            sys.stderr.write(line)
-            last = line.strip() or last
-        code = proc.wait()
+        proc = subprocess.Popen(
+            [*command, "--config", path, *changed],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # a terminal's Ctrl-C reaches it once, from here, not twice
+        )
+        try:
+            code, last = _follow(proc)
+        except BaseException:  # Ctrl-C (a notebook's interrupt reaches this process only)
+            proc.send_signal(signal.SIGINT)  # the launcher stops the ranks, which save, as at make run's Ctrl-C
+            proc.wait()
+            raise
     if code:
         raise LaunchError(last or f"python -m trainer.launch exited {code}", code)
     return code
+
+
+def _follow(proc: subprocess.Popen) -> tuple[int, str]:
+    """Pass `proc`'s output on to this process's sys.stdout and sys.stderr (a notebook's cell, which
+    a child's inherited descriptors would miss) as it comes, until it ends: (exit code, last line
+    on its stderr)."""
+    out = threading.Thread(target=lambda: [sys.stdout.write(line) for line in proc.stdout], daemon=True)
+    out.start()
+    last = ""
+    for line in proc.stderr:
+        sys.stderr.write(line)
+        last = line.strip() or last
+    code = proc.wait()
+    out.join()
+    return code, last
 
 
 def metrics(run_dir: str) -> list[dict]:
