@@ -153,7 +153,7 @@ def test_ctrl_c_in_launch_stops_the_ranks_which_save(tmp_path):
     try:
         wait_for(lambda: metrics(run_dir), timeout=300, what="the first row")
         program.send_signal(signal.SIGINT)
-        out, err = program.communicate(timeout=300)
+        out, err = program.communicate(timeout=120)
     finally:
         program.kill()
     assert out.strip().splitlines()[-1] == "interrupted", out[-3000:] + err[-3000:]
