@@ -82,9 +82,7 @@ def test_a_bad_override_is_the_command_lines_line(tmp_path):
 
 def test_values_are_overrides_named_as_such(tmp_path):
     """A section's dict and a dotted key land where the YAML would put them; a mistake names the key."""
-    cfg = api.config(
-        DEFAULT, ["train.steps=7"], run_dir=str(tmp_path), train={"steps": 5, "seed": 3}, **{"log.interval": 2}
-    )
+    cfg = api.config(DEFAULT, ["train.steps=7"], run_dir=tmp_path, train={"steps": 5, "seed": 3}, **{"log.interval": 2})
     assert (cfg.run_dir, cfg.train.steps, cfg.train.seed, cfg.log.interval) == (str(tmp_path), 7, 3, 2)
     with pytest.raises(api.ConfigError, match=r"override 'train.stepz=5': unknown key 'train.stepz'"):
         api.config(DEFAULT, train={"stepz": 5})

@@ -46,7 +46,7 @@ def config(file: str | None = None, overrides: list[str] | tuple[str, ...] = (),
     (`**{"train.steps": 100}`); each becomes a key=value override, so a mistake is named as the
     command line names it. A run dir that holds a run continues it, as `python -m trainer` does:
     its saved config is the base, `file` fills only what it lacks, and what is given here changes it."""
-    given = [f"{key}={json.dumps(value)}" for key, value in _dotted(values).items()]
+    given = [f"{key}={json.dumps(value, default=str)}" for key, value in _dotted(values).items()]  # a Path: str
     cfg, _, notes = load_run(file, [*given, *overrides])
     if os.environ.get("RANK", "0") == "0":  # what `python -m trainer` says about a continued run, once
         for line in notes:
