@@ -29,6 +29,7 @@ NOT_AN_OUTCOME = {
     ("trainer.hf", "HFError"): "a Hugging Face model refused: ConfigError or CheckpointError where raised",
     ("trainer.prepare", "PrepareError"): "python -m trainer.prepare's own: one line, exit 2 there",
     ("trainer.submit", "SubmitError"): "make submit's own: one line, exit 2 there",
+    ("trainer.api", "LaunchError"): "the Python API's: the launcher's exit code and line, raised to the caller",
 }
 
 

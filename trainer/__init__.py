@@ -1,1 +1,6 @@
-"""An FSDP2 trainer for one workstation or a Slurm cluster, with exact resume from DCP checkpoints."""
+"""An FSDP2 trainer for one workstation or a Slurm cluster, with exact resume from DCP checkpoints.
+
+From Python: `from trainer import api` (config, train, launch, metrics; README's "Python API").
+Not imported here: this package is the bottom floor every module imports (tools/imports.py), and
+`import trainer` stays free of torch.
+"""
