@@ -44,7 +44,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from trainer import checksums, files, layout
+from trainer import __version__, checksums, files, layout
 from trainer.checksums import ChecksumWriter
 from trainer.config import CheckpointArgs
 from trainer.layout import read_meta, step_path
@@ -486,6 +486,7 @@ OWN_KEYS = (
     "optimizer",
     "shapes",
     "torch",
+    "trainer",
     "saved_at",
     "samples",
     "config",
@@ -758,6 +759,7 @@ class Checkpointer:
             "optimizer": type(optimizer).__name__,
             "shapes": shapes(model_state),
             "torch": torch.__version__,
+            "trainer": __version__,  # the trainer that saved it (trainer/__init__.py)
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         state = {"model": model_state, "optim": optim_state}
