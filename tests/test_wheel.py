@@ -64,12 +64,17 @@ def installed(tmp_path_factory) -> Path:
     return venv
 
 
+def outside() -> dict:
+    """The trainer's environment (conftest.env) without the checkout on PYTHONPATH."""
+    e = env()
+    e.pop("PYTHONPATH")  # env() puts the checkout there
+    return e
+
+
 def run(*cmd: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """`cmd` to its end, in `cwd`, without this checkout on PYTHONPATH; fail the test with its output
     unless it exits 0."""
-    e = env()
-    e.pop("PYTHONPATH")  # env() puts the checkout there
-    proc = subprocess.run(list(cmd), cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(list(cmd), cwd=cwd, env=outside(), capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         pytest.fail(f"{cmd} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc
@@ -85,6 +90,17 @@ def test_the_wheels_entry_points_run_outside_the_repository(installed, tmp_path)
     # A config by name: the one shipped inside the wheel (there is no configs/ in tmp_path).
     check = run(str(bin_ / "fsdp-check"), "--config", "default", "--nproc", "1", cwd=tmp_path)
     assert check.stdout.startswith("config OK: default: transformer on 1 processes"), check.stdout
+    # Slurm jobs run the trainer from a checkout (slurm/train.sbatch.in cds there): one line, before any query.
+    submit = subprocess.run(
+        [str(bin_ / "fsdp-submit"), "--dry-run", "--config", "default"],
+        cwd=tmp_path,
+        env=outside(),
+        capture_output=True,
+        text=True,
+    )
+    assert (submit.returncode, submit.stdout) == (2, ""), submit
+    assert submit.stderr.endswith("not found; submit from a checkout of the repository (make submit)\n"), submit.stderr
+    assert len(submit.stderr.splitlines()) == 1, submit.stderr
 
 
 @pytest.mark.slow

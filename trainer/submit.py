@@ -326,7 +326,9 @@ def parse_job(args: argparse.Namespace, partition: Partition) -> Job:
     )
     warn = number("WARN", args.warn_seconds, 1)
     max_attempts = number("MAX_ATTEMPTS", args.max_attempts, 1)
-    config = Path(args.config).resolve()
+    from trainer.config import find_config
+
+    config = Path(find_config(args.config)).resolve()  # a shipped config's name too
     if not config.is_file():
         raise SubmitError(f"CONFIG={args.config}: no such file")
     overrides, args_run_dirs = [], []
@@ -880,6 +882,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        if not TEMPLATE.is_file():  # a wheel's install: the job runs the trainer from a checkout
+            raise SubmitError(f"{TEMPLATE}: not found; submit from a checkout of the repository (make submit)")
         partition = query_partition(args.partition or None)
         job = parse_job(args, partition)
         check_config(job, partition, planning=args.dry_run)
