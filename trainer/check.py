@@ -26,6 +26,7 @@ from trainer.models import choices as model_choices
 from trainer.optim import schedule_warning
 from trainer.parallel import Plan
 from trainer.prepare import token_file_problem
+from trainer.version import add_version
 
 if TYPE_CHECKING:
     import torch
@@ -409,6 +410,7 @@ def check_float8(cfg: Config, device: torch.device, where: str = "config") -> No
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.check", description=__doc__.split("\n\n")[0])
+    add_version(parser)
     parser.add_argument("--config", required=True, help="YAML config file")
     parser.add_argument("--nproc", type=int, help="processes per node; checked against this machine's devices")
     parser.add_argument("--nnodes", type=int, default=1, help="nodes (for the batch arithmetic)")

@@ -61,7 +61,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from trainer import checksums, files, layout
+from trainer import __version__, checksums, files, layout
 from trainer.checksums import ChecksumWriter
 from trainer.config import CheckpointArgs
 from trainer.layout import read_meta, step_path
@@ -625,6 +625,7 @@ OWN_KEYS = (
     "optimizer",
     "shapes",
     "torch",
+    "trainer",
     "saved_at",
     "samples",
     "config",
@@ -939,6 +940,7 @@ class Checkpointer:
             "optimizer": type(self.optimizer).__name__,
             "shapes": shapes(state["model"]),
             "torch": torch.__version__,
+            "trainer": __version__,  # the trainer that saved it (trainer/__init__.py)
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         self.last_saved = step

@@ -41,6 +41,7 @@ from trainer.layout import CONFIG_FILE
 from trainer.models import ModelArgs
 from trainer.optim import OptimArgs
 from trainer.ranges import AT_LEAST_1, MAX_SEED, NOT_NEGATIVE, POSITIVE, TIMEOUT_S, Range
+from trainer.version import add_version
 
 
 class ConfigError(Exception):
@@ -226,8 +227,27 @@ def resolve(cfg: Config, where: str = "config", world_size: int = 1) -> Config:
     return dataclasses.replace(cfg, model=resolve_model(model))
 
 
+# The configs that ship with the trainer: trainer/configs/ in an installed wheel (pyproject.toml maps
+# the checkout's configs/ there), configs/ beside the package in a checkout.
+SHIPPED_CONFIGS = (Path(__file__).parent / "configs", Path(__file__).parent.parent / "configs")
+
+
+def find_config(path: str | None) -> str | None:
+    """`path` itself when something is at that name; else the shipped config it names (`llama-8b`,
+    `llama-8b.yaml`, `configs/llama-8b.yaml`), so that an installed trainer finds its configs from any
+    folder. A name that matches none is returned as given: reading it then says it is not found."""
+    if path is None or os.path.lexists(path) or os.path.dirname(path) not in ("", "configs"):
+        return path
+    name = os.path.basename(path)
+    name = name if name.endswith((".yaml", ".yml")) else f"{name}.yaml"
+    shipped = [folder / name for folder in SHIPPED_CONFIGS if (folder / name).is_file()]
+    return str(shipped[0]) if shipped else path
+
+
 def load(path: str | None, overrides: list[str] = ()) -> Config:
-    """Read `path` (may be None for pure defaults) and apply `key=value` overrides."""
+    """Read `path` (may be None for pure defaults; a shipped config's name: find_config) and apply
+    `key=value` overrides."""
+    path = find_config(path)
     raw: dict[str, Any] = {}
     if path is not None:
         raw = _read_yaml(path)
@@ -264,6 +284,7 @@ def load_run(path: str | None, overrides: list[str] = (), config_chosen: bool = 
     fills keys the saved config lacks (written by an older trainer); a value it sets that differs
     from the run's is not used, and one of the lines says so, unless the user did not choose the file
     (config_chosen=False: make's default CONFIG). A new run dir: `load(path, overrides)`."""
+    path = find_config(path)
     cfg = load(path, overrides)
     saved = os.path.join(cfg.run_dir, SAVED)
     if not os.path.isfile(saved):
@@ -707,6 +728,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Print every key of the config (the defaults, a YAML file and key=value overrides): its "
         "value, its default where that differs, and its meaning.",
     )
+    add_version(parser)
     parser.add_argument("--print", action="store_true", help="print every key (the default action)")
     parser.add_argument("--table", action="store_true", help="print the README's markdown table of the keys")
     parser.add_argument("--config", help="YAML config file; none: the defaults")

@@ -31,6 +31,7 @@ from trainer import dist as distributed
 from trainer.config import ConfigError, from_dict, to_dict
 from trainer.export import _config, consolidate
 from trainer.metrics import finite_or_null
+from trainer.version import add_version
 
 # What may change for an evaluation; the rest (the model above all) is the checkpoint's.
 SECTIONS = ("eval", "data", "parallel")
@@ -66,6 +67,7 @@ def append_row(run_dir: str, row: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.evaluate", description=__doc__.split("\n\n")[0])
+    add_version(parser)
     parser.add_argument("run_dir")
     parser.add_argument("--step", type=int, help="checkpoint step; default: the newest complete one")
     parser.add_argument("overrides", nargs="*", help="eval.*, data.*, parallel.* key=value, e.g. eval.batches=32")
@@ -109,5 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The fsdp-evaluate command: main, ended as a rank is (trainer/dist.py's exit_process)."""
     distributed.exit_process(main())
+
+
+if __name__ == "__main__":
+    cli()

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from trainer import checkpoint, files, hf, models
 from trainer.config import ConfigError, from_dict, load, refuse_untrusted_family
 from trainer.shard_reader import ShardReader
+from trainer.version import add_version
 
 
 def consolidate(run_dir: str, step: int | None = None) -> tuple[dict[str, torch.Tensor], str]:
@@ -219,6 +220,7 @@ def check_out(out: str, fmt: str = "file") -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.export", description=__doc__.split("\n\n")[0])
+    add_version(parser)
     parser.add_argument("run_dir")
     parser.add_argument("--step", type=int, help="checkpoint step; default: the newest complete one")
     parser.add_argument(

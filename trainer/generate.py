@@ -26,6 +26,7 @@ from trainer import checkpoint, models
 from trainer.config import ConfigError
 from trainer.dist import read_env
 from trainer.export import _config, consolidate, read_tokenizer, tokenizer_of
+from trainer.version import add_version
 
 
 @torch.no_grad()
@@ -132,6 +133,7 @@ def parse_ids(text: str, vocab_size: int) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.generate", description=__doc__.split("\n\n")[0])
+    add_version(parser)
     parser.add_argument("run_dir")
     parser.add_argument("--step", type=int, help="checkpoint step; default: the newest complete one")
     parser.add_argument(

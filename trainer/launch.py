@@ -38,6 +38,7 @@ import tempfile
 import time
 
 from trainer import files, hangs, heartbeat, layout, outcomes, signals, torch_compat
+from trainer.version import add_version
 
 # A signal before torchrun's agent takes over (imports, validation, rendezvous) ends the launch
 # cleanly instead of killing it: remembered here (main() listens first thing), acted on once the
@@ -86,6 +87,7 @@ TORCHRUN_DEFAULT_SHUTDOWN_S = 30
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m trainer.launch", description=__doc__.split("\n\n")[0])
+    add_version(p)
     p.add_argument(
         "--nproc-per-node", default="auto", help="ranks on this node: a number, or auto (one per visible GPU, else 1)"
     )

@@ -32,6 +32,7 @@ import torch
 
 from trainer import files, layout
 from trainer.config import LogArgs
+from trainer.version import add_version
 
 log = logging.getLogger("trainer")
 
@@ -471,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m trainer.metrics", description="Summarise runs from their metrics.jsonl, and plot them."
     )
+    add_version(parser)
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     parser.add_argument("--plot", metavar="FILE.png", help="plot loss and eval loss against step into this PNG")
     parser.add_argument("--json", action="store_true", help="one JSON object per run instead of a line")

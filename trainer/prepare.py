@@ -31,6 +31,7 @@ import time
 import numpy as np
 
 from trainer import files as shared_files  # `files` names the input files here
+from trainer.version import add_version
 
 # End-of-document tokens of common tokenizers, tried in this order when neither --eos nor the
 # folder's tokenizer_config.json names one: Llama 3, GPT-2/NeoX, Llama 2/Mistral, Gemma.
@@ -333,6 +334,7 @@ def _bar(fraction: float, tokens: int, docs: int, seconds: float, width: int = 3
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.prepare", description=__doc__.split("\n\n")[0])
+    add_version(parser)
     parser.add_argument(
         "files",
         nargs="+",

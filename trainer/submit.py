@@ -34,6 +34,7 @@ from pathlib import Path
 
 from trainer import files, signals
 from trainer.requeue import HEALTH_FAILED, requeue_check
+from trainer.version import add_version
 
 REPO_DIR = Path(__file__).resolve().parent.parent
 TEMPLATE = REPO_DIR / "slurm" / "train.sbatch.in"
@@ -325,7 +326,9 @@ def parse_job(args: argparse.Namespace, partition: Partition) -> Job:
     )
     warn = number("WARN", args.warn_seconds, 1)
     max_attempts = number("MAX_ATTEMPTS", args.max_attempts, 1)
-    config = Path(args.config).resolve()
+    from trainer.config import find_config
+
+    config = Path(find_config(args.config)).resolve()  # a shipped config's name too
     if not config.is_file():
         raise SubmitError(f"CONFIG={args.config}: no such file")
     overrides, args_run_dirs = [], []
@@ -843,6 +846,7 @@ def submit_submitit(job: Job) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m trainer.submit", description="Submit training to Slurm.")
+    add_version(p)
     p.add_argument("--nodes", default="1", help="number of nodes")
     p.add_argument(
         "--min-nodes",
@@ -878,6 +882,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        if not TEMPLATE.is_file():  # a wheel's install: the job runs the trainer from a checkout
+            raise SubmitError(f"{TEMPLATE}: not found; submit from a checkout of the repository (make submit)")
         partition = query_partition(args.partition or None)
         job = parse_job(args, partition)
         check_config(job, partition, planning=args.dry_run)
