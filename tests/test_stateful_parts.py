@@ -19,6 +19,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from trainer import checkpoint, shard_reader
+from trainer.dist import exit_process
 from trainer.shard_reader import load_metadata
 
 EMA_ROWS = 10  # 5 + 5 rows on 2 ranks, 4 + 4 + 2 on 3: the load reads across the saved shards' edges
@@ -84,8 +85,12 @@ def _worker(rank: int, world: int, run_dir: str, action: str, out: str) -> None:
         if rank == 0:
             torch.save(held, out)
         ckpt.close()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # Past Python's teardown, as the trainer's ranks end: a gloo thread that outlives the
+    # interpreter aborts the process one exit in a few (trainer/dist.py exit_process).
+    exit_process(0)
 
 
 def _run(world: int, run_dir, action: str, out) -> dict:
