@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
 from trainer import checkpoint
+from trainer.dist import exit_process
 
 UNCHANGED = "No change in the local plan"  # DCP's line when a rank's cached plan is reused
 DCP_PLANNER = "torch.distributed.checkpoint.default_planner"
@@ -141,8 +142,10 @@ def _layouts(rank: int, world: int, root: str, out: str) -> None:
             held[f"{name}_loaded"] = {k: v.full_tensor() for k, v in model.state_dict().items()}
         if rank == 0:
             torch.save(held, out)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    exit_process(0)  # past Python's teardown, as the trainer's ranks end (trainer/dist.py exit_process)
 
 
 @pytest.mark.slow
