@@ -138,6 +138,9 @@ class ParallelArgs:
     # Needs a GPU of compute capability 8.9+ and compile=true. The head and embeddings stay as they are.
     float8: Literal["none", "tensorwise", "rowwise"] = "none"
     float8_emulate: bool = False  # float8 math emulated in high precision, on any device: for tests, no faster
+    # Tensor-parallel degree: each transformer block's matmuls split over `tp` ranks of one node (a 2D mesh,
+    # dp x tp, as torchtitan's); FSDP shards over the data-parallel ranks. Must divide the ranks of a node.
+    tp: Annotated[int, AT_LEAST_1] = 1
     # Seconds a collective of the training process group waits for a rank that does not answer;
     # then the run stops with an error naming the step (exit code 1), so that Slurm can requeue it.
     timeout_s: Annotated[int, TIMEOUT_S] = 600

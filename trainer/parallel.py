@@ -59,15 +59,14 @@ class Plan:
     the trainer, `Plan(args, world_size)` for the arithmetic alone (the config check, the memory
     estimate, tests), which needs no process group. Data parallelism is `dp_replicate x dp_shard`
     ranks: FSDP shards over dp_shard (all ranks, or hybrid's groups) and replicates over
-    dp_replicate; DDP replicates over all. `tp` is the tensor-parallel degree, reserved: 1 until a
-    family gives a tensor-parallel plan; the data-parallel rank and size already leave room for it."""
+    dp_replicate; DDP replicates over all. `tp` (parallel.tp) ranks of one node split each block's
+    matmuls and share their samples: the data-parallel size is the world over tp."""
 
     args: ParallelArgs
     world_size: int
     rank: int = 0
     ranks_per_node: int | None = None  # hybrid's default shard group; None: LOCAL_WORLD_SIZE, else the world
     device: Any = "cpu"  # a torch.device or its name: where the parameters live
-    tp: int = 1  # tensor-parallel degree (reserved)
 
     @classmethod
     def of(cls, args: ParallelArgs, env: Env) -> Plan:
@@ -92,6 +91,11 @@ class Plan:
     def shard_size(self) -> int:
         """Hybrid sharding's group: parallel.shard_size, else the ranks of one node."""
         return self.args.shard_size or self.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+
+    @property
+    def tp(self) -> int:
+        """Tensor-parallel degree: ranks that split each block's matmuls (1: none)."""
+        return self.args.tp
 
     @property
     def dp_size(self) -> int:

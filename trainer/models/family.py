@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     import torch
     import torch.nn as nn
+    from torch.distributed.device_mesh import DeviceMesh
 
     from trainer.models import ModelArgs
 
@@ -85,3 +86,7 @@ class Family:
     # (None: it is not; model.init_from and export --format hf refuse it). trainer/hf.py reads and
     # writes the folders and asks this.
     hf: HFAdapter | None = None
+    # Its tensor-parallel plan, tp_plan(model, mesh): parallelize the unwrapped model's blocks (and its
+    # embeddings and head) over the 1D "tp" mesh, as torchtitan's parallelize_llama does. None: the
+    # family refuses parallel.tp > 1.
+    tp_plan: Callable[[nn.Module, DeviceMesh], None] | None = None
