@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 
-from trainer import files, hangs, heartbeat, layout, outcomes, signals, torch_compat
+from trainer import early_stop, files, hangs, heartbeat, layout, outcomes, signals, torch_compat
 from trainer.version import add_version
 
 # A signal before torchrun's agent takes over (imports, validation, rendezvous) ends the launch
@@ -548,6 +548,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"nothing to do: step {done} reached train.steps={cfg.train.steps}; raise train.steps to continue",
                 flush=True,
             )
+            layout.write_status(cfg.run_dir, state="finished")
+        return 0
+    stopped = layout.early_stop_record(cfg.run_dir)  # a run that stopped early (trainer/early_stop.py)
+    if stopped and early_stop.stops_again(stopped[1], cfg.train.early_stop_patience):
+        if first:
+            print(early_stop.nothing_to_do(stopped[0], cfg.train.early_stop_patience), flush=True)
             layout.write_status(cfg.run_dir, state="finished")
         return 0
     try:
