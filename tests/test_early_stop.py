@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from conftest import TINY, assert_same_weights, launch_command, metrics, refused, run_command, train, weights
+from conftest import TINY, assert_same_weights, launch_command, metrics, refused, rerecord, run_command, train, weights
 from trainer import early_stop, layout, requeue
 
 # Evaluations at steps 2, 4, 6, ...; no evaluation is lower than the first by 100, so with patience 2
@@ -89,6 +89,17 @@ def test_a_run_stops_early_and_a_restart_has_nothing_to_do(tmp_path, capsys):
     assert layout.early_stop_record(run_dir) is None
     assert requeue.requeue_check(str(run_dir), 0, 3, "7") == 0  # finished: not requeued either
     assert "training finished at step 8" in capsys.readouterr().out
+
+    # meta.json is untrusted: a state not of its kind (checksums recorded again) is one line, exit 2.
+    meta_file = os.path.join(layout.step_path(run_dir, 8), "meta.json")
+    meta = json.loads(open(meta_file).read())
+    meta[early_stop.PART]["since"] = -1
+    with open(meta_file, "w") as f:
+        json.dump(meta, f)
+    rerecord(layout.step_path(run_dir, 8))
+    proc = train(run_dir, 1, "train.steps=10", expect=2)
+    assert "meta.json's early_stop state cannot be restored: since is -1, not a count" in proc.stderr
+    assert "Traceback" not in proc.stderr and layout.latest_committed_step(run_dir) == 8
 
 
 def test_a_larger_patience_or_none_undoes_the_stop():

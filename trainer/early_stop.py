@@ -34,13 +34,17 @@ class EarlyStop:
         """Restore a saved state (from meta.json, untrusted: a value not of its kind raises ValueError
         naming it); a stop that this run's patience no longer makes (0, or
         larger than the evaluations counted) is undone: the run trains on."""
-        why = problem(state)
+        why = state_problem(state)
         if why:
             raise ValueError(f"meta.json's {PART}: {why}")
         self.best, self.best_step = state["best"], state["best_step"]
         self.since, self.stopped = state["since"], state["stopped"]
         if not stops_again(state, self.patience):
             self.stopped = None
+
+    def problem(self, state):
+        """Why a saved `state` cannot be restored, or None (the checkpoint's load asks first)."""
+        return state_problem(state)
 
     def update(self, step, loss):
         """Count the evaluation at `step` with `loss`; the line to say if the run stops here, else None.
@@ -65,7 +69,7 @@ def _count(value):
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def problem(state):
+def state_problem(state):
     """Why `state` is not an early_stop part as state_dict writes it, or None."""
     if not isinstance(state, dict) or set(state) != {"best", "best_step", "since", "stopped"}:
         return "not the keys best, best_step, since, stopped"
@@ -84,7 +88,7 @@ def stops_again(record, patience):
     """Whether a run whose newest checkpoint holds `record` (its early_stop part) stopped early and
     stays stopped under train.early_stop_patience=`patience`: the stop is kept unless early stopping
     is now off or its patience exceeds the evaluations counted since the best."""
-    if problem(record) or record["stopped"] is None or not patience:
+    if state_problem(record) or record["stopped"] is None or not patience:
         return False
     return record["since"] >= patience
 
