@@ -74,8 +74,9 @@ def test_print_of_a_bad_override_is_one_line_and_exit_2():
     proc = run("--print", "train.stepz=3")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "error: override 'train.stepz=3': unknown key 'train.stepz'; known keys here: global_batch_size, "
-        "grad_clip, loss_reduction, micro_batch_size, rank_batch_size, seed, steps"
+        "error: override 'train.stepz=3': unknown key 'train.stepz'; known keys here: early_stop_min_delta, "
+        "early_stop_patience, global_batch_size, grad_clip, loss_reduction, micro_batch_size, rank_batch_size, "
+        "seed, steps"
     ]
     assert proc.stdout == ""
 

@@ -51,6 +51,7 @@ FLOORS: list[tuple[str, list[str]]] = [
         "run dir",
         [
             "trainer.layout",
+            "trainer.early_stop",
             "trainer.checksums",
             "trainer.requeue",
             "trainer.submitit_guard",

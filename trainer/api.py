@@ -74,7 +74,8 @@ def train(cfg: Config) -> None:
     """Train `cfg` in this process: one rank (gloo on the CPU, NCCL on a GPU), or the rank torchrun's
     variables name when a torchrun started this program. The checks of `python -m trainer` come
     first (ConfigError, before anything is written); the run dir's lease is taken as there. Returns
-    when the run reached train.steps; the trainer's errors (a lost lease, divergence) are raised.
+    when the run reached train.steps or stopped early (train.early_stop_patience); the trainer's
+    errors (a lost lease, divergence) are raised.
 
     It may be called again in the same process (to continue the run, or train another): each call
     starts and ends its own process group. A group started otherwise is refused (RuntimeError).

@@ -75,6 +75,13 @@ def validate(
         if not allowed.allows(value):
             fail(key, f"is {value}; {allowed}")
 
+    if cfg.train.early_stop_patience and not cfg.eval.interval:  # it stops on the eval loss (trainer/early_stop.py)
+        fail(
+            "train.early_stop_patience",
+            f"is {cfg.train.early_stop_patience}, but eval.interval is 0: no evaluation gives a loss to stop on; "
+            f"set eval.interval (steps between evaluations) or train.early_stop_patience=0",
+        )
+
     if "\0" in cfg.health.command:
         fail("health.command", "holds a NUL byte; give a shell command line, e.g. /etc/nhc/nhc")
 

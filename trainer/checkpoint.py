@@ -854,6 +854,12 @@ class Checkpointer:
             else:
                 log.info("checkpoint %s holds no %s state (saved before it was kept): it starts afresh", path, name)
         for name, part in self.parts.items():
+            bad = getattr(part, "problem", lambda _: None)(meta[name]) if name in meta else None
+            if bad:  # meta.json is untrusted as any file: a part may say what it cannot take
+                raise CheckpointError(
+                    f"checkpoint {path}: meta.json's {name} state cannot be restored: {bad}; give another "
+                    f"checkpoint as checkpoint.resume_from, or move this one away"
+                )
             if name in meta:
                 part.load_state_dict(meta[name])
             else:

@@ -70,6 +70,11 @@ class TrainArgs:
     seed: Annotated[int, Range(0, MAX_SEED, note=" (numpy's and torch's generators)")] = 0
     # max global gradient norm; None: no clipping
     grad_clip: Annotated[float | None, Range(0, low_open=True, says=_GRAD_CLIP)] = 1.0
+    # evaluations in a row without an improvement of the eval loss before the run stops early
+    # (needs eval.interval); 0 or null: off
+    early_stop_patience: Annotated[int | None, NOT_NEGATIVE] = None
+    # how much lower than the best so far an eval loss must be to count as an improvement
+    early_stop_min_delta: Annotated[float, NOT_NEGATIVE] = 0.0
 
 
 @dataclass

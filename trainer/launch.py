@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 
-from trainer import files, hangs, heartbeat, layout, outcomes, signals, torch_compat
+from trainer import early_stop, files, hangs, heartbeat, layout, outcomes, signals, torch_compat
 from trainer.version import add_version
 
 # A signal before torchrun's agent takes over (imports, validation, rendezvous) ends the launch
@@ -541,8 +541,16 @@ def main(argv: list[str] | None = None) -> int:
         if first:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return outcomes.BAD_INPUT.code
+    # What the ranks would say, before any check or set-up: a run that stopped early (trainer/early_stop.py)
+    # and stays stopped, or one that reached train.steps.
+    stopped = layout.early_stop_record(cfg.run_dir)
+    if stopped and early_stop.stops_again(stopped[1], cfg.train.early_stop_patience):
+        if first:
+            print(early_stop.nothing_to_do(stopped[0], cfg.train.early_stop_patience), flush=True)
+            layout.write_status(cfg.run_dir, state="finished")
+        return 0
     done = layout.latest_committed_step(cfg.run_dir)
-    if done is not None and done >= cfg.train.steps:  # what the ranks would say, before any check or set-up
+    if done is not None and done >= cfg.train.steps:
         if first:
             print(
                 f"nothing to do: step {done} reached train.steps={cfg.train.steps}; raise train.steps to continue",

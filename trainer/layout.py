@@ -124,6 +124,21 @@ def latest_committed_step(run_dir):
     return None
 
 
+def early_stop_record(run_dir):
+    """(step, its early_stop part) of the newest committed checkpoint when that part records that
+    the run stopped early at that step (trainer/early_stop.py), else None."""
+    step = latest_committed_step(run_dir)
+    if step is None:
+        return None
+    try:
+        record = read_meta(step_path(run_dir, step)).get("early_stop")
+    except (OSError, ValueError):
+        return None
+    if isinstance(record, dict) and record.get("stopped") == step:
+        return step, record
+    return None
+
+
 def read_status(run_dir):
     """The trainer's status.json as a dict ({} when absent or not JSON). A link or FIFO there is
     files.UnsafeFile: it names the file, and never hangs."""

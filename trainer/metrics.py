@@ -7,7 +7,8 @@ ranks after one failed: trainer/launch.py; its `time` is when the launcher saw t
 "epoch" (a pass over the training data begins: `epoch`, counted from 0, at `step`, the step that
 reads its first sample; with data.sources, `source` names whose pass it is). Training rows over
 data that ends (a token file, images) carry `epoch`, the passes made so far (`epoch/<source>` each
-for data.sources), as the live line shows them.
+for data.sources), as the live line shows them. "early_stop" (the run stopped early at `step`:
+`best_eval_loss` at `best_step`, `patience`; trainer/early_stop.py) has no `eval_loss` of its own.
 A start keeps each step's row once: rows of steps after the one it starts from, logged by an
 earlier start that did not save them, move to metrics.superseded.jsonl. A line that is not such a
 row (not a JSON object with an integer `step` and a numeric `time` if any: a line cut short by a kill, or

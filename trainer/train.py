@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from trainer import checkpoint, data, files, hangs, health, hf, layout, models, optim, parallel, signals, torch_compat
 from trainer import dist as distributed
+from trainer import early_stop as early_stopping
 from trainer.config import Config, dump, to_dict
 from trainer.lease import Lease, LeaseError, LeaseLost
 from trainer.metrics import Reporter, Speed, peak_flops, start_times, timed
@@ -135,6 +136,7 @@ class Run:
     reporter: Reporter | None = None  # set once the model is built
     ckpt: checkpoint.Checkpointer | None = None  # the same
     trace: object = None  # the sample trace file (data.trace), else None
+    early: early_stopping.EarlyStop | None = None  # early stopping's state, a checkpoint part (set with ckpt)
 
 
 class StuckRank(Exception):
@@ -255,6 +257,9 @@ def _train(run: Run, train_set, eval_set) -> None:
     run.ckpt = ckpt = _checkpointer(run, model, optimizer, scheduler, scaler)
     run.reporter = reporter = Reporter(run_dir, cfg.log, cfg.train.steps, env.is_main)
     step, samples, meta = _resume(cfg, ckpt, model, scheduler, reporter, run.times)
+    if run.early.stopped is not None:  # stopped early, and this start's patience keeps it stopped: nothing written
+        _nothing_to_do(cfg, env, reporter, step, early_stopping.nothing_to_do(step, run.early.patience))
+        return
     _accept_start(cfg, env, reporter, step, meta, run.times)
     if step >= cfg.train.steps:
         _nothing_to_do(cfg, env, reporter, step)
@@ -334,7 +339,8 @@ def _train(run: Run, train_set, eval_set) -> None:
             reporter.training_row(step, values, cpu_s)
             compute_s, window_steps = 0.0, 0
 
-        # evaluate
+        # evaluate (and early stopping's count: `early` is its line when the run stops here)
+        early = None
         if eval_set is not None and step % cfg.eval.interval == 0:
             parallel.average_batchnorm_stats(model)  # the same statistics on every rank
             watchdog.allow(cfg.parallel.timeout_s)  # the evaluation is not a step: its own allowance
@@ -343,6 +349,7 @@ def _train(run: Run, train_set, eval_set) -> None:
             )  # eval_loss/<source> with data.sources
             reporter.message(f"eval at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
             reporter.write(timed({"step": step, **result}))
+            early = _early_stop(run, step, result["eval_loss"])
             stopping = None  # a signal may have come during the evaluation: ask again
 
         # save
@@ -351,7 +358,9 @@ def _train(run: Run, train_set, eval_set) -> None:
             if lost:
                 _raise_lease_lost(lease, run_dir, step, ckpt)
             stopping = stops > 0
-        _save(run, model, step, samples, first_bad, stopping)
+        _save(run, model, step, samples, first_bad, stopping or early is not None)
+        if early:
+            break
         if stopping:
             if not os.environ.get(signals.MARKS_ENV):  # else the launcher says it, with the signal's name
                 reporter.message(
@@ -361,6 +370,28 @@ def _train(run: Run, train_set, eval_set) -> None:
 
     # tear-down
     _finish(run, step)
+
+
+def _early_stop(run: Run, step: int, eval_loss: float) -> str | None:
+    """Count the evaluation at `step` for early stopping (trainer/early_stop.py); when the run stops
+    here, say its line and write its `early_stop` row now, before the final save: a start that
+    resumes from an earlier checkpoint moves the row aside with the step's others, so it stays once."""
+    line = run.early.update(step, eval_loss)
+    if line:
+        run.reporter.message(line)
+        state = run.early.state_dict()
+        run.reporter.write(
+            timed(
+                {
+                    "event": "early_stop",
+                    "step": step,
+                    "best_eval_loss": state["best"],
+                    "best_step": state["best_step"],
+                    "patience": run.early.patience,
+                }
+            )
+        )
+    return line
 
 
 def _save(run: Run, model, step: int, samples: int, first_bad: torch.Tensor, stopping: bool) -> None:
@@ -379,6 +410,7 @@ def _save(run: Run, model, step: int, samples: int, first_bad: torch.Tensor, sto
 
 def _checkpointer(run: Run, model, optimizer, scheduler, scaler) -> checkpoint.Checkpointer:
     """The run's checkpoint manager and the named parts it saves beside the model and optimizer."""
+    run.early = early_stopping.EarlyStop(run.cfg.train.early_stop_patience, run.cfg.train.early_stop_min_delta)
     ckpt = checkpoint.Checkpointer(
         run.cfg.checkpoint,
         run.cfg.run_dir,
@@ -387,7 +419,7 @@ def _checkpointer(run: Run, model, optimizer, scheduler, scaler) -> checkpoint.C
         run.io_group,
         model,
         optimizer,
-        parts={"scheduler": scheduler, "scaler": scaler},
+        parts={"scheduler": scheduler, "scaler": scaler, early_stopping.PART: run.early},
     )
     if run.lease:  # rank 0 reads the lease again right before it commits or deletes a checkpoint
         ckpt.still_owner = run.lease.check
@@ -454,9 +486,12 @@ def _accept_start(
         reporter.message(f"warning: {warning}")
 
 
-def _nothing_to_do(cfg: Config, env: distributed.Env, reporter: Reporter, step: int) -> None:
-    """A start at or past train.steps: say so, mark the run finished, close the trackers."""
-    reporter.message(f"nothing to do: step {step} reached train.steps={cfg.train.steps}; raise train.steps to continue")
+def _nothing_to_do(cfg: Config, env: distributed.Env, reporter: Reporter, step: int, line: str | None = None) -> None:
+    """A start at or past train.steps (or of a run that stopped early: `line`): say so, mark the run
+    finished, close the trackers."""
+    reporter.message(
+        line or f"nothing to do: step {step} reached train.steps={cfg.train.steps}; raise train.steps to continue"
+    )
     if env.is_main:
         layout.write_status(cfg.run_dir, state="finished")
     if reporter.trackers:
@@ -507,7 +542,8 @@ def _finish(run: Run, step: int) -> None:
     if _agreed_max(control, float(bool(lease and lease.lost)))[0]:  # lost at the last save: say so, not finished
         _raise_lease_lost(lease, run_dir, step, ckpt)
     if env.is_main:
-        layout.write_status(run_dir, state="stopped" if step < cfg.train.steps else "finished", step=step)
+        done = step >= cfg.train.steps or run.early.stopped is not None  # an early stop is an end too
+        layout.write_status(run_dir, state="finished" if done else "stopped", step=step)
     if step == cfg.train.steps:
         reporter.message(
             f"finished at step {step}: checkpoint {layout.step_path(run_dir, step)}, metrics {run_dir}/metrics.jsonl; "
