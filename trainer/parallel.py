@@ -6,7 +6,8 @@ and size, wraps the model (`apply`: the config in, the wrapped model out), and a
 between the strategies: `no_sync`, the grad scaler, autocast, the config's checks and what one rank
 holds (`memory_factors`). Nothing outside this module asks which strategy runs. What the FSDP
 tutorials call auto-wrap policies, sharding strategies, mixed precision and CPU offload all map
-onto `fully_shard` arguments here.
+onto `fully_shard` arguments here. Tensor parallelism (parallel.tp > 1) adds a "tp" dimension to the mesh
+and applies the model family's tp_plan first; FSDP then shards over the data-parallel dimension.
 
 Importing this module needs no torch (each function imports it where it runs): the config check
 reads the plan's checks on a login node, as it reads the model families' specs.

@@ -328,6 +328,7 @@ def _train(run: Run, train_set, eval_set) -> None:
             if diverged:
                 _raise_diverged(first_bad, ckpt)
             stopping = stops > 0
+            # the ranks of one tp group hold the same loss: the mean over all is the data-parallel mean
             values = {"loss": loss_total / env.world_size, "lr": lr, **data.epochs(train_set, samples)}
             if grad_norm is not None:
                 values["grad_norm"] = _full(grad_norm).item()
