@@ -20,6 +20,7 @@ from conftest import (
     export_hf,
     kill_group,
     losses,
+    metrics,
     refused,
     rows,
     start,
@@ -38,7 +39,7 @@ from trainer.parallel import Plan
 # 24: the config check divides it over all processes (8 with tp=2), not over the data-parallel ranks.
 B = 24
 RUN = [*TINY, f"train.global_batch_size={B}", "train.steps=20", "optim.schedule=constant"]
-RUN += ["checkpoint.interval=5", "checkpoint.keep=0"]
+RUN += ["checkpoint.interval=5", "checkpoint.keep=0", "eval.interval=10"]
 TP = [*RUN, "parallel.tp=2", "data.trace=true"]
 # Resuming at another layout with this learning rate leaves every weight as loaded (an update of
 # 1e-30 is below a float32 weight's last bit): the step's checkpoint holds the loaded weights.
@@ -108,10 +109,13 @@ def _trace(run_dir) -> dict[int, dict[int, list[int]]]:
 
 @pytest.mark.slow
 def test_tp2_x_dp2_trains_as_dp4(tmp_path, tp_run):
-    """Float tolerance: relative 1e-5 on each of the 20 losses (the tensor-parallel matmuls and
-    all-reduces add in another order); the final weights within 1e-4."""
+    """Float tolerance: relative 1e-5 on each of the 20 losses and the evaluations' losses (the
+    tensor-parallel matmuls and all-reduces add in another order); the final weights within 1e-4."""
     train(tmp_path, 4, *RUN)
     assert_same_losses(losses(tp_run), losses(tmp_path), rtol=1e-5)
+    evals = [{r["step"]: r["eval_loss"] for r in metrics(d) if "eval_loss" in r} for d in (tp_run, tmp_path)]
+    assert evals[0] and 20 in evals[0]  # the evaluation's loss, on sharded logits too
+    assert_same_losses(*evals, rtol=1e-5)
     assert_same_weights(weights(tp_run), weights(tmp_path))
     trace = _trace(tp_run)
     assert sorted(trace) == list(range(20))
