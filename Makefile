@@ -99,7 +99,8 @@ COMPAT_TESTS := \
 	tests/test_torch_compat.py \
 	tests/test_launch.py::test_a_failing_rank_is_one_launcher_line_and_exit_1 \
 	tests/test_launch.py::test_signal_to_the_launcher_alone_saves_exits_0_and_resumes \
-	tests/test_dist.py::test_the_launchers_rendezvous_polls_faster_only_while_it_runs
+	tests/test_dist.py::test_the_launchers_rendezvous_polls_faster_only_while_it_runs \
+	tests/test_tp.py::test_tp2_x_dp2_trains_as_dp4
 
 $(COMPAT_VENV)/.installed: Makefile
 	python3 -m venv $(COMPAT_VENV)

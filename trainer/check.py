@@ -134,7 +134,8 @@ def validate(
         )
 
     # parallelism: the plan's own checks (trainer.parallel, imported without torch)
-    for key, message in Plan(cfg.parallel, world_size).problems():
+    tp_model = resolve(cfg, where).model if cfg.parallel.tp > 1 else None  # what tensor parallelism splits
+    for key, message in Plan(cfg.parallel, world_size, ranks_per_node=ranks_per_node).problems(tp_model):
         fail(key, message)
     if cfg.parallel.float8 != "none":  # torchao, compile, the blocks' dimensions; the GPU is each rank's check_float8
         from trainer.float8 import config_problem

@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         model = models.build(cfg.model)
         model.load_state_dict(state)
         del state
-        plan = parallel.Plan.of(cfg.parallel, env)
+        p = cfg.parallel  # the run's tensor parallelism where it fits these processes, else none
+        plan = parallel.Plan.of(p if env.world_size % p.tp == 0 else dataclasses.replace(p, tp=1), env)
         model = plan.apply(model, models.spec(cfg.model))  # its mixed precision
         from trainer.train import evaluate_sources
 

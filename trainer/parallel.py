@@ -6,7 +6,8 @@ and size, wraps the model (`apply`: the config in, the wrapped model out), and a
 between the strategies: `no_sync`, the grad scaler, autocast, the config's checks and what one rank
 holds (`memory_factors`). Nothing outside this module asks which strategy runs. What the FSDP
 tutorials call auto-wrap policies, sharding strategies, mixed precision and CPU offload all map
-onto `fully_shard` arguments here.
+onto `fully_shard` arguments here. Tensor parallelism (parallel.tp > 1) adds a "tp" dimension to the mesh
+and applies the model family's tp_plan first; FSDP then shards over the data-parallel dimension.
 
 Importing this module needs no torch (each function imports it where it runs): the config check
 reads the plan's checks on a login node, as it reads the model families' specs.
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from trainer.dist import Env
+    from trainer.models import ModelArgs
     from trainer.models.family import Family
 
 
@@ -121,16 +123,24 @@ class Plan:
 
     @functools.cached_property
     def mesh(self) -> DeviceMesh:
-        """The device mesh FSDP shards over, made on first use (it needs the process group). Named
-        as torchtitan names them; a tensor-parallel dimension joins as "tp" once tp > 1."""
+        """The device mesh, made on first use (it needs the process group). Named as torchtitan names
+        them: "dp_shard" (FSDP's), "dp_replicate" under hybrid sharding, and "tp" innermost once
+        tp > 1, so that the tensor-parallel ranks of a group are consecutive: the ranks of one node."""
         from torch.distributed.device_mesh import init_device_mesh
 
         device_type = self._device_type
         if self.hybrid:
             shape, names = (self.dp_replicate, self.dp_shard), ("dp_replicate", "dp_shard")
+        elif self.tp > 1:
+            shape, names = (self.dp_size, self.tp), ("dp_shard", "tp")
         else:
             shape, names = (self.dp_size,), ("dp_shard",)
         return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        """What FSDP shards over: the mesh without its "tp" dimension."""
+        return self.mesh["dp_shard"] if self.tp > 1 else self.mesh
 
     @property
     def _device_type(self) -> str:
@@ -138,9 +148,10 @@ class Plan:
 
     # -- checks -------------------------------------------------------------------------------------
 
-    def problems(self) -> list[tuple[str, str]]:
+    def problems(self, model: ModelArgs | None = None) -> list[tuple[str, str]]:
         """What is wrong with the parallel config for this world: (key, message), in the order the
-        config check says them (trainer.check.validate raises the first, blamed on its source)."""
+        config check says them (trainer.check.validate raises the first, blamed on its source).
+        `model`: the resolved model keys, for what tensor parallelism needs of the model."""
         p, found = self.args, []
         if p.strategy != "fsdp" and p.cpu_offload:
             found.append(("parallel.cpu_offload", f"needs parallel.strategy=fsdp (it is {p.strategy})"))
@@ -153,11 +164,61 @@ class Plan:
             )
         if p.strategy == "none" and self.world_size > 1:
             found.append(("parallel.strategy", f"is 'none' but {self.world_size} processes run; use fsdp or ddp"))
+        if self.tp > 1:
+            found += self._tp_problems(model)
         return found
 
-    def check(self, where: str = "config") -> None:
+    def _tp_problems(self, model: ModelArgs | None) -> list[tuple[str, str]]:
+        """What tensor parallelism (tp > 1) cannot run with: the layout, the options it does not
+        compose with, and, given the resolved model keys, a family or shape it cannot split."""
+        p, tp, found = self.args, self.tp, []
+        if p.strategy != "fsdp":
+            found.append(("parallel.tp", f"is {tp} but needs parallel.strategy=fsdp (it is {p.strategy}); set tp=1"))
+        if self.world_size % tp:
+            found.append(("parallel.tp", f"{tp} does not divide the {self.world_size} processes; choose a divisor"))
+        if self.ranks_per_node and self.ranks_per_node % tp:
+            found.append(
+                (
+                    "parallel.tp",
+                    f"{tp} does not divide the {self.ranks_per_node} ranks of a node (a tensor-parallel group stays "
+                    "inside a node); choose a divisor",
+                )
+            )
+        for key, on in (
+            ("sharding", p.sharding == "hybrid"),
+            ("cpu_offload", p.cpu_offload),
+            ("float8", p.float8 != "none"),
+        ):
+            if on:
+                found.append(
+                    (f"parallel.{key}", f"does not compose with parallel.tp={tp} (not built); use one of them")
+                )
+        if model is None:
+            return found
+        from trainer.models import spec
+
+        if spec(model).tp_plan is None:
+            found.append(("parallel.tp", f"is {tp} but model {model.name!r} has no tensor-parallel plan; set tp=1"))
+            return found
+        for key, why in (
+            ("n_heads", "attention heads"),
+            ("n_kv_heads", "key/value heads"),
+            ("ffn_dim", "feed-forward units"),
+            ("seq_len", "positions (sequence parallelism)"),
+        ):
+            value = getattr(model, key, None)
+            if isinstance(value, int) and value % tp:
+                found.append(
+                    (f"model.{key}", f"{value} {why} do not split over parallel.tp={tp}; use a multiple of {tp}")
+                )
+        for key in ("tie_embeddings", "qk_norm"):
+            if getattr(model, key, False):
+                found.append((f"model.{key}", f"does not compose with parallel.tp={tp} (not built); use one of them"))
+        return found
+
+    def check(self, where: str = "config", model: ModelArgs | None = None) -> None:
         """Raise ConfigError with the first problem, one line: where, key, what to do."""
-        for key, message in self.problems():
+        for key, message in self.problems(model):
             raise ConfigError(f"{where}: {key}: {message}")
 
     def memory_factors(self) -> MemoryFactors:
@@ -207,6 +268,15 @@ class Plan:
             return model.no_sync()
         return contextlib.nullcontext()
 
+    def loss_parallel(self):
+        """Where the loss and its backward run: under tensor parallelism the head's logits stay sharded
+        over the vocabulary and cross-entropy is computed on them as they are (torch's loss_parallel)."""
+        if self.tp == 1:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+
     def scaler(self):
         """Loss scaling, needed for float16 compute only (None otherwise)."""
         import torch
@@ -226,6 +296,10 @@ class Plan:
         import torch
 
         args, device = self.args, self.device
+        if self.tp > 1:  # first, as torchtitan: checkpointing, compile and FSDP see the DTensor blocks
+            if family.tp_plan is None:
+                raise ConfigError(f"parallel.tp: is {self.tp} but this model has no tensor-parallel plan; set tp=1")
+            family.tp_plan(model, self.mesh["tp"])
         if args.float8 != "none":  # first, as torchtitan: compile, checkpointing and FSDP see the float8 layers
             from trainer import float8
 
@@ -252,7 +326,7 @@ class Plan:
 
         param_dtype = torch.float32 if has_batchnorm(model) else dtype(args.param_dtype)  # see autocast_dtype
         options = dict(
-            mesh=self.mesh,
+            mesh=self.dp_mesh,
             mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=dtype(args.reduce_dtype)),
             offload_policy=CPUOffloadPolicy(pin_memory=self._device_type == "cuda")
             if args.cpu_offload

@@ -66,10 +66,11 @@ def evaluate(
     for _ in range(cfg.eval.batches):
         x, y, _ = next(batches)
         x, y = x.to(env.device), y.to(env.device)
-        with plan.autocast(compute_dtype):
+        with plan.autocast(compute_dtype), plan.loss_parallel():  # under tp the logits stay vocabulary-sharded
             logits = model(x)
-        totals[0] += family.loss(logits, y).double() * y.numel()
-        totals[1] += (logits.argmax(-1) == y).sum()
+            totals[0] += _local(family.loss(logits, y)).double() * y.numel()
+        if family.kind == "classifier":
+            totals[1] += (logits.argmax(-1) == y).sum()
         totals[2] += y.numel()
     dist.all_reduce(totals)
     model.train()
@@ -285,12 +286,13 @@ def _train(run: Run, train_set, eval_set) -> None:
             if trace:
                 trace.write(f"{step} {' '.join(map(str, index.tolist()))}\n")
             x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
-            with plan.no_sync(model, i, accum), plan.autocast(compute_dtype):
-                loss = loss_fn(model(x), y) / accum
-            # sum: the sum over the micro-batch's samples (tokens), as the tutorial's reduction="sum"
-            grad_loss = loss * (y.numel() * accum) if cfg.train.loss_reduction == "sum" else loss
-            scaler.scale(grad_loss).backward() if scaler else grad_loss.backward()
-            loss_sum += loss.detach()
+            with plan.no_sync(model, i, accum), plan.loss_parallel():
+                with plan.autocast(compute_dtype):
+                    loss = loss_fn(model(x), y) / accum
+                # sum: the sum over the micro-batch's samples (tokens), as the tutorial's reduction="sum"
+                grad_loss = loss * (y.numel() * accum) if cfg.train.loss_reduction == "sum" else loss
+                scaler.scale(grad_loss).backward() if scaler else grad_loss.backward()
+            loss_sum += _local(loss.detach())  # under tp a replicated DTensor: each rank holds the whole
 
         # clip
         if scaler:
@@ -331,6 +333,7 @@ def _train(run: Run, train_set, eval_set) -> None:
             if diverged:
                 _raise_diverged(first_bad, ckpt)
             stopping = stops > 0
+            # the ranks of one tp group hold the same loss: the mean over all is the data-parallel mean
             values = {"loss": loss_total / env.world_size, "lr": lr, **data.epochs(train_set, samples)}
             if grad_norm is not None:
                 values["grad_norm"] = _full(grad_norm).item()
@@ -652,7 +655,8 @@ def _loss_fn(cfg: Config):
     """The training loss, compiled with the model: then the float32 copy of the logits is never
     stored (at 1B parameters, 32k tokens and a 32k vocabulary that is 4 GB less, and faster)."""
     loss = models.spec(cfg.model).loss
-    return torch.compile(loss) if cfg.parallel.compile else loss
+    # Under tp the loss runs on DTensor logits in loss_parallel: left to eager, as torchtitan does.
+    return torch.compile(loss) if cfg.parallel.compile and cfg.parallel.tp == 1 else loss
 
 
 def _open_trace(run_dir: str, rank: int):

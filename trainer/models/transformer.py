@@ -81,6 +81,13 @@ def _check_shape(m: ModelArgs, fail) -> None:
             )
 
 
+def tp_plan(model: Transformer, mesh) -> None:
+    """Its tensor-parallel plan (transformer_tp.py), imported with torch when a plan is applied."""
+    from trainer.models.transformer_tp import parallelize
+
+    parallelize(model, mesh)
+
+
 FAMILY = Family(
     build=build,
     blocks=lambda model: model.blocks(),
@@ -91,4 +98,5 @@ FAMILY = Family(
     init_weights=lambda model, seed: model.init_weights(seed),
     flops_per_token=lambda model: model.flops_per_token(),
     hf=transformer_hf.ADAPTER,
+    tp_plan=tp_plan,
 )

@@ -63,13 +63,14 @@ class Attention(nn.Module):
         self.qk_norm = s.qk_norm
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # -1 heads: under tensor parallelism (transformer_tp.py) this rank computes n_heads / tp of them.
         b, t, _ = x.shape
-        q = self.wq(x).view(b, t, self.n_heads, self.head_dim)
-        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim)
+        q = self.wq(x).view(b, t, -1, self.head_dim)
+        k = self.wk(x).view(b, t, -1, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # Grouped-query attention without copying k and v per query head (less memory; on an H200 the
         # attention alone ran 10% faster).
