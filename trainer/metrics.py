@@ -27,12 +27,14 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from trainer import files, layout
 from trainer.config import LogArgs
 from trainer.version import add_version
+
+if TYPE_CHECKING:  # torch is imported where a device is asked about: reading rows (api.metrics) needs none
+    import torch
 
 log = logging.getLogger("trainer")
 
@@ -84,6 +86,8 @@ PEAK_BF16_FLOPS = {
 def peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
+    import torch
+
     name = torch.cuda.get_device_name(device)
     for key, flops in PEAK_BF16_FLOPS.items():
         if key in name:
@@ -91,9 +95,11 @@ def peak_flops(device: torch.device) -> float | None:
     return None
 
 
-def peak_memory_gb(device: torch.device) -> float:
-    """Peak device memory on GPU; peak resident set size of this process on CPU."""
-    if device.type == "cuda":
+def peak_memory_gb(device: torch.device | None) -> float:
+    """Peak device memory on GPU; peak resident set size of this process on CPU (or device None)."""
+    if device is not None and device.type == "cuda":
+        import torch
+
         return torch.cuda.max_memory_allocated(device) / 1e9
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
 
@@ -118,7 +124,7 @@ class Speed:
     flops_per_token: float | None = None  # the model's training FLOPs per token; None: no MFU
     peak_flops: float | None = None  # one device's peak (metrics.peak_flops); None: no MFU
     world_size: int = 1
-    device: torch.device = torch.device("cpu")  # whose peak memory the rows report
+    device: torch.device | None = None  # whose peak memory the rows report; None: this process's (CPU)
 
 
 class Reporter:
