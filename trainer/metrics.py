@@ -5,7 +5,8 @@ rows `event`: "resume" (this start continues from a checkpoint: its `step`, `wor
 `checkpoint`, and `start`: the moments of this start, below) and "restart" (the launcher restarted the
 ranks after one failed: trainer/launch.py; its `time` is when the launcher saw the failure) and
 "epoch" (a pass over the training data begins: `epoch`, counted from 0, at `step`, the step that
-reads its first sample; with data.sources, `source` names whose pass it is). Training rows over
+reads its first sample; with data.sources, `data_source` names whose pass it is: `source` is
+trainer.evaluate's, the tool that wrote an evaluation row). Training rows over
 data that ends (a token file, images) carry `epoch`, the passes made so far (`epoch/<source>` each
 for data.sources), as the live line shows them.
 A start keeps each step's row once: rows of steps after the one it starts from, logged by an
@@ -269,7 +270,7 @@ class Reporter:
         if not self.is_main:
             return
         for source, epoch in starts:
-            row = {"event": "epoch", **({"source": source} if source else {}), "epoch": epoch, "step": step}
+            row = {"event": "epoch", **({"data_source": source} if source else {}), "epoch": epoch, "step": step}
             with files.open_append(self.path) as f:
                 f.write(_line(timed(row)))
             whose = f"source {source}" if source else "the training data"
