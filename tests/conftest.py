@@ -428,3 +428,25 @@ def wait_job(job_id: str, timeout: float = 240, release: bool = True) -> dict[st
 
 def log_text(run_dir: Path, job_id: str) -> str:
     return (run_dir / "slurm" / f"{job_id}.out").read_text()
+
+
+def small_parts(seed: int, mesh=None):
+    """A small model (fully_shard'ed over the DeviceMesh `mesh`, when given), its AdamW and a constant
+    scheduler, seeded by `seed`: the stateful parts the checkpoint tests save and load."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    if mesh is not None:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    return model, optimizer, scheduler
+
+
+def small_step(model, optimizer, scheduler) -> None:
+    """One training step of small_parts' parts on a random batch."""
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    scheduler.step()

@@ -101,9 +101,15 @@ def test_launch_raises_the_launchers_line(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_import_is_cheap():
-    proc = python("-c", "import sys, trainer.api; print('torch' in sys.modules)")
-    assert proc.stdout.strip() == "False", proc.stderr
+def test_import_is_cheap(tmp_path):
+    """Importing the api and reading a run's rows (api.metrics: JSONL) import no torch."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.5, "time": 1.0}\n')
+    script = (
+        "import sys\nfrom trainer import api\nprint('torch' in sys.modules)\n"
+        f"print(api.metrics({str(tmp_path)!r})[0]['loss'], 'torch' in sys.modules)\n"
+    )
+    proc = python("-c", script)
+    assert proc.stdout == "False\n2.5 False\n", proc.stderr
 
 
 def test_train_refuses_a_process_group_it_did_not_start(tmp_path):

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
 
+from conftest import small_parts, small_step
 from trainer import checkpoint
 from trainer.dist import exit_process
 
@@ -31,24 +31,6 @@ def group():
     dist.destroy_process_group()
 
 
-def _model(seed: int, mesh: DeviceMesh | None = None):
-    """A small model (fully_shard'ed over `mesh`, when given), its optimizer and scheduler."""
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
-    if mesh is not None:
-        fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    return model, optimizer, scheduler
-
-
-def _step(model, optimizer, scheduler) -> None:
-    model(torch.randn(3, 4)).sum().backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    scheduler.step()
-
-
 @pytest.mark.parametrize("how", ["blocking", "thread", "process"])
 def test_a_cached_plan_saves_what_a_fresh_one_does(tmp_path, group, caplog, monkeypatch, how):
     """Three saves of a changing model through one Checkpointer, blocking, async in a thread, and
@@ -59,7 +41,7 @@ def test_a_cached_plan_saves_what_a_fresh_one_does(tmp_path, group, caplog, monk
     if how == "thread":  # what a Checkpointer does when DCP's save process is another layout's
         monkeypatch.setattr(checkpoint, "_SAVER_PROCESS_FOR", (-1, -1))
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # where the save process's process group meets
-    model, optimizer, scheduler = _model(0)
+    model, optimizer, scheduler = small_parts(0)
     args = checkpoint.CheckpointArgs(keep=0, async_save=how != "blocking")
     ckpt = checkpoint.Checkpointer(args, str(tmp_path), 0, 1, group, model, optimizer, {"scheduler": scheduler})
     in_process = "async_checkpointer_type" in (ckpt.stager or {})
@@ -69,7 +51,7 @@ def test_a_cached_plan_saves_what_a_fresh_one_does(tmp_path, group, caplog, monk
     caplog.set_level(logging.INFO, DCP_PLANNER)
     saved, reused = {}, []
     for step in (1, 2, 3):
-        _step(model, optimizer, scheduler)
+        small_step(model, optimizer, scheduler)
         caplog.clear()
         ckpt.save(step, {"samples": step * 3})
         ckpt.wait()
@@ -82,7 +64,7 @@ def test_a_cached_plan_saves_what_a_fresh_one_does(tmp_path, group, caplog, monk
     for step in (1, 2, 3):
         path = checkpoint.step_path(str(tmp_path), step)
         assert checkpoint.unusable(path) is None
-        model, optimizer, scheduler = _model(1)
+        model, optimizer, scheduler = small_parts(1)
         reader = checkpoint.Checkpointer(
             checkpoint.CheckpointArgs(keep=0, resume_from=path),
             str(tmp_path / f"load{step}"),
@@ -108,7 +90,7 @@ def _layouts(rank: int, world: int, root: str, out: str) -> None:
         held = {}
         for name, ranks, grp in (("pair", 2, pair), ("all", world, dist.group.WORLD)):
             if rank < ranks:
-                model, optimizer, scheduler = _model(0, DeviceMesh.from_group(grp, "cpu"))
+                model, optimizer, scheduler = small_parts(0, DeviceMesh.from_group(grp, "cpu"))
                 ckpt = checkpoint.Checkpointer(
                     checkpoint.CheckpointArgs(keep=0),
                     os.path.join(root, name),
@@ -120,13 +102,13 @@ def _layouts(rank: int, world: int, root: str, out: str) -> None:
                     {"scheduler": scheduler},
                 )
                 for step in (1, 2):
-                    _step(model, optimizer, scheduler)
+                    small_step(model, optimizer, scheduler)
                     ckpt.save(step, {"samples": step * 3}, blocking=True)
                 held[f"{name}_saved"] = {k: v.full_tensor() for k, v in model.state_dict().items()}
                 ckpt.close()
             dist.barrier()
         for name in ("pair", "all"):
-            model, optimizer, scheduler = _model(1, DeviceMesh.from_group(dist.group.WORLD, "cpu"))
+            model, optimizer, scheduler = small_parts(1, DeviceMesh.from_group(dist.group.WORLD, "cpu"))
             path = checkpoint.step_path(os.path.join(root, name), 2)
             ckpt = checkpoint.Checkpointer(
                 checkpoint.CheckpointArgs(keep=0, resume_from=path),
@@ -160,4 +142,4 @@ def test_a_cached_plan_is_never_used_for_another_layout(tmp_path):
         assert held[f"{name}_saved"].keys() == held[f"{name}_loaded"].keys()
         for key, value in held[f"{name}_saved"].items():
             assert torch.equal(held[f"{name}_loaded"][key], value), (name, key)
-    assert not torch.equal(held["pair_saved"]["0.weight"], _model(1)[0].state_dict()["0.weight"])
+    assert not torch.equal(held["pair_saved"]["0.weight"], small_parts(1)[0].state_dict()["0.weight"])

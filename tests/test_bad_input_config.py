@@ -26,46 +26,46 @@ from trainer import check
 # The config file itself
 
 
-def test_empty_config_file(capsys, tmp_path):
+LATIN1 = "train:\n  steps: 3  # caf\xe9\n".encode("latin-1")
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        pytest.param(
+            "# only a comment\n\n",
+            " the file is empty (no settings, only blanks or comments); write settings into it "
+            "(configs/default.yaml is an example)",
+            id="empty",
+        ),
+        pytest.param(
+            "train:\n  steps: 3\n  seed: 1\n  steps: 4\n",
+            "4: steps: given twice (lines 2 and 4); keep one of them",
+            id="duplicate_key_names_the_key_and_both_lines",
+        ),
+        pytest.param(
+            "train:\n  steps: 3\noptim:\n  lr: 0.1\ntrain:\n  seed: 2\n",
+            "5: train: given twice (lines 1 and 5); keep one of them",
+            id="duplicate_section",
+        ),
+        pytest.param(LATIN1, "2: not UTF-8 text (byte 0xe9 at offset 24); save the file as UTF-8", id="not_utf8"),
+        pytest.param(  # a number out of its range is blamed on the file (on the override: below)
+            "optim:\n  name: sgd\n  momentum: 1.0\n",
+            " optim.momentum: is 1.0; it must be in [0, 1), e.g. 0.9",
+            id="numbers_from_the_file_are_blamed_on_the_file",
+        ),
+    ],
+)
+def test_a_config_file_is_refused_in_one_line_that_names_it(capsys, tmp_path, content, message):
     path = tmp_path / "c.yaml"
-    path.write_text("# only a comment\n\n")
-    assert refused(capsys, tmp_path / "run", config=str(path)) == (
-        f"error: {path}: the file is empty (no settings, only blanks or comments); write settings into it "
-        f"(configs/default.yaml is an example)"
-    )
-
-
-def test_duplicate_key_names_the_key_and_both_lines(capsys, tmp_path):
-    path = tmp_path / "c.yaml"
-    path.write_text("train:\n  steps: 3\n  seed: 1\n  steps: 4\n")
-    assert refused(capsys, tmp_path / "run", config=str(path)) == (
-        f"error: {path}:4: steps: given twice (lines 2 and 4); keep one of them"
-    )
-
-
-def test_duplicate_section(capsys, tmp_path):
-    path = tmp_path / "c.yaml"
-    path.write_text("train:\n  steps: 3\noptim:\n  lr: 0.1\ntrain:\n  seed: 2\n")
-    assert refused(capsys, tmp_path / "run", config=str(path)) == (
-        f"error: {path}:5: train: given twice (lines 1 and 5); keep one of them"
-    )
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    assert refused(capsys, tmp_path / "run", config=str(path)) == f"error: {path}:{message}"
 
 
 def test_yaml_merge_keys_still_work(capsys, tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("train: &t\n  steps: 3\neval:\n  interval: 0\n")
     accepted(capsys, tmp_path / "run", config=str(path))
-
-
-LATIN1 = "train:\n  steps: 3  # caf\xe9\n".encode("latin-1")
-
-
-def test_config_not_utf8(capsys, tmp_path):
-    path = tmp_path / "c.yaml"
-    path.write_bytes(LATIN1)
-    assert refused(capsys, tmp_path / "run", config=str(path)) == (
-        f"error: {path}:2: not UTF-8 text (byte 0xe9 at offset 24); save the file as UTF-8"
-    )
 
 
 @pytest.mark.slow  # an interpreter of the trainer
@@ -127,14 +127,6 @@ def test_overrides_before_config_are_accepted(capsys, tmp_path):
 )
 def test_numbers_out_of_range_are_blamed_on_the_override(capsys, tmp_path, override, message):
     assert refused(capsys, tmp_path / "run", override) == f"error: override {override!r}: {message}"
-
-
-def test_numbers_from_the_file_are_blamed_on_the_file(capsys, tmp_path):
-    path = tmp_path / "c.yaml"
-    path.write_text("optim:\n  name: sgd\n  momentum: 1.0\n")
-    assert refused(capsys, tmp_path / "run", config=str(path)) == (
-        f"error: {path}: optim.momentum: is 1.0; it must be in [0, 1), e.g. 0.9"
-    )
 
 
 def test_the_edges_of_the_ranges_are_accepted(capsys, tmp_path):

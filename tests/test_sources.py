@@ -130,6 +130,19 @@ def test_a_single_dataset_counts_its_epochs_and_generated_data_none():
     assert epochs(Numbered(0, 2**62), 10**6) == {}
 
 
+def test_an_epoch_row_names_its_source_as_data_source(tmp_path):
+    """`source` is trainer.evaluate's key (who wrote an evaluation row); an epoch row names the
+    mixture's source as `data_source`, and a single dataset's none."""
+    from trainer.config import LogArgs
+
+    reporter = metrics.Reporter(str(tmp_path), LogArgs(), 10, is_main=True)
+    reporter.epochs(4, [("code", 1), ("", 2)])
+    assert [{k: v for k, v in r.items() if k != "time"} for r in all_rows(tmp_path)] == [
+        {"event": "epoch", "data_source": "code", "epoch": 1, "step": 4},
+        {"event": "epoch", "epoch": 2, "step": 4},
+    ]
+
+
 def test_the_live_line_shows_the_epoch():
     row = {"step": 3, "loss": 2.0, "samples_per_s": 10.0}
     assert "loss 2.0000  epoch 1.25  10.0 samples/s" in metrics.progress_line({**row, "epoch": 1.25}, 9, 1.0)
@@ -321,7 +334,7 @@ def all_rows(run_dir) -> list[dict]:
 
 
 def epoch_rows(run_dir) -> list[tuple]:
-    return [(r["source"], r["epoch"], r["step"]) for r in all_rows(run_dir) if r.get("event") == "epoch"]
+    return [(r["data_source"], r["epoch"], r["step"]) for r in all_rows(run_dir) if r.get("event") == "epoch"]
 
 
 def trace(run_dir) -> dict[int, list[int]]:
@@ -410,7 +423,7 @@ def test_a_single_token_file_counts_its_epochs_in_rows_and_the_live_line(tmp_pat
     run_dir = tmp_path / "run"
     out = train(run_dir, 1, *TINY, *MIX, f"data.path={files['code']}", "train.steps=6").stdout
     # 20 windows, 12 samples a step: passes begin at samples 20, 40, 60 (steps 2, 4, 6)
-    assert [(r.get("source"), r["epoch"], r["step"]) for r in all_rows(run_dir) if r.get("event") == "epoch"] == [
+    assert [(r.get("data_source"), r["epoch"], r["step"]) for r in all_rows(run_dir) if r.get("event") == "epoch"] == [
         (None, 1, 2),
         (None, 2, 4),
         (None, 3, 6),

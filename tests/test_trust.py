@@ -21,7 +21,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension, ZStandard
 from torch.distributed.checkpoint.api import CheckpointException
 
-from conftest import TINY, load_metadata, losses, rerecord, train
+from conftest import TINY, load_metadata, losses, rerecord, small_parts, small_step, train
 from trainer import checkpoint
 from trainer.shard_reader import ShardReader
 
@@ -90,24 +90,9 @@ def group():
     dist.destroy_process_group()
 
 
-def _parts(seed: int):
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    return model, optimizer, scheduler
-
-
-def _step(model, optimizer, scheduler) -> None:
-    model(torch.randn(3, 4)).sum().backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    scheduler.step()
-
-
 def saved_run(run_dir, group, steps=(1, 2), **args) -> dict[int, dict[str, torch.Tensor]]:
     """Checkpoints of `steps` in `run_dir`, saved by the trainer's Checkpointer; the model's weights by step."""
-    model, optimizer, scheduler = _parts(0)
+    model, optimizer, scheduler = small_parts(0)
     ckpt = checkpoint.Checkpointer(
         checkpoint.CheckpointArgs(keep=0, **args),
         str(run_dir),
@@ -120,7 +105,7 @@ def saved_run(run_dir, group, steps=(1, 2), **args) -> dict[int, dict[str, torch
     )
     weights = {}
     for step in range(1, max(steps) + 1):
-        _step(model, optimizer, scheduler)
+        small_step(model, optimizer, scheduler)
         if step in steps:
             ckpt.save(step, {"samples": step * 3}, blocking=True)
             weights[step] = {k: v.clone() for k, v in model.state_dict().items()}
@@ -129,7 +114,7 @@ def saved_run(run_dir, group, steps=(1, 2), **args) -> dict[int, dict[str, torch
 
 def resumed(run_dir, group, **args) -> tuple[dict | None, dict]:
     """What a restart in `run_dir` loads: its meta and the model's weights."""
-    model, optimizer, scheduler = _parts(1)
+    model, optimizer, scheduler = small_parts(1)
     ckpt = checkpoint.Checkpointer(
         checkpoint.CheckpointArgs(keep=0, **args),
         str(run_dir),
@@ -284,7 +269,7 @@ def test_symbolic_links_in_checkpoints_are_never_followed(tmp_path, group, caplo
     for name in (".tmp_step_00000001", ".trash_step_00000009_0"):
         (ckpts / name).symlink_to(outside, target_is_directory=True)
     (ckpts / "step_00000005").symlink_to(checkpoint.step_path(other, 5), target_is_directory=True)
-    model, optimizer, scheduler = _parts(0)
+    model, optimizer, scheduler = small_parts(0)
     ckpt = checkpoint.Checkpointer(
         checkpoint.CheckpointArgs(keep=1), str(run), 0, 1, group, model, optimizer, parts={"scheduler": scheduler}
     )
@@ -311,7 +296,7 @@ def test_what_could_not_be_removed_is_said(tmp_path, group, caplog, monkeypatch)
 
     monkeypatch.setattr(os, "rmdir", refuse)
     caplog.set_level(logging.INFO, "trainer")
-    checkpoint.Checkpointer(checkpoint.CheckpointArgs(), str(tmp_path), 0, 1, group, *_parts(0)[:2])
+    checkpoint.Checkpointer(checkpoint.CheckpointArgs(), str(tmp_path), 0, 1, group, *small_parts(0)[:2])
     assert f"could not remove {ckpts / '.trash_step_00000001_0'}" in said(caplog) and "Permission denied" in said(
         caplog
     )

@@ -215,19 +215,23 @@ def test_a_family_of_ones_own_trains_with_fsdp_checkpointing_and_compile_and_exp
     assert trained.keys() == start.keys()
     assert all(not torch.equal(trained[k], start[k]) for k in start)
 
-    # without the package on the Python path: one line, as for the trainer
-    proc = subprocess.run(
-        [PYTHON, "-m", "trainer.export", str(run_dir), "--out", str(tmp_path / "none.pt")],
-        cwd=ROOT,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 2 and proc.stderr.splitlines() == [
-        f"error: model.family: no module '{FAMILY}' on the Python path; put its package's folder on PYTHONPATH "
-        f"(or pip install it)"
-    ]
+    # without the package on the Python path: one line, exit 2, as for the trainer; so for the tools
+    # that read a checkpoint
+    for args in (
+        ["trainer.export", run_dir, "--out", tmp_path / "none.pt"],
+        ["trainer.evaluate", run_dir],
+        ["trainer.generate", run_dir, "--prompt", "1", "--max-new-tokens", "1"],
+    ):
+        proc = subprocess.run(
+            [PYTHON, "-m", *map(str, args)], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300
+        )
+        assert (proc.returncode, proc.stderr.splitlines()) == (
+            2,
+            [
+                f"error: model.family: no module '{FAMILY}' on the Python path; put its package's folder on "
+                f"PYTHONPATH (or pip install it)"
+            ],
+        ), args[0]
 
     # a checkpoint's meta.json that others could have written names no module that is imported
     from trainer import checkpoint

@@ -210,9 +210,11 @@ def exit_process(code: int) -> NoReturn:
     the collective has returned, and for a tensor Python also knows that takes the GIL. A thread that
     asks for the GIL once the interpreter is finalizing is ended by Python in a way C++ cannot unwind
     ("terminate called without an active exception", SIGABRT), and a rank that finished is reported
-    as failed (torch 2.15, ProcessGroupGloo's runLoop; one exit in two of a short 2-rank script on a
-    2-core machine). destroy_process_group does not stop those threads: the model's device mesh
-    still holds the group. So the process group goes, Python's buffers are flushed, and the process
+    as failed (ProcessGroupGloo's runLoop). Found with torch 2.15.0+cu132, this project's venv then
+    (bench/results/2026-11-24-vm.md names it): one exit in two of a short 2-rank script on a 2-core
+    machine; seen again with 2.14.1 (commit 9d7d5ec: fully_shard alone, one run in eight).
+    destroy_process_group does not stop those threads: the model's device mesh still holds the
+    group. So the process group goes, Python's buffers are flushed, and the process
     ends here."""
     shutdown()
     logging.shutdown()

@@ -76,13 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     try:  # everything that can be wrong, before a process group exists
         state, path = consolidate(args.run_dir, args.step)
         cfg = config(args.run_dir, path, args.overrides)
+        models.family_of(cfg.model)  # model.family's module imports (FamilyError otherwise)
         eval_set = data.build(cfg.data, cfg.model, cfg.train.seed, train=False)
         if cfg.train.global_batch_size % env.world_size:
             raise ConfigError(
                 f"train.global_batch_size={cfg.train.global_batch_size} does not divide over "
                 f"{env.world_size} processes; evaluate on a number of processes that divides it"
             )
-    except (ConfigError, checkpoint.CheckpointError, data.DataError) as e:
+    except (ConfigError, checkpoint.CheckpointError, data.DataError, models.FamilyError) as e:
         if env.is_main:
             print(f"error: {e}", file=sys.stderr)
         return 2

@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             prompt = parse_ids(args.prompt, vocab_size)
         if not prompt:
             raise ConfigError("--prompt is empty; give at least one token")
-    except (ConfigError, checkpoint.CheckpointError) as e:
+    except (ConfigError, checkpoint.CheckpointError, models.FamilyError) as e:  # FamilyError: model.family's module
         print(f"error: {e}", file=sys.stderr)
         return 2
     temperature = 0.0 if args.greedy else args.temperature

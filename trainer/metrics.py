@@ -5,7 +5,8 @@ rows `event`: "resume" (this start continues from a checkpoint: its `step`, `wor
 `checkpoint`, and `start`: the moments of this start, below) and "restart" (the launcher restarted the
 ranks after one failed: trainer/launch.py; its `time` is when the launcher saw the failure) and
 "epoch" (a pass over the training data begins: `epoch`, counted from 0, at `step`, the step that
-reads its first sample; with data.sources, `source` names whose pass it is). Training rows over
+reads its first sample; with data.sources, `data_source` names whose pass it is: `source` is
+trainer.evaluate's, the tool that wrote an evaluation row). Training rows over
 data that ends (a token file, images) carry `epoch`, the passes made so far (`epoch/<source>` each
 for data.sources), as the live line shows them. "early_stop" (the run stopped early at `step`:
 `best_eval_loss` at `best_step`, `patience`; trainer/early_stop.py) has no `eval_loss` of its own.
@@ -28,12 +29,14 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from trainer import files, layout
 from trainer.config import LogArgs
 from trainer.version import add_version
+
+if TYPE_CHECKING:  # torch is imported where a device is asked about: reading rows (api.metrics) needs none
+    import torch
 
 log = logging.getLogger("trainer")
 
@@ -85,6 +88,8 @@ PEAK_BF16_FLOPS = {
 def peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
+    import torch
+
     name = torch.cuda.get_device_name(device)
     for key, flops in PEAK_BF16_FLOPS.items():
         if key in name:
@@ -92,9 +97,11 @@ def peak_flops(device: torch.device) -> float | None:
     return None
 
 
-def peak_memory_gb(device: torch.device) -> float:
-    """Peak device memory on GPU; peak resident set size of this process on CPU."""
-    if device.type == "cuda":
+def peak_memory_gb(device: torch.device | None) -> float:
+    """Peak device memory on GPU; peak resident set size of this process on CPU (or device None)."""
+    if device is not None and device.type == "cuda":
+        import torch
+
         return torch.cuda.max_memory_allocated(device) / 1e9
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
 
@@ -119,7 +126,7 @@ class Speed:
     flops_per_token: float | None = None  # the model's training FLOPs per token; None: no MFU
     peak_flops: float | None = None  # one device's peak (metrics.peak_flops); None: no MFU
     world_size: int = 1
-    device: torch.device = torch.device("cpu")  # whose peak memory the rows report
+    device: torch.device | None = None  # whose peak memory the rows report; None: this process's (CPU)
 
 
 class Reporter:
@@ -264,7 +271,7 @@ class Reporter:
         if not self.is_main:
             return
         for source, epoch in starts:
-            row = {"event": "epoch", **({"source": source} if source else {}), "epoch": epoch, "step": step}
+            row = {"event": "epoch", **({"data_source": source} if source else {}), "epoch": epoch, "step": step}
             with files.open_append(self.path) as f:
                 f.write(_line(timed(row)))
             whose = f"source {source}" if source else "the training data"
