@@ -1,6 +1,7 @@
 """Checkpoints that cannot be lost or silently wrong: each test reproduces a defect seen in use
 (issue 14), with real processes on CPU (gloo)."""
 
+import contextlib
 import json
 import os
 import re
@@ -271,16 +272,21 @@ def test_a_full_disk_is_one_line_and_keeps_what_was_saved(tmp_path):
 
 
 SOAK = [*TINY, "train.steps=150", "checkpoint.interval=1", "checkpoint.keep=2", "log.interval=1"]
-SOAK_KILLS = int(os.environ.get("SOAK_KILLS", "20"))
+SOAK_KILLS = int(os.environ.get("SOAK_KILLS", "12"))
 
 
 def _kill_job(job) -> None:
-    """kill -9 of the whole job: torchrun and its ranks (each in a session of its own)."""
-    for pid in [*_children(job.pid), job.pid]:
-        try:
+    """kill -9 of the whole job, as Slurm's cgroup or a lost node does it: torchrun, its ranks (each
+    in a session of its own) and what the ranks started (an async save's process, which kept the
+    job's output open for as long as its collectives waited on ranks that were gone)."""
+    ranks = _children(job.pid)
+    for pid in ranks:
+        with contextlib.suppress(ProcessLookupError):
+            if os.getpgid(pid) == pid:  # the rank leads its session: everything it started is in it
+                os.killpg(pid, signal.SIGKILL)
+    for pid in [*ranks, job.pid]:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     job.communicate(timeout=60)
 
 
