@@ -52,7 +52,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.planner import SavePlanner
+from torch.distributed.checkpoint.planner import SavePlanner  # noqa: F401 - tests/test_async_save.py reads its caches here
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -61,7 +61,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from trainer import __version__, checksums, files, layout, load_plan
+from trainer import __version__, checksums, files, layout, load_plan, torch_compat
 from trainer.checksums import ChecksumWriter
 from trainer.config import CheckpointArgs
 from trainer.layout import read_meta, step_path
@@ -150,13 +150,7 @@ class AutoInterval:
 
 # DCP's save-plan caching (torch 2.6+; 2.11 and 2.14 have it), and the class-level caches it fills.
 _PLAN_CACHING = "enable_plan_caching" in inspect.signature(DefaultSavePlanner.__init__).parameters
-_PLAN_CACHES = (
-    "_cached_save_plan",
-    "_cached_all_plans",
-    "_cached_global_plan",
-    "_cached_metadata",
-    "_cached_final_save_plan",
-)
+_PLAN_CACHES = torch_compat.PLAN_CACHES  # DCP's class-level plan caches (tests/test_async_save.py)
 
 
 class CheckpointError(Exception):
@@ -952,7 +946,7 @@ class Checkpointer:
             if self.stager and not _stager_reusable():  # a fresh one per save where it cannot be reused
                 used = self.stager["async_stager"]
                 used.close()
-                self.stager["async_stager"] = type(used)(used._config)
+                self.stager["async_stager"] = torch_compat.fresh_stager(used)
             response = dcp.async_save(
                 state,
                 storage_writer=ChecksumWriter(tmp),
@@ -978,7 +972,7 @@ class Checkpointer:
         if not _PLAN_CACHING:
             return DefaultSavePlanner()
         planner = DefaultSavePlanner(enable_plan_caching=True)
-        planner._cached_plans_key = self.plan_key
+        torch_compat.cache_plans_under(planner, self.plan_key)
         return planner
 
     def wait_staged(self) -> None:
@@ -1007,8 +1001,7 @@ class Checkpointer:
         self.wait()
         if self.stager:
             self.stager["async_stager"].close()
-        for cache in _PLAN_CACHES:
-            getattr(SavePlanner, cache, {}).pop(self.plan_key, None)
+        torch_compat.drop_cached_plans(self.plan_key)
 
     def _commit(self, step: int, tmp: str, meta: dict) -> None:
         # DCP's save returns on a rank only after the coordinator wrote .metadata, which it does only
