@@ -180,3 +180,22 @@ def test_a_size_mismatch_is_dcps_error():
     set_up(planner, {"w": Local((4, 5), grid((4, 5), {}, random.Random(0), False))}, metadata)
     with pytest.raises(ValueError, match=r"Size mismatch between saved torch.Size\(\[4, 4\]\) and current"):
         planner.create_local_plan()
+
+
+def test_chunks_that_dcp_did_not_write_are_left_to_dcps_own_plan():
+    """Rank 0 indexes what it read before sending it: a tensor whose chunks disagree on their number
+    of dimensions, or hold no numbers, gets no index (no exception on rank 0 alone, where the other
+    ranks would wait for the broadcast); DCP's own code plans it."""
+    bad_dims = [
+        ChunkStorageMetadata(torch.Size((0, 0)), torch.Size((2, 4))),
+        ChunkStorageMetadata(torch.Size((2,)), torch.Size((2,))),
+    ]
+    no_numbers = [ChunkStorageMetadata(torch.Size((0,)), ("two",))]
+    props = TensorProperties(dtype=torch.float32)
+    metadata = Metadata(
+        state_dict_metadata={
+            "a": TensorStorageMetadata(props, torch.Size((4, 4)), bad_dims),
+            "b": TensorStorageMetadata(props, torch.Size((2,)), no_numbers),
+        }
+    )
+    assert load_plan.index(metadata) == {}

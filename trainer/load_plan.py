@@ -41,7 +41,16 @@ class Chunks:
 
 def index_tensor(md: TensorStorageMetadata) -> Chunks | None:
     """The index of one tensor's saved chunks; None where there is nothing to search (no chunk, a
-    0-d tensor) or the chunks disagree on their number of dimensions (DCP's own path takes it)."""
+    0-d tensor) or the chunks are not what DCP writes (another number of dimensions, offsets that
+    are no numbers): DCP's own path takes those, and says what is wrong where it cannot load them.
+    Never raises: rank 0 makes it between reading the metadata and sending it to every rank."""
+    try:
+        return _index_tensor(md)
+    except (TypeError, ValueError, AttributeError):
+        return None
+
+
+def _index_tensor(md: TensorStorageMetadata) -> Chunks | None:
     chunks, ndim = md.chunks, len(md.size)
     if not chunks or ndim == 0:
         return None
