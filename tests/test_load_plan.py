@@ -199,3 +199,17 @@ def test_chunks_that_dcp_did_not_write_are_left_to_dcps_own_plan():
         }
     )
     assert load_plan.index(metadata) == {}
+
+
+def test_a_rank_given_rank_0s_index_does_not_index_again(monkeypatch):
+    """The trainer's ranks plan with the index rank 0 sent (checkpoint.py `choose`): no pass over
+    the saved chunks of their own; without one the planner makes it."""
+    rng = random.Random(2)
+    metadata, states = random_case(rng)
+    chunk_index = load_plan.index(metadata)
+    made = []
+    index_tensor = load_plan.index_tensor
+    monkeypatch.setattr(load_plan, "index_tensor", lambda md: made.append(md) or index_tensor(md))
+    theirs, ours = plans(metadata, states[0], chunk_index)
+    assert ours == theirs and made == []
+    assert plans(metadata, states[0], None)[1] == theirs and made
