@@ -56,7 +56,7 @@ def _index_tensor(md: TensorStorageMetadata) -> Chunks | None:
         return None
     offsets = list(map(attrgetter("offsets"), chunks))
     sizes = list(map(attrgetter("sizes"), chunks))
-    if any(len(o) != ndim for o in offsets) or any(len(s) != ndim for s in sizes):
+    if set(map(len, offsets)) | set(map(len, sizes)) != {ndim}:
         return None
     starts = [list(map(itemgetter(d), offsets)) for d in range(ndim)]
     lengths = [list(map(itemgetter(d), sizes)) for d in range(ndim)]
