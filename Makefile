@@ -96,6 +96,7 @@ COMPAT_TESTS := \
 	tests/test_parallel.py::test_compile_matches \
 	'tests/test_checkpoint.py::test_resume_on_other_process_counts[2-3]' \
 	tests/test_shard_reader.py \
+	tests/test_load_plan.py \
 	tests/test_torch_compat.py \
 	tests/test_launch.py::test_a_failing_rank_is_one_launcher_line_and_exit_1 \
 	tests/test_launch.py::test_signal_to_the_launcher_alone_saves_exits_0_and_resumes \

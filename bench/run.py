@@ -849,15 +849,17 @@ def scale_tables(r: dict) -> list[str]:
         f"per rank, x {r['slice_to_whole']:.2f} for the whole state (bench/scale.py). Seconds unless said:",
         "",
         "| ranks | gather plans | global plan | scatter | finish | rank 0 peak GB | .metadata MB | plans MB to rank 0 "
-        "| unpickle .metadata | restricted unpickle | load local plan | manifest.json MB | read manifest |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| unpickle .metadata | restricted unpickle | rank 0 indexes its chunks | load local plan | DCP's load plan "
+        "| manifest.json MB | read manifest |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for n, p in sorted(r.get("planning", {}).items(), key=lambda kv: int(kv[0])):
         lines.append(
             f"| {n} | {cell(p['gather_s'])} | {cell(p['global_plan_s'])} | {cell(p['scatter_s'])} | "
             f"{cell(p['finish_s'])} | {cell(p['coordinator_peak_bytes'], 1e9)} | {cell(p['metadata_bytes'], 1e6)} | "
             f"{cell(p['plans_bytes'], 1e6)} | {cell(p['metadata_unpickle_s'])} | "
-            f"{cell(p['metadata_restricted_unpickle_s'])} | {cell(p['load_local_plan_s'])} | "
+            f"{cell(p['metadata_restricted_unpickle_s'])} | {cell(p['load_index_s'])} | "
+            f"{cell(p['load_local_plan_s'])} | {cell(p['dcp_load_local_plan_s'])} | "
             f"{cell(p['manifest_bytes'], 1e6)} | {cell(p['manifest_read_s'])} |"
         )
     for n, w in r.get("whole", {}).items():

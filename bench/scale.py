@@ -22,7 +22,10 @@ finish is a save's own (the write results differ from save to save) and is not r
 And at a load: rank 0 unpickles .metadata with trainer.shard_reader.load_metadata (the restricted
 unpickler; pickle.loads beside it) and pickles it for the broadcast to every rank, each of which
 unpickles that (pickle.loads: the trainer reads the file once per load, not once per rank); then
-DefaultLoadPlanner.create_local_plan for one rank (the middle one) of the same N against it. Also
+one rank's (the middle one's) local load plan of the same N against it: rank 0 indexes the
+metadata's chunks once (trainer/load_plan.py `index`, sent with the metadata) and the rank plans
+with trainer/load_plan.Planner (`load_local_plan_s`), DCP's DefaultLoadPlanner beside it
+(`dcp_load_local_plan_s`; the two plans asserted equal). Also
 the size of our manifest.json for N ranks (3 files each: the shard file, its .xxh3 record,
 rng/rank_R.pt) and the seconds to read and check its digest.
 
@@ -214,7 +217,7 @@ def plan_round(world: int, whole: bool) -> dict:
     from torch.distributed.checkpoint.planner import SavePlan
     from torch.distributed.checkpoint.planner_helpers import _compare_save_plans
 
-    from trainer import checksums, shard_reader
+    from trainer import checksums, load_plan, shard_reader
 
     items = state_items(llama_shapes(), whole)
     mappings = mappings_of(items)
@@ -288,17 +291,25 @@ def plan_round(world: int, whole: bool) -> dict:
     r["metadata_broadcast_bytes"] = len(pickle.dumps(loaded))  # rank 0 pickles it once for the broadcast
     r["metadata_broadcast_pickle_s"] = time.perf_counter() - t
     del data
-    planner = DefaultLoadPlanner()
-    planner.set_up_planner({}, loaded, is_coordinator=False)
-    # What set_up_planner does with a state dict, less _init_state_dict, which materialises meta
-    # tensors (there are none) and would take the stand-ins for something else.
-    planner.original_state_dict = state = load_state(items, world, world // 2)
-    planner.state_dict, planner.mappings = flatten_state_dict(state)
     t = time.perf_counter()
-    load_plan = planner.create_local_plan()
-    r["load_local_plan_s"] = time.perf_counter() - t
-    r["load_plan_bytes"] = len(pickle.dumps(load_plan))
-    r["load_read_items"] = len(load_plan.items)
+    chunk_index = load_plan.index(loaded)  # rank 0, once per load: sent with the metadata
+    r["load_index_s"] = time.perf_counter() - t
+    r["load_index_bytes"] = len(pickle.dumps(chunk_index))
+    state = load_state(items, world, world // 2)
+    found = {}
+    for name, planner in (("dcp_", DefaultLoadPlanner()), ("", load_plan.Planner(chunk_index))):
+        planner.set_up_planner({}, loaded, is_coordinator=False)
+        # What set_up_planner does with a state dict, less _init_state_dict, which materialises meta
+        # tensors (there are none) and would take the stand-ins for something else.
+        planner.original_state_dict = state
+        planner.state_dict, planner.mappings = flatten_state_dict(state)
+        t = time.perf_counter()
+        found[name] = planner.create_local_plan()
+        r[f"{name}load_local_plan_s"] = time.perf_counter() - t
+    assert found[""].items == found["dcp_"].items  # trainer/load_plan.py's plan is DCP's
+    planned = found[""]
+    r["load_plan_bytes"] = len(pickle.dumps(planned))
+    r["load_read_items"] = len(planned.items)
 
     text = manifest(world)
     r["manifest_bytes"] = len(text)
@@ -445,6 +456,9 @@ PLAN_KEYS = (
     "metadata_unpickle_s",
     "metadata_restricted_unpickle_s",
     "metadata_broadcast_pickle_s",
+    "load_index_s",
+    "load_index_bytes",
+    "dcp_load_local_plan_s",
     "load_local_plan_s",
     "load_plan_bytes",
     "manifest_bytes",

@@ -263,3 +263,24 @@ def test_each_shard_file_is_checked_by_one_rank_its_writer(tmp_path, monkeypatch
     assert isinstance(failed.value.failures[0][0], checksums.ChecksumError)
     assert [shard_reader._checker(f"__{w}_0.distcp", w, 3) for w in range(5)] == [0, 1, 2, 0, 1]
     assert shard_reader._checker("other.distcp", 4, 3) == 1
+
+
+def test_check_false_reads_without_hashing_for_the_benchs_unchecked_load(tmp_path, monkeypatch):
+    """bench/checkpoint_io.py's unchecked load: ShardReader(check=False) hashes no file (the damage
+    it would catch goes unseen: a file no load needs), and reads the tensors as the checked one."""
+    state = {"a": torch.randn(64, 8)}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, storage_writer=checksums.ChecksumWriter(tmp_path), no_dist=True)
+    (shard,) = tmp_path.glob("*.distcp")
+    raw = bytearray(shard.read_bytes())
+    raw[-100] ^= 0xFF  # in the zip directory at the archive's end, a part no load needs
+    shard.write_bytes(bytes(raw))
+    hashed = []
+    hasher = checksums.hasher
+    monkeypatch.setattr(checksums, "hasher", lambda: hashed.append(1) or hasher())
+    target = blank(state)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(target, storage_reader=ShardReader(tmp_path, check=False), no_dist=True)
+    assert hashed == [] and torch.equal(target["a"], state["a"])

@@ -83,6 +83,7 @@ FLOORS: list[tuple[str, list[str]]] = [
             "trainer.data",
             "trainer.parallel",
             "trainer.shard_reader",
+            "trainer.load_plan",
             "trainer.checkpoint",
             "trainer.metrics",
             "trainer.memory",

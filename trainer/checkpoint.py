@@ -52,7 +52,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.planner import SavePlanner
+from torch.distributed.checkpoint.planner import SavePlanner  # noqa: F401 - tests/test_async_save.py reads its caches here
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -61,7 +61,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from trainer import __version__, checksums, files, layout
+from trainer import __version__, checksums, files, layout, load_plan, torch_compat
 from trainer.checksums import ChecksumWriter
 from trainer.config import CheckpointArgs
 from trainer.layout import read_meta, step_path
@@ -150,13 +150,7 @@ class AutoInterval:
 
 # DCP's save-plan caching (torch 2.6+; 2.11 and 2.14 have it), and the class-level caches it fills.
 _PLAN_CACHING = "enable_plan_caching" in inspect.signature(DefaultSavePlanner.__init__).parameters
-_PLAN_CACHES = (
-    "_cached_save_plan",
-    "_cached_all_plans",
-    "_cached_global_plan",
-    "_cached_metadata",
-    "_cached_final_save_plan",
-)
+_PLAN_CACHES = torch_compat.PLAN_CACHES  # DCP's class-level plan caches (tests/test_async_save.py)
 
 
 class CheckpointError(Exception):
@@ -686,6 +680,7 @@ class Checkpointer:
         self.staging: Future | None = None  # its copy of the state, until the copy is done
         self.last_saved: int | None = None
         self.metadata: dcp.metadata.Metadata | None = None  # of the checkpoint `choose` chose, as rank 0 read it
+        self.chunk_index: dict | None = None  # load_plan.index of that metadata, made by rank 0 with it
         self.plan_key = f"trainer.checkpoint/{uuid.uuid4().hex}/{world_size}"  # this one's save plans (`_planner`)
         self.said: set[tuple[str, str]] = set()  # (folder, why) of the checkpoints skipped so far: said once
         self.stager = _stager(rank, world_size) if args.async_save else None
@@ -803,12 +798,14 @@ class Checkpointer:
             _warn_if_others_can_write(choice[0])
             _warn_if_unverified(choice[0])
         # With the choice, the metadata rank 0 read (the restricted unpickler, once): no other rank
-        # reads or unpickles the file (at 16k ranks a 1 GB .metadata, minutes of each rank's time).
-        choice.append(metadata if isinstance(choice[0], str) else None)
+        # reads or unpickles the file (at 16k ranks a 1 GB .metadata, minutes of each rank's time);
+        # and the index of its chunks that each rank's load plan looks up (load_plan.py), made once.
+        chosen = metadata if isinstance(choice[0], str) else None
+        choice += [chosen, load_plan.index(chosen) if chosen is not None else None]
         dist.broadcast_object_list(choice, src=0, group=self.group)
         if isinstance(choice[0], tuple):
             raise CheckpointError(choice[0][1])
-        self.metadata = choice[1]
+        self.metadata, self.chunk_index = choice[1], choice[2]
         return choice[0]
 
     def load(self) -> dict | None:
@@ -892,9 +889,10 @@ class Checkpointer:
             with warnings.catch_warnings():  # no_dist warns that it assumes one process; it is each rank alone
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 reader = self.reader(path, rank=self.rank, world_size=self.world_size)
+                chunk_index = None  # the planner indexes a metadata its reader read itself
                 if isinstance(reader, ShardReader):
-                    reader.metadata = self.metadata  # as rank 0 read it in `choose`
-                dcp.load(state, storage_reader=reader, no_dist=True)
+                    reader.metadata, chunk_index = self.metadata, self.chunk_index  # as rank 0 read it in `choose`
+                dcp.load(state, storage_reader=reader, planner=load_plan.Planner(chunk_index), no_dist=True)
             for name, value in state.items():
                 what = "its optimizer state" if name == "optim" else f"its {name} state"
                 bad = getattr(self.sharded[name], "problem", lambda _: None)(value)
@@ -954,7 +952,7 @@ class Checkpointer:
             if self.stager and not _stager_reusable():  # a fresh one per save where it cannot be reused
                 used = self.stager["async_stager"]
                 used.close()
-                self.stager["async_stager"] = type(used)(used._config)
+                self.stager["async_stager"] = torch_compat.fresh_stager(used)
             response = dcp.async_save(
                 state,
                 storage_writer=ChecksumWriter(tmp),
@@ -980,7 +978,7 @@ class Checkpointer:
         if not _PLAN_CACHING:
             return DefaultSavePlanner()
         planner = DefaultSavePlanner(enable_plan_caching=True)
-        planner._cached_plans_key = self.plan_key
+        torch_compat.cache_plans_under(planner, self.plan_key)
         return planner
 
     def wait_staged(self) -> None:
@@ -1009,8 +1007,7 @@ class Checkpointer:
         self.wait()
         if self.stager:
             self.stager["async_stager"].close()
-        for cache in _PLAN_CACHES:
-            getattr(SavePlanner, cache, {}).pop(self.plan_key, None)
+        torch_compat.drop_cached_plans(self.plan_key)
 
     def _commit(self, step: int, tmp: str, meta: dict) -> None:
         # DCP's save returns on a rank only after the coordinator wrote .metadata, which it does only

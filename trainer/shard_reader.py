@@ -89,11 +89,21 @@ class ShardReader(FileSystemReader):
     """`FileSystemReader` that reads plain tensors into their destination without `torch.load`,
     checks the checksums of the shard files that are `rank`'s of `world_size` to check, and never
     runs code from the checkpoint. `_extension_registry`: DCP's, for checkpoints written with its
-    storage extensions (compression); None: DCP's default registry."""
+    storage extensions (compression); None: DCP's default registry. `check=False` skips the
+    checksums: only bench/checkpoint_io.py's unchecked load, which measures what the check costs."""
 
-    def __init__(self, path: str | os.PathLike, _extension_registry=None, *, rank: int = 0, world_size: int = 1):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        _extension_registry=None,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        check: bool = True,
+    ):
         super().__init__(path, _extension_registry=_extension_registry)
         self.share = (rank, world_size)  # not self.rank: DCP sets that in set_up_storage_reader
+        self.check = check  # hash this rank's share of the shard files against their records
         # Given by the caller: `.metadata` as rank 0 read it with `load_metadata` and broadcast it
         # (trainer/checkpoint.py), so that this rank neither reads nor unpickles it. None: read it.
         self.metadata: dcp_metadata.Metadata | None = None
@@ -108,6 +118,8 @@ class ShardReader(FileSystemReader):
     def checked_here(self) -> list[str]:
         """The shard files (relative paths) this rank checks: `__<writer>_<n>.distcp` by rank
         writer % world_size, any other name by its place in the sorted list."""
+        if not self.check:
+            return []
         rank, world_size = self.share
         names = sorted({info.relative_path for info in self.storage_data.values()})
         return [name for index, name in enumerate(names) if _checker(name, index, world_size) == rank]

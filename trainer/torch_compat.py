@@ -34,6 +34,13 @@ Each private name: who uses it (through which function here); what happens where
   torchao's class.
 * nn.modules.batchnorm._BatchNorm: parallel.py (batch_norm_base); no BatchNorm statistics synced,
   or the trainer cannot start.
+* checkpoint.staging.DefaultStager._config (the StagingOptions it was made with): checkpoint.py
+  (fresh_stager: a new stager per async save on torch 2.11, whose stager stages once); async saves
+  after the first fail there.
+* DefaultSavePlanner._cached_plans_key and SavePlanner's class-level plan caches (_cached_save_plan,
+  _cached_all_plans, _cached_global_plan, _cached_metadata, _cached_final_save_plan): checkpoint.py
+  (cache_plans_under, drop_cached_plans: each Checkpointer's plans cached under a key of its own, and
+  dropped at its close); without them plan caching cannot be kept to one layout.
 
 Not calls, so not here: the `_checkpoint_wrapped_module.` prefix that checkpoint_wrapper puts in
 parameter names (parallel.py, hf.py and models/transformer_net.py take it out), and FileSystemReader's
@@ -48,6 +55,14 @@ import importlib
 import inspect
 import signal
 
+# DCP's save-plan caches: class-level dicts of SavePlanner, keyed by a planner's _cached_plans_key.
+PLAN_CACHES = (
+    "_cached_save_plan",
+    "_cached_all_plans",
+    "_cached_global_plan",
+    "_cached_metadata",
+    "_cached_final_save_plan",
+)
 # (module, attribute) of every private name above; a dotted attribute is looked up step by step.
 PRIVATE = [
     ("torch.distributed.distributed_c10d", "_get_default_store"),
@@ -63,6 +78,7 @@ PRIVATE = [
     ("torch", "UntypedStorage._cdata"),
     ("torch.nn.modules.batchnorm", "_BatchNorm"),
     ("torch._inductor.config", "emulate_precision_casts"),
+    *(("torch.distributed.checkpoint.planner", f"SavePlanner.{name}") for name in PLAN_CACHES),
 ]
 # The hooks of torchrun's agent (a LocalElasticAgent) that Agent below hands to public names.
 AGENT = ["_start_workers", "_stop_workers", "_monitor_workers", "_rendezvous", "_shutdown"]
@@ -73,6 +89,8 @@ ATTRIBUTES = [
     ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "DynamicRendezvousHandler", "_state_holder"),
     ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_BackendRendezvousStateHolder", "_cache_duration"),
     ("torch.optim.lr_scheduler", "LRScheduler", "_last_lr"),
+    ("torch.distributed.checkpoint.staging", "DefaultStager", "_config"),
+    ("torch.distributed.checkpoint.default_planner", "DefaultSavePlanner", "_cached_plans_key"),
 ]
 
 
@@ -291,3 +309,22 @@ def local_tensor(dtensor):
     """This rank's tensor of `dtensor` itself, not a view of it (to_local's): a tensor subclass
     (torchao's float8 weight) stays what it is."""
     return dtensor._local_tensor
+
+
+def fresh_stager(stager):
+    """A new stager of `stager`'s class made with the same options (DefaultStager._config)."""
+    return type(stager)(stager._config)
+
+
+def cache_plans_under(planner, key: str) -> None:
+    """Have a DefaultSavePlanner(enable_plan_caching=True) cache its plans under `key`, not under its
+    class name (which every planner of the process shares)."""
+    planner._cached_plans_key = key
+
+
+def drop_cached_plans(key: str) -> None:
+    """Forget the save plans DCP cached under `key` (cache_plans_under)."""
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    for cache in PLAN_CACHES:
+        getattr(SavePlanner, cache, {}).pop(key, None)
