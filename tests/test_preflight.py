@@ -503,3 +503,18 @@ def test_the_plans_step_time_never_reads_through_a_fifo_or_a_link(tmp_path):
         assert logged_step_time(str(tmp_path / "b")) is None
     finally:
         signal.alarm(0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# #37 item 4: the memory estimate knows tensor parallelism; the batch is divided over the data-parallel
+# ranks; make check and make submit refuse a tp that leaves a node
+
+
+def test_the_activations_of_a_sample_are_not_hidden_by_the_gradients_of_the_whole_model():
+    """A sample's activations were the difference of two batches' peaks; where the model's gradients
+    outgrow its activations (70B with checkpointing; any model at a short sequence) both peaks were
+    the end of backward: 3.9 GB a sample for 70B with 40 or 80 layers, 33 KB here with 2 or 8."""
+    shape = ["model.size=small", "model.seq_len=32"]
+    two, eight = (memory.measure(load(None, [*shape, f"model.n_layers={n}"])) for n in (2, 8))
+    assert eight.activations_checkpointed > two.activations_checkpointed  # 8 saved block inputs, not 2
+    assert two.activations >= 32 * 4096 * 4  # at least the float32 gradient of the logits (seq x vocab)
