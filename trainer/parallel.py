@@ -43,7 +43,8 @@ def dtype(name: str) -> torch.dtype:
 class MemoryFactors:
     """What one rank holds under the plan, for trainer.memory's estimate and the changes it offers."""
 
-    shards: int  # ranks one parameter (its gradient, its optimizer state) is sharded over; 1: every rank holds all
+    shards: int  # ranks one parameter (its gradient, its optimizer state) is split over (dp_shard x tp); 1: none
+    tp: int  # tensor-parallel degree: a rank gathers, computes and keeps 1/tp of each block (1: none)
     gathers: bool  # units are all-gathered in the compute dtype and gradients reduce-scattered (FSDP)
     keeps_gathered: bool  # every unit stays all-gathered from forward to backward (FSDP's grad_op)
     bucket_copy: bool  # DDP over more than one rank: its gradient buckets are a second copy of the gradients
@@ -153,7 +154,22 @@ class Plan:
             )
         if p.strategy == "none" and self.world_size > 1:
             found.append(("parallel.strategy", f"is 'none' but {self.world_size} processes run; use fsdp or ddp"))
+        found += self._tp_node_problems()
         return found
+
+    def _tp_node_problems(self) -> list[tuple[str, str]]:
+        """Tensor parallelism talks at every layer: its ranks must share a node (NVLink), so tp divides
+        the ranks of one node (ranks_per_node; else LOCAL_WORLD_SIZE, else the world)."""
+        node = self.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        if self.tp > 1 and node % self.tp:
+            return [
+                (
+                    "parallel.tp",
+                    f"{self.tp} does not divide the {node} GPUs of a node; tensor parallelism stays inside a "
+                    f"node: choose a divisor of {node}",
+                )
+            ]
+        return []
 
     def check(self, where: str = "config") -> None:
         """Raise ConfigError with the first problem, one line: where, key, what to do."""
@@ -163,12 +179,13 @@ class Plan:
     def memory_factors(self) -> MemoryFactors:
         p = self.args
         return MemoryFactors(
-            shards=self.dp_shard,
+            shards=self.dp_shard * self.tp,
+            tp=self.tp,
             gathers=self.fsdp,
             keeps_gathered=self.fsdp and p.sharding == "grad_op",
             bucket_copy=p.strategy == "ddp" and self.world_size > 1,
             can_offload=self.fsdp,
-            node_shards=self.hybrid and self.dp_shard < self.world_size,
+            node_shards=self.hybrid and self.dp_shard < self.dp_size,
             finer_per_node=self.fsdp and not p.shard_size,
             finer_with_nodes=self.fsdp and not self.hybrid,
         )
