@@ -209,13 +209,14 @@ def _block_input_bytes(model, blocks, m, dtype: torch.dtype) -> int:
     """Bytes of the first block's input (its first tensor argument) for one sample: one forward of
     two samples (BatchNorm refuses one value per channel) on the meta device, no autograd."""
     seen = []
-    hook = blocks[0].register_forward_pre_hook(lambda _, args: seen.append(args[0]))
+    hook = blocks[0].register_forward_pre_hook(lambda _, args: seen.extend(args[:1]))
     try:
         with torch.no_grad():
             model(_inputs(m, dtype, 2)[0])
     finally:
         hook.remove()
-    return seen[0].numel() * seen[0].element_size() // 2 if seen else 0
+    first = seen[0] if seen else None  # a block called with keywords only: not known, counted as 0
+    return first.numel() * first.element_size() // 2 if isinstance(first, torch.Tensor) else 0
 
 
 def tp_activations(per_sample: int, pr: Profile, tp: int, checkpointed: bool) -> int:
