@@ -46,6 +46,7 @@ SHIPPED_SCALE = {
     "mnist.yaml": (1, 2),
     "llama-1b.yaml": (1, 8),
     "llama-8b.yaml": (4, 8),
+    "llama-70b.yaml": (8, 8),
     "resnet50.yaml": (1, 8),
 }
 
@@ -67,7 +68,7 @@ def stand_in_data(cfg, tmp_path) -> list[str]:
 
 
 # The full-size models' estimates take 2-3 s each: the slow tier.
-HEAVY_CONFIGS = {"llama-8b.yaml", "llama-1b.yaml", "resnet50.yaml"}
+HEAVY_CONFIGS = {"llama-8b.yaml", "llama-70b.yaml", "llama-1b.yaml", "resnet50.yaml"}
 
 
 @pytest.mark.parametrize(

@@ -189,3 +189,18 @@ def _evals(run_dir) -> dict[int, float]:
 
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return {r["step"]: r["eval_loss"] for r in map(json.loads, lines) if "eval_loss" in r}
+
+
+def test_the_memory_factors_split_the_state_over_dp_shard_times_tp():
+    """#37: tp=2 on 8 ranks: a parameter's state is split over the 4 data-parallel ranks x the 2
+    tensor-parallel ones; with hybrid groups of 2 the dp ranks (4) shard finer, not the world (8)."""
+    full, hybrid = (
+        plan("parallel.tp=2", world=8),
+        plan("parallel.tp=2", "parallel.sharding=hybrid", "parallel.shard_size=2", world=8),
+    )
+    assert (full.memory_factors().shards, full.memory_factors().tp, full.memory_factors().node_shards) == (8, 2, False)
+    assert (hybrid.memory_factors().shards, hybrid.memory_factors().node_shards) == (4, True)
+    assert (
+        plan("parallel.tp=4", "parallel.sharding=hybrid", "parallel.shard_size=2", world=8).memory_factors().node_shards
+        is False
+    )

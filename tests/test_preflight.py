@@ -503,3 +503,117 @@ def test_the_plans_step_time_never_reads_through_a_fifo_or_a_link(tmp_path):
         assert logged_step_time(str(tmp_path / "b")) is None
     finally:
         signal.alarm(0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# #37 item 4: the memory estimate knows tensor parallelism; the batch is divided over the data-parallel
+# ranks; make check and make submit refuse a tp that leaves a node
+
+
+def test_the_activations_of_a_sample_are_not_hidden_by_the_gradients_of_the_whole_model():
+    """A sample's activations were the difference of two batches' peaks; where the model's gradients
+    outgrow its activations (70B with checkpointing; any model at a short sequence) both peaks were
+    the end of backward: 3.9 GB a sample for 70B with 40 or 80 layers, 33 KB here with 2 or 8."""
+    shape = ["model.size=small", "model.seq_len=32"]
+    two, eight = (memory.measure(load(None, [*shape, f"model.n_layers={n}"])) for n in (2, 8))
+    assert eight.activations_checkpointed > two.activations_checkpointed  # 8 saved block inputs, not 2
+    assert two.activations >= 32 * 4096 * 4  # at least the float32 gradient of the logits (seq x vocab)
+
+
+def test_tp_splits_the_state_and_the_blocks_activations_but_not_their_gathered_inputs():
+    """tp=2 on 4 ranks against tp=1 on 2 (the same 2 data-parallel ranks): a rank keeps half the state,
+    gathers half of each unit, and half of each sample's activations beyond the two sequences each block
+    all-gathers for its attention and MLP (seq x dim, whole on every tp rank)."""
+    cfg = load(None, ["model.seq_len=32"])
+    pr = memory.measure(cfg)
+    one = memory.estimate(cfg, 2, 2, profile=pr)
+    two = memory.estimate(memory._with(cfg, parallel={"tp": 2}), 4, 2, profile=pr)
+    n, b = pr.params, pr.compute_dtype.itemsize
+    assert (one.parameters, one.optimizer, two.parameters, two.optimizer) == (4 * n // 2, 8 * n // 2, n, 2 * n)
+    assert two.unsharded == (pr.root_params // 2 + 2 * (pr.largest_unit // 2)) * b < one.unsharded
+    assert pr.block_input == 32 * 64 * b and pr.blocks == 2  # the tiny shape: seq_len x dim, 2 blocks
+    gathered = 2 * pr.block_input * pr.blocks
+    assert two.activations_per_sample == (one.activations_per_sample - gathered) // 2 + gathered
+    assert "tp 2 (the gathered block inputs whole" in two.notes["activations"]
+
+
+def test_the_global_batch_is_divided_over_the_data_parallel_ranks_not_the_world(tmp_path):
+    """tp=2 on 4 ranks: 2 data-parallel ranks share the global batch (a tensor-parallel group's ranks read
+    the same samples). A global batch of 2 was refused ('not divisible by 4 processes')."""
+    from trainer.check import plan_lines, validate
+    from trainer.config import ConfigError, resolve_batch
+
+    cfg = load(None, ["parallel.tp=2", "train.global_batch_size=2", f"run_dir={tmp_path / 'run'}"])
+    validate(cfg, 4)
+    assert (
+        "batch: global 2 / 2 data-parallel ranks (NPROC=4 x NODES=1 / parallel.tp=2) / micro-batch 1 = 1 "
+        in (plan_lines(cfg, 4, 1)[0])
+    )
+    assert memory.accumulation(cfg, 2, 1) == 1 and memory.dp_size(cfg, 4) == 2
+    with pytest.raises(ConfigError) as e:
+        validate(memory._with(cfg, train={"global_batch_size": 3}), 4)
+    assert str(e.value) == (
+        "config: train.global_batch_size: 3 is not divisible by 2 data-parallel ranks (dp_size: 4 / tp 2); use a "
+        "multiple of 2"
+    )
+    assert resolve_batch(memory._with(cfg, train={"rank_batch_size": 3}), 4).train.global_batch_size == 6
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("tp, code", [(3, 2), (4, 0)])
+def test_check_for_2_nodes_of_8_gpus_refuses_a_tp_that_leaves_a_node(capsys, tmp_path, monkeypatch, tp, code):
+    monkeypatch.setattr(check, "check_devices", lambda nproc: None)  # no 8 GPUs here
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    config = str(ROOT / "configs" / "default.yaml")
+    argv = ["--nproc", "8", "--nnodes", "2", "--gpu-mem-gb", "80", f"parallel.tp={tp}"]
+    got, out, err = run_check(capsys, tmp_path, *argv, config=config)
+    assert got == code, (out, err)
+    if code:
+        assert err.splitlines() == [
+            "error: override 'parallel.tp=3': parallel.tp: 3 does not divide the 8 processes (GPUs) of a node; tensor "
+            "parallelism stays inside a node: choose a divisor of 8"
+        ]
+    else:
+        assert "global 32 / 4 data-parallel ranks (NPROC=8 x NODES=2 / parallel.tp=4)" in out, out
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_submit_refuses_a_tp_that_does_not_divide_the_gpus_of_a_node(tmp_path):
+    out = submit_dry_run(tmp_path, _fake_slurm(tmp_path, "gpu:h100:8(S:0-1)"), "parallel.tp=3")
+    lines = [line for line in out.stderr.strip().splitlines() if not line.startswith("submit: warning:")]
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert lines[0].endswith(
+        "parallel.tp: 3 does not divide the 8 processes (GPUs) of a node; tensor parallelism stays inside a "
+        "node: choose a divisor of 8"
+    ), lines[0]
+    assert not _shared_run_dir().exists()
+
+
+LLAMA_70B = str(ROOT / "configs" / "llama-70b.yaml")
+
+
+@pytest.mark.slow  # the 70B's profile on the meta device: 6 s
+def test_llama_70b_on_8_nodes_of_8_h100s_with_and_without_tp():
+    """README's worked example, its numbers. As shipped (64 sequences a step, tp=8): 44.9 GB of 80;
+    FSDP alone, 1 sequence a rank: 55.1 GB. At 128 sequences tp=8 still fits (72.9 GB) and FSDP alone
+    does not (81.1 GB, 2 sequences a rank), and where the family has a tp plan tp=8 is offered."""
+    from trainer import models
+    from trainer.config import ConfigError
+
+    cfg = load(LLAMA_70B, SYNTHETIC)
+    pr = memory.measure(cfg, gpu=True)
+    alone = memory._with(cfg, parallel={"tp": 1}, train={"micro_batch_size": 1})
+    big = memory._with(cfg, train={"global_batch_size": 128, "micro_batch_size": 16})
+    big_alone = memory._with(cfg, parallel={"tp": 1}, train={"global_batch_size": 128, "micro_batch_size": 2})
+    totals = [
+        memory.gb(memory.estimate(c, 64, c.train.micro_batch_size, 8, gpu=True, profile=pr).total)
+        for c in (cfg, alone, big, big_alone)
+    ]
+    assert totals == ["44.9 GB", "55.1 GB", "72.9 GB", "81.1 GB"]
+    with pytest.raises(ConfigError) as e:
+        memory.preflight(big_alone, 64, 8, 80 * 10**9, "GPU_MEM_GB=80", nodes=8, nodes_option="NODES={}")
+    assert "one GPU needs about 81.1 GB" in str(e.value) and "NODES=16 (" in str(e.value)
+    assert models.spec(cfg.model).tp_plan is not None  # the transformer's (transformer_tp.py): tp is offered
+    fixes = memory.changes_that_fit(big_alone, 64, 8, 80 * 10**9, 8, "NODES={}", profile=pr)
+    assert "parallel.tp=8 (62.6 GB)" in fixes, fixes  # micro-batch 2 kept: tp 2 and 4 accumulate too much

@@ -55,7 +55,7 @@ def model(**keys) -> ModelArgs:
     [
         (dict(strategy="ddp"), 4, None, model(), "parallel.tp", "needs parallel.strategy=fsdp (it is ddp)"),
         ({}, 6, None, model(), "parallel.tp", "4 does not divide the 6 processes"),
-        ({}, 8, 6, model(), "parallel.tp", "4 does not divide the 6 ranks of a node"),
+        ({}, 8, 6, model(), "parallel.tp", "4 does not divide the 6 processes (GPUs) of a node"),
         (dict(sharding="hybrid"), 8, None, model(), "parallel.sharding", "does not compose with parallel.tp=4"),
         (dict(cpu_offload=True), 8, None, model(), "parallel.cpu_offload", "does not compose"),
         (dict(float8="tensorwise"), 8, None, model(), "parallel.float8", "does not compose"),
@@ -79,7 +79,7 @@ def test_config_check_refuses_tp_in_one_line(capsys, tmp_path):
     line = refused(capsys, tmp_path / "run", "--nproc", "2", "parallel.tp=2", "model.n_kv_heads=1")
     assert "model.n_kv_heads: 1 key/value heads do not split over parallel.tp=2" in line
     line = refused(capsys, tmp_path / "run", "--nproc", "2", "parallel.tp=3")
-    assert "parallel.tp: 3 does not divide the 2 processes" in line
+    assert "parallel.tp: 3 does not divide the 2 processes (GPUs) of a node" in line
 
 
 def test_ranks_of_a_tp_group_share_their_data_rank():

@@ -39,6 +39,7 @@ def validate(
     overrides: list[str] = (),
     ranks_per_node: int | None = None,
     planning: bool = False,
+    node_size: int | None = None,
 ) -> list[str]:
     """Raise ConfigError for the first problem found; `where` names the config file, `overrides`
     are the command line's key=value items: a value given there is blamed on the override. With
@@ -46,6 +47,8 @@ def validate(
     is checked by each rank, check_gpu_memory: asking for it here would create a CUDA context).
     `planning`: the run is for another machine (a GPU target, a dry run from a login node), so the
     data files and the run dir this one cannot see are returned as warnings instead of raised.
+    `node_size`: the ranks of one node of the target (make check's NPROC, make submit's GPUS_PER_NODE)
+    where no memory is checked here; else ranks_per_node: parallel.tp must divide it.
     Only the memory check, the last, imports torch: the config alone is checked without it."""
     warnings: list[str] = []
 
@@ -118,24 +121,32 @@ def validate(
         if problem:
             fail(f"log.{name}", problem)
 
-    # batch arithmetic
-    t = resolve_batch(cfg, world_size).train
-    if t.global_batch_size % world_size:
-        fail(
-            "train.global_batch_size",
-            f"{t.global_batch_size} is not divisible by {world_size} processes; use a multiple of {world_size}",
+    # batch arithmetic: the global batch is divided over the data-parallel ranks, the world over
+    # parallel.tp (the ranks of one tensor-parallel group share their samples); a tp that does not
+    # divide the world is the plan's to refuse, below
+    plan = Plan(cfg.parallel, world_size, ranks_per_node=node_size or ranks_per_node)
+    if world_size % plan.tp == 0:
+        t, dp = resolve_batch(cfg, world_size).train, plan.dp_size
+        ranks = (
+            f"{world_size} processes"
+            if plan.tp == 1
+            else f"{dp} data-parallel ranks (dp_size: {world_size} / tp {plan.tp})"
         )
-    per_rank = t.global_batch_size // world_size
-    if t.micro_batch_size is not None and per_rank % t.micro_batch_size:
-        fail(
-            "train.micro_batch_size",
-            f"{t.micro_batch_size} does not divide the {per_rank} samples per rank "
-            f"(global_batch_size {t.global_batch_size} / {world_size} processes); use a divisor of {per_rank}",
-        )
+        if t.global_batch_size % dp:
+            fail(
+                "train.global_batch_size", f"{t.global_batch_size} is not divisible by {ranks}; use a multiple of {dp}"
+            )
+        per_rank = t.global_batch_size // dp
+        if t.micro_batch_size is not None and per_rank % t.micro_batch_size:
+            fail(
+                "train.micro_batch_size",
+                f"{t.micro_batch_size} does not divide the {per_rank} samples per rank "
+                f"(global_batch_size {t.global_batch_size} / {ranks}); use a divisor of {per_rank}",
+            )
 
     # parallelism: the plan's own checks (trainer.parallel, imported without torch)
     tp_model = resolve(cfg, where).model if cfg.parallel.tp > 1 else None  # what tensor parallelism splits
-    for key, message in Plan(cfg.parallel, world_size, ranks_per_node=ranks_per_node).problems(tp_model):
+    for key, message in plan.problems(tp_model):
         fail(key, message)
     if cfg.parallel.float8 != "none":  # torchao, compile, the blocks' dimensions; the GPU is each rank's check_float8
         from trainer.float8 import config_problem
@@ -195,7 +206,7 @@ def _check_memory(cfg: Config, world_size: int, ranks_per_node: int, fail) -> No
     from trainer import memory
 
     have = memory.machine_bytes()
-    per_rank = cfg.train.global_batch_size // world_size
+    per_rank = cfg.train.global_batch_size // memory.dp_size(cfg, world_size)
     micro = cfg.train.micro_batch_size or per_rank
     profile = memory.measure(cfg)
     need = memory.estimate(cfg, world_size, micro, profile=profile)
@@ -452,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
             overrides=args.overrides,
             ranks_per_node=None if planning else args.nproc or 1,
             planning=planning,
+            node_size=args.nproc or 1,
         )
         cfg = resolve(cfg, where=where, world_size=world)
         fit = gpu_preflight(cfg, world, args.nproc or 1, args.nnodes, args.gpu_mem_gb, where=where)
@@ -512,7 +524,7 @@ def cpu_memory_line(cfg: Config, world: int) -> str:
     """The estimated peak of one CPU process, against this machine's memory."""
     from trainer import memory
 
-    per_rank = cfg.train.global_batch_size // world
+    per_rank = cfg.train.global_batch_size // memory.dp_size(cfg, world)
     need = memory.estimate(cfg, world, cfg.train.micro_batch_size or per_rank)
     have = memory.machine_bytes()
     of = f", of the {memory.gb(have)} of this machine" if have else ""
@@ -570,7 +582,8 @@ def plan_lines(cfg: Config, nproc: int, nnodes: int, per_node: str = "NPROC") ->
     from trainer import models
 
     world = nproc * nnodes
-    per_rank = cfg.train.global_batch_size // world
+    dp = Plan(cfg.parallel, world).dp_size
+    per_rank = cfg.train.global_batch_size // dp
     micro = cfg.train.micro_batch_size or per_rank
     family = models.spec(cfg.model)
     tokens = family.input_shape(cfg.model)[0] if family.kind == "lm" else None
@@ -579,8 +592,12 @@ def plan_lines(cfg: Config, nproc: int, nnodes: int, per_node: str = "NPROC") ->
         if tokens
         else f"{cfg.train.global_batch_size:,} samples per step"
     )
+    shape = f"{per_node}={nproc} x NODES={nnodes}"
+    ranks = (
+        f"{world} ranks ({shape})" if dp == world else f"{dp} data-parallel ranks ({shape} / parallel.tp={world // dp})"
+    )
     lines = [
-        f"batch: global {cfg.train.global_batch_size} / {world} ranks ({per_node}={nproc} x NODES={nnodes}) / "
+        f"batch: global {cfg.train.global_batch_size} / {ranks} / "
         f"micro-batch {micro} = {per_rank // micro} accumulation step(s); {per_step}"
     ]
     interval = cfg.checkpoint.interval

@@ -206,11 +206,14 @@ class Config:
 
 
 def resolve_batch(cfg: Config, world_size: int) -> Config:
-    """train.global_batch_size made train.rank_batch_size x processes where that is set."""
+    """train.global_batch_size made train.rank_batch_size x data-parallel ranks where that is set: the
+    processes over parallel.tp (a tensor-parallel group's ranks share their samples; a tp that does not
+    divide them is refused by the plan's check)."""
     if cfg.train.rank_batch_size is None:
         return cfg
+    tp = cfg.parallel.tp if world_size % cfg.parallel.tp == 0 else 1
     return dataclasses.replace(
-        cfg, train=dataclasses.replace(cfg.train, global_batch_size=cfg.train.rank_batch_size * world_size)
+        cfg, train=dataclasses.replace(cfg.train, global_batch_size=cfg.train.rank_batch_size * (world_size // tp))
     )
 
 

@@ -78,10 +78,14 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config(args.run_dir, path, args.overrides)
         models.family_of(cfg.model)  # model.family's module imports (FamilyError otherwise)
         eval_set = data.build(cfg.data, cfg.model, cfg.train.seed, train=False)
-        if cfg.train.global_batch_size % env.world_size:
+        # the run's tensor parallelism where it fits these processes, else none; the batch divides
+        # over the data-parallel ranks (a tensor-parallel group's ranks share their samples)
+        p = cfg.parallel if env.world_size % cfg.parallel.tp == 0 else dataclasses.replace(cfg.parallel, tp=1)
+        if cfg.train.global_batch_size % (env.world_size // p.tp):
+            ranks = f"{env.world_size} processes" + (f" / parallel.tp={p.tp}" if p.tp > 1 else "")
             raise ConfigError(
-                f"train.global_batch_size={cfg.train.global_batch_size} does not divide over "
-                f"{env.world_size} processes; evaluate on a number of processes that divides it"
+                f"train.global_batch_size={cfg.train.global_batch_size} does not divide over {ranks}; "
+                f"evaluate on a number of processes that divides it"
             )
     except (ConfigError, checkpoint.CheckpointError, data.DataError, models.FamilyError) as e:
         if env.is_main:
@@ -92,8 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         model = models.build(cfg.model)
         model.load_state_dict(state)
         del state
-        p = cfg.parallel  # the run's tensor parallelism where it fits these processes, else none
-        plan = parallel.Plan.of(p if env.world_size % p.tp == 0 else dataclasses.replace(p, tp=1), env)
+        plan = parallel.Plan.of(p, env)
         model = plan.apply(model, models.spec(cfg.model))  # its mixed precision
         from trainer.train import evaluate_sources
 

@@ -24,6 +24,14 @@ The estimate of one rank's peak, by part (`estimate`):
   saves float32 copies of a bfloat16 input: counting those on a GPU was the estimate's 17-28% excess
   in eager bfloat16 (#33). With activation checkpointing the blocks are wrapped as the trainer wraps
   them, so their recomputation in backward is measured too. Compiled runs: COMPILED_ACTIVATIONS of it.
+* tensor parallelism (parallel.tp > 1): parameters, gradients and optimizer state are split over
+  dp_shard x tp ranks, and what is all-gathered, reduced or accumulated is 1/tp of each unit. Of the
+  activations, tp splits each block's (heads and the MLP's hidden units; with sequence parallelism the
+  norms and the residual stream along the sequence), and the logits and their float32 gradient over
+  the vocabulary (loss parallel): 1/tp of what is measured on one rank. Not split: the sequence
+  all-gathered before the attention's and the MLP's column-wise projections, which they keep for
+  backward, two block inputs (`Profile.block_input`) per block: every block's without activation
+  checkpointing, the one block being recomputed with it. Those count whole.
 * gradients at the peak: the peak is at the start of backward. Without gradient accumulation none
   exist then (set to None after each step; backward makes them as it frees the activations), so
   they count only where they outgrow the activations. With accumulation the earlier micro-batches'
@@ -130,6 +138,8 @@ class Profile:
     activations: int  # bytes autograd saves for one sample, in the compute dtype
     activations_checkpointed: int  # the same with activation checkpointing of the blocks
     compute_dtype: torch.dtype  # what FSDP all-gathers and computes in (float32 for BatchNorm models)
+    blocks: int = 0  # the model's repeated blocks (family.blocks)
+    block_input: int = 0  # bytes of one block's input for one sample (the LM: seq_len x dim), compute dtype
 
 
 @dataclass(frozen=True)
@@ -182,6 +192,7 @@ def measure(cfg, gpu: bool = False) -> Profile:
     with torch.device("meta"):
         checkpointed = family.build(cfg.model).to(dtype)
     parallel.checkpoint_units(checkpointed, parallel.units_of(checkpointed, cfg.parallel, family.blocks))
+    blocks = family.blocks(model)
     return Profile(
         params=sum(p.numel() for p in model.parameters()),
         root_params=sum(p.numel() for p in model.parameters() if id(p) not in in_units),
@@ -189,7 +200,33 @@ def measure(cfg, gpu: bool = False) -> Profile:
         activations=plain,
         activations_checkpointed=_activation_peak(checkpointed, cfg.model, dtype, gpu),
         compute_dtype=dtype,
+        blocks=len(blocks),
+        block_input=_block_input_bytes(model, blocks, cfg.model, dtype) if blocks else 0,
     )
+
+
+def _block_input_bytes(model, blocks, m, dtype: torch.dtype) -> int:
+    """Bytes of the first block's input (its first tensor argument) for one sample: one forward of
+    two samples (BatchNorm refuses one value per channel) on the meta device, no autograd."""
+    seen = []
+    hook = blocks[0].register_forward_pre_hook(lambda _, args: seen.extend(args[:1]))
+    try:
+        with torch.no_grad():
+            model(_inputs(m, dtype, 2)[0])
+    finally:
+        hook.remove()
+    first = seen[0] if seen else None  # a block called with keywords only: not known, counted as 0
+    return first.numel() * first.element_size() // 2 if isinstance(first, torch.Tensor) else 0
+
+
+def tp_activations(per_sample: int, pr: Profile, tp: int, checkpointed: bool) -> int:
+    """One sample's activation bytes on one of `tp` tensor-parallel ranks, from what one rank keeps
+    without tensor parallelism (`per_sample`): 1/tp of it, but the all-gathered inputs of each
+    block's attention and MLP count whole (see the module's docstring)."""
+    if tp == 1:
+        return per_sample
+    gathered = min(per_sample, 2 * pr.block_input * (1 if checkpointed else pr.blocks))
+    return (per_sample - gathered) // tp + gathered
 
 
 def _activation_peak(model, m, dtype: torch.dtype, gpu: bool = False) -> int:
@@ -208,6 +245,11 @@ def _activation_peak(model, m, dtype: torch.dtype, gpu: bool = False) -> int:
     torch.nn.functional.scaled_dot_product_attention = _fused_attention
     if gpu:
         torch.nn.functional.rms_norm = _fused_rms_norm
+    # Each parameter's gradient is dropped once backward has made it: the gradients of a whole large
+    # model (141 GB for 70B in bfloat16) outgrow its checkpointed activations, and the peak of both
+    # batches was then the end of backward, where the difference is no sample's (70B: 3.9 GB a
+    # sample with 40 or 80 layers, 12.0 with 16). The estimate counts gradients itself.
+    hooks = [p.register_post_accumulate_grad_hook(_drop_grad) for p in model.parameters() if p.requires_grad]
     try:
         for batch in (2, 4):
             model.zero_grad(set_to_none=True)
@@ -218,8 +260,14 @@ def _activation_peak(model, m, dtype: torch.dtype, gpu: bool = False) -> int:
     finally:
         torch.nn.functional.scaled_dot_product_attention = real_sdpa
         torch.nn.functional.rms_norm = real_rms_norm
+        for hook in hooks:
+            hook.remove()
     model.zero_grad(set_to_none=True)
     return max(0, (peaks[1] - peaks[0]) // 2)
+
+
+def _drop_grad(p: torch.Tensor) -> None:
+    p.grad = None
 
 
 class _LiveBytes(torch_compat.dispatch_mode_base()):
@@ -320,14 +368,19 @@ def estimate(
     node), `micro_batch` samples at a time; `gpu`: on a GPU (allocator and CUDA context added, CPU
     offload moves state to the host), else on the CPU. `profile`: measure(cfg, gpu), when known."""
     pr = profile or measure(cfg, gpu)
-    p, n = cfg.parallel, pr.params
-    factors = Plan(p, world_size, ranks_per_node=ranks_per_node).memory_factors()
-    fsdp, s = factors.gathers, factors.shards
+    plan = Plan(cfg.parallel, world_size, ranks_per_node=ranks_per_node)
+    factors = plan.memory_factors()
+    fsdp, s, tp = factors.gathers, factors.shards, factors.tp
+    # What one rank computes with: under tensor parallelism 1/tp of every parameter (the norms' few
+    # weights, replicated over tp, are left out), so 1/tp of what is gathered, reduced and accumulated.
+    p, n, full = cfg.parallel, pr.params // tp, pr.params
+    root_params, largest_unit = pr.root_params // tp, pr.largest_unit // tp
     b = pr.compute_dtype.itemsize
     state = OPTIMIZER_BYTES[cfg.optim.name] if cfg.optim.name != "sgd" or cfg.optim.momentum else 0
     notes = {}
-    what = f"1/{s} of {n / 1e6:,.1f}M (sharded over {s} ranks)" if s > 1 else f"all {n / 1e6:,.1f}M"
-    parameters, gradients, optimizer = WEIGHT_BYTES * n // s, GRADIENT_BYTES * n // s, state * n // s
+    over = f"{s // tp} x tp {tp}" if tp > 1 else f"{s}"
+    what = f"1/{s} of {full / 1e6:,.1f}M (sharded over {over} ranks)" if s > 1 else f"all {full / 1e6:,.1f}M"
+    parameters, gradients, optimizer = WEIGHT_BYTES * full // s, GRADIENT_BYTES * full // s, state * full // s
     notes["parameters"] = f"float32, {what}"
     notes["gradients"] = f"float32, {what}, held through the next micro-batch's backward (accumulation)"
     notes["optimizer"] = f"{state} bytes per parameter ({cfg.optim.name}), {what}"
@@ -335,10 +388,11 @@ def estimate(
         unsharded = n * b
         notes["unsharded"] = f"every unit all-gathered in {_name(pr.compute_dtype)} from forward to backward (grad_op)"
     elif fsdp:
-        unsharded = (pr.root_params + 2 * pr.largest_unit) * b
+        split = f" (1/{tp} of each: tp)" if tp > 1 else ""
+        unsharded = (root_params + 2 * largest_unit) * b
         notes["unsharded"] = (
-            f"all-gathered in {_name(pr.compute_dtype)}: the root's {pr.root_params / 1e6:,.1f}M + the largest "
-            f"unit ({pr.largest_unit / 1e6:,.1f}M) and the next one, prefetched"
+            f"all-gathered in {_name(pr.compute_dtype)}: the root's {root_params / 1e6:,.1f}M + the largest "
+            f"unit ({largest_unit / 1e6:,.1f}M) and the next one, prefetched{split}"
         )
     elif b < 4:
         unsharded = n * b
@@ -348,7 +402,7 @@ def estimate(
         notes["unsharded"] = "none: no FSDP, float32"
     reduce_bytes = torch_dtype(p.reduce_dtype).itemsize
     if fsdp:
-        reduce_buffers = pr.largest_unit * (b + (reduce_bytes if reduce_bytes != b else 0))
+        reduce_buffers = largest_unit * (b + (reduce_bytes if reduce_bytes != b else 0))
         notes["reduce_buffers"] = "the largest unit's unsharded gradients before reduce-scatter"
     elif factors.bucket_copy:
         reduce_buffers = 4 * n
@@ -357,11 +411,12 @@ def estimate(
         reduce_buffers = 0
         notes["reduce_buffers"] = "none"
     per_sample = pr.activations_checkpointed if p.activation_checkpointing else pr.activations
+    per_sample = tp_activations(per_sample, pr, tp, p.activation_checkpointing)
     if p.compile:
         per_sample = int(per_sample * COMPILED_ACTIVATIONS)
     activations = per_sample * micro_batch
     offloaded = gpu and factors.can_offload and p.cpu_offload
-    accumulating = accumulation(cfg, world_size, micro_batch) > 1
+    accumulating = accumulation(cfg, plan.dp_size, micro_batch) > 1
     if not accumulating and not offloaded:  # see the module's docstring: gradients at the peak
         gradients = max(0, gradients - activations)
         notes["gradients"] = (
@@ -371,6 +426,7 @@ def estimate(
     notes["activations"] = (
         f"{micro_batch} sample(s) x {gb(per_sample)}, "
         f"{'with' if p.activation_checkpointing else 'without'} activation checkpointing"
+        f"{f', tp {tp} (the gathered block inputs whole, the rest 1/{tp})' if tp > 1 else ''}"
         f"{f', compiled ({COMPILED_ACTIVATIONS:.0%} of eager)' if p.compile else ''}"
     )
     host = 0
@@ -383,10 +439,11 @@ def estimate(
         # last micro-batch) keeps every unit's gradients unsharded on the device, in reduce_dtype
         # (FSDPParam.to_accumulated_grad_if_needed), until the last micro-batch's reduce-scatter.
         grad_bytes = reduce_bytes if reduce_bytes != b else b
+        whole = f"all {n / 1e6:,.1f}M" if tp == 1 else f"the 1/{tp} (tp) of {full / 1e6:,.1f}M"
         gradients = n * grad_bytes
         notes["gradients"] = (
-            f"{_name(torch_dtype(p.reduce_dtype)) if reduce_bytes != b else _name(pr.compute_dtype)}, all "
-            f"{n / 1e6:,.1f}M unsharded: FSDP keeps the micro-batches' gradients unsharded until the last one's "
+            f"{_name(torch_dtype(p.reduce_dtype)) if reduce_bytes != b else _name(pr.compute_dtype)}, "
+            f"{whole} unsharded: FSDP keeps the micro-batches' gradients unsharded until the last one's "
             f"reduce-scatter (gradient accumulation)"
         )
     allocated = parameters + gradients + optimizer + unsharded + reduce_buffers + activations
@@ -415,9 +472,15 @@ def estimate(
     )
 
 
-def accumulation(cfg, world_size: int, micro_batch: int) -> int:
-    """Micro-batches per step on each rank (1: no gradient accumulation)."""
-    return max(1, cfg.train.global_batch_size // world_size // max(1, micro_batch))
+def accumulation(cfg, dp_size: int, micro_batch: int) -> int:
+    """Micro-batches per step on each rank (1: no gradient accumulation), the global batch divided
+    over the `dp_size` data-parallel ranks (the world over parallel.tp)."""
+    return max(1, cfg.train.global_batch_size // dp_size // max(1, micro_batch))
+
+
+def dp_size(cfg, world_size: int) -> int:
+    """The ranks that take different samples: the world over parallel.tp (the plan's)."""
+    return Plan(cfg.parallel, world_size).dp_size
 
 
 def preflight(
@@ -437,7 +500,7 @@ def preflight(
     from trainer.config import ConfigError
 
     pr = measure(cfg, gpu=True)
-    micro = cfg.train.micro_batch_size or cfg.train.global_batch_size // world_size
+    micro = cfg.train.micro_batch_size or cfg.train.global_batch_size // dp_size(cfg, world_size)
     need = estimate(cfg, world_size, micro, ranks_per_node, gpu=True, profile=pr)
     if need.total <= have:
         return need
@@ -446,8 +509,9 @@ def preflight(
         ("it would fit with " + ", or ".join(fixes))
         if fixes
         else (
-            "no single change (activation checkpointing, a smaller micro-batch, CPU offload, full sharding, more "
-            "ranks per node, up to 16x the nodes) makes it fit: use a smaller model or GPUs with more memory"
+            "no single change (activation checkpointing, a smaller micro-batch, CPU offload, full sharding, "
+            "tensor parallelism, more ranks per node, up to 16x the nodes) makes it fit: use a smaller model or "
+            "GPUs with more memory"
         )
     )
     raise ConfigError(
@@ -468,10 +532,14 @@ def changes_that_fit(
     profile: Profile | None = None,
 ) -> list[str]:
     """Each single change not already made (activation checkpointing, a smaller micro-batch, CPU
-    offload, full sharding, more ranks per node, more nodes) after which the GPU estimate is at most
-    `have` bytes, with that estimate: "parallel.activation_checkpointing=true (41.2 GB)"."""
+    offload, full sharding, more tensor parallelism, more ranks per node, more nodes) after which the
+    GPU estimate is at most `have` bytes, with that estimate: "parallel.activation_checkpointing=true
+    (41.2 GB)"."""
+    from trainer import models
+
     pr = profile or measure(cfg, gpu=True)
-    per_rank = cfg.train.global_batch_size // world_size
+    tp, batch = cfg.parallel.tp, cfg.train.global_batch_size
+    per_rank = batch // dp_size(cfg, world_size)
     micro = cfg.train.micro_batch_size or per_rank
     fixes = []
 
@@ -495,21 +563,32 @@ def changes_that_fit(
         total = fits(_with(cfg, parallel={"sharding": "full"}))
         if total:
             fixes.append(f"parallel.sharding=full ({gb(total)})")
+    if models.spec(cfg.model).tp_plan is not None:  # tensor parallelism inside a node, where the family has a plan
+        for more in (2, 4, 8):
+            if more <= tp or ranks_per_node % more or batch % (world_size // more):
+                continue
+            # the same micro-batch where it is set; else each data-parallel rank's samples, tp times more
+            total = fits(
+                _with(cfg, parallel={"tp": more}), mb=cfg.train.micro_batch_size or batch // (world_size // more)
+            )
+            if total:
+                fixes.append(f"parallel.tp={more} ({gb(total)})")
+                break
     if ranks_option and factors.finer_per_node:
         for rpn in (2, 4, 8):
             world = rpn * nodes
-            if rpn <= ranks_per_node or cfg.train.global_batch_size % world:
+            if rpn <= ranks_per_node or rpn % tp or batch % (world // tp):
                 continue
-            total = fits(cfg, world, min(micro, cfg.train.global_batch_size // world), rpn)
+            total = fits(cfg, world, min(micro, batch // (world // tp)), rpn)
             if total:
                 fixes.append(f"{ranks_option.format(rpn)} ({gb(total)})")
                 break
     if factors.finer_with_nodes:
         for more in range(nodes + 1, 16 * nodes + 1):
             world = more * ranks_per_node
-            if cfg.train.global_batch_size % world:
+            if batch % (world // tp):
                 continue
-            total = fits(cfg, world, min(micro, cfg.train.global_batch_size // world))
+            total = fits(cfg, world, min(micro, batch // (world // tp)))
             if total:
                 fixes.append(f"{nodes_option.format(more)} ({gb(total)})")
                 break

@@ -45,7 +45,8 @@ def dtype(name: str) -> torch.dtype:
 class MemoryFactors:
     """What one rank holds under the plan, for trainer.memory's estimate and the changes it offers."""
 
-    shards: int  # ranks one parameter (its gradient, its optimizer state) is sharded over; 1: every rank holds all
+    shards: int  # ranks one parameter (its gradient, its optimizer state) is split over (dp_shard x tp); 1: none
+    tp: int  # tensor-parallel degree: a rank gathers, computes and keeps 1/tp of each block (1: none)
     gathers: bool  # units are all-gathered in the compute dtype and gradients reduce-scattered (FSDP)
     keeps_gathered: bool  # every unit stays all-gathered from forward to backward (FSDP's grad_op)
     bucket_copy: bool  # DDP over more than one rank: its gradient buckets are a second copy of the gradients
@@ -174,16 +175,19 @@ class Plan:
         p, tp, found = self.args, self.tp, []
         if p.strategy != "fsdp":
             found.append(("parallel.tp", f"is {tp} but needs parallel.strategy=fsdp (it is {p.strategy}); set tp=1"))
-        if self.world_size % tp:
-            found.append(("parallel.tp", f"{tp} does not divide the {self.world_size} processes; choose a divisor"))
-        if self.ranks_per_node and self.ranks_per_node % tp:
+        # its ranks talk at every layer, so they share a node (NVLink): tp divides the ranks of one node
+        # (ranks_per_node; else torchrun's LOCAL_WORLD_SIZE, where the trainer runs under it)
+        node = self.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 0))
+        if node and node % tp:
             found.append(
                 (
                     "parallel.tp",
-                    f"{tp} does not divide the {self.ranks_per_node} ranks of a node (a tensor-parallel group stays "
-                    "inside a node); choose a divisor",
+                    f"{tp} does not divide the {node} processes (GPUs) of a node; tensor parallelism stays inside "
+                    f"a node: choose a divisor of {node}",
                 )
             )
+        elif self.world_size % tp:
+            found.append(("parallel.tp", f"{tp} does not divide the {self.world_size} processes; choose a divisor"))
         for key, on in (
             ("sharding", p.sharding == "hybrid"),
             ("cpu_offload", p.cpu_offload),
@@ -224,12 +228,13 @@ class Plan:
     def memory_factors(self) -> MemoryFactors:
         p = self.args
         return MemoryFactors(
-            shards=self.dp_shard,
+            shards=self.dp_shard * self.tp,
+            tp=self.tp,
             gathers=self.fsdp,
             keeps_gathered=self.fsdp and p.sharding == "grad_op",
             bucket_copy=p.strategy == "ddp" and self.world_size > 1,
             can_offload=self.fsdp,
-            node_shards=self.hybrid and self.dp_shard < self.world_size,
+            node_shards=self.hybrid and self.dp_shard < self.dp_size,
             finer_per_node=self.fsdp and not p.shard_size,
             finer_with_nodes=self.fsdp and not self.hybrid,
         )

@@ -459,18 +459,20 @@ def check_node_range(cfg, job: Job) -> None:
     if len(job.node_counts) < 2:
         return
     bad = []
+    tp = cfg.parallel.tp  # the global batch is divided over the data-parallel ranks: the world over tp
     for n in job.node_counts:
         world = n * job.nproc_per_node
         t = resolve_batch(cfg, world).train
-        per_rank, rest = divmod(t.global_batch_size, world)
+        per_rank, rest = divmod(t.global_batch_size, world // tp)
         if rest or (t.micro_batch_size and per_rank % t.micro_batch_size):
             bad.append(n)
     if not bad:
         return
     good = [n for n in job.node_counts if n not in bad]
     micro = cfg.train.micro_batch_size or 1
-    fits = math.lcm(*(n * job.nproc_per_node * micro for n in job.node_counts))
-    counts = ", ".join(f"{n} ({n * job.nproc_per_node} ranks)" for n in bad)
+    fits = math.lcm(*(n * job.nproc_per_node // tp * micro for n in job.node_counts))
+    unit = "ranks" if tp == 1 else "data-parallel ranks"
+    counts = ", ".join(f"{n} ({n * job.nproc_per_node // tp} {unit})" for n in bad)
     works = f"node counts that work: {', '.join(map(str, good))}" if good else "no node count in the range works"
     micro_text = f" x train.micro_batch_size {micro}" if cfg.train.micro_batch_size else ""
     raise SubmitError(
@@ -492,7 +494,9 @@ def check_config(job: Job, partition: Partition | None = None, planning: bool = 
     try:
         overrides = [f"run_dir={job.run_dir}", *job.overrides]
         cfg, where, notes = load_run(str(job.config), overrides)
-        warnings = validate(cfg, world, where=where, overrides=overrides, planning=planning)
+        warnings = validate(
+            cfg, world, where=where, overrides=overrides, planning=planning, node_size=job.nproc_per_node
+        )
         check_node_range(cfg, job)
         job.max_excluded = cfg.health.max_excluded
         for line in [*notes, *(f"warning: {w}" for w in warnings)]:
