@@ -240,16 +240,7 @@ def test_each_shard_file_is_checked_by_one_rank_its_writer(tmp_path, monkeypatch
     the whole file for its checksum: each file is checked once, by the rank that wrote it (or,
     with fewer ranks than writers, dealt out), so at N ranks rank 0's file is not read N times."""
     state = {"a": torch.randn(256, 64), "b": torch.arange(9)}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state, storage_writer=checksums.ChecksumWriter(tmp_path), no_dist=True)  # writes __0_0.distcp
-    (shard,) = tmp_path.glob("*.distcp")
-    raw = bytearray(shard.read_bytes())
-    raw[-100] ^= 0xFF  # in the zip directory at the archive's end, a part no load needs
-    shard.write_bytes(bytes(raw))
-    hashed = []
-    hasher = checksums.hasher
-    monkeypatch.setattr(checksums, "hasher", lambda: hashed.append(1) or hasher())
+    hashed = _saved_with_a_byte_no_load_needs_flipped(tmp_path, state, monkeypatch)  # __0_0.distcp
 
     def load_as(rank: int, world_size: int) -> None:
         with warnings.catch_warnings():
@@ -265,20 +256,27 @@ def test_each_shard_file_is_checked_by_one_rank_its_writer(tmp_path, monkeypatch
     assert shard_reader._checker("other.distcp", 4, 3) == 1
 
 
-def test_check_false_reads_without_hashing_for_the_benchs_unchecked_load(tmp_path, monkeypatch):
-    """bench/checkpoint_io.py's unchecked load: ShardReader(check=False) hashes no file (the damage
-    it would catch goes unseen: a file no load needs), and reads the tensors as the checked one."""
-    state = {"a": torch.randn(64, 8)}
+def _saved_with_a_byte_no_load_needs_flipped(tmp_path, state, monkeypatch) -> list:
+    """`state` saved in one shard file whose zip directory (at the archive's end, a part no load
+    needs) has a byte flipped: only a checksum sees it. Returns the list each hash appends to."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(state, storage_writer=checksums.ChecksumWriter(tmp_path), no_dist=True)
     (shard,) = tmp_path.glob("*.distcp")
     raw = bytearray(shard.read_bytes())
-    raw[-100] ^= 0xFF  # in the zip directory at the archive's end, a part no load needs
+    raw[-100] ^= 0xFF
     shard.write_bytes(bytes(raw))
     hashed = []
     hasher = checksums.hasher
     monkeypatch.setattr(checksums, "hasher", lambda: hashed.append(1) or hasher())
+    return hashed
+
+
+def test_check_false_reads_without_hashing_for_the_benchs_unchecked_load(tmp_path, monkeypatch):
+    """bench/checkpoint_io.py's unchecked load: ShardReader(check=False) hashes no file (the damage
+    it would catch goes unseen: a file no load needs), and reads the tensors as the checked one."""
+    state = {"a": torch.randn(64, 8)}
+    hashed = _saved_with_a_byte_no_load_needs_flipped(tmp_path, state, monkeypatch)
     target = blank(state)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
