@@ -86,7 +86,7 @@ def test_a_run_stops_early_and_a_restart_has_nothing_to_do(tmp_path, capsys):
     # Training on: early stopping off (a larger patience would do too, stops_again below).
     out = train(run_dir, 1, "train.early_stop_patience=0", "train.steps=8").stdout
     assert "finished at step 8" in out and layout.latest_committed_step(run_dir) == 8
-    assert layout.early_stop_record(run_dir) is None
+    assert layout.early_stop_record(run_dir, layout.latest_committed_step(run_dir)) is None
     assert requeue.requeue_check(str(run_dir), 0, 3, "7") == 0  # finished: not requeued either
     assert "training finished at step 8" in capsys.readouterr().out
 

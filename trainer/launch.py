@@ -543,13 +543,13 @@ def main(argv: list[str] | None = None) -> int:
         return outcomes.BAD_INPUT.code
     # What the ranks would say, before any check or set-up: a run that stopped early (trainer/early_stop.py)
     # and stays stopped, or one that reached train.steps.
-    stopped = layout.early_stop_record(cfg.run_dir)
+    done = layout.latest_committed_step(cfg.run_dir)
+    stopped = layout.early_stop_record(cfg.run_dir, done)
     if stopped and early_stop.stops_again(stopped[1], cfg.train.early_stop_patience):
         if first:
             print(early_stop.nothing_to_do(stopped[0], cfg.train.early_stop_patience), flush=True)
             layout.write_status(cfg.run_dir, state="finished")
         return 0
-    done = layout.latest_committed_step(cfg.run_dir)
     if done is not None and done >= cfg.train.steps:
         if first:
             print(

@@ -124,10 +124,10 @@ def latest_committed_step(run_dir):
     return None
 
 
-def early_stop_record(run_dir):
-    """(step, its early_stop part) of the newest committed checkpoint when that part records that
-    the run stopped early at that step (trainer/early_stop.py), else None."""
-    step = latest_committed_step(run_dir)
+def early_stop_record(run_dir, step):
+    """(step, its early_stop part) when `step`, the newest committed checkpoint (latest_committed_step,
+    which the caller has asked already), records that the run stopped early there
+    (trainer/early_stop.py), else None."""
     if step is None:
         return None
     try:

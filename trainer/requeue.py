@@ -83,7 +83,7 @@ def requeue_check(run_dir, exit_code, max_attempts, job_id, max_excluded=0):
     total = status.get("steps")
     prefix = "requeue-check: job {}:".format(job_id)
     where = "newest checkpoint: step {}".format(latest) if latest is not None else "no checkpoint yet"
-    stopped = layout.early_stop_record(run_dir)  # the newest checkpoint says the run stopped early
+    stopped = layout.early_stop_record(run_dir, latest)  # the newest checkpoint says the run stopped early
     if stopped and exit_code == 0:  # else (a start that trains on, killed before its first save) requeued
         print(
             "{} stopped early at step {} (train.early_stop_patience); not requeued: {}".format(
