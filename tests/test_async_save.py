@@ -12,10 +12,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.device_mesh import DeviceMesh
 
 from conftest import small_parts, small_step
-from trainer import checkpoint
+from trainer import checkpoint, torch_compat
 from trainer.dist import exit_process
 
 UNCHANGED = "No change in the local plan"  # DCP's line when a rank's cached plan is reused
@@ -59,7 +60,7 @@ def test_a_cached_plan_saves_what_a_fresh_one_does(tmp_path, group, caplog, monk
         saved[step] = {k: v.clone() for k, v in model.state_dict().items()}
     ckpt.close()
     assert reused == ([False] * 3 if in_process else [False, True, True])
-    assert not any(ckpt.plan_key in getattr(checkpoint.SavePlanner, c) for c in checkpoint._PLAN_CACHES)
+    assert not any(ckpt.plan_key in getattr(SavePlanner, c) for c in torch_compat.PLAN_CACHES)
 
     for step in (1, 2, 3):
         path = checkpoint.step_path(str(tmp_path), step)

@@ -52,7 +52,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.planner import SavePlanner  # noqa: F401 - tests/test_async_save.py reads its caches here
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -150,7 +149,6 @@ class AutoInterval:
 
 # DCP's save-plan caching (torch 2.6+; 2.11 and 2.14 have it), and the class-level caches it fills.
 _PLAN_CACHING = "enable_plan_caching" in inspect.signature(DefaultSavePlanner.__init__).parameters
-_PLAN_CACHES = torch_compat.PLAN_CACHES  # DCP's class-level plan caches (tests/test_async_save.py)
 
 
 class CheckpointError(Exception):
