@@ -191,25 +191,28 @@ def read_lines(path, line_limit=1 << 16, chunk=1 << 20):
     bytes is yielded as None (read through, never kept), for the caller to count as not its own.
     Opened as open_regular: never through a link, never blocking on a FIFO."""
     with open_regular(path, buffering=0) as f:
-        pending, skipping = b"", False
+        block = bytearray(chunk)
+        view = memoryview(block)
+        pending, skipping = bytearray(), False
         while True:
-            block = f.read(chunk)
-            if not block:
+            n = f.readinto(block)
+            if not n:
                 break
-            parts = block.split(b"\n")
-            for i, part in enumerate(parts):
-                last = i == len(parts) - 1
+            start = 0
+            while start < n:
+                end = block.find(b"\n", start, n)
+                stop = n if end < 0 else end
                 if not skipping:
-                    pending += part
-                    if len(pending) > line_limit:
-                        pending, skipping = b"", True
-                if last:
+                    if len(pending) + stop - start > line_limit:
+                        pending, skipping = bytearray(), True
+                    else:
+                        pending += view[start:stop]
+                if end < 0:
                     break
-                if skipping:
-                    yield None
-                else:
-                    yield pending.decode("utf-8", "replace")
-                pending, skipping = b"", False
+                yield None if skipping else pending.decode("utf-8", "replace")
+                pending, skipping = bytearray(), False
+                start = end + 1
+        view.release()
         if skipping:
             yield None
         elif pending:
