@@ -664,3 +664,36 @@ def test_metadata_naming_a_torch_submodule_is_refused_before_it_is_imported(tmp_
         "load it only if you trust where it came from",
         "False",
     ], done.stdout + done.stderr
+
+
+def test_tensorboard_events_are_never_written_through_a_planted_link(tmp_path, caplog):
+    """Issue 41 item 4: <run_dir>/tensorboard followed a link (it was not among the folders checked):
+    after `ln -s ~victim/.config/autostart run/tensorboard` an events file appeared in the victim's
+    private folder. Now the start refuses a link there (layout.WRITTEN_FOLDERS: tests/test_plant.py
+    plants one at every name), the tracker refuses one at use with one warning, and a link swapped in
+    after the tracker began changes nothing: it writes into the folder it checked and holds."""
+    from trainer.config import LogArgs
+    from trainer.trackers import Trackers
+
+    private = tmp_path / "autostart"
+    private.mkdir()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "tensorboard").symlink_to(private)
+    if os.geteuid() == 0:
+        os.lchown(run / "tensorboard", 4321, 4321)  # the neighbour's link
+    trackers = Trackers(str(run), LogArgs(progress=False, tensorboard=True), {}, None)
+    trackers.log({"step": 1, "loss": 1.0})
+    trackers.close()
+    assert list(private.iterdir()) == []
+    assert f"{run / 'tensorboard'} is a symbolic link" in caplog.text and "no TensorBoard events" in caplog.text
+
+    (run / "tensorboard").unlink()
+    trackers = Trackers(str(run), LogArgs(progress=False, tensorboard=True), {}, None)
+    (run / "tensorboard").rename(run / "tensorboard.moved")  # swapped while the run trains
+    (run / "tensorboard").symlink_to(private)
+    trackers.log({"step": 1, "loss": 1.0})
+    trackers.log({"step": 2, "loss": 0.5})
+    trackers.close()
+    assert list(private.iterdir()) == []
+    assert [p.name.startswith("events.out.tfevents") for p in (run / "tensorboard.moved").iterdir()] == [True]
