@@ -232,12 +232,73 @@ def test_a_checkpoint_saved_before_manifests_is_loaded_with_one_line_saying_what
     meta, state = resumed(tmp_path, group)
     assert meta["step"] == 2 and all(torch.equal(state[k], weights[2][k]) for k in state)
     lines = [line for line in said(caplog).splitlines() if "saved before manifests" in line]
-    assert lines == [
-        f"checkpoint {newest} was saved before manifests (by an older trainer): its shards are checked by "
-        f"their .xxh3 records, its .metadata by the restricted unpickler, its random states and optimizer "
-        f"groups by their types and shapes, but a change to its meta.json, .metadata or rng files that "
-        f"keeps them valid is not detected; its next save writes a manifest"
-    ], said(caplog)
+    assert lines == [_before_manifests(newest, "its 1 shard file(s) are checked, 1 by their .xxh3 records")]
+
+
+def _before_manifests(folder, shards: str) -> str:
+    return (
+        f"checkpoint {folder} was saved before manifests (by an older trainer): {shards}, its .metadata by the "
+        f"restricted unpickler, its random states and optimizer groups by their types and shapes, but a change to "
+        f"its meta.json, .metadata or rng files that keeps them valid is not detected; its next save writes a "
+        f"manifest"
+    )
+
+
+def _damage_a_weight(folder, weight: torch.Tensor) -> None:
+    """Flip one bit inside the stored bytes of `weight` in the shard file: without a checksum, a load
+    takes other weights without a word."""
+    shard = os.path.join(folder, "__0_0.distcp")
+    data = bytearray(open(shard, "rb").read())
+    at = bytes(data).index(weight.numpy().tobytes())
+    data[at + 2] ^= 0x10
+    open(shard, "wb").write(bytes(data))
+
+
+def test_a_checkpoint_with_crc32_records_has_its_shards_checked_by_them(tmp_path, group, caplog):
+    """Issue 41 item 12: checkpoints of the trainers that wrote `.crc32` records (before XXH3) were not
+    checked at all: only `.xxh3` was read, so a damaged shard loaded other weights. A .crc32 record is
+    checked where it is the only one: the damaged checkpoint is skipped, naming the file."""
+    import zlib
+
+    weights = saved_run(tmp_path, group)
+    newest = checkpoint.step_path(tmp_path, 2)
+    as_saved_before_manifests(newest)
+    shard = os.path.join(newest, "__0_0.distcp")
+    os.remove(shard + ".xxh3")
+    data = open(shard, "rb").read()
+    json.dump({"size": len(data), "crc32": zlib.crc32(data)}, open(shard + ".crc32", "w"))
+    caplog.set_level(logging.INFO, "trainer")
+    meta, state = resumed(tmp_path, group)  # intact: loaded, and the line says how it was checked
+    assert meta["step"] == 2 and all(torch.equal(state[k], weights[2][k]) for k in state)
+    assert _before_manifests(newest, "its 1 shard file(s) are checked, 1 by their .crc32 records") in said(caplog)
+    _damage_a_weight(newest, weights[2]["0.weight"])
+    caplog.clear()
+    meta, state = resumed(tmp_path, group)
+    assert (
+        f"skipping checkpoint {newest}: rank 0 could not read its shards (ChecksumError: __0_0.distcp is damaged"
+        in (said(caplog))
+    )
+    assert meta["step"] == 1 and all(torch.equal(state[k], weights[1][k]) for k in state)
+
+
+def test_a_checkpoint_with_no_checksum_records_says_its_shards_are_unchecked(tmp_path, group, caplog):
+    """Issue 41 item 12: a checkpoint saved before checksums (no .xxh3, no .crc32) loaded with a line
+    saying its shards were checked by their .xxh3 records. The decision (docs/security.md): it still
+    loads, as refusing it would strand every run saved by the first trainers, and the line says
+    exactly that damage to its shard bytes loads unnoticed."""
+    weights = saved_run(tmp_path, group)
+    newest = checkpoint.step_path(tmp_path, 2)
+    as_saved_before_manifests(newest)
+    os.remove(os.path.join(newest, "__0_0.distcp.xxh3"))
+    caplog.set_level(logging.INFO, "trainer")
+    meta, state = resumed(tmp_path, group)
+    assert meta["step"] == 2 and all(torch.equal(state[k], weights[2][k]) for k in state)
+    unchecked = (
+        "1 of its 1 shard file(s) have no checksum record (saved before checksums): damage to their bytes loads "
+        "unnoticed"
+    )
+    lines = [line for line in said(caplog).splitlines() if "saved before manifests" in line]
+    assert lines == [_before_manifests(newest, unchecked)], said(caplog)
 
 
 def test_a_truncated_rng_file_of_an_old_checkpoint_is_skipped_not_a_crash(tmp_path, group, caplog):
