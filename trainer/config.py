@@ -294,7 +294,9 @@ def load_run(path: str | None, overrides: list[str] = (), config_chosen: bool = 
     base, the command line's overrides apply on top. The --config file only names the run dir and
     fills keys the saved config lacks (written by an older trainer); a value it sets that differs
     from the run's is not used, and one of the lines says so, unless the user did not choose the file
-    (config_chosen=False: make's default CONFIG). A new run dir: `load(path, overrides)`."""
+    (config_chosen=False: make's default CONFIG). A new run dir: `load(path, overrides)`.
+    The saved config is read only when nobody but the user could have written it (`_read_saved`);
+    naming it as the --config file adopts it as the user's own."""
     path = find_config(path)
     cfg = load(path, overrides)
     saved = os.path.join(cfg.run_dir, SAVED)
