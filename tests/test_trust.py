@@ -21,7 +21,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension, ZStandard
 from torch.distributed.checkpoint.api import CheckpointException
 
-from conftest import TINY, load_metadata, losses, rerecord, small_parts, small_step, train
+from conftest import ROOT, TINY, load_metadata, losses, rerecord, small_parts, small_step, train
 from trainer import checkpoint
 from trainer.shard_reader import ShardReader
 
@@ -232,12 +232,73 @@ def test_a_checkpoint_saved_before_manifests_is_loaded_with_one_line_saying_what
     meta, state = resumed(tmp_path, group)
     assert meta["step"] == 2 and all(torch.equal(state[k], weights[2][k]) for k in state)
     lines = [line for line in said(caplog).splitlines() if "saved before manifests" in line]
-    assert lines == [
-        f"checkpoint {newest} was saved before manifests (by an older trainer): its shards are checked by "
-        f"their .xxh3 records, its .metadata by the restricted unpickler, its random states and optimizer "
-        f"groups by their types and shapes, but a change to its meta.json, .metadata or rng files that "
-        f"keeps them valid is not detected; its next save writes a manifest"
-    ], said(caplog)
+    assert lines == [_before_manifests(newest, "its 1 shard file(s) are checked, 1 by their .xxh3 records")]
+
+
+def _before_manifests(folder, shards: str) -> str:
+    return (
+        f"checkpoint {folder} was saved before manifests (by an older trainer): {shards}, its .metadata by the "
+        f"restricted unpickler, its random states and optimizer groups by their types and shapes, but a change to "
+        f"its meta.json, .metadata or rng files that keeps them valid is not detected; its next save writes a "
+        f"manifest"
+    )
+
+
+def _damage_a_weight(folder, weight: torch.Tensor) -> None:
+    """Flip one bit inside the stored bytes of `weight` in the shard file: without a checksum, a load
+    takes other weights without a word."""
+    shard = os.path.join(folder, "__0_0.distcp")
+    data = bytearray(open(shard, "rb").read())
+    at = bytes(data).index(weight.numpy().tobytes())
+    data[at + 2] ^= 0x10
+    open(shard, "wb").write(bytes(data))
+
+
+def test_a_checkpoint_with_crc32_records_has_its_shards_checked_by_them(tmp_path, group, caplog):
+    """Issue 41 item 12: checkpoints of the trainers that wrote `.crc32` records (before XXH3) were not
+    checked at all: only `.xxh3` was read, so a damaged shard loaded other weights. A .crc32 record is
+    checked where it is the only one: the damaged checkpoint is skipped, naming the file."""
+    import zlib
+
+    weights = saved_run(tmp_path, group)
+    newest = checkpoint.step_path(tmp_path, 2)
+    as_saved_before_manifests(newest)
+    shard = os.path.join(newest, "__0_0.distcp")
+    os.remove(shard + ".xxh3")
+    data = open(shard, "rb").read()
+    json.dump({"size": len(data), "crc32": zlib.crc32(data)}, open(shard + ".crc32", "w"))
+    caplog.set_level(logging.INFO, "trainer")
+    meta, state = resumed(tmp_path, group)  # intact: loaded, and the line says how it was checked
+    assert meta["step"] == 2 and all(torch.equal(state[k], weights[2][k]) for k in state)
+    assert _before_manifests(newest, "its 1 shard file(s) are checked, 1 by their .crc32 records") in said(caplog)
+    _damage_a_weight(newest, weights[2]["0.weight"])
+    caplog.clear()
+    meta, state = resumed(tmp_path, group)
+    assert (
+        f"skipping checkpoint {newest}: rank 0 could not read its shards (ChecksumError: __0_0.distcp is damaged"
+        in (said(caplog))
+    )
+    assert meta["step"] == 1 and all(torch.equal(state[k], weights[1][k]) for k in state)
+
+
+def test_a_checkpoint_with_no_checksum_records_says_its_shards_are_unchecked(tmp_path, group, caplog):
+    """Issue 41 item 12: a checkpoint saved before checksums (no .xxh3, no .crc32) loaded with a line
+    saying its shards were checked by their .xxh3 records. The decision (docs/security.md): it still
+    loads, as refusing it would strand every run saved by the first trainers, and the line says
+    exactly that damage to its shard bytes loads unnoticed."""
+    weights = saved_run(tmp_path, group)
+    newest = checkpoint.step_path(tmp_path, 2)
+    as_saved_before_manifests(newest)
+    os.remove(os.path.join(newest, "__0_0.distcp.xxh3"))
+    caplog.set_level(logging.INFO, "trainer")
+    meta, state = resumed(tmp_path, group)
+    assert meta["step"] == 2 and all(torch.equal(state[k], weights[2][k]) for k in state)
+    unchecked = (
+        "1 of its 1 shard file(s) have no checksum record (saved before checksums): damage to their bytes loads "
+        "unnoticed"
+    )
+    lines = [line for line in said(caplog).splitlines() if "saved before manifests" in line]
+    assert lines == [_before_manifests(newest, unchecked)], said(caplog)
 
 
 def test_a_truncated_rng_file_of_an_old_checkpoint_is_skipped_not_a_crash(tmp_path, group, caplog):
@@ -466,11 +527,27 @@ def test_metadata_with_enum_members_pickled_by_name_loads_and_getattr_stays_clos
             load_metadata(tmp_path / ".metadata")
 
 
-def test_a_run_dirs_config_runs_its_health_command_only_when_only_we_can_write_it(tmp_path):
-    """The run dir's config.yaml is the base of every later start, and health.command is run on every
-    node: a config.yaml that someone else could have written (group- or world-writable, another
-    owner, a link, or in a run dir others can write) must not make a start run its command. The
-    command is dropped with one line; the command line's or the user's own --config file's is used."""
+def _refused_config(run, why: str) -> None:
+    """load_run refuses the run dir's config.yaml as a whole, in the one line that says `why`."""
+    from trainer.config import ConfigError, load_run
+
+    saved = run / "config.yaml"
+    with pytest.raises(ConfigError) as e:
+        load_run(None, [f"run_dir={run}"])
+    assert str(e.value) == (
+        f"{saved}: not used, because {why}, so someone else may have written it (its values set the run: learning "
+        f"rate, checkpoints kept, commands); if it is yours, read it and continue with it by naming it: --config "
+        f"{saved} (make: CONFIG={saved}), and keep the run dir writable by you only (chmod go-w)"
+    )
+
+
+def test_a_run_dirs_config_is_used_only_when_only_we_can_write_it(tmp_path):
+    """Issue 41 item 3: the run dir's config.yaml is the base of every later start, and each of its
+    values sets the run: a neighbour's `checkpoint.keep: 1` and `optim.lr: 1000` trained at lr 1000
+    and retention deleted steps 2 and 4, and only health.command and model.family were checked. A
+    config.yaml someone else could have written (another owner, group- or world-writable, a link, in
+    a run dir others can write) is refused as a whole, in one line naming its owner and how to
+    adopt it: naming it as one's own --config file."""
     from trainer.config import dump, load, load_run
 
     marker = tmp_path / "ran"
@@ -478,41 +555,72 @@ def test_a_run_dirs_config_runs_its_health_command_only_when_only_we_can_write_i
     run.mkdir(mode=0o755)
     os.chmod(run, 0o755)
     saved = run / "config.yaml"
-    dump(load(None, [f"run_dir={run}", f"health.command=touch {marker}"]), str(saved))
+    dump(load(None, [f"run_dir={run}", f"health.command=touch {marker}", "checkpoint.keep=1", "optim.lr=1000"]), saved)
     os.chmod(saved, 0o644)
     cfg, _, lines = load_run(None, [f"run_dir={run}"])  # ours, writable by us only: used
-    assert cfg.health.command == f"touch {marker}" and lines == []
-
-    def refused(why):
-        cfg, _, lines = load_run(None, [f"run_dir={run}"])
-        assert cfg.health.command != f"touch {marker}"
-        assert lines[:1] == [
-            f"{saved}: its health.command is not run (it would run on every node) because {why}, so someone "
-            f"else may have written it; give health.command= on the command line or in your own --config file, "
-            f"and keep the run dir writable by you only (chmod go-w)"
-        ]
+    assert cfg.health.command == f"touch {marker}" and cfg.optim.lr == 1000 and lines == []
 
     os.chmod(saved, 0o664)
-    refused("group or others can write it (mode 664)")
-    cfg, _, _ = load_run(None, [f"run_dir={run}", "health.command=exit 0"])  # the command line's wins
-    assert cfg.health.command == "exit 0"
-    own = tmp_path / "mine.yaml"
-    own.write_text(f"run_dir: {run}\nhealth:\n  command: exit 7\n")
-    cfg, _, _ = load_run(str(own), [])  # the user's own --config file's is used
-    assert cfg.health.command == "exit 7"
+    _refused_config(run, "group or others can write it (mode 664)")
+    with pytest.raises(Exception, match="not used, because"):  # the command line's values do not adopt it
+        load_run(None, [f"run_dir={run}", "health.command=exit 0", "optim.lr=0.001"])
+    cfg, _, _ = load_run(str(saved), [])  # named as the user's own --config: adopted, as given
+    assert cfg.optim.lr == 1000 and cfg.health.command == f"touch {marker}"
     os.chmod(saved, 0o644)
     os.chmod(run, 0o775)
-    refused(f"its folder {run} can be written by group or others (mode 775)")
+    _refused_config(run, f"its folder {run} can be written by group or others (mode 775)")
     os.chmod(run, 0o755)
-    if os.geteuid() == 0:  # root can give the file to someone else
+    if os.geteuid() == 0:  # the neighbour: another uid's file (root can make one)
         os.chown(saved, 4321, -1)
-        refused("it is owned by uid 4321, not by you (uid 0)")
+        _refused_config(run, "it is owned by uid 4321, not by you (uid 0)")
         os.chown(saved, 0, -1)
     elsewhere = tmp_path / "elsewhere.yaml"
     saved.rename(elsewhere)
     saved.symlink_to(elsewhere)
-    refused("it is a symbolic link")
+    _refused_config(run, "it is a symbolic link")
     assert not marker.exists()
+
+
+def test_a_config_yaml_linked_to_a_private_file_is_never_read(tmp_path, capsys):
+    """Issue 41 item 7: config.yaml was read with a plain open() before the planted-link check: linked
+    to the victim's private creds.yaml, the start printed `unknown key 'aws_token'` (under Slurm into
+    the group-readable slurm/<job>.out). Now the link is refused before a byte is read, and so is a
+    FIFO (no stat-then-open race: the file checked is the file read)."""
+    from trainer import check
+
+    run = tmp_path / "run"
+    run.mkdir()
+    creds = tmp_path / "creds.yaml"
+    creds.write_text("aws_token: AKIA-SECRET-1234\n")
+    (run / "config.yaml").symlink_to(creds)
+    assert check.main(["--config", str(ROOT / "configs/default.yaml"), f"run_dir={run}"]) == 2
+    err = capsys.readouterr().err
+    assert "because it is a symbolic link" in err and err.count("\n") == 1, err
+    assert "aws_token" not in err and "SECRET" not in err
+
+
+def test_an_oversized_config_is_refused_in_one_line_without_reading_it_all(tmp_path):
+    """Issue 41 item 8: a 512 MB config.yaml made `trainer.config --print` peak at 1.07 GB. A config
+    file (the user's --config or the run dir's config.yaml) is read up to 1 MiB, and a larger one is
+    one line (sparse: the test writes nothing)."""
+    import resource
+
+    from trainer.config import ConfigError, load, load_run
+
+    big = tmp_path / "big.yaml"
+    with open(big, "wb") as f:
+        f.truncate(512 << 20)
+    run = tmp_path / "run"
+    run.mkdir()
+    os.chmod(run, 0o755)
+    os.replace(big, run / "config.yaml")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for read in (lambda: load(str(run / "config.yaml")), lambda: load_run(None, [f"run_dir={run}"])):
+        with pytest.raises(ConfigError) as e:
+            read()
+        assert str(e.value).startswith(f"{run / 'config.yaml'}: is larger than 1048576 bytes"), e.value
+    grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert grown_mb < 64, grown_mb
 
 
 def test_a_command_moved_into_our_own_file_in_a_shared_run_dir_is_never_run(tmp_path):
@@ -520,7 +628,7 @@ def test_a_command_moved_into_our_own_file_in_a_shared_run_dir_is_never_run(tmp_
     group-writable run dir; a resume used to move it into a metrics.superseded.jsonl of the victim's,
     which the attacker renames to config.yaml: the next start ran it. Now the line is dropped (never
     copied), and a config.yaml of ours in a run dir others can write is not trusted to run anything."""
-    from trainer.config import LogArgs, load_run
+    from trainer.config import LogArgs
     from trainer.metrics import Reporter
 
     marker = tmp_path / "ran"
@@ -537,8 +645,7 @@ def test_a_command_moved_into_our_own_file_in_a_shared_run_dir_is_never_run(tmp_
     superseded.write_text(attack + "\n")
     os.chmod(superseded, 0o644)
     os.replace(superseded, run / "config.yaml")
-    cfg, _, lines = load_run(None, [f"run_dir={run}"])
-    assert cfg.health.command != f"touch {marker}" and "is not run" in lines[0]
+    _refused_config(run, f"its folder {run} can be written by group or others (mode 775)")
     assert not marker.exists()
 
 
@@ -618,3 +725,36 @@ def test_metadata_naming_a_torch_submodule_is_refused_before_it_is_imported(tmp_
         "load it only if you trust where it came from",
         "False",
     ], done.stdout + done.stderr
+
+
+def test_tensorboard_events_are_never_written_through_a_planted_link(tmp_path, caplog):
+    """Issue 41 item 4: <run_dir>/tensorboard followed a link (it was not among the folders checked):
+    after `ln -s ~victim/.config/autostart run/tensorboard` an events file appeared in the victim's
+    private folder. Now the start refuses a link there (layout.WRITTEN_FOLDERS: tests/test_plant.py
+    plants one at every name), the tracker refuses one at use with one warning, and a link swapped in
+    after the tracker began changes nothing: it writes into the folder it checked and holds."""
+    from trainer.config import LogArgs
+    from trainer.trackers import Trackers
+
+    private = tmp_path / "autostart"
+    private.mkdir()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "tensorboard").symlink_to(private)
+    if os.geteuid() == 0:
+        os.lchown(run / "tensorboard", 4321, 4321)  # the neighbour's link
+    trackers = Trackers(str(run), LogArgs(progress=False, tensorboard=True), {}, None)
+    trackers.log({"step": 1, "loss": 1.0})
+    trackers.close()
+    assert list(private.iterdir()) == []
+    assert f"{run / 'tensorboard'} is a symbolic link" in caplog.text and "no TensorBoard events" in caplog.text
+
+    (run / "tensorboard").unlink()
+    trackers = Trackers(str(run), LogArgs(progress=False, tensorboard=True), {}, None)
+    (run / "tensorboard").rename(run / "tensorboard.moved")  # swapped while the run trains
+    (run / "tensorboard").symlink_to(private)
+    trackers.log({"step": 1, "loss": 1.0})
+    trackers.log({"step": 2, "loss": 0.5})
+    trackers.close()
+    assert list(private.iterdir()) == []
+    assert [p.name.startswith("events.out.tfevents") for p in (run / "tensorboard.moved").iterdir()] == [True]

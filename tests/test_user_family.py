@@ -149,22 +149,23 @@ def test_a_run_dir_that_others_can_write_may_not_name_the_family(tmp_path, packa
     run_dir = saved_run(tmp_path, 0o777)
     proc = run(package, "--config", str(ROOT / "configs/default.yaml"), f"run_dir={run_dir}")
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.splitlines() == [
-        f"error: {run_dir}/config.yaml: its model.family '{FAMILY}' is not imported (importing runs its code) "
-        f"because its folder {run_dir} can be written by group or others (mode 777), so someone else may have "
-        f"written it; give model.family= on the command line or in your own --config file, and keep the run dir "
-        f"writable by you only (chmod go-w)"
+    saved = run_dir / "config.yaml"
+    assert proc.stderr.splitlines() == [  # refused as a whole (issue 41 item 3), before anything imports it
+        f"error: {saved}: not used, because its folder {run_dir} can be written by group or others (mode 777), so "
+        f"someone else may have written it (its values set the run: learning rate, checkpoints kept, commands); if "
+        f"it is yours, read it and continue with it by naming it: --config {saved} (make: CONFIG={saved}), and "
+        f"keep the run dir writable by you only (chmod go-w)"
     ]
     assert imports(package) == 0 and not (run_dir / "metrics.jsonl").exists()
 
-    # named on the command line: the user's own choice, imported (the check reads the family)
-    default = ("--config", str(ROOT / "configs/default.yaml"))
-    proc = run(package, *default, f"run_dir={run_dir}", f"model.family={FAMILY}", module="trainer.check")
+    # named as the user's own --config: their choice, imported (the check reads the family)
+    proc = run(package, "--config", str(saved), module="trainer.check")
     assert proc.returncode == 0, proc.stderr
     assert imports(package) >= 1
     # a run dir only the user can write: its config.yaml is the user's
     run_dir.chmod(0o755)
     before = imports(package)
+    default = ("--config", str(ROOT / "configs/default.yaml"))
     proc = run(package, *default, f"run_dir={run_dir}", module="trainer.check")
     assert proc.returncode == 0, proc.stderr
     assert imports(package) > before

@@ -400,11 +400,27 @@ def unverified(path: str) -> str | None:
     if os.path.lexists(os.path.join(path, checksums.MANIFEST)):
         return None
     return (
-        f"checkpoint {path} was saved before manifests (by an older trainer): its shards are checked by "
-        f"their .xxh3 records, its .metadata by the restricted unpickler, its random states and optimizer "
-        f"groups by their types and shapes, but a change to its meta.json, .metadata or rng files that "
-        f"keeps them valid is not detected; its next save writes a manifest"
+        f"checkpoint {path} was saved before manifests (by an older trainer): {_shards_checked(path)}, its "
+        f".metadata by the restricted unpickler, its random states and optimizer groups by their types and "
+        f"shapes, but a change to its meta.json, .metadata or rng files that keeps them valid is not detected; "
+        f"its next save writes a manifest"
     )
+
+
+def _shards_checked(path: str) -> str:
+    """What checks the shard files of the checkpoint `path` (saved before manifests), in words: their
+    .xxh3 records, the .crc32 records of a trainer before XXH3, or none (issue 41 item 12: the line
+    said .xxh3 records where there were none, and 38 damaged variants loaded other weights)."""
+    found = checksums.shard_records(path)
+    total = sum(map(len, found.values()))
+    parts = [f"{len(found[k])} by their .{k} records" for k in ("xxh3", "crc32") if found[k]]
+    if not found["none"]:
+        return f"its {total} shard file(s) are checked, " + " and ".join(parts)
+    unchecked = (
+        f"{len(found['none'])} of its {total} shard file(s) have no checksum record (saved before checksums): "
+        f"damage to their bytes loads unnoticed"
+    )
+    return unchecked + (", the others are checked, " + " and ".join(parts) if parts else "")
 
 
 def _warn_if_unverified(path: str) -> None:

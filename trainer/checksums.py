@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 
 import torch
 import xxhash
@@ -33,6 +34,9 @@ from torch.distributed.checkpoint import FileSystemWriter
 from trainer import files
 
 SUFFIX = ".xxh3"
+# The record of trainers before XXH3 (1392210 to ca05b7f): {"size": bytes, "crc32": zlib's CRC-32}.
+# Still checked where it is a checkpoint's only record.
+CRC32_SUFFIX = ".crc32"
 MANIFEST = "manifest.json"
 _CHUNK = 16 << 20
 MANIFEST_BYTES = 256 << 20  # the most a manifest.json is read: about 3 million files' entries
@@ -44,6 +48,28 @@ class ChecksumError(OSError):
 
 def hasher():
     return xxhash.xxh3_64()
+
+
+class _Crc32:
+    """zlib's CRC-32 with a hasher's update/intdigest, for the .crc32 records of older trainers."""
+
+    def __init__(self):
+        self.value = 0
+
+    def update(self, data) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def intdigest(self) -> int:
+        return self.value
+
+
+def hasher_for(want: dict):
+    """A hasher of the kind of the record `want` (record()'s answer): XXH3-64, or CRC-32 for a .crc32."""
+    return xxhash.xxh3_64() if "xxh3_64" in want else _Crc32()
+
+
+def _kind(want: dict) -> str:
+    return "xxh3_64" if "xxh3_64" in want else "crc32"
 
 
 def checksum_file(path: str) -> tuple[int, int]:
@@ -58,17 +84,33 @@ def checksum_file(path: str) -> tuple[int, int]:
 
 
 def record(path: str) -> dict | None:
-    """The checksum recorded for the shard file at `path`, or None (a checkpoint saved before
-    checksums existed)."""
-    try:
-        want = files.read_json(path + SUFFIX)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        raise ChecksumError(f"{os.path.basename(path + SUFFIX)} is unreadable ({_short(e)})") from None
-    if not (isinstance(want, dict) and isinstance(want.get("size"), int) and isinstance(want.get("xxh3_64"), int)):
-        raise ChecksumError(f"{os.path.basename(path + SUFFIX)} is damaged: not a size and checksum record")
-    return want
+    """The checksum recorded for the shard file at `path`: its .xxh3 record ({"size", "xxh3_64"}),
+    else the .crc32 record of a trainer before XXH3 ({"size", "crc32"}), or None (a checkpoint saved
+    before checksums existed)."""
+    for suffix, key in ((SUFFIX, "xxh3_64"), (CRC32_SUFFIX, "crc32")):
+        try:
+            want = files.read_json(path + suffix)
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError) as e:
+            raise ChecksumError(f"{os.path.basename(path + suffix)} is unreadable ({_short(e)})") from None
+        if not (isinstance(want, dict) and isinstance(want.get("size"), int) and isinstance(want.get(key), int)):
+            raise ChecksumError(f"{os.path.basename(path + suffix)} is damaged: not a size and checksum record")
+        return {"size": want["size"], key: want[key]}
+    return None
+
+
+def shard_records(folder: str) -> dict[str, list[str]]:
+    """The shard files (*.distcp) of checkpoint `folder` by what records their checksum: "xxh3" (a
+    .xxh3 record), "crc32" (only a .crc32 record, by a trainer before XXH3), "none" (saved before
+    checksums: nothing tells a damaged byte of it)."""
+    names = sorted(n for n in os.listdir(folder) if n.endswith(".distcp"))
+    found: dict[str, list[str]] = {"xxh3": [], "crc32": [], "none": []}
+    for name in names:
+        path = os.path.join(folder, name)
+        kind = "xxh3" if os.path.lexists(path + SUFFIX) else "crc32" if os.path.lexists(path + CRC32_SUFFIX) else "none"
+        found[kind].append(name)
+    return found
 
 
 def _short(e: Exception) -> str:
@@ -79,10 +121,10 @@ def _short(e: Exception) -> str:
 def verify(path: str, size: int, digest: int) -> None:
     """Raise ChecksumError if (size, digest), computed over the file at `path`, differ from its record."""
     want = record(path)
-    if want is not None and (want["size"], want["xxh3_64"]) != (size, digest):
+    if want is not None and (want["size"], want[_kind(want)]) != (size, digest):
         raise ChecksumError(
             f"{os.path.basename(path)} is damaged: {size} bytes with checksum {digest:016x}, but "
-            f"{want['size']} bytes with {want['xxh3_64']:016x} were written"
+            f"{want['size']} bytes with {want[_kind(want)]:016x} were written"
         )
 
 
@@ -102,7 +144,7 @@ def write_manifest(folder: str, run_id: str | None = None) -> None:
             if relative == MANIFEST or os.path.islink(path):
                 continue
             want = record(path)  # a shard file: its writer hashed it already
-            size, digest = (want["size"], want["xxh3_64"]) if want else checksum_file(path)
+            size, digest = (want["size"], want["xxh3_64"]) if want and "xxh3_64" in want else checksum_file(path)
             listed[relative.replace(os.sep, "/")] = {"size": size, "xxh3_64": digest}
     with open(os.path.join(folder, MANIFEST), "w") as f:
         saved_by = {"run_id": run_id} if run_id else {}

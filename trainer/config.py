@@ -294,19 +294,18 @@ def load_run(path: str | None, overrides: list[str] = (), config_chosen: bool = 
     base, the command line's overrides apply on top. The --config file only names the run dir and
     fills keys the saved config lacks (written by an older trainer); a value it sets that differs
     from the run's is not used, and one of the lines says so, unless the user did not choose the file
-    (config_chosen=False: make's default CONFIG). A new run dir: `load(path, overrides)`."""
+    (config_chosen=False: make's default CONFIG). A new run dir: `load(path, overrides)`.
+    The saved config is read only when nobody but the user could have written it (`_read_saved`);
+    naming it as the --config file adopts it as the user's own."""
     path = find_config(path)
     cfg = load(path, overrides)
     saved = os.path.join(cfg.run_dir, SAVED)
-    if not os.path.isfile(saved):
+    if not (os.path.islink(saved) or os.path.isfile(saved)):  # a FIFO or folder there: the start's check names it
         return cfg, path or "defaults", []
-    saved_raw = _read_yaml(saved)
+    adopted = path is not None and os.path.abspath(path) == os.path.abspath(saved)
+    saved_raw = _read_yaml(saved) if adopted else _read_saved(saved)
     given = {item.partition("=")[0] for item in overrides}
-    untrusted = _untrusted_command(saved, saved_raw, given)
     file_raw = _read_yaml(path) if path is not None else {}
-    family = saved_raw["model"].get("family") if isinstance(saved_raw.get("model"), dict) else None
-    if family and "model.family" not in given and cfg.model.family != family:  # cfg: --config and command line
-        refuse_untrusted_family(saved, family)  # before anything imports it
     raw = _merge(file_raw, {**saved_raw, "run_dir": cfg.run_dir})
     if given & {"model.size", "model.init_from"} and isinstance(raw.get("model"), dict):
         # The saved shape was resolved from the old size (or folder): the new one resolves it anew,
@@ -319,7 +318,7 @@ def load_run(path: str | None, overrides: list[str] = (), config_chosen: bool = 
     result = _build(Config, raw, prefix="", sources=sources, default_source=saved)
     run = _leaves(to_dict(from_dict({**_merge(file_raw, saved_raw), "run_dir": cfg.run_dir}, saved)))
     now, from_file = _leaves(to_dict(result)), _leaves(to_dict(cfg))
-    lines = [untrusted] if untrusted else []
+    lines = []
     changed = [f"{k} {run[k]!r} -> {now[k]!r}" for k in now if k != "run_dir" and now[k] != run.get(k)]
     if changed:
         lines.append(
@@ -342,25 +341,40 @@ def load_run(path: str | None, overrides: list[str] = (), config_chosen: bool = 
     return result, saved, lines
 
 
-def _untrusted_command(saved: str, raw: dict, given: set[str]) -> str | None:
-    """The line to show when the run dir's config.yaml sets health.command, which every node runs,
-    and someone other than us could have written it (files.trusted: a link, another owner, writable by
-    the group or others, or in a run dir they can write, where a file of ours holding their bytes can
-    be renamed to config.yaml): the command is then taken out of `raw`, never run. The command line's
-    health.command replaces it anyway; the --config file's, the user's own choice, is used if set."""
-    health = raw.get("health")
-    command = health.get("command") if isinstance(health, dict) else None
-    if not command or "health.command" in given:
-        return None
-    problem = files.trusted(saved)
-    if problem is None:
-        return None
-    del health["command"]
-    return (
-        f"{saved}: its health.command is not run (it would run on every node) because {problem}, so "
-        f"someone else may have written it; give health.command= on the command line or in your own "
-        f"--config file, and keep the run dir writable by you only (chmod go-w)"
-    )
+def _read_saved(saved: str) -> dict:
+    """The run dir's config.yaml `saved`, read only when nobody but the user could have written it
+    (files.read_trusted: your regular file, not a link, writable by nobody else, in a run dir
+    nobody else can write), and checked on the very file it reads. Every value of it sets the run
+    (the learning rate, how many checkpoints are kept, health.command, model.family), so one that
+    fails is refused as a whole, before a byte of it is read, in one line naming its owner. The
+    user adopts it by naming it: `--config <run_dir>/config.yaml` (their own choice, as any
+    --config file), after reading it."""
+    try:
+        return _parse_file(files.read_trusted(saved, CONFIG_FILE_BYTES), saved)
+    except files.Untrusted as e:
+        raise ConfigError(
+            f"{saved}: not used, because {_with_owner_name(e.why, e.owner)}, so someone else may have written it "
+            f"(its values set the run: learning rate, checkpoints kept, commands); if it is yours, read it and "
+            f"continue with it by naming it: --config {saved} (make: CONFIG={saved}), and keep the run dir "
+            f"writable by you only (chmod go-w)"
+        ) from None
+    except files.UnsafeFile as e:
+        raise ConfigError(f"{e.path}: {e.why}; move it away") from None
+    except OSError as e:
+        raise ConfigError(f"{saved}: cannot read the run's config ({e.strerror}); check its permissions") from None
+
+
+def _with_owner_name(why: str, owner: int | None) -> str:
+    """`why` with the login name of uid `owner` after its number, where the system knows it."""
+    if owner is None or owner == os.geteuid():
+        return why
+    try:
+        import pwd
+
+        name = pwd.getpwuid(owner).pw_name
+    except (ImportError, KeyError):
+        return why
+    return why.replace(f"uid {owner},", f"uid {owner} ({name}),", 1)
 
 
 def refuse_untrusted_family(path: str, family: str) -> None:
@@ -485,8 +499,13 @@ def _parse(text: str, where: str, lines: bool = False) -> Any:
         raise ConfigError(f"{at}: invalid YAML ({problem}); {todo}") from None
 
 
+# The most a config file may hold: a config is a few kilobytes (a long data.sources list tens).
+CONFIG_FILE_BYTES = 1 << 20
+
+
 def _read_yaml(path: str) -> dict:
-    """The top-level mapping of the YAML file at `path`; every problem with the file is a ConfigError."""
+    """The top-level mapping of the YAML file at `path` (a file the user named: a link is followed),
+    at most CONFIG_FILE_BYTES of it; every problem with the file is a ConfigError."""
     if os.path.isdir(path):
         raise ConfigError(f"{path}: is a folder; pass a YAML file with --config")
     kind = files.special_file(path)
@@ -494,17 +513,25 @@ def _read_yaml(path: str) -> dict:
         raise ConfigError(f"{path}: is {kind}, not a regular file; pass a YAML file with --config")
     if not os.path.isfile(path):
         raise ConfigError(f"{path}: config file not found; pass an existing file with --config")
+    try:  # opened without blocking and checked as opened: a FIFO swapped in after the stat above
+        data = files.read_named(path, CONFIG_FILE_BYTES)
+    except files.UnsafeFile as e:
+        raise ConfigError(f"{path}: {e.why}; pass a YAML file with --config") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the config file ({e.strerror}); check its permissions") from None
+    return _parse_file(data, path)
+
+
+def _parse_file(data: bytes, path: str) -> dict:
+    """The top-level mapping of a config file's bytes `data`; every problem is a ConfigError naming `path`."""
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         line = e.object[: e.start].count(b"\n") + 1
         raise ConfigError(
             f"{path}:{line}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
             f"save the file as UTF-8"
         ) from None
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read the config file ({e.strerror}); check its permissions") from None
     raw = _parse(text, path, lines=True)
     if raw is None:
         raise ConfigError(

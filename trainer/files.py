@@ -130,6 +130,95 @@ def read_json(path, limit=SMALL_FILE_BYTES):
     return json.loads(read_text(path, limit))
 
 
+def read_named(path, limit=SMALL_FILE_BYTES):
+    """The bytes of a file the user named on the command line (a --config file): as read_bytes, but
+    a link is followed (the user chose the name; a link to their own file is theirs to make). The
+    open never blocks on a FIFO and checks what it opened (no stat-then-open race), and at most
+    `limit` bytes are read (UnsafeFile past that)."""
+    try:
+        fd = os.open(str(path), os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        if e.errno == errno.ENXIO:  # a socket
+            raise UnsafeFile(path, "is a socket, not a regular file") from None
+        raise
+    _regular(fd, path)
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise UnsafeFile(path, "is larger than {} bytes, more than a file of its kind holds".format(limit))
+    return data
+
+
+class Untrusted(UnsafeFile):
+    """A file whose content cannot be taken as the user's own (`trusted` says why); `owner` is the
+    uid that owns it (None where it is not a regular file)."""
+
+    def __init__(self, path, why, owner=None):
+        super(Untrusted, self).__init__(path, why)
+        self.owner = owner
+
+
+def read_trusted(path, limit=SMALL_FILE_BYTES):
+    """The bytes of the file at `path` when only the user could have written them (the rule of
+    `trusted`), read from the very file that was checked: opened without following a link and
+    without blocking, its owner and mode taken with fstat, its folder's with lstat. Untrusted
+    (nothing read) otherwise; UnsafeFile past `limit` bytes; FileNotFoundError when absent."""
+    try:
+        fd = _open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except UnsafeFile as e:
+        raise Untrusted(path, "it is a symbolic link" if "link" in e.why else "it is not a regular file") from None
+    try:
+        st = os.fstat(fd)
+        why = _untrusted_because(path, st)
+        if why:
+            raise Untrusted(path, why, st.st_uid if stat.S_ISREG(st.st_mode) else None)
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb") as f:
+            fd = None
+            data = f.read(limit + 1)
+    finally:
+        if fd is not None:
+            os.close(fd)
+    if len(data) > limit:
+        raise UnsafeFile(path, "is larger than {} bytes, more than a file of its kind holds".format(limit))
+    return data
+
+
+def read_lines(path, line_limit=1 << 16, chunk=1 << 20):
+    """The lines of the regular file at `path`, streamed (without their line ends): memory stays
+    within `chunk` + `line_limit` bytes whatever the file holds. A line longer than `line_limit`
+    bytes is yielded as None (read through, never kept), for the caller to count as not its own.
+    Opened as open_regular: never through a link, never blocking on a FIFO."""
+    with open_regular(path, buffering=0) as f:
+        block = bytearray(chunk)
+        view = memoryview(block)
+        pending, skipping = bytearray(), False
+        while True:
+            n = f.readinto(block)
+            if not n:
+                break
+            start = 0
+            while start < n:
+                end = block.find(b"\n", start, n)
+                stop = n if end < 0 else end
+                if not skipping:
+                    if len(pending) + stop - start > line_limit:
+                        pending, skipping = bytearray(), True
+                    else:
+                        pending += view[start:stop]
+                if end < 0:
+                    break
+                yield None if skipping else pending.decode("utf-8", "replace")
+                pending, skipping = bytearray(), False
+                start = end + 1
+        view.release()
+        if skipping:
+            yield None
+        elif pending:
+            yield pending.decode("utf-8", "replace")
+
+
 def temporary(path):
     """(fd, name) of a new file beside `path`, created exclusively under a random name: for a
     file written in pieces and renamed into place by the caller (os.replace)."""
@@ -212,9 +301,12 @@ def trusted(path):
     others, in a folder of the user's (or root's) that group and others cannot write either. In a
     group-writable folder another user can rename a file of yours that holds their bytes into
     place, so the file's own owner and mode prove nothing there."""
-    path = str(path)
+    return _untrusted_because(str(path), os.lstat(str(path)))
+
+
+def _untrusted_because(path, st):
+    """`trusted`'s answer for the file at `path` whose stat (lstat or fstat) is `st`."""
     uid = os.geteuid()
-    st = os.lstat(path)
     if not stat.S_ISREG(st.st_mode):
         return "it is {}".format(kind(st.st_mode))
     if st.st_uid != uid:

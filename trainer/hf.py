@@ -61,8 +61,53 @@ def init_args(args: ModelArgs) -> ModelArgs:
     if not args.init_from or family is None or family.hf is None:
         return args
     args = model_args(args.init_from, args)
+    refuse_what_cannot_fit(args, os.path.join(args.init_from, CONFIG))
     weight_files(args.init_from)
     return args
+
+
+def _machine_bytes() -> int | None:
+    """This machine's memory (MemTotal, as trainer/memory.py's machine_bytes reads it: this module
+    is below it and imports no torch), or None where /proc/meminfo cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def refuse_what_cannot_fit(args: ModelArgs, where: str) -> None:
+    """An HFError when config.json (at `where`) gives the model a tensor that no rank can hold: FSDP
+    all-gathers each unit whole on every rank (trainer/memory.py's "unsharded"), so each weight
+    matrix, in float32, must fit this machine's memory, whatever the number of ranks. A neighbour's
+    config.json with hidden_size or vocab_size 2**40 passed every check (the memory check reads the
+    config before model.init_from's shape is applied) and crashed rank 0 allocating 32 TiB: it is
+    refused here, before anything is allocated, naming the keys (issue 41 item 10)."""
+    have = _machine_bytes()
+    if not have:
+        return
+    dim, vocab, ffn = (getattr(args, k, None) for k in ("dim", "vocab_size", "ffn_dim"))
+    heads, head_dim = getattr(args, "n_heads", None), getattr(args, "head_dim", None)
+    if isinstance(dim, int) and isinstance(heads, int) and heads > 0:
+        head_dim = head_dim if isinstance(head_dim, int) else dim // heads
+    matrices = [
+        ("vocab_size x hidden_size", vocab, dim),
+        ("hidden_size x intermediate_size", dim, ffn),
+        ("hidden_size x num_attention_heads x head_dim", dim, heads * head_dim if heads and head_dim else None),
+    ]
+    for keys, rows, cols in matrices:
+        if not (isinstance(rows, int) and isinstance(cols, int)):
+            continue
+        need = rows * cols * 4  # float32: the parameters FSDP keeps and gathers
+        if need > have:
+            raise HFError(
+                f"{where}: {keys} = {rows:,} x {cols:,} makes one weight of {need / 1e9:,.1f} GB in float32, more "
+                f"than this machine's {have / 1e9:.1f} GB of memory (a rank holds each weight whole while it is "
+                f"gathered, an export in float32); is this the model's own config.json?"
+            )
 
 
 # -- config.json ----------------------------------------------------------------------------------
@@ -181,6 +226,16 @@ def _header(path: str) -> list[str]:
     """The tensor names of the safetensors file at `path`; an HFError where its header is unreadable."""
     from safetensors import SafetensorError, safe_open
 
+    try:  # opened here first: safetensors calls a file it may not read "No such file or directory"
+        files.open_regular(os.path.realpath(path), buffering=0).close()
+    except PermissionError:
+        st = os.stat(path)
+        raise HFError(
+            f"{path} cannot be read by you (uid {os.geteuid()}): it is owned by uid {st.st_uid} with mode "
+            f"{st.st_mode & 0o777:o}; ask its owner to make it readable (chmod a+r), or copy the folder"
+        ) from None
+    except OSError as e:
+        raise HFError(f"{path} cannot be read ({e.strerror or e}); download it again") from None
     try:
         with safe_open(path, framework="numpy") as f:  # only the header is read: no torch needed
             return list(f.keys())

@@ -10,6 +10,7 @@
     <run_dir>/health/, slurm/health/ failed health checks (trainer/health.py)
     <run_dir>/hangs/                 stacks of a hung or straggling rank (trainer/hangs.py)
     <run_dir>/trace/                 each rank's sample order, with data.trace (trainer/train.py)
+    <run_dir>/tensorboard/, wandb/   the trackers' files, with log.tensorboard, log.wandb (trainer/trackers.py)
     <run_dir>/slurm/requeue.json     the Slurm requeue check's state (trainer/requeue.py)
     <run_dir>/run_id                 the run's identity, written at its first start (trainer/checkpoint.py)
     <run_dir>/checkpoints/step_00000100/   a complete checkpoint (see trainer/checkpoint.py)
@@ -45,12 +46,23 @@ HEARTBEATS_DIR = "heartbeats"
 HEALTH_DIR = "health"
 HANGS_DIR = "hangs"
 TRACE_DIR = "trace"
+TENSORBOARD_DIR = "tensorboard"  # log.tensorboard's event files (trainer/trackers.py)
+WANDB_DIR = "wandb"  # log.wandb's files, written by wandb itself (trainer/trackers.py)
 SLURM_DIR = "slurm"
 REQUEUE_FILE = os.path.join(SLURM_DIR, "requeue.json")
 # Every name the project writes or reads in a run dir, file or folder (tests/test_plant.py plants a
 # link and a FIFO at each and checks nothing is written or read through it).
 WRITTEN_FILES = RUN_DIR_FILES + (SUPERSEDED_FILE, TRACKERS_FILE, REQUEUE_FILE, RUN_ID_FILE)
-WRITTEN_FOLDERS = (CHECKPOINTS_DIR, HEARTBEATS_DIR, HEALTH_DIR, HANGS_DIR, TRACE_DIR, SLURM_DIR)
+WRITTEN_FOLDERS = (
+    CHECKPOINTS_DIR,
+    HEARTBEATS_DIR,
+    HEALTH_DIR,
+    HANGS_DIR,
+    TRACE_DIR,
+    SLURM_DIR,
+    TENSORBOARD_DIR,
+    WANDB_DIR,
+)
 # Keys a committed checkpoint's meta.json always holds.
 META_KEYS = ("step", "samples", "world_size", "scheduler", "shapes")
 

@@ -19,6 +19,7 @@ Both files are touched only through trainer/files.py: a link or FIFO planted at 
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
@@ -45,8 +46,10 @@ log = logging.getLogger("trainer")
 # inside the allocation only), `rendezvous` the agent's rendezvous was done and it started the ranks.
 START_ENV = "TRAINER_START_TIMES"
 
-# The most a metrics file may hold before reading it is refused (a row is ~300 bytes: millions of rows).
-METRICS_FILE_BYTES = 1 << 30
+# The longest line of a metrics file that can be a row (a row is ~300 bytes; one with many sources'
+# keys a few kilobytes): a longer one is read through and dropped as not a row. The files themselves
+# are streamed, never read whole: a long run's metrics.jsonl may be gigabytes.
+METRICS_LINE_BYTES = 64 << 10
 
 
 def process_started() -> float:
@@ -207,43 +210,65 @@ class Reporter:
         metrics.jsonl is replaced atomically."""
         if not self.is_main:
             return
+        # Streamed: the kept rows go straight to a temporary beside the file (renamed into place at the
+        # end), the superseded ones are appended in batches; memory stays a few megabytes at any size.
+        fd, tmp = files.temporary(self.path)
+        superseded_path = os.path.join(os.path.dirname(self.path), layout.SUPERSEDED_FILE)
+        superseded, moved, foreign, batch = None, 0, 0, []
         try:
-            lines = files.read_text(self.path, METRICS_FILE_BYTES).splitlines()
-        except FileNotFoundError:
-            lines = []
-        kept, superseded, foreign = [], [], 0
-        for line in lines:
-            row = project_row(line)
-            if row is None:
-                foreign += 1
-            else:
-                (superseded if row["step"] > step else kept).append(line + "\n")
-        if foreign:
-            log.warning(
-                f"{self.path}: dropped {foreign} line(s) that are not rows of this run (not a JSON object "
-                f"with a numeric step and time: a line cut short by a kill, or written by someone else)"
-            )
-        if superseded:
-            path = os.path.join(os.path.dirname(self.path), layout.SUPERSEDED_FILE)
-            with files.open_append(path) as f:
-                f.writelines(superseded)
-        if resumed:
-            kept.append(
-                _line(
-                    timed(
-                        {
-                            "event": "resume",
-                            "step": step,
-                            "world_size": resumed["world_size"],
-                            "checkpoint": resumed["path"],
-                            **({"start": times} if times else {}),
-                        }
+            with os.fdopen(fd, "w", encoding="utf-8") as kept:
+                os.fchmod(kept.fileno(), 0o644)
+                try:
+                    for line in files.read_lines(self.path, METRICS_LINE_BYTES):
+                        row = project_row(line) if line is not None else None
+                        if row is None:
+                            foreign += 1 if line is None or line.strip() else 0
+                        elif row["step"] > step:
+                            batch.append(line + "\n")
+                            moved += 1
+                            if len(batch) >= 4096:
+                                superseded = superseded or files.open_append(superseded_path)
+                                superseded.writelines(batch)
+                                batch = []
+                        else:
+                            kept.write(line + "\n")
+                except FileNotFoundError:
+                    pass
+                if batch:
+                    superseded = superseded or files.open_append(superseded_path)
+                    superseded.writelines(batch)
+                if resumed:
+                    kept.write(
+                        _line(
+                            timed(
+                                {
+                                    "event": "resume",
+                                    "step": step,
+                                    "world_size": resumed["world_size"],
+                                    "checkpoint": resumed["path"],
+                                    **({"start": times} if times else {}),
+                                }
+                            )
+                        )
                     )
+                kept.flush()
+                os.fsync(kept.fileno())
+            if superseded is not None:
+                superseded.close()
+            if foreign:
+                log.warning(
+                    f"{self.path}: dropped {foreign} line(s) that are not rows of this run (not a JSON object "
+                    f"with a numeric step and time: a line cut short by a kill, or written by someone else)"
                 )
-            )
-        if not superseded and not resumed and not foreign:
-            return
-        files.write_text(self.path, "".join(kept))
+            if moved or resumed or foreign:
+                os.replace(tmp, self.path)
+                tmp = None
+        finally:
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
 
     def row(self, values: dict) -> None:
         """Append a training row and refresh the progress line."""
@@ -302,9 +327,40 @@ def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+# What a row holds besides numbers: the key of a value (`loss`, `eval_loss/<source>`), the few keys whose
+# values are text (a checkpoint's path, a node's name, a source's label), and the events.
+_ROW_KEY = re.compile(r"[a-z][a-z0-9_]{0,63}(/[A-Za-z0-9_.-]{1,64})?")
+_TEXT_KEYS = ("checkpoint", "node", "data_source", "source")
+_EVENTS = ("resume", "restart", "node_lost", "epoch", "early_stop")
+_TEXT_CHARS = 4096  # the longest text value of a row (a checkpoint's path)
+
+
+def _text(v) -> bool:
+    return isinstance(v, str) and len(v) <= _TEXT_CHARS and not _CONTROL.search(v)
+
+
+def _row_value(key: str, v) -> bool:
+    """Whether `v` is what a row of the project's holds under `key`."""
+    if v is None or _number(v):
+        return True
+    if key == "event":
+        return v in _EVENTS
+    if key in _TEXT_KEYS:
+        return _text(v)
+    if key == "nodes":  # node_lost: the nodes' names
+        return isinstance(v, list) and len(v) <= 65536 and all(map(_text, v))
+    if key == "start":  # resume: the moments of the start
+        return isinstance(v, dict) and all(_ROW_KEY.fullmatch(k) and _number(t) for k, t in v.items())
+    return False
+
+
 def project_row(line: str) -> dict | None:
-    """The row a metrics.jsonl line holds when it is one the project writes (a JSON object with an
-    integer `step`, and a `time` that is a number where it has one), else None."""
+    """The row a metrics.jsonl line holds when it is one the project writes, else None: a JSON object
+    with an integer `step`, a numeric `time` where it has one, keys of the rows' form (`loss`,
+    `eval_loss/<source>`) and numbers (or null) as values, text only under the keys that hold it
+    (an event's name, a checkpoint's path, a node, a source) and without control characters. A line
+    carrying anything else (issue 41 item 11: a neighbour's strings beside an integer step) is
+    someone else's and is copied nowhere."""
     try:
         row = json.loads(line)
     except ValueError:
@@ -312,6 +368,8 @@ def project_row(line: str) -> dict | None:
     if not isinstance(row, dict) or ("time" in row and not _number(row["time"])):
         return None
     if not isinstance(row.get("step"), int) or isinstance(row.get("step"), bool):
+        return None
+    if not all(_ROW_KEY.fullmatch(k) and _row_value(k, v) for k, v in row.items()):
         return None
     return row
 
@@ -354,15 +412,20 @@ def _duration(seconds: float) -> str:
 
 
 def read_rows(path: str) -> list[dict]:
-    """The rows of a metrics.jsonl file (a missing file has none). A line that is not a row of the
-    project's (a torn last line, a string `step` or `time`) is left out, with one warning to stderr
-    naming the file and how many. files.UnsafeFile for a link or FIFO at `path`."""
+    """The rows of a metrics.jsonl file (a missing file has none), streamed. A line that is not a row
+    of the project's (a torn last line, a string `step` or `time`, a line longer than
+    METRICS_LINE_BYTES) is left out, with one warning to stderr naming the file and how many.
+    files.UnsafeFile for a link or FIFO at `path`."""
+    rows, skipped = [], 0
     try:
-        lines = files.read_text(path, METRICS_FILE_BYTES).splitlines()
+        for line in files.read_lines(path, METRICS_LINE_BYTES):
+            row = project_row(line) if line is not None else None
+            if row is not None:
+                rows.append(row)
+            elif line is None or line.strip():
+                skipped += 1
     except FileNotFoundError:
         return []
-    rows = [row for row in map(project_row, lines) if row is not None]
-    skipped = sum(1 for line in lines if line.strip()) - len(rows)
     if skipped:
         print(
             f"warning: {clean(path)}: skipped {skipped} line(s) that are not rows (a JSON object with a "
@@ -469,8 +532,12 @@ def plot(run_dirs: list[str], out: str) -> list[str]:
     if labels:
         ax.legend()
     fig.tight_layout()
-    fig.savefig(out)
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
     plt.close(fig)
+    # Through files.py as every file the project writes: a link or FIFO planted at `out` (a run dir's
+    # loss.png, `make plot`) is replaced, never written through (issue 41 item 2).
+    files.write_bytes(out, png.getvalue())
     return labels
 
 
@@ -501,6 +568,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"plotted {len(args.run_dirs)} run(s) to {args.plot}")
     except files.UnsafeFile as e:
         print(f"error: {clean(e)}: move it away; a run dir's metrics are regular files", file=sys.stderr)
+        return 2
+    except OSError as e:  # the plot's own file: a folder there, a folder that cannot be written
+        why = f"cannot write it ({e.strerror}); name a writable .png file"
+        print(f"error: --plot {clean(args.plot)}: {why}", file=sys.stderr)
         return 2
     return 0
 

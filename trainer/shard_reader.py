@@ -522,7 +522,7 @@ class _ReadAhead:
         """Hash the whole file `f` (also what lies past its recorded size, for the size to differ),
         within the budget until `self.read` is `end`; False once told to stop. From a read-only
         mapping of it, or read into `block` where its filesystem cannot map files (some FUSE mounts)."""
-        h, size = checksums.hasher(), os.fstat(f.fileno()).st_size
+        h, size = checksums.hasher_for(self.verified[path]), os.fstat(f.fileno()).st_size
         with contextlib.ExitStack() as stack:
             m = view = None
             if size:

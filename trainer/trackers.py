@@ -18,7 +18,7 @@ import logging
 import math
 import os
 
-from trainer import files
+from trainer import files, layout
 
 log = logging.getLogger("trainer")
 
@@ -63,22 +63,49 @@ def _tag(key: str) -> str:
     return f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"
 
 
+def held_folder(run_dir: str, name: str) -> tuple[int, str]:
+    """(fd, path) of the folder `name` in `run_dir`, made if absent and held open: the path names the
+    held folder itself (/proc/self/fd/<fd> on Linux), so a writer that opens files under it by path
+    (TensorBoard's) writes into the folder checked here even if someone swaps a link in at the name
+    afterwards. files.UnsafeFile when something other than a folder of ours is at the name."""
+    path = os.path.join(run_dir, name)
+    files.make_folder(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError:  # swapped for a link or a file since make_folder looked
+        raise files.UnsafeFile(path, "is not a folder of the run's (a link or a file was put there)") from None
+    held = f"/proc/self/fd/{fd}"
+    return fd, held if os.path.isdir(held) else path
+
+
 class Trackers:
     """The configured trackers of one run, on rank 0; `log` takes metrics.jsonl's rows."""
 
     def __init__(self, run_dir: str, args, config: dict, resumed_step: int | None):
         self.writers: list = []
+        self.held: list[int] = []  # folders held open for the trackers' writers
         ids = _read_ids(run_dir)
         name = os.path.basename(os.path.abspath(run_dir))
         if args.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            # purge_step: events at or after it, written before a crash, are dropped from the view
-            purge = resumed_step + 1 if resumed_step is not None else None
-            self.tensorboard = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=purge)
-            self.writers.append(self._tensorboard)
+            # A link planted at <run_dir>/tensorboard (a neighbour in a shared run dir) would have the
+            # events written into any folder of ours: the folder is checked and held (issue 41 item 4);
+            # the start's check (trainer/check.py, layout.WRITTEN_FOLDERS) refuses one before this.
+            try:
+                fd, folder = held_folder(run_dir, layout.TENSORBOARD_DIR)
+            except files.UnsafeFile as e:
+                log.warning(f"{e}: no TensorBoard events are written in this start (metrics.jsonl has every row)")
+            else:
+                self.held.append(fd)
+                # purge_step: events at or after it, written before a crash, are dropped from the view
+                purge = resumed_step + 1 if resumed_step is not None else None
+                self.tensorboard = SummaryWriter(folder, purge_step=purge)
+                self.writers.append(self._tensorboard)
         if args.wandb:
             import wandb
+
+            files.make_folder(os.path.join(run_dir, layout.WANDB_DIR))  # wandb writes there itself: not a link
 
             self.wandb = wandb.init(
                 project=args.project or name, name=name, id=ids.get("wandb"), resume="allow", dir=run_dir, config=config
@@ -119,6 +146,9 @@ class Trackers:
     def close(self, finished: bool = True) -> None:
         if hasattr(self, "tensorboard"):
             self.tensorboard.close()
+        for fd in self.held:
+            os.close(fd)
+        self.held = []
         if hasattr(self, "wandb"):
             self.wandb.finish(exit_code=0 if finished else 1)
         if hasattr(self, "mlflow"):
