@@ -219,5 +219,9 @@ def test_a_nan_eval_loss_stops_at_once_and_a_restart_has_nothing_to_do(run, tmp_
     summary = metrics_cli.summary(str(run_dir))
     assert summary["early_stop"] == {"step": 12, "reason": "not_finite", "best_eval_loss": None, "best_step": None}
     assert "stopped early at step 12 (eval loss not finite)" in metrics_cli._summary_line(summary)
-    proc = run_command(command(run_dir, 1, overrides), timeout=300)
-    assert proc.returncode == 0 and "nothing to do: the run stopped early at step 12" in proc.stdout, proc.stderr
+    said = (
+        "nothing to do: the run stopped early at step 12, whose eval loss was not finite "
+        "(train.early_stop_patience=3); to train on, restart with train.early_stop_patience=0"
+    )
+    proc = run_command(command(run_dir, 1, [*overrides, "train.early_stop_patience=30"]), timeout=300)
+    assert proc.returncode == 0 and said.replace("=3)", "=30)") in proc.stdout, proc.stderr

@@ -10,6 +10,7 @@ import pytest
 
 from conftest import TINY, assert_same_weights, launch_command, metrics, refused, rerecord, run_command, train, weights
 from trainer import early_stop, layout, requeue
+from trainer import metrics as metrics_cli
 
 # Evaluations at steps 2, 4, 6, ...; no evaluation is lower than the first by 100, so with patience 2
 # the run stops at step 6 whatever the losses are. Checkpoints at 5 and at the stop (all kept); the
@@ -67,6 +68,10 @@ def test_a_run_stops_early_and_a_restart_has_nothing_to_do(tmp_path, capsys):
     meta = layout.read_meta(layout.step_path(run_dir, 6))
     assert meta[early_stop.PART] == {"best": best, "best_step": 2, "since": 2, "stopped": 6, "reason": "patience"}
     assert layout.read_status(run_dir)["state"] == "finished"
+    summary = metrics_cli.summary(str(run_dir))
+    assert summary["early_stop"] == {"step": 6, "reason": "patience", "best_eval_loss": best, "best_step": 2}
+    said = f"stopped early at step 6 (no improvement on eval_loss {best:.4f} of step 2)"
+    assert said in metrics_cli._summary_line(summary)
 
     # A restart, even with more steps, trains nothing and writes nothing: the launcher says so before
     # any rank starts, the trainer itself too; the Slurm requeue check does not requeue it.

@@ -147,8 +147,13 @@ def stops_again(record, patience):
     return reason_of(record) == NOT_FINITE or record["since"] >= patience
 
 
-def nothing_to_do(step, patience):
-    """The line of a restart of a run that stopped early at `step`."""
+def nothing_to_do(step, patience, reason=PATIENCE):
+    """The line of a restart of a run that stopped early at `step` (for `reason`: reason_of its record)."""
+    if reason == NOT_FINITE:  # no patience mends it
+        return (
+            f"nothing to do: the run stopped early at step {step}, whose eval loss was not finite "
+            f"(train.early_stop_patience={patience}); to train on, restart with train.early_stop_patience=0"
+        )
     return (
         f"nothing to do: the run stopped early at step {step} (train.early_stop_patience={patience}); to train "
         f"on, restart with train.early_stop_patience=0 or a larger patience"

@@ -465,7 +465,7 @@ def _summary_line(s: dict) -> str:
         why = (
             "eval loss not finite"
             if stop["reason"] == early_stop.NOT_FINITE
-            else f"no improvement on {num(stop['best_eval_loss'])} (step {stop['best_step']})"
+            else f"no improvement on eval_loss {num(stop['best_eval_loss'])} of step {stop['best_step']}"
         )
         text += f", stopped early at step {stop['step']} ({why})"
     text += f", median {num(s[speed], '.1f')} {speed[len('median_') :].replace('_per_s', '/s')}"

@@ -260,7 +260,9 @@ def _train(run: Run, train_set, eval_set) -> None:
     run.reporter = reporter = Reporter(run_dir, cfg.log, cfg.train.steps, env.is_main)
     step, samples, meta = _resume(cfg, ckpt, model, scheduler, reporter, run.times)
     if run.early.stopped is not None:  # stopped early, and this start's patience keeps it stopped: nothing written
-        _nothing_to_do(cfg, env, reporter, step, early_stopping.nothing_to_do(step, run.early.patience))
+        _nothing_to_do(
+            cfg, env, reporter, step, early_stopping.nothing_to_do(step, run.early.patience, run.early.reason)
+        )
         return
     _accept_start(cfg, env, reporter, step, meta, run.times)
     if step >= cfg.train.steps:
