@@ -256,4 +256,7 @@ def best_checkpoint(run_dir):
     path = layout.step_path(run_dir, record["step"])
     if os.path.islink(path) or layout.files_problem(path) is not None:
         return None
+    meta, run = layout.read_meta(path), layout.read_run_id(run_dir)  # the run's own, as latest_committed_step asks
+    if meta.get("step") != record["step"] or (run and meta.get("run_id") not in (None, run)):
+        return None
     return record["step"], record["loss"], path
