@@ -174,6 +174,10 @@ def test_a_loss_that_is_not_finite_stops_at_once(loss):
     # a restart stays stopped whatever the patience (no later evaluation mends it) unless it is off
     assert early_stop.stops_again(record, 3) and early_stop.stops_again(record, 100)
     assert not early_stop.stops_again(record, 0)
+    assert early_stop.nothing_to_do(4, 100, early_stop.reason_of(record)) == (  # the launcher's line, the trainer's
+        "nothing to do: the run stopped early at step 4, whose eval loss was not finite "
+        "(train.early_stop_patience=100); to train on, restart with train.early_stop_patience=0"
+    )
     again = early_stop.EarlyStop(100, 0.0)
     again.load_state_dict(record)
     assert again.stopped == 4 and again.reason == "not_finite"
