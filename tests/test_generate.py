@@ -192,10 +192,12 @@ def test_the_context_is_cropped_to_seq_len():
     """Past model.seq_len the model sees the last seq_len tokens (its RoPE tables end there)."""
     model = tiny_transformer(8)
     prompt = list(range(10, 22))  # 12 tokens
-    new = gen.sample(model, prompt, 5)
+    new = gen.sample(model, prompt, 5, seq_len=8)
     assert new[0] == gen.sample(model, prompt[-8:], 1)[0]
     assert new[1] == gen.sample(model, [*prompt[-7:], new[0]], 1)[0]
     assert len(new) == 5
+    with pytest.raises(RuntimeError):  # the whole context: more positions than the model's RoPE tables
+        gen.sample(model, prompt, 1)
 
 
 @pytest.mark.parametrize("secret", ["a secret file", "/proc/self/environ"])

@@ -1041,16 +1041,21 @@ class Checkpointer:
         os.rename(tmp, final)
         _fsync(folder(self.run_dir))
         log.info("saved checkpoint %s", final)
-        self._retain()
+        self._retain(meta)
 
-    def _retain(self) -> None:
-        """Delete old checkpoints: keep the `keep` newest and every `keep_every`-th; never the newest."""
+    def _retain(self, meta: dict) -> None:
+        """Delete old checkpoints: keep the `keep` newest, every `keep_every`-th, and every step a part
+        pins in the checkpoint just committed (`meta`: a part's `pinned(its state)`, e.g. the best
+        eval loss's checkpoint, trainer/early_stop.py); never the newest."""
         if self.args.keep <= 0:
             return
         steps = [step for step, _ in complete(self.run_dir, self.said)]
-        newest = set(steps[-self.args.keep :])
+        kept = set(steps[-self.args.keep :])
+        kept.update(
+            s for name, part in self.parts.items() for s in getattr(part, "pinned", lambda _: ())(meta.get(name))
+        )
         for step in steps:
-            if step in newest or (self.args.keep_every and step % self.args.keep_every == 0):
+            if step in kept or (self.args.keep_every and step % self.args.keep_every == 0):
                 continue
             if self.still_owner and not self.still_owner():
                 return

@@ -71,7 +71,7 @@ class TrainArgs:
     # max global gradient norm; None: no clipping
     grad_clip: Annotated[float | None, Range(0, low_open=True, says=_GRAD_CLIP)] = 1.0
     # evaluations in a row without an improvement of the eval loss before the run stops early
-    # (needs eval.interval); 0 or null: off
+    # (needs eval.interval; a NaN or infinite eval loss stops it at once); 0 or null: off
     early_stop_patience: Annotated[int | None, NOT_NEGATIVE] = None
     # how much lower than the best so far an eval loss must be to count as an improvement
     early_stop_min_delta: Annotated[float, NOT_NEGATIVE] = 0.0
@@ -79,7 +79,9 @@ class TrainArgs:
 
 @dataclass
 class EvalArgs:
-    interval: Annotated[int, NOT_NEGATIVE] = 0  # optimizer steps between evaluations; 0 disables them
+    # optimizer steps between evaluations; 0 disables them. An evaluation with the lowest eval loss so
+    # far saves a checkpoint (the best one, which retention keeps) unless its step saves one anyway
+    interval: Annotated[int, NOT_NEGATIVE] = 0
     batches: Annotated[int, AT_LEAST_1] = 4  # micro-batches per rank in one evaluation
 
 
@@ -159,7 +161,8 @@ class CheckpointArgs:
     # Mean time between interruptions of the whole job in hours (interval=auto); None: the Llama 3
     # report's trainer.checkpoint.GPU_MTBF_HOURS (45,566 GPU-hours) divided by the job's processes.
     mtbf_hours: Annotated[float | None, Range(0, low_open=True, says=_MTBF)] = None
-    keep: Annotated[int, NOT_NEGATIVE] = 3  # newest complete checkpoints kept, older ones are deleted; 0 keeps all
+    # newest complete checkpoints kept, older ones are deleted (never the best eval loss's); 0 keeps all
+    keep: Annotated[int, NOT_NEGATIVE] = 3
     # also keep forever every checkpoint whose step is a multiple of this; 0: none
     keep_every: Annotated[int, NOT_NEGATIVE] = 0
     async_save: bool = False  # write shards in the background while training goes on

@@ -1,10 +1,10 @@
 """Evaluate a checkpoint without training: the training loop's evaluation, on demand.
 
-    python -m trainer.evaluate RUN_DIR [--step N] [eval.batches=32 data.eval_path=... ...]
+    python -m trainer.evaluate RUN_DIR [--step N | --best] [eval.batches=32 data.eval_path=... ...]
 
-The checkpoint (the newest complete one by default) is evaluated with the config it was saved with,
-changed by the overrides given (eval.*, data.* and parallel.* keys only: the model is the
-checkpoint's). The numbers are trainer.train.evaluate's, on the same evaluation samples: the
+The checkpoint (the newest complete one by default; --best: the best eval loss's) is evaluated
+with the config it was saved with, changed by the overrides given (eval.*, data.* and parallel.*
+keys only: the model is the checkpoint's). The numbers are trainer.train.evaluate's, on the same evaluation samples: the
 training loop's evaluation at that step gives the same eval_loss. The result is one JSON line on
 stdout, `{"step", "eval_loss", "eval_accuracy" (classifiers), "eval_batches", "time" (unix seconds),
 "source": "trainer.evaluate"}` (with data.sources' own eval_path files, `eval_loss/<source>` each and
@@ -29,7 +29,7 @@ import time
 from trainer import checkpoint, data, files, layout, models, parallel
 from trainer import dist as distributed
 from trainer.config import ConfigError, from_dict, to_dict
-from trainer.export import _config, consolidate
+from trainer.export import _config, add_choice, consolidate
 from trainer.metrics import finite_or_null
 from trainer.version import add_version
 
@@ -69,12 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.evaluate", description=__doc__.split("\n\n")[0])
     add_version(parser)
     parser.add_argument("run_dir")
-    parser.add_argument("--step", type=int, help="checkpoint step; default: the newest complete one")
+    add_choice(parser)
     parser.add_argument("overrides", nargs="*", help="eval.*, data.*, parallel.* key=value, e.g. eval.batches=32")
     args = parser.parse_intermixed_args(argv)
     env = distributed.read_env()
     try:  # everything that can be wrong, before a process group exists
-        state, path = consolidate(args.run_dir, args.step)
+        state, path = consolidate(args.run_dir, args.step, args.best)
         cfg = config(args.run_dir, path, args.overrides)
         models.family_of(cfg.model)  # model.family's module imports (FamilyError otherwise)
         eval_set = data.build(cfg.data, cfg.model, cfg.train.seed, train=False)

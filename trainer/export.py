@@ -1,8 +1,8 @@
 """Export a checkpoint as one consolidated model file (the tutorials' "full state dict"), or as a
 Hugging Face model folder.
 
-    python -m trainer.export RUN_DIR [--step N] --out model.pt
-    python -m trainer.export RUN_DIR [--step N] --format hf --out DIR [--max-shard-size 5GB] [--dtype bfloat16]
+    python -m trainer.export RUN_DIR [--step N | --best] --out model.pt
+    python -m trainer.export RUN_DIR [--step N | --best] --format hf --out DIR [--max-shard-size 5GB] [--dtype bfloat16]
 
 Runs in one process whatever number of processes trained. The file loads straight into the plain
 model: `model.load_state_dict(torch.load("model.pt", weights_only=True))`. A `.pt` or `.pth` name
@@ -27,17 +27,38 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from trainer import checkpoint, files, hf, models
+from trainer import checkpoint, early_stop, files, hf, models
 from trainer.config import ConfigError, from_dict, load, refuse_untrusted_family
 from trainer.shard_reader import ShardReader
 from trainer.version import add_version
 
 
-def consolidate(run_dir: str, step: int | None = None) -> tuple[dict[str, torch.Tensor], str]:
-    """The full model state dict of a run's checkpoint (the newest complete one by default)."""
+def add_choice(parser: argparse.ArgumentParser) -> None:
+    """--step N and --best, the checkpoint a tool reads (trainer.export, evaluate, generate)."""
+    choice = parser.add_mutually_exclusive_group()
+    choice.add_argument("--step", type=int, help="checkpoint step; default: the newest complete one")
+    choice.add_argument(
+        "--best", action="store_true", help="the checkpoint of the best eval loss (the newest checkpoint names it)"
+    )
+
+
+def consolidate(run_dir: str, step: int | None = None, best: bool = False) -> tuple[dict[str, torch.Tensor], str]:
+    """The full model state dict of a run's checkpoint: the newest complete one by default, `step`'s,
+    or with `best` the best eval loss's, as the newest complete one records it (trainer/early_stop.py)."""
     found = dict(checkpoint.complete(run_dir))
     if not found:
         raise ConfigError(f"{run_dir} has no complete checkpoint to export")
+    if best:
+        newest = max(found)
+        try:
+            step = early_stop.best_step(run_dir, (newest, found[newest]))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if step not in found:
+            raise ConfigError(
+                f"--best: the best eval loss of {run_dir} was at step {step}, which has no complete checkpoint here "
+                f"(it has steps {sorted(found)}); give --step N"
+            )
     if step is None:
         step = max(found)
     if step not in found:
@@ -222,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.export", description=__doc__.split("\n\n")[0])
     add_version(parser)
     parser.add_argument("run_dir")
-    parser.add_argument("--step", type=int, help="checkpoint step; default: the newest complete one")
+    add_choice(parser)
     parser.add_argument(
         "--out", required=True, help="output file: .pt (torch.save) or .safetensors; with --format hf a folder"
     )
@@ -242,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         check_out(args.out, args.format)
-        state, path = consolidate(args.run_dir, args.step)
+        state, path = consolidate(args.run_dir, args.step, args.best)
         if args.format == "hf":
             cfg = _config(args.run_dir, path)
             if models.spec(cfg.model).hf is None:

@@ -1,6 +1,6 @@
-"""Sample from a trained transformer: the continuation of a prompt, from a checkpoint of a run.
+"""Sample from a trained language model: the continuation of a prompt, from a checkpoint of a run.
 
-    python -m trainer.generate RUN_DIR [--step N] --prompt TEXT --max-new-tokens N
+    python -m trainer.generate RUN_DIR [--step N | --best] --prompt TEXT --max-new-tokens N
                                [--temperature T | --greedy] [--top-k K] [--seed S] [--tokenizer PATH] [--ids]
 
 Reads the checkpoint in one process whatever number of processes saved it (trainer.export's
@@ -12,6 +12,10 @@ synthetic), or --ids, takes the prompt as space-separated token ids and prints i
 decoding (--greedy or --temperature 0) gives what `transformers`' greedy `generate` gives on the
 exported model (trainer.export --format hf). Each token recomputes the whole context (no KV cache),
 cropped to the model's last model.seq_len tokens.
+
+Any family of kind "lm" works, a family of your own (model.family) too: what generate needs is the
+family's contract (trainer/models/family.py), its input_shape (the context length, (seq_len,)) and
+the model's logits, one row of scores over the vocabulary (model.vocab_size, the data's) per position.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ import torch
 from trainer import checkpoint, models
 from trainer.config import ConfigError
 from trainer.dist import read_env
-from trainer.export import _config, consolidate, read_tokenizer, tokenizer_of
+from trainer.export import _config, add_choice, consolidate, read_tokenizer, tokenizer_of
+from trainer.models.transformer_shapes import transformer_shape
 from trainer.version import add_version
 
 
@@ -37,14 +42,16 @@ def sample(
     temperature: float = 0.0,
     top_k: int | None = None,
     generator: torch.Generator | None = None,
+    seq_len: int | None = None,
 ) -> list[int]:
     """The `max_new_tokens` token ids that follow `prompt`: the most likely one each time when
     temperature is 0, else drawn from softmax(logits / temperature) over the top_k most likely (all
-    when None), with `generator` (a CPU one: the same seed draws the same tokens on any device)."""
+    when None), with `generator` (a CPU one: the same seed draws the same tokens on any device).
+    The model sees the last `seq_len` tokens (its context length: `context_length`); None: all."""
     device = next(model.parameters()).device
     tokens = torch.tensor(prompt, dtype=torch.long, device=device)
     for _ in range(max_new_tokens):
-        logits = model(tokens[-model.seq_len :][None])[0, -1].float()
+        logits = model(tokens[-seq_len if seq_len else 0 :][None])[0, -1].float()
         if temperature == 0:
             token = logits.argmax()
         else:
@@ -57,16 +64,37 @@ def sample(
     return tokens[len(prompt) :].tolist()
 
 
-def load(run_dir: str, step: int | None, device: torch.device):
-    """(the plain model in eval mode on `device`, its config) of a run's checkpoint."""
-    state, path = consolidate(run_dir, step)
+def load(run_dir: str, step: int | None, device: torch.device, best: bool = False):
+    """(the plain model in eval mode on `device`, its config) of a run's checkpoint (`step`'s, the
+    best eval loss's with `best`, else the newest)."""
+    state, path = consolidate(run_dir, step, best)
     cfg = _config(run_dir, path)
     if models.spec(cfg.model).kind != "lm":
         raise ConfigError(f"{path} holds a {cfg.model.name}; trainer.generate samples from a language model run only")
+    context_length(cfg)  # a family whose contract lacks it: refused before the model is built
     with torch.device(device):
         model = models.build(cfg.model)
     model.load_state_dict(state)
     return model.eval(), cfg
+
+
+def context_length(cfg) -> int:
+    """The tokens the run's model sees at once, from its family's contract: input_shape, (seq_len,)
+    for a language model; a ConfigError naming what is missing where the family gives no such shape."""
+    family = models.spec(cfg.model)
+    shape = family.input_shape(cfg.model)
+    if not (isinstance(shape, tuple) and len(shape) == 1 and isinstance(shape[0], int) and shape[0] >= 1):
+        where = cfg.model.family or cfg.model.name
+        raise ConfigError(
+            f"model family {where} is of kind 'lm' but its input_shape gives {shape!r:.60}, not (seq_len,): "
+            f"trainer.generate needs the context length from it; make input_shape return (args.seq_len,)"
+        )
+    return shape[0]
+
+
+def vocab_size(cfg) -> int:
+    """The vocabulary the run's token ids are below: model.vocab_size, as the data took it (trainer/data.py)."""
+    return transformer_shape(cfg.model).vocab_size
 
 
 def load_tokenizer(cfg, explicit: str | None):
@@ -135,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.generate", description=__doc__.split("\n\n")[0])
     add_version(parser)
     parser.add_argument("run_dir")
-    parser.add_argument("--step", type=int, help="checkpoint step; default: the newest complete one")
+    add_choice(parser)
     parser.add_argument(
         "--prompt", required=True, help="text; token ids separated by spaces for --ids or generated data"
     )
@@ -158,20 +186,20 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--temperature is {args.temperature:g}; give 0 (greedy) or more")
         if args.top_k is not None and args.top_k < 1:
             raise ConfigError(f"--top-k is {args.top_k}; give at least 1, or leave it out to draw from all tokens")
-        model, cfg = load(args.run_dir, args.step, read_env().device)
+        model, cfg = load(args.run_dir, args.step, read_env().device, args.best)
         tokenizer = None
         if not args.ids:
             tokenizer = load_tokenizer(cfg, args.tokenizer)
-        vocab_size = model.shape.vocab_size
+        vocab = vocab_size(cfg)
         if tokenizer:
             prompt = tokenizer.encode(args.prompt, add_special_tokens=False).ids
-            if prompt and max(prompt) >= vocab_size:
+            if prompt and max(prompt) >= vocab:
                 raise ConfigError(
-                    f"--prompt: the tokenizer gives id {max(prompt)}, not below model.vocab_size={vocab_size}; "
+                    f"--prompt: the tokenizer gives id {max(prompt)}, not below model.vocab_size={vocab}; "
                     f"give the tokenizer the run's data was made with (--tokenizer)"
                 )
         else:
-            prompt = parse_ids(args.prompt, vocab_size)
+            prompt = parse_ids(args.prompt, vocab)
         if not prompt:
             raise ConfigError("--prompt is empty; give at least one token")
     except (ConfigError, checkpoint.CheckpointError, models.FamilyError) as e:  # FamilyError: model.family's module
@@ -179,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     temperature = 0.0 if args.greedy else args.temperature
     generator = torch.Generator().manual_seed(args.seed)
-    new = sample(model, prompt, args.max_new_tokens, temperature, args.top_k, generator)
+    new = sample(model, prompt, args.max_new_tokens, temperature, args.top_k, generator, context_length(cfg))
     print(tokenizer.decode(new, skip_special_tokens=False) if tokenizer else " ".join(map(str, new)))
     return 0
 

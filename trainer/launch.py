@@ -547,7 +547,8 @@ def main(argv: list[str] | None = None) -> int:
     stopped = layout.early_stop_record(cfg.run_dir, done)
     if stopped and early_stop.stops_again(stopped[1], cfg.train.early_stop_patience):
         if first:
-            print(early_stop.nothing_to_do(stopped[0], cfg.train.early_stop_patience), flush=True)
+            line = early_stop.nothing_to_do(stopped[0], cfg.train.early_stop_patience, early_stop.reason_of(stopped[1]))
+            print(line, flush=True)
             layout.write_status(cfg.run_dir, state="finished")
         return 0
     if done is not None and done >= cfg.train.steps:

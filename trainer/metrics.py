@@ -9,7 +9,8 @@ reads its first sample; with data.sources, `data_source` names whose pass it is:
 trainer.evaluate's, the tool that wrote an evaluation row). Training rows over
 data that ends (a token file, images) carry `epoch`, the passes made so far (`epoch/<source>` each
 for data.sources), as the live line shows them. "early_stop" (the run stopped early at `step`:
-`best_eval_loss` at `best_step`, `patience`; trainer/early_stop.py) has no `eval_loss` of its own.
+`best_eval_loss` at `best_step`, `patience`, `reason`: "patience", or "not_finite" for a NaN or
+infinite eval loss; trainer/early_stop.py) has no `eval_loss` of its own.
 A start keeps each step's row once: rows of steps after the one it starts from, logged by an
 earlier start that did not save them, move to metrics.superseded.jsonl. A line that is not such a
 row (not a JSON object with an integer `step` and a numeric `time` if any: a line cut short by a kill, or
@@ -32,7 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from trainer import files, layout
+from trainer import early_stop, files, layout
 from trainer.config import LogArgs
 from trainer.version import add_version
 
@@ -446,7 +447,9 @@ def clean(text) -> str:
 
 
 def summary(run_dir: str) -> dict:
-    """What a run did, from its metrics.jsonl (and metrics.superseded.jsonl, the rows a restart redid)."""
+    """What a run did, from its metrics.jsonl (and metrics.superseded.jsonl, the rows a restart redid),
+    and from its newest checkpoint: the best eval loss's checkpoint, and whether the run stopped early
+    there (trainer/early_stop.py)."""
     rows = read_rows(os.path.join(run_dir, "metrics.jsonl"))
     superseded = read_rows(os.path.join(run_dir, "metrics.superseded.jsonl"))
     train = [r for r in rows if isinstance(r.get("loss"), (int, float))]
@@ -483,7 +486,26 @@ def summary(run_dir: str) -> dict:
         f"median_{speed}": speeds[len(speeds) // 2] if speeds else None,
         "restarts": len(restarts),
         "restart_time_s": round(lost, 1),
+        "best_checkpoint": _best_checkpoint(run_dir),
+        "early_stop": _early_stop(run_dir),
     }
+
+
+def _best_checkpoint(run_dir: str) -> dict | None:
+    """{step, eval_loss, path} of the run's best checkpoint (the lowest eval loss's), or None."""
+    found = early_stop.best_checkpoint(run_dir)
+    return None if found is None else dict(zip(("step", "eval_loss", "path"), found))
+
+
+def _early_stop(run_dir: str) -> dict | None:
+    """{step, reason, best_eval_loss, best_step} where the newest checkpoint says the run stopped
+    early there (what the launcher reads before a restart), else None."""
+    record = layout.early_stop_record(run_dir, layout.latest_committed_step(run_dir))
+    if record is None or early_stop.state_problem(record[1]):
+        return None
+    step, state = record
+    reason = early_stop.reason_of(state)
+    return {"step": step, "reason": reason, "best_eval_loss": state["best"], "best_step": state["best_step"]}
 
 
 def _summary_line(s: dict) -> str:
@@ -499,6 +521,16 @@ def _summary_line(s: dict) -> str:
         text += ", eval at step {step}: ".format(**s["last_eval"]) + ", ".join(
             f"{k} {v:.4f}" for k, v in s["last_eval"].items() if k != "step" and isinstance(v, (int, float))
         )
+    if s["best_checkpoint"]:
+        text += ", best checkpoint step {step} (eval_loss {eval_loss:.4f}): {path}".format(**s["best_checkpoint"])
+    stop = s["early_stop"]
+    if stop:
+        why = (
+            "eval loss not finite"
+            if stop["reason"] == early_stop.NOT_FINITE
+            else f"no improvement on eval_loss {num(stop['best_eval_loss'])} of step {stop['best_step']}"
+        )
+        text += f", stopped early at step {stop['step']} ({why})"
     text += f", median {num(s[speed], '.1f')} {speed[len('median_') :].replace('_per_s', '/s')}"
     text += f", {s['restarts']} restart(s) costing {s['restart_time_s']:.1f} s of wall time"
     return text

@@ -138,6 +138,7 @@ class Run:
     ckpt: checkpoint.Checkpointer | None = None  # the same
     trace: object = None  # the sample trace file (data.trace), else None
     early: early_stopping.EarlyStop | None = None  # early stopping's state, a checkpoint part (set with ckpt)
+    best: early_stopping.Best | None = None  # the best eval loss's step, a checkpoint part (set with ckpt)
 
 
 class StuckRank(Exception):
@@ -259,7 +260,9 @@ def _train(run: Run, train_set, eval_set) -> None:
     run.reporter = reporter = Reporter(run_dir, cfg.log, cfg.train.steps, env.is_main)
     step, samples, meta = _resume(cfg, ckpt, model, scheduler, reporter, run.times)
     if run.early.stopped is not None:  # stopped early, and this start's patience keeps it stopped: nothing written
-        _nothing_to_do(cfg, env, reporter, step, early_stopping.nothing_to_do(step, run.early.patience))
+        _nothing_to_do(
+            cfg, env, reporter, step, early_stopping.nothing_to_do(step, run.early.patience, run.early.reason)
+        )
         return
     _accept_start(cfg, env, reporter, step, meta, run.times)
     if step >= cfg.train.steps:
@@ -342,8 +345,9 @@ def _train(run: Run, train_set, eval_set) -> None:
             reporter.training_row(step, values, cpu_s)
             compute_s, window_steps = 0.0, 0
 
-        # evaluate (and early stopping's count: `early` is its line when the run stops here)
-        early = None
+        # evaluate (and early stopping's count: `early` is its line when the run stops here; `best`:
+        # the best eval loss so far, whose checkpoint is saved now, as Lightning's ModelCheckpoint does)
+        early, best = None, False
         if eval_set is not None and step % cfg.eval.interval == 0:
             parallel.average_batchnorm_stats(model)  # the same statistics on every rank
             watchdog.allow(cfg.parallel.timeout_s)  # the evaluation is not a step: its own allowance
@@ -352,6 +356,7 @@ def _train(run: Run, train_set, eval_set) -> None:
             )  # eval_loss/<source> with data.sources
             reporter.message(f"eval at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
             reporter.write(timed({"step": step, **result}))
+            best = run.best.update(step, result["eval_loss"])
             early = _early_stop(run, step, result["eval_loss"])
             stopping = None  # a signal may have come during the evaluation: ask again
 
@@ -361,7 +366,7 @@ def _train(run: Run, train_set, eval_set) -> None:
             if lost:
                 _raise_lease_lost(lease, run_dir, step, ckpt)
             stopping = stops > 0
-        _save(run, model, step, samples, first_bad, stopping or early is not None)
+        _save(run, model, step, samples, first_bad, stopping or early is not None, best)
         if early:
             break
         if stopping:
@@ -391,19 +396,21 @@ def _early_stop(run: Run, step: int, eval_loss: float) -> str | None:
                     "best_eval_loss": state["best"],
                     "best_step": state["best_step"],
                     "patience": run.early.patience,
+                    "reason": state["reason"],
                 }
             )
         )
     return line
 
 
-def _save(run: Run, model, step: int, samples: int, first_bad: torch.Tensor, stopping: bool) -> None:
+def _save(run: Run, model, step: int, samples: int, first_bad: torch.Tensor, stopping: bool, best: bool) -> None:
     """The loop's one call to save, after every step (torchtitan's checkpointer.save(step,
     last_step=...)): the checkpointer says whether a save is due (a stop, the last step, the
-    interval); if it is, nothing non-finite is saved (Diverged instead, on every rank), BatchNorm's
-    statistics become all ranks' (the checkpoint keeps one rank's copy), the watchdog allows the
-    save its own time, and the checkpointer saves, blocking at a stop and at the end."""
-    if not run.ckpt.due(step, stopping):
+    interval), and one is at an evaluation with the best eval loss so far (`best`); if it is,
+    nothing non-finite is saved (Diverged instead, on every rank), BatchNorm's statistics become all
+    ranks' (the checkpoint keeps one rank's copy), the watchdog allows the save its own time, and
+    the checkpointer saves, blocking at a stop and at the end."""
+    if not run.ckpt.due(step, stopping) and not best:
         return
     _stop_if_diverged(first_bad, run.ckpt, model)
     parallel.average_batchnorm_stats(model)
@@ -414,6 +421,7 @@ def _save(run: Run, model, step: int, samples: int, first_bad: torch.Tensor, sto
 def _checkpointer(run: Run, model, optimizer, scheduler, scaler) -> checkpoint.Checkpointer:
     """The run's checkpoint manager and the named parts it saves beside the model and optimizer."""
     run.early = early_stopping.EarlyStop(run.cfg.train.early_stop_patience, run.cfg.train.early_stop_min_delta)
+    run.best = early_stopping.Best()
     ckpt = checkpoint.Checkpointer(
         run.cfg.checkpoint,
         run.cfg.run_dir,
@@ -422,7 +430,7 @@ def _checkpointer(run: Run, model, optimizer, scheduler, scaler) -> checkpoint.C
         run.io_group,
         model,
         optimizer,
-        parts={"scheduler": scheduler, "scaler": scaler, early_stopping.PART: run.early},
+        parts={"scheduler": scheduler, "scaler": scaler, early_stopping.PART: run.early, early_stopping.BEST: run.best},
     )
     if run.lease:  # rank 0 reads the lease again right before it commits or deletes a checkpoint
         ckpt.still_owner = run.lease.check
