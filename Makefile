@@ -66,7 +66,7 @@ check: venv ## validate CONFIG (+ARGS) for NPROC processes x NODES nodes; the pl
 	@$(PY) -m trainer.check --config $(CONFIG) --nproc $(NPROC) --nnodes $(NODES) --gpu-mem-gb "$(GPU_MEM_GB)" $(OVERRIDES)
 
 config: venv ## print every key of CONFIG (+ARGS, RUN_DIR=): its value, its default where that differs, its meaning
-	@$(PY) -m trainer.config --print --config $(CONFIG) $(OVERRIDES)
+	@$(PY) -m trainer.config --print --nproc $(NPROC) --nnodes $(NODES) --config $(CONFIG) $(OVERRIDES)
 
 run: venv ## train CONFIG on NPROC local processes (RUN_DIR=, ARGS="k=v ..."); checks the config first
 	$(PY) -m trainer.launch --nproc-per-node=$(NPROC) --config $(CONFIG) $(CONFIG_DEFAULT) $(OVERRIDES)

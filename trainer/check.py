@@ -19,7 +19,7 @@ import typing
 from typing import TYPE_CHECKING
 
 from trainer import files, ranges
-from trainer.config import Config, ConfigError, load_run, resolve, resolve_batch
+from trainer.config import Config, ConfigError, load_run, print_config, print_parser, resolve, resolve_batch
 from trainer.layout import RUN_DIR_FILES, RUN_DIR_FOLDERS, WRITTEN_FILES, WRITTEN_FOLDERS
 from trainer.models import FamilyError, family_of
 from trainer.models import choices as model_choices
@@ -427,7 +427,35 @@ def check_float8(cfg: Config, device: torch.device, where: str = "config") -> No
         raise ConfigError(f"{where}: parallel.float8: {problem}")
 
 
+def config_main(argv: list[str] | None = None) -> int:
+    """`python -m trainer.config --print` (fsdp-config, make config), which hands its command line over
+    to this: every key of the config with the value a run of it would take, checked as make check
+    checks it (what only the training machine has, its data files, is a warning) and resolved as a
+    run resolves it (the shape, the batch of --nproc x --nnodes processes)."""
+    args = print_parser().parse_intermixed_args(argv)
+    try:
+        cfg, where, notes = load_run(args.config, args.overrides)
+        if args.nproc < 1 or args.nnodes < 1:
+            raise ConfigError(f"--nproc {args.nproc} --nnodes {args.nnodes}: give 1 or more of each")
+        world = args.nproc * args.nnodes
+        warnings = validate(cfg, world, where=where, overrides=args.overrides, planning=True, node_size=args.nproc)
+        cfg = resolve(cfg, where=where, world_size=world)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for line in [*notes, *(f"warning: {w}" for w in warnings)]:
+        print(line, file=sys.stderr)
+    try:
+        print(f"# the config of {cfg.run_dir}, from {where}{' and the command line' if args.overrides else ''}")
+        print(print_config(cfg), flush=True)
+    except BrokenPipeError:  # `make config | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    if (sys.argv[1:] if argv is None else argv)[:1] == ["--print-config"]:  # python -m trainer.config's hand-over
+        return config_main((sys.argv[1:] if argv is None else argv)[1:])
     parser = argparse.ArgumentParser(prog="python -m trainer.check", description=__doc__.split("\n\n")[0])
     add_version(parser)
     parser.add_argument("--config", required=True, help="YAML config file")

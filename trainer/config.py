@@ -694,7 +694,10 @@ def keys(
         inner = [a for a in typing.get_args(hints[f.name]) if dataclasses.is_dataclass(a)]
         if inner and typing.get_origin(hints[f.name]) is tuple:  # a list of sections (data.sources): each item's keys
             section = inner[0]
-            out += [(k, None, d, m) for k, _, d, m in keys(section(), key + "[].", section(), whole)]
+            if not value:  # none given (the key table): the keys an item takes, as key[].sub
+                out += [(k, None, d, m) for k, _, d, m in keys(section(), key + "[].", section(), whole)]
+            for i, item in enumerate(value):  # each item given, as key[i].sub
+                out += keys(item, f"{key}[{i}].", section(), whole)
         elif inner:  # a section that may be null: its keys, with the defaults they take when given
             section = inner[0]
             for k, _, d, m in keys(section(), key + ".", section(), whole):
@@ -705,7 +708,7 @@ def keys(
 def show(value: Any) -> str:
     """A value as YAML spells it on a command line: null, true, [0.9, 0.95], fsdp."""
     if isinstance(value, tuple):
-        value = list(value)
+        value = [dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for v in value]  # data.sources' items
     if dataclasses.is_dataclass(value):
         value = dataclasses.asdict(value)
     if isinstance(value, str):
@@ -733,34 +736,35 @@ def print_config(cfg: Config) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def print_parser() -> argparse.ArgumentParser:
+    """The command line of `python -m trainer.config` (fsdp-config, make config)."""
     parser = argparse.ArgumentParser(
         prog="python -m trainer.config",
-        description="Print every key of the config (the defaults, a YAML file and key=value overrides): its "
-        "value, its default where that differs, and its meaning.",
+        description="Print every key of the config (the defaults, a YAML file and key=value overrides, or a run "
+        "dir's saved run): the value a run of it would take, its default where that differs, and its meaning. "
+        "The config is checked as make check checks it first.",
     )
     add_version(parser)
     parser.add_argument("--print", action="store_true", help="print every key (the default action)")
     parser.add_argument("--table", action="store_true", help="print the README's markdown table of the keys")
     parser.add_argument("--config", help="YAML config file; none: the defaults")
+    parser.add_argument("--nproc", type=int, default=1, help="processes per node a run would have (the batch)")
+    parser.add_argument("--nnodes", type=int, default=1, help="nodes a run would have (the batch)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    args = parser.parse_intermixed_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = print_parser().parse_intermixed_args(argv)
     if args.table:
         sys.stdout.write(key_table())
         return 0
-    try:
-        cfg, where, notes = load_run(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    for line in notes:
-        print(line, file=sys.stderr)
-    try:
-        print(f"# the config of {cfg.run_dir}, from {where}{' and the command line' if args.overrides else ''}")
-        print(print_config(cfg), flush=True)
-    except BrokenPipeError:  # `make config | head`: the reader has what it wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
-    return 0
+    # Printing what a run would take means checking the config as make check does and resolving it
+    # (trainer.check.config_main): that is a floor above this module, which imports none of it
+    # (tools/imports.py), so the command is handed over to it whole, as the Makefile would.
+    argv = sys.argv[1:] if argv is None else argv
+    sys.stdout.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "trainer.check", "--print-config", *argv])
 
 
 if __name__ == "__main__":
