@@ -19,7 +19,16 @@ import typing
 from typing import TYPE_CHECKING
 
 from trainer import files, ranges
-from trainer.config import Config, ConfigError, load_run, print_config, print_parser, resolve, resolve_batch
+from trainer.config import (
+    Config,
+    ConfigError,
+    eval_data_problem,
+    load_run,
+    print_config,
+    print_parser,
+    resolve,
+    resolve_batch,
+)
 from trainer.layout import RUN_DIR_FILES, RUN_DIR_FOLDERS, WRITTEN_FILES, WRITTEN_FOLDERS
 from trainer.models import FamilyError, family_of
 from trainer.models import choices as model_choices
@@ -84,6 +93,9 @@ def validate(
             f"is {cfg.train.early_stop_patience}, but eval.interval is 0: no evaluation gives a loss to stop on; "
             f"set eval.interval (steps between evaluations) or train.early_stop_patience=0",
         )
+
+    if cfg.eval.interval and cfg.data.eval_fraction is not None and eval_data_problem(cfg.data):  # None: resolved
+        fail("eval.interval", f"is {cfg.eval.interval}, but {eval_data_problem(cfg.data)}")
 
     if "\0" in cfg.health.command:
         fail("health.command", "holds a NUL byte; give a shell command line, e.g. /etc/nhc/nhc")

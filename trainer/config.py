@@ -108,7 +108,15 @@ class DataArgs:
     # trainer.prepare, MNIST, a folder of images in one subfolder per class, or generated images.
     name: Literal["synthetic", "tokens", "mnist", "imagefolder", "synthetic_images"] = "synthetic"
     path: str | None = None  # token file, MNIST root or ImageFolder root (for the training split)
-    eval_path: str | None = None  # the same for evaluation; None: a held-out part of the stream
+    # The same for evaluation; None: MNIST's test split, generated data's own far range, and for a token
+    # file or image folder the part data.eval_fraction holds out of data.path.
+    eval_path: str | None = None
+    # The fraction of a token file's sequences (its last ones) or of an image folder's images (every
+    # k-th in the folder's order, so each class gives its share) held out for evaluation, which training
+    # never reads: of data.path when data.eval_path is not set, of each data.sources file without its own
+    # eval_path. None: 0.01 when evaluation is on (eval.interval) at the run's first start, else 0; the
+    # run's config.yaml records the number, so every resume holds out the same part.
+    eval_fraction: Annotated[float | None, Range(0, 1, high_open=True)] = None
     token_dtype: Literal["uint16", "uint32"] = "uint16"  # element type of a token file
     download: bool = True  # MNIST: download into `path` when the files are not there
     num_workers: Annotated[int, NOT_NEGATIVE] = 0  # DataLoader worker processes per rank
@@ -116,6 +124,37 @@ class DataArgs:
     # Several token files mixed by weight (data.name=tokens, instead of data.path), e.g.
     # [{path: a.bin, weight: 0.7}, {path: b.bin, weight: 0.3}]; empty: the single data.path.
     sources: tuple[SourceArgs, ...] = ()
+
+
+# data.eval_fraction of a run that evaluates and names no evaluation file (HF's run_clm holds out 5%,
+# nanoGPT's OpenWebText 0.05%; an evaluation reads eval.batches micro-batches of it at a time).
+DEFAULT_EVAL_FRACTION = 0.01
+
+
+def holds_out(d: DataArgs) -> bool:
+    """Whether data.eval_fraction applies to the data `d` names: a token file or image folder without
+    an evaluation file, or a mixture with a source that has none."""
+    if d.sources:
+        return not d.eval_path and not all(s.eval_path for s in d.sources)
+    return d.name in ("tokens", "imagefolder") and not d.eval_path
+
+
+def eval_data_problem(d: DataArgs) -> str | None:
+    """Why an evaluation of the data `d` names would read nothing held out from training, or None."""
+    if not holds_out(d) or d.eval_fraction:
+        return None
+    if d.sources:
+        return (
+            "evaluation needs data that training does not read, and no source has an eval_path while "
+            "data.eval_fraction is 0; give data.eval_path or data.sources[i].eval_path files, or set "
+            f"data.eval_fraction={DEFAULT_EVAL_FRACTION} to hold out the last 1% of each source"
+        )
+    what = "sequences" if d.name == "tokens" else "images"
+    return (
+        f"evaluation needs data that training does not read: data.eval_path is not set and "
+        f"data.eval_fraction is 0; give data.eval_path, or set data.eval_fraction={DEFAULT_EVAL_FRACTION} to "
+        f"hold out 1% of data.path's {what} (training then never reads them)"
+    )
 
 
 @dataclass
@@ -221,12 +260,17 @@ def resolve(cfg: Config, where: str = "config", world_size: int = 1) -> Config:
     """The config as the run records it: the global batch of `world_size` processes, and the
     transformer's shape spelled out, from model.init_from's config.json (keys the config sets
     must agree with it; trainer/hf.py reads the folder), from the token files' sidecars for the
-    vocabulary (trainer/prepare.py reads them; a mixture: the largest), and else from model.size."""
+    vocabulary (trainer/prepare.py reads them; a mixture: the largest), and else from model.size; and
+    data.eval_fraction's number (DEFAULT_EVAL_FRACTION when evaluation is on and needs it, else 0)."""
     from trainer import hf  # torch only where a folder's weights are read
     from trainer.models import resolve as resolve_model
     from trainer.prepare import sidecar_vocab
 
     cfg = resolve_batch(cfg, world_size)
+    if cfg.data.eval_fraction is None:  # at the run's first start; its config.yaml keeps the number
+        evaluates = cfg.eval.interval > 0 and holds_out(cfg.data)
+        fraction = DEFAULT_EVAL_FRACTION if evaluates else 0.0
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eval_fraction=fraction))
     model = cfg.model
     try:
         model = hf.init_args(model)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from trainer.config import DataArgs
+from trainer.config import DataArgs, eval_data_problem, holds_out
 from trainer.prepare import token_file_problem
 
 
@@ -216,6 +216,54 @@ def image_folder(root: str, size: int, num_classes: int) -> Dataset:
 
 
 # ---------------------------------------------------------------------------------------------------
+# The part of a file or folder held out for evaluation (data.eval_fraction).
+
+
+class Part(Dataset):
+    """Items `indices` of `dataset`, as its items 0, 1, ...: what training reads of a token file or
+    image folder, or the part held out of it for evaluation."""
+
+    def __init__(self, dataset: Dataset, indices):
+        self.dataset, self.indices = dataset, indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int):
+        return self.dataset[int(self.indices[int(i)])]
+
+
+def held_out(length: int, fraction: float | None) -> int:
+    """How many of `length` items data.eval_fraction holds out: rounded up, so at least one when it is
+    set, from the decimal as written (0.01 of 300 is 3)."""
+    if not fraction:
+        return 0
+    exact = Fraction(repr(float(fraction)))
+    return -(-length * exact.numerator // exact.denominator)
+
+
+def split(dataset: Dataset, fraction: float | None, where: str, spread: bool = False) -> tuple[Dataset, Dataset | None]:
+    """(what training reads, the part held out for evaluation or None) of `dataset` (data.eval_fraction):
+    its last items (a token file: one stretch of text, whose neighbours training reads as little as it
+    can), or with `spread` every k-th item (an image folder in class order: each class gives its share).
+    A pure function of the length and the fraction, which the run's config.yaml records: every start
+    of the run holds out the same items, whatever the seed and the number of processes."""
+    n, h = len(dataset), held_out(len(dataset), fraction)
+    if not h:
+        return dataset, None
+    if h >= n:
+        raise DataError(
+            f"{where}: holding out data.eval_fraction={fraction:g} of its {n} items for evaluation leaves none to "
+            f"train on; lower data.eval_fraction, or give data.eval_path"
+        )
+    if not spread:
+        return Part(dataset, range(n - h)), Part(dataset, range(n - h, n))
+    held = (np.arange(h) * n + n // 2) // h  # evenly spaced over the folder, the first a half step in
+    rest = np.setdiff1d(np.arange(n), held)
+    return Part(dataset, rest), Part(dataset, held)
+
+
+# ---------------------------------------------------------------------------------------------------
 # Several token files mixed by weight (data.sources).
 
 
@@ -285,20 +333,29 @@ class EvalSources(dict):
 
 
 def _mixture(args: DataArgs, model_args, seed: int, train: bool) -> Dataset:
-    """data.sources' training mixture, or its evaluation set: data.eval_path's file, else the
-    sources' own eval_path files (EvalSources), else the mixture itself (its far end: evaluate())."""
+    """data.sources' training mixture, or its evaluation set: data.eval_path's file, else per source
+    (EvalSources) its own eval_path file or the part data.eval_fraction holds out of it. A source
+    with an evaluation file of its own holds nothing out."""
     from trainer.models import transformer_shape
 
     seq_len, vocab = model_args.seq_len, transformer_shape(model_args).vocab_size
     if not train and args.eval_path:
         return TokenFile(args.eval_path, args.token_dtype, seq_len, vocab)
-    if not train and any(s.eval_path for s in args.sources):
-        return EvalSources(
-            {s.label: TokenFile(s.eval_path, args.token_dtype, seq_len, vocab) for s in args.sources if s.eval_path},
-            {s.label: s.weight for s in args.sources if s.eval_path},
-        )
-    files = [TokenFile(s.path, args.token_dtype, seq_len, vocab) for s in args.sources]
-    return Mixture(files, [s.weight for s in args.sources], [s.label for s in args.sources], seed)
+    fraction = 0.0 if args.eval_path else args.eval_fraction
+    parts = [
+        split(TokenFile(s.path, args.token_dtype, seq_len, vocab), 0.0 if s.eval_path else fraction, s.path)
+        for s in args.sources
+    ]
+    if train:
+        return Mixture([p[0] for p in parts], [s.weight for s in args.sources], [s.label for s in args.sources], seed)
+    sets = {
+        s.label: TokenFile(s.eval_path, args.token_dtype, seq_len, vocab) if s.eval_path else held
+        for s, (_, held) in zip(args.sources, parts)
+        if s.eval_path or held is not None
+    }
+    if not sets:
+        raise DataError(eval_data_problem(args))
+    return EvalSources(sets, {s.label: s.weight for s in args.sources if s.label in sets})
 
 
 def passes(dataset: Dataset, samples: int) -> dict[str, tuple[int, int]]:
@@ -346,6 +403,14 @@ def stream_change(saved: dict, args: DataArgs, step: int) -> str | None:
 
     before = [printable(f) for f in files(saved.get("data"))] if isinstance(saved, dict) else []
     now = files({"path": args.path, "sources": [{"path": s.path, "weight": s.weight} for s in args.sources]})
+    held = saved.get("data", {}).get("eval_fraction") if isinstance(saved.get("data"), dict) else None
+    held = held if isinstance(held, (int, float)) and not isinstance(held, bool) else 0  # older runs: none
+    if holds_out(args) and held != (args.eval_fraction or 0):
+        return (
+            f"data.eval_fraction is {args.eval_fraction or 0:g}, the checkpoint's run held out {held:g}: from step "
+            f"{step} on training reads {'less' if (args.eval_fraction or 0) > held else 'more'} of each file, in "
+            f"another order, at the same position in its stream; evaluation reads the new held-out part"
+        )
     if not before or before == now:
         return None
     return (
@@ -365,12 +430,19 @@ def build(args: DataArgs, model_args, seed: int, train: bool) -> Dataset:
     if args.name == "synthetic":
         vocab = transformer_shape(model_args).vocab_size
         return SyntheticLM(vocab, model_args.seq_len, seed)
-    if args.name == "tokens":
-        return TokenFile(path, args.token_dtype, model_args.seq_len, transformer_shape(model_args).vocab_size)
-    if args.name == "mnist":
+    if args.name == "mnist":  # its own test split
         return mnist(path, train=train, download=args.download)
-    if args.name == "imagefolder":
-        return image_folder(path, model_args.image_size, model_args.num_classes)
+    if args.name in ("tokens", "imagefolder"):
+        if args.name == "tokens":
+            dataset = TokenFile(path, args.token_dtype, model_args.seq_len, transformer_shape(model_args).vocab_size)
+        else:
+            dataset = image_folder(path, model_args.image_size, model_args.num_classes)
+        if args.eval_path:  # a file or folder of its own for evaluation: training reads all of data.path
+            return dataset
+        part, held = split(dataset, args.eval_fraction, path, spread=args.name == "imagefolder")
+        if not train and held is None:
+            raise DataError(eval_data_problem(args))
+        return part if train else held
     from trainer.models import spec
 
     channels, size, _ = spec(model_args).input_shape(model_args)
