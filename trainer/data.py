@@ -267,6 +267,27 @@ def split(dataset: Dataset, fraction: float | None, where: str, spread: bool = F
 # Several token files mixed by weight (data.sources).
 
 
+def _shares(weights: list[float]) -> list[tuple[int, int]]:
+    """Each source's share of what the sources before it leave, as (numerator, denominator): w_k /
+    (w_k + ... + w_last), exact fractions of the weights as written (0.3 is 3/10); the last is 1."""
+    exact = [Fraction(repr(float(w))) for w in weights]  # 0.3 as 3/10, the decimal given, not the float's binary
+    shares, rest = [], sum(exact)
+    for w in exact:
+        share = w / rest
+        shares.append((share.numerator, share.denominator))
+        rest -= w
+    return shares
+
+
+def _counts(shares: list[tuple[int, int]], n: int) -> list[int]:
+    """How many of n samples interleaved by `shares` each source gives."""
+    out = []
+    for num, den in shares[:-1]:
+        out.append(num * n // den)
+        n -= out[-1]
+    return [*out, n]
+
+
 class Mixture(Dataset):
     """Token files interleaved by weight: item i is global sample i of the run's stream.
 
@@ -279,39 +300,43 @@ class Mixture(Dataset):
     a random draw whose counts drift. The shares are exact fractions of the weights as written (0.3 is 3/10).
     Inside a source, its j-th sample is item perm(j // len)[j % len]: a fresh permutation per pass
     (epoch), drawn from (seed, source, epoch). `len` is effectively infinite, as generated data's:
-    the sources wrap on their own."""
+    the sources wrap on their own.
 
-    def __init__(self, datasets: list[Dataset], weights: list[float], names: list[str], seed: int):
+    The interleave counts from the mixture's origin (`start`, `taken`): global sample `start`, where
+    each source k had given taken[k] samples; 0 and none from the run's first step. A resume with
+    other weights (or other files) moves the origin to where the checkpoint stopped (resume()), so
+    that each source goes on from its own next sample, as Megatron's blended datasets keep a position
+    per dataset: nothing of a pass read twice, nothing skipped."""
+
+    def __init__(self, datasets: list[Dataset], weights: list[float], names: list[str], seed: int, paths=None):
         self.datasets, self.names, self.seed = datasets, names, seed
+        self.paths = list(paths or names)  # the sources' files, as the config names them (resume() matches them)
+        self.weights = list(weights)
         self.lengths = [len(d) for d in datasets]
-        exact = [Fraction(repr(float(w))) for w in weights]  # 0.3 as 3/10, the decimal given, not the float's binary
-        shares, rest = [], sum(exact)
-        for w in exact:
-            share = w / rest
-            shares.append((share.numerator, share.denominator))
-            rest -= w
-        self.shares = shares  # the last is 1: it takes what the others leave
+        self.shares = _shares(weights)
+        self.start, self.taken = 0, [0] * len(datasets)  # the origin
         self._perms: dict[int, tuple[int, np.ndarray]] = {}  # source -> (epoch, permutation) last used
 
     def __len__(self) -> int:
         return 2**62
 
     def locate(self, i: int) -> tuple[int, int]:
-        """(source, that source's own sample index) of global sample i."""
+        """(source, that source's own sample index) of global sample i (at or after the origin)."""
+        i -= self.start
+        if i < 0:
+            raise IndexError(f"global sample {i + self.start} is before the mixture's origin {self.start}")
         for k, (num, den) in enumerate(self.shares[:-1]):
             before = num * i // den  # source k's samples among the level's first i
             if num * (i + 1) // den > before:
-                return k, before
+                return k, self.taken[k] + before
             i -= before  # its place among what the later sources share
-        return len(self.shares) - 1, i
+        return len(self.shares) - 1, self.taken[-1] + i
 
     def counts(self, n: int) -> list[int]:
-        """How many of the first n global samples each source gave."""
-        out = []
-        for num, den in self.shares[:-1]:
-            out.append(num * n // den)
-            n -= out[-1]
-        return [*out, n]
+        """How many of the first n global samples (n at or after the origin) each source gave."""
+        if n < self.start:
+            raise IndexError(f"{n} samples is before the mixture's origin {self.start}")
+        return [t + c for t, c in zip(self.taken, _counts(self.shares, n - self.start))]
 
     def __getitem__(self, i: int):
         k, j = self.locate(int(i))
@@ -321,6 +346,76 @@ class Mixture(Dataset):
             cached = epoch, np.random.default_rng([self.seed, 0x50C, k, epoch]).permutation(self.lengths[k])
             self._perms[k] = cached
         return self.datasets[k][int(cached[1][pos])]
+
+
+MIXTURE = "mixture"  # meta.json's key of a mixture's origin (position())
+
+
+def position(dataset: Dataset) -> dict:
+    """What a checkpoint's meta.json keeps of the stream beside the samples consumed: a mixture's
+    origin (resume() reads it); nothing for a single dataset."""
+    if not isinstance(dataset, Mixture):
+        return {}
+    return {MIXTURE: {"start": dataset.start, "taken": list(dataset.taken)}}
+
+
+def _saved_origin(meta: dict, sources: list, samples: int) -> list[int]:
+    """Each of the checkpoint's sources' samples given after `samples`, from its meta.json (untrusted:
+    a value not of its kind raises DataError): its origin and weights; a checkpoint of a trainer
+    before the origin was kept read its weights' interleave from sample 0."""
+    where = f"checkpoint {meta.get('path', '?')}: meta.json's {MIXTURE}"
+    origin = meta.get(MIXTURE, {"start": 0, "taken": [0] * len(sources)})
+
+    def count(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    ok = isinstance(origin, dict) and set(origin) == {"start", "taken"} and count(origin["start"])
+    ok = ok and isinstance(origin["taken"], list) and len(origin["taken"]) == len(sources)
+    if not ok or not all(map(count, origin["taken"])) or origin["start"] > samples:
+        raise DataError(f"{where} is {str(origin)[:80]}, not the origin a save writes; move that checkpoint away")
+    weights = [s.get("weight") for s in sources]
+    if not all(isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0 for w in weights):
+        raise DataError(f"{where}: the config's data.sources weights {str(weights)[:80]} are not all positive numbers")
+    given = _counts(_shares(weights), samples - origin["start"])
+    return [t + c for t, c in zip(origin["taken"], given)]
+
+
+def resume(dataset: Dataset, meta: dict | None) -> str | None:
+    """Continue a mixture from the checkpoint `meta`: with the same files and weights, from the
+    checkpoint's origin (the stream is the one never interrupted); with other weights or files, each
+    source from the samples it had given (matched by file: a new file from its first), the new
+    weights sharing the samples that follow. Returns the line to say for a change, else None."""
+    if not isinstance(dataset, Mixture) or not meta:
+        return None
+    data = meta.get("config", {}).get("data", {}) if isinstance(meta.get("config"), dict) else {}
+    sources = data.get("sources") if isinstance(data, dict) else None
+    samples = meta["samples"]
+    if not isinstance(sources, list) or not sources or not all(isinstance(s, dict) for s in sources):
+        return None  # the checkpoint's run read one file: stream_change says so
+    given = _saved_origin(meta, sources, samples)
+    paths = [s.get("path") for s in sources]
+    now = dataset.paths
+    if paths == now and [s.get("weight") for s in sources] == dataset.weights:
+        origin = meta.get(MIXTURE, {"start": 0, "taken": [0] * len(sources)})
+        dataset.start, dataset.taken = origin["start"], list(origin["taken"])
+        return None
+    by_path = dict(zip(paths, given))
+    dataset.start, dataset.taken = samples, [by_path.get(p, 0) for p in now]
+
+    def printable(name) -> str:  # the checkpoint's bytes, never a terminal's escape sequence
+        return "".join(c for c in str(name) if c.isprintable())
+
+    before = ", ".join(f"{printable(p)} x{printable(s.get('weight'))}" for p, s in zip(paths, sources))
+    after = ", ".join(f"{p} x{w}" for p, w in zip(now, dataset.weights))
+    where = ", ".join(
+        f"{name} from its sample {t}" + ("" if p in by_path else " (new)")
+        for name, p, t in zip(dataset.names, now, dataset.taken)
+    )
+    return (
+        f"the mixture changed since the checkpoint ({before} -> {after}): from sample {samples} on each source "
+        f"goes on from where it was ({where}) and the new weights share what follows; each pass reads every "
+        f"sample of a source once"
+    )
 
 
 class EvalSources(dict):
@@ -347,7 +442,8 @@ def _mixture(args: DataArgs, model_args, seed: int, train: bool) -> Dataset:
         for s in args.sources
     ]
     if train:
-        return Mixture([p[0] for p in parts], [s.weight for s in args.sources], [s.label for s in args.sources], seed)
+        weights, names = [s.weight for s in args.sources], [s.label for s in args.sources]
+        return Mixture([p[0] for p in parts], weights, names, seed, [s.path for s in args.sources])
     sets = {
         s.label: TokenFile(s.eval_path, args.token_dtype, seq_len, vocab) if s.eval_path else held
         for s, (_, held) in zip(args.sources, parts)
@@ -386,9 +482,10 @@ def epoch_starts(dataset: Dataset, before: int, after: int) -> list[tuple[str, i
 
 
 def stream_change(saved: dict, args: DataArgs, step: int) -> str | None:
-    """The line for a resume whose training files or weights differ from the checkpoint's (`saved`:
-    its config, as to_dict wrote it), or None: the stream goes on at the same position, over the
-    new files, so what each step reads from here is not what the old config would have read."""
+    """The line for a resume whose training files differ from the checkpoint's (`saved`: its config, as
+    to_dict wrote it), or whose held-out part does, or None: the stream goes on at the same position,
+    over the new files, so what each step reads from here is not what the old config would have read.
+    A mixture resumed as a mixture is resume()'s: each source goes on from its own position."""
 
     def files(data) -> list:
         if not isinstance(data, dict):
@@ -411,7 +508,8 @@ def stream_change(saved: dict, args: DataArgs, step: int) -> str | None:
             f"{step} on training reads {'less' if (args.eval_fraction or 0) > held else 'more'} of each file, in "
             f"another order, at the same position in its stream; evaluation reads the new held-out part"
         )
-    if not before or before == now:
+    was_mixture = isinstance(saved.get("data"), dict) and not saved["data"].get("path") and saved["data"].get("sources")
+    if not before or before == now or (args.sources and was_mixture):  # mixture to mixture: resume()'s line
         return None
     return (
         f"the training data changed since the checkpoint ({', '.join(before)} -> {', '.join(now)}): "
