@@ -399,18 +399,31 @@ def _check_planted(path: str, where: str) -> None:
         )
 
 
-def check_devices(nproc: int) -> None:
-    """The number of processes per node must fit this machine's GPUs (or CPU cores without GPUs)."""
+def check_devices(nproc: int, option: str = "--nproc {}") -> str | None:
+    """The number of processes per node must fit this machine's GPUs (ConfigError naming `option`, the
+    command's own: `--nproc-per-node={}` for the launcher, `--nproc {}` for the check; make's NPROC
+    beside it). Without a GPU, more processes than CPU cores run all the same, sharing the cores (gloo,
+    as torchrun runs them: a laptop can try parallel.tp=2 with 2 data-parallel ranks): the warning to
+    say then, else None. The cores are this process's (its affinity: a Slurm or container cpuset)."""
     import torch
 
-    if torch.cuda.is_available():
-        have, what = torch.cuda.device_count(), "GPUs"
-    else:
-        have, what = os.cpu_count() or 1, "CPU cores (no GPU found)"
     if nproc < 1:
-        raise ConfigError(f"NPROC is {nproc}; it must be at least 1")
-    if nproc > have:
-        raise ConfigError(f"NPROC={nproc} processes but this machine has {have} {what}; use NPROC={have} or fewer")
+        raise ConfigError(f"{option.format(nproc)}: give 1 or more processes")
+    if torch.cuda.is_available():
+        have = torch.cuda.device_count()
+        if nproc > have:
+            raise ConfigError(
+                f"{option.format(nproc)} processes but this machine has {have} GPUs; use {option.format(have)} "
+                f"or fewer (NPROC={have} under make), or hide the GPUs (CUDA_VISIBLE_DEVICES=) to train on the CPU"
+            )
+        return None
+    have = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if nproc <= have:
+        return None
+    return (
+        f"{nproc} processes on {have} CPU core(s) (no GPU found): the ranks share the cores, so every step is "
+        f"slower than on {have}; fine to try a layout (parallel.tp, data-parallel ranks), not to train fast"
+    )
 
 
 def check_gpus(local_world_size: int) -> None:
@@ -487,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
         warnings = []
         if args.nproc is not None:  # this machine's devices (torch tells them), then the config
             try:
-                check_devices(args.nproc)
+                warnings += filter(None, [check_devices(args.nproc)])
             except ConfigError as e:
                 if not planning or args.nproc < 1:
                     raise
