@@ -313,7 +313,7 @@ def test_a_hub_cache_snapshot_is_accepted_and_its_links_stay_in_its_blobs(capsys
 def test_init_from_with_a_bad_config_json(capsys, tmp_path, config, message):
     folder = hf_folder(tmp_path, config)
     assert refused(capsys, tmp_path / "run", f"model.init_from={folder}") == (
-        f"error: {DEFAULT}: model.init_from: {folder}/config.json: {message}"
+        f"error: override 'model.init_from={folder}': model.init_from: {folder}/config.json: {message}"
     )
 
 
@@ -374,5 +374,5 @@ def test_init_from_with_bad_weights_or_index(capsys, tmp_path, case):
         f"file itself into the folder (hf download --local-dir makes such a folder)",
     }
     assert refused(capsys, tmp_path / "run", f"model.init_from={folder}") == (
-        f"error: {DEFAULT}: model.init_from: {messages[case]}"
+        f"error: override 'model.init_from={folder}': model.init_from: {messages[case]}"
     )
