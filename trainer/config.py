@@ -24,6 +24,7 @@ import inspect
 import json
 import os
 import re
+import subprocess
 import sys
 import textwrap
 import tokenize
@@ -805,10 +806,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # Printing what a run would take means checking the config as make check does and resolving it
     # (trainer.check.config_main): that is a floor above this module, which imports none of it
-    # (tools/imports.py), so the command is handed over to it whole, as the Makefile would.
+    # (tools/imports.py), so the command line is handed over to it whole, as the Makefile would.
     argv = sys.argv[1:] if argv is None else argv
     sys.stdout.flush()
-    os.execv(sys.executable, [sys.executable, "-m", "trainer.check", "--print-config", *argv])
+    return subprocess.call([sys.executable, "-m", "trainer.check", "--print-config", *argv])
 
 
 if __name__ == "__main__":
