@@ -360,9 +360,10 @@ def position(dataset: Dataset) -> dict:
 
 
 def _saved_origin(meta: dict, sources: list, samples: int) -> list[int]:
-    """Each of the checkpoint's sources' samples given after `samples`, from its meta.json (untrusted:
-    a value not of its kind raises DataError): its origin and weights; a checkpoint of a trainer
-    before the origin was kept read its weights' interleave from sample 0."""
+    """How many samples each of the checkpoint's sources had given among the stream's first `samples`,
+    from its meta.json (untrusted: a value not of its kind raises DataError): its origin and its
+    config's weights; a checkpoint of a trainer before the origin was kept read its weights'
+    interleave from sample 0."""
     where = f"checkpoint {meta.get('path', '?')}: meta.json's {MIXTURE}"
     origin = meta.get(MIXTURE, {"start": 0, "taken": [0] * len(sources)})
 
