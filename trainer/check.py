@@ -415,7 +415,8 @@ def check_devices(nproc: int, option: str = "--nproc {}") -> str | None:
         have = torch.cuda.device_count()
         if nproc > have:
             raise ConfigError(
-                f"{option.format(nproc)} processes but this machine has {have} GPUs; use {option.format(have)} "
+                f"{option.format(nproc)} processes but this machine has {have} GPU{'s' if have != 1 else ''}; use "
+                f"{option.format(have)} "
                 f"or fewer (NPROC={have} under make), or hide the GPUs (CUDA_VISIBLE_DEVICES=) to train on the CPU"
             )
         return None
