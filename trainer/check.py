@@ -416,8 +416,8 @@ def check_devices(nproc: int, option: str = "--nproc {}") -> str | None:
         if nproc > have:
             raise ConfigError(
                 f"{option.format(nproc)} processes but this machine has {have} GPU{'s' if have != 1 else ''}; use "
-                f"{option.format(have)} "
-                f"or fewer (NPROC={have} under make), or hide the GPUs (CUDA_VISIBLE_DEVICES=) to train on the CPU"
+                f"{option.format(have)} or fewer (NPROC={have} under make), or hide the GPUs (CUDA_VISIBLE_DEVICES=) "
+                f"to train on the CPU"
             )
         return None
     have = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
