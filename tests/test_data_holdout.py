@@ -126,6 +126,25 @@ def test_evaluation_with_nothing_held_out_is_refused_in_one_line(capsys, tmp_pat
     assert check.main(["--config", str(ROOT / "configs/default.yaml"), f"run_dir={tmp_path / 'r3'}"]) == 0
 
 
+def test_make_check_says_what_evaluation_reads(capsys, tmp_path):
+    """`make check ... eval.interval=5 train.early_stop_patience=2` said `config OK` while evaluation
+    (and so early stopping) would read the training data; it says what evaluation reads now."""
+    path = token_file(tmp_path / "t.bin", 300, 8)
+    argv = ["--config", str(ROOT / "configs/default.yaml"), f"run_dir={tmp_path / 'run'}", *TOKENS]
+    assert check.main([*argv, f"data.path={path}", "eval.interval=5", "train.early_stop_patience=2"]) == 0
+    assert (
+        f"evaluation: every 5 steps on the last 1% of {path}'s sequences (data.eval_fraction=0.01), which training "
+        "never reads"
+    ) in capsys.readouterr().out.splitlines()
+    held = token_file(tmp_path / "code.eval.bin", 10, 9)
+    mix = f"data.sources=[{{path: {path}, name: web}}, {{path: {path}, eval_path: {held}, name: code}}]"
+    assert check.main([*argv, mix, "eval.interval=5", "data.eval_fraction=0.1"]) == 0
+    assert (
+        f"evaluation: every 5 steps on each source's own (web: the last 10% of {path}; code: {held}), which training "
+        "never reads"
+    ) in capsys.readouterr().out.splitlines()
+
+
 @pytest.mark.slow
 def test_a_run_never_trains_on_its_held_out_part_and_a_resume_keeps_it(tmp_path):
     """2 processes, a 40-window file, evaluation every 2 steps: config.yaml records 0.01 (1 window

@@ -22,6 +22,7 @@ from trainer import files, ranges
 from trainer.config import (
     Config,
     ConfigError,
+    eval_data,
     eval_data_problem,
     load_run,
     print_config,
@@ -534,6 +535,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     for line in plan_lines(cfg, args.nproc or 1, args.nnodes):
         print(line)
+    if cfg.eval.interval:  # never the training data (data.eval_fraction)
+        print(f"evaluation: every {cfg.eval.interval} steps on {eval_data(cfg.data)}")
     for line in notes:
         print(line)
     for line in warnings:

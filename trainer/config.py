@@ -140,6 +140,22 @@ def holds_out(d: DataArgs) -> bool:
     return d.name in ("tokens", "imagefolder") and not d.eval_path
 
 
+def eval_data(d: DataArgs) -> str:
+    """What an evaluation of the data `d` names reads, in words (make check's `evaluation:` line)."""
+    held = f"the last {(d.eval_fraction or 0) * 100:g}%"
+    if d.eval_path:
+        return f"data.eval_path {d.eval_path}"
+    if d.sources:
+        each = [f"{s.label}: {s.eval_path or held + ' of ' + str(s.path)}" for s in d.sources]
+        return f"each source's own ({'; '.join(each)}), which training never reads"
+    never = f"(data.eval_fraction={d.eval_fraction or 0:g}), which training never reads"
+    if d.name == "tokens":
+        return f"{held} of {d.path}'s sequences {never}"
+    if d.name == "imagefolder":
+        return f"{held} of {d.path}'s images, evenly spread {never}"
+    return f"MNIST's test split under {d.path}" if d.name == "mnist" else "generated samples training never reaches"
+
+
 def eval_data_problem(d: DataArgs) -> str | None:
     """Why an evaluation of the data `d` names would read nothing held out from training, or None."""
     if not holds_out(d) or d.eval_fraction:
