@@ -90,8 +90,8 @@ def test_make_config_runs_the_printer_with_config_and_args():
         timeout=60,
     )
     assert out.returncode == 0, out.stderr
-    printer = "-m trainer.config --print --nproc 2 --nnodes 1 --config configs/mnist.yaml  train.steps=3 log.wandb=true"
-    assert printer in out.stdout
+    line = " ".join(out.stdout.split())  # no --nproc: NPROC was not given (the printer takes parallel.tp's)
+    assert "-m trainer.config --print --config configs/mnist.yaml train.steps=3 log.wandb=true" in line
 
 
 @pytest.mark.parametrize(
@@ -201,12 +201,22 @@ def test_print_shows_the_values_a_run_of_the_config_would_take(tmp_path):
     assert re.match(r"train\.global_batch_size +24 \(default 32\)", rows["train.global_batch_size"])
 
 
-def test_make_config_passes_the_processes_for_the_batch():
+def test_make_config_passes_the_processes_the_user_gave_for_the_batch():
     out = subprocess.run(
         ["make", "-n", "config", "NPROC=4", "NODES=2"], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0, out.stderr
     assert "-m trainer.config --print --nproc 4 --nnodes 2 --config configs/default.yaml" in out.stdout
+
+
+def test_print_of_a_tensor_parallel_config_takes_the_fewest_processes_that_fit_it(tmp_path):
+    """configs/llama-70b.yaml (parallel.tp=8) printed without --nproc: not refused for a node of 1 process."""
+    proc = run("--print", "--config", "configs/llama-70b.yaml", f"run_dir={tmp_path / 'run'}")
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split()[0]: line for line in proc.stdout.splitlines()[1:]}
+    assert re.match(r"parallel\.tp +8 \(default 1\)", rows["parallel.tp"])
+    proc = run("--print", "--nproc", "2", "--config", "configs/llama-70b.yaml", f"run_dir={tmp_path / 'run'}")
+    assert proc.returncode == 2 and "parallel.tp: 8 does not divide the 2 processes" in proc.stderr
 
 
 def test_the_size_s_meaning_lists_the_sizes_not_a_code_constant():

@@ -464,10 +464,11 @@ def config_main(argv: list[str] | None = None) -> int:
     args = print_parser().parse_intermixed_args(argv)
     try:
         cfg, where, notes = load_run(args.config, args.overrides)
-        if args.nproc < 1 or args.nnodes < 1:
-            raise ConfigError(f"--nproc {args.nproc} --nnodes {args.nnodes}: give 1 or more of each")
-        world = args.nproc * args.nnodes
-        warnings = validate(cfg, world, where=where, overrides=args.overrides, planning=True, node_size=args.nproc)
+        nproc = max(1, cfg.parallel.tp) if args.nproc is None else args.nproc  # unsaid: the fewest that fit tp
+        if nproc < 1 or args.nnodes < 1:
+            raise ConfigError(f"--nproc {nproc} --nnodes {args.nnodes}: give 1 or more of each")
+        world = nproc * args.nnodes
+        warnings = validate(cfg, world, where=where, overrides=args.overrides, planning=True, node_size=nproc)
         cfg = resolve(cfg, where=where, world_size=world)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -809,7 +809,9 @@ def print_parser() -> argparse.ArgumentParser:
     parser.add_argument("--print", action="store_true", help="print every key (the default action)")
     parser.add_argument("--table", action="store_true", help="print the README's markdown table of the keys")
     parser.add_argument("--config", help="YAML config file; none: the defaults")
-    parser.add_argument("--nproc", type=int, default=1, help="processes per node a run would have (the batch)")
+    parser.add_argument(
+        "--nproc", type=int, help="processes per node a run would have (the batch); default: parallel.tp, the fewest"
+    )
     parser.add_argument("--nnodes", type=int, default=1, help="nodes a run would have (the batch)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     return parser
