@@ -80,6 +80,10 @@ def validate(
         ]
         return f"override {given[-1]!r}" if given else where
 
+    def resolved() -> Config:
+        """The config resolved; a problem of model.init_from's folder blames where the folder was named."""
+        return resolve(cfg, source("model.init_from"))
+
     for key, value in _floats(cfg):
         if not math.isfinite(value):
             fail(key, f"is {value}; give a finite number")
@@ -111,14 +115,14 @@ def validate(
         fail("model.init_from", f"applies to the transformer only (model.name is {m.name!r}); remove it")
     if family is None:
         fail("model.name", f"is {m.name!r}; use {model_choices()}")
-    family.check(m, d, fail, lambda: resolve(cfg, source("model.init_from")).model)
+    family.check(m, d, fail, lambda: resolved().model)
     if d.name == "tokens":  # the family takes token data: the files must fit its vocabulary
-        vocab_size = resolve(cfg, source("model.init_from")).model.vocab_size
+        vocab_size = resolved().model.vocab_size
         for key, path in (("data.path", d.path), ("data.eval_path", d.eval_path)):
             if path and os.path.isfile(path):
                 _check_sidecar(key, path, d.token_dtype, vocab_size, fail)
     if d.sources:  # several token files mixed by weight
-        _check_sources(d, m.seq_len, lambda: resolve(cfg, source("model.init_from")).model.vocab_size, fail, elsewhere)
+        _check_sources(d, m.seq_len, lambda: resolved().model.vocab_size, fail, elsewhere)
     elif d.name in ("tokens", "imagefolder", "mnist"):
         if not d.path:
             fail("data.path", f"is not set; data.name={d.name} needs it")
@@ -158,9 +162,7 @@ def validate(
             )
 
     # parallelism: the plan's own checks (trainer.parallel, imported without torch)
-    tp_model = (
-        resolve(cfg, source("model.init_from")).model if cfg.parallel.tp > 1 else None
-    )  # what tensor parallelism splits
+    tp_model = resolved().model if cfg.parallel.tp > 1 else None  # what tensor parallelism splits
     for key, message in plan.problems(tp_model):
         fail(key, message)
     if cfg.parallel.float8 != "none":  # torchao, compile, the blocks' dimensions; the GPU is each rank's check_float8
