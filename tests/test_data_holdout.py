@@ -147,7 +147,7 @@ def test_make_check_says_what_evaluation_reads(capsys, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_run_never_trains_on_its_held_out_part_and_a_resume_keeps_it(tmp_path):
+def test_a_run_never_trains_on_its_held_out_part_and_a_resume_keeps_it(capsys, tmp_path):
     """2 processes, a 40-window file, evaluation every 2 steps: config.yaml records 0.01 (1 window
     held out), the sample trace never reaches window 39, a resume without evaluation keeps the split
     (its epochs count 39 windows), and trainer.evaluate reads the same held-out window as the loop."""
@@ -173,9 +173,11 @@ def test_a_run_never_trains_on_its_held_out_part_and_a_resume_keeps_it(tmp_path)
     proc = python("-m", "trainer.evaluate", run_dir, "--step", "4", "eval.batches=1", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["eval_loss"] == pytest.approx(evals[4], rel=1e-5)
-    # another fraction is data the run trained on: refused in one line
-    proc = python("-m", "trainer.evaluate", run_dir, "data.eval_fraction=0.5")
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+    # another fraction is data the run trained on: refused in one line (before any process group)
+    from trainer.evaluate import main as evaluate
+
+    assert evaluate([str(run_dir), "data.eval_fraction=0.5"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
         "error: data.eval_fraction=0.5: what the run held out for evaluation is its own (0.01); another fraction "
         "is data it trained on: give data.eval_path instead"
     ]
