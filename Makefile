@@ -14,6 +14,10 @@ ARGS    ?=
 GPUS    := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 NPROC   ?= $(if $(filter-out 0,$(GPUS)),$(GPUS),2)
 OVERRIDES = $(if $(RUN_DIR),run_dir=$(RUN_DIR)) $(ARGS)
+# make config: the processes for the batch where the user gave them (NPROC=, NODES=), else the printer's
+# own default (the fewest that fit parallel.tp), not this machine's count.
+given = $(filter command line environment environment override override,$(origin $(1)))
+PRINT_PROCS = $(if $(call given,NPROC),--nproc $(NPROC)) $(if $(call given,NODES),--nnodes $(NODES))
 
 CPU     ?=
 # Docker (make image, make up): one image for GPUs and CPUs.
@@ -66,7 +70,7 @@ check: venv ## validate CONFIG (+ARGS) for NPROC processes x NODES nodes; the pl
 	@$(PY) -m trainer.check --config $(CONFIG) --nproc $(NPROC) --nnodes $(NODES) --gpu-mem-gb "$(GPU_MEM_GB)" $(OVERRIDES)
 
 config: venv ## print every key of CONFIG (+ARGS, RUN_DIR=): its value, its default where that differs, its meaning
-	@$(PY) -m trainer.config --print --config $(CONFIG) $(OVERRIDES)
+	@$(PY) -m trainer.config --print $(PRINT_PROCS) --config $(CONFIG) $(OVERRIDES)
 
 run: venv ## train CONFIG on NPROC local processes (RUN_DIR=, ARGS="k=v ..."); checks the config first
 	$(PY) -m trainer.launch --nproc-per-node=$(NPROC) --config $(CONFIG) $(CONFIG_DEFAULT) $(OVERRIDES)

@@ -85,7 +85,7 @@ def test_every_shipped_config_passes_the_check_at_its_scale(tmp_path, monkeypatc
     assert name in SHIPPED_SCALE, f"configs/{name}: add the scale it is written for to SHIPPED_SCALE"
     nodes, gpus = SHIPPED_SCALE[name]
     monkeypatch.chdir(ROOT)  # the configs' relative paths (data/mnist, runs/...) as make check sees them
-    monkeypatch.setattr(check, "check_devices", lambda nproc: None)  # this machine has no GPU, CI neither
+    monkeypatch.setattr(check, "check_devices", lambda nproc, option="": None)  # this machine has no GPU, CI neither
     path = f"configs/{name}"
     cfg = load(path)
     args = [
@@ -200,9 +200,39 @@ def test_unwritable_run_dir_permissions(tmp_path):
         validate(load(None, [f"run_dir={locked}/run"]), 1)
 
 
-def test_too_many_processes_for_this_machine():
-    with pytest.raises(ConfigError, match=r"NPROC=999 processes but this machine has \d+ "):
-        check_devices(999)
+def test_more_processes_than_gpus_is_refused_naming_the_command_s_own_option(monkeypatch):
+    """A pip user's `fsdp-train --nproc-per-node=4` was told `use NPROC=2 or fewer` (make's variable).
+    The GPUs are mocked (this machine has none, CI neither)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ConfigError) as e:
+        check_devices(4, "--nproc-per-node={}")
+    assert str(e.value) == (
+        "--nproc-per-node=4 processes but this machine has 2 GPUs; use --nproc-per-node=2 or fewer (NPROC=2 under "
+        "make), or hide the GPUs (CUDA_VISIBLE_DEVICES=) to train on the CPU"
+    )
+    with pytest.raises(ConfigError, match=r"^--nproc 3 processes but this machine has 2 GPUs; use --nproc 2 or fewer"):
+        check_devices(3)
+    assert check_devices(2) is None
+
+
+def test_more_processes_than_cpu_cores_warn_and_run(monkeypatch):
+    """Without a GPU, 4 processes on 2 cores were refused (`use NPROC=2 or fewer`), so tp=2 x 2
+    data-parallel ranks could not be tried on a laptop through the launcher, though torchrun and gloo
+    run them. Now a warning: the cores are shared."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cores = len(os.sched_getaffinity(0))
+    assert check_devices(cores) is None
+    assert check_devices(cores + 2) == (
+        f"{cores + 2} processes on {cores} CPU core(s) (no GPU found): the ranks share the cores, so every step "
+        f"is slower than on {cores}; fine to try a layout (parallel.tp, data-parallel ranks), not to train fast"
+    )
+    with pytest.raises(ConfigError, match="^--nproc 0: give 1 or more processes$"):
+        check_devices(0)
 
 
 def run_cli(*args):
@@ -232,7 +262,7 @@ def run_cli(*args):
             ],
             "32 is not divisible by 3 processes",
         ),
-        (["-m", "trainer.check", "--config", "configs/default.yaml", "--nproc", "999"], "NPROC=999 processes"),
+        (["-m", "trainer.check", "--config", "configs/default.yaml", "--nproc", "0"], "--nproc 0: give 1 or more"),
     ],
 )
 def test_cli_errors_are_one_line_exit_2(tmp_path, args, message):
@@ -255,7 +285,7 @@ def test_make_run_validates_before_launch(tmp_path):
         timeout=300,
     )
     assert proc.returncode == 2
-    assert "error: NPROC=999 processes" in proc.stderr
+    assert "train.global_batch_size: 32 is not divisible by 999 processes" in proc.stderr  # CPU: 999 may run, not so
     assert "rank(s) on" not in proc.stderr  # never launched
     assert not run_dir.exists()
 

@@ -90,7 +90,8 @@ def test_make_config_runs_the_printer_with_config_and_args():
         timeout=60,
     )
     assert out.returncode == 0, out.stderr
-    assert "-m trainer.config --print --config configs/mnist.yaml  train.steps=3 log.wandb=true" in out.stdout
+    line = " ".join(out.stdout.split())  # no --nproc: NPROC was not given (the printer takes parallel.tp's)
+    assert "-m trainer.config --print --config configs/mnist.yaml train.steps=3 log.wandb=true" in line
 
 
 @pytest.mark.parametrize(
@@ -143,3 +144,84 @@ def test_print_into_a_pipe_closed_early_says_nothing_more():
     )
     assert len(proc.stdout.splitlines()) == 3
     assert proc.stderr == ""
+
+
+# -- issue #42 items 2 and 5: a mixture's list printed; the printed config checked and resolved
+
+
+def test_print_of_a_mixture_shows_the_list_and_each_source_s_keys(tmp_path):
+    """data.sources printed (it was `TypeError: Object of type SourceArgs is not JSON serializable`,
+    exit 1), from a YAML file and from a run dir's saved config alike."""
+    from trainer.config import dump
+
+    mix = "[{path: a.bin, weight: 0.7, name: web}, {path: b.bin, weight: 0.3}]"
+    path = tmp_path / "mix.yaml"
+    path.write_text(f"run_dir: {tmp_path / 'run'}\ndata:\n  name: tokens\n  sources: {mix}\n")
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    dump(load(str(path), [f"run_dir={saved}"]), saved / "config.yaml")  # a run dir that holds the run
+    for args in (["--config", str(path)], [f"run_dir={saved}"]):
+        proc = run("--print", *args)
+        assert proc.returncode == 0, proc.stderr
+        rows = {line.split()[0]: line for line in proc.stdout.splitlines()[1:]}
+        assert rows["data.sources"].split("#")[0].split(None, 1)[1].strip() == (
+            '[{"path": "a.bin", "weight": 0.7, "eval_path": null, "name": "web"}, '
+            '{"path": "b.bin", "weight": 0.3, "eval_path": null, "name": null}] (default [])'
+        )
+        path = rows["data.sources[0].path"]
+        assert re.match(r"data\.sources\[0\]\.path +a\.bin \(default null\) +# the token file", path)
+        assert re.match(r"data\.sources\[1\]\.weight +0\.3 +\(default 1\.0\) +# share", rows["data.sources[1].weight"])
+        assert re.match(r"data\.sources\[0\]\.name +web +\(default null\)", rows["data.sources[0].name"])
+        assert "data.sources[].path" not in rows  # the template rows are the key table's, not a config's
+
+
+def test_print_refuses_what_make_check_refuses_in_the_same_line():
+    """`--print model.size=bogus` printed `bogus (default tiny)` and exited 0."""
+    proc = run("--print", "model.size=bogus")
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        "error: override 'model.size=bogus': model.size: is 'bogus'; choose one of tiny, small, 125m, 1b, 8b"
+    ]
+
+
+def test_print_shows_the_values_a_run_of_the_config_would_take(tmp_path):
+    """`--print --config configs/llama-1b.yaml` showed `model.dim null`: the shape is resolved as a run
+    resolves it, and so is the global batch of --nproc x --nnodes processes (make config passes NPROC,
+    NODES). What only the training machine has (llama-1b's data file) is a warning, not a refusal."""
+    proc = run("--print", "--config", "configs/llama-1b.yaml", f"run_dir={tmp_path / 'run'}")
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split()[0]: line for line in proc.stdout.splitlines()[1:]}
+    assert re.match(r"model\.dim +2048 \(default null\) +# hidden size", rows["model.dim"])
+    assert re.match(r"model\.n_layers +16 \(default null\)", rows["model.n_layers"])
+    assert "warning: " in proc.stderr and "/data/tokens/train.bin" in proc.stderr
+    proc = run("--print", "--nproc", "4", "--nnodes", "2", "train.rank_batch_size=3", f"run_dir={tmp_path / 'run'}")
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split()[0]: line for line in proc.stdout.splitlines()[1:]}
+    assert re.match(r"train\.global_batch_size +24 \(default 32\)", rows["train.global_batch_size"])
+
+
+def test_make_config_passes_the_processes_the_user_gave_for_the_batch():
+    out = subprocess.run(
+        ["make", "-n", "config", "NPROC=4", "NODES=2"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert "-m trainer.config --print --nproc 4 --nnodes 2 --config configs/default.yaml" in out.stdout
+
+
+def test_print_of_a_tensor_parallel_config_takes_the_fewest_processes_that_fit_it(tmp_path):
+    """configs/llama-70b.yaml (parallel.tp=8) printed without --nproc: not refused for a node of 1 process."""
+    proc = run("--print", "--config", "configs/llama-70b.yaml", f"run_dir={tmp_path / 'run'}")
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split()[0]: line for line in proc.stdout.splitlines()[1:]}
+    assert re.match(r"parallel\.tp +8 \(default 1\)", rows["parallel.tp"])
+    proc = run("--print", "--nproc", "2", "--config", "configs/llama-70b.yaml", f"run_dir={tmp_path / 'run'}")
+    assert proc.returncode == 2 and "parallel.tp: 8 does not divide the 2 processes" in proc.stderr
+
+
+def test_the_size_s_meaning_lists_the_sizes_not_a_code_constant():
+    from trainer.models.transformer_shapes import TRANSFORMER_SIZES
+
+    meaning = {k: m for k, _, _, m in keys()}["model.size"]
+    assert "TRANSFORMER_SIZES" not in meaning
+    assert ", ".join(TRANSFORMER_SIZES) in meaning.replace(" or ", ", ")

@@ -190,3 +190,19 @@ def test_interface_address():
     assert interface_address("lo") == "127.0.0.1"
     with pytest.raises(OSError, match="'nosuch0'"):
         interface_address("nosuch0")
+
+
+def test_more_ranks_than_cpu_cores_warn_and_train(tmp_path):
+    """2 ranks on 1 CPU core (the launcher's affinity, as a Slurm cpuset gives it): it was refused
+    (`this machine has 1 CPU cores; use NPROC=1 or fewer`); torchrun and gloo run it, so the
+    launcher warns in one line and trains."""
+    from conftest import launch_command
+
+    run_dir = tmp_path / "run"
+    core = min(os.sched_getaffinity(0))
+    proc = run_command(
+        launch_command(run_dir, "train.steps=2"), timeout=300, preexec_fn=lambda: os.sched_setaffinity(0, {core})
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "launch: warning: 2 processes on 1 CPU core(s) (no GPU found): the ranks share the cores" in proc.stderr
+    assert [r["step"] for r in rows(run_dir)] == [1, 2]

@@ -443,10 +443,127 @@ def test_a_resume_on_other_files_or_weights_says_so():
     assert stream_change(to_dict(mix), mix.data, 5) is None
     assert stream_change(to_dict(single), single.data, 5) is None
     assert stream_change(to_dict(load(None, [])), load(None, []).data, 5) is None  # generated data
-    assert stream_change(to_dict(mix), even.data, 5).startswith(
-        "the training data changed since the checkpoint (a.bin x0.7, b.bin x0.3 -> a.bin x1.0, b.bin x1.0): from "
-        "step 5 on the run reads the new data at the same position in its stream"
-    )
+    assert stream_change(to_dict(mix), even.data, 5) is None  # a mixture's own: data.resume says it (below)
     assert "(a.bin -> a.bin x0.7, b.bin x0.3)" in stream_change(to_dict(single), mix.data, 5)
     planted = {"data": {"path": "\x1b]0;owned\x07a.bin"}}  # a checkpoint's config is untrusted bytes
     assert "(]0;owneda.bin -> " in stream_change(planted, mix.data, 5)
+
+
+# -- issue #42 item 4: other weights on resume: each source goes on from its own position -------------
+
+
+def saved_meta(m: Mixture, samples: int, paths=None) -> dict:
+    """A checkpoint's meta.json as a save of the mixture `m` after `samples` writes it."""
+    from trainer.data import position
+
+    sources = [{"path": p, "weight": w} for p, w in zip(paths or m.names, m.weights)]
+    return {"samples": samples, "config": {"data": {"sources": sources}}, "path": "ckpt", **position(m)}
+
+
+def own_indices(m: Mixture, first: int, n: int) -> dict[int, list[int]]:
+    """Each source's own sample indices among global samples [first, first + n)."""
+    out: dict[int, list[int]] = {}
+    for i in range(first, first + n):
+        k, j = m.locate(i)
+        out.setdefault(k, []).append(j)
+    return out
+
+
+def test_other_weights_on_resume_go_on_from_each_source_s_position_nothing_repeated_or_skipped():
+    """The issue's run: 0.7/0.2/0.1 resumed at step 45 with other weights. Each source's own samples
+    go on from the count it had given (they jumped: a source from its 180th sample to its 450th, 270
+    skipped, its epoch from 0.48 to 1.34 without an epoch row; another read again half of what it had
+    read this pass)."""
+    from trainer.data import resume
+
+    lengths, B, S = [1000, 375, 400], 20, 45 * 20
+    old = mixture([0.7, 0.2, 0.1], lengths)
+    before = old.counts(S)
+    new = mixture([0.2, 0.7, 0.1], lengths)
+    line = resume(new, saved_meta(old, S))
+    assert line.startswith(
+        "the mixture changed since the checkpoint (s0 x0.7, s1 x0.2, s2 x0.1 -> s0 x0.2, s1 x0.7, s2 x0.1): from "
+        f"sample {S} on each source goes on from where it was (s0 from its sample {before[0]}, s1 from its sample "
+        f"{before[1]}, s2 from its sample {before[2]})"
+    )
+    after = own_indices(new, S, 1000)
+    for k in range(3):  # consecutive from where it was: each item of a pass once
+        assert after[k] == list(range(before[k], before[k] + len(after[k]))), k
+    assert abs(len(after[1]) - 700) <= 3  # the new weights share what follows
+    assert new.counts(S) == before and epochs(new, S) == epochs(old, S)  # the epochs go on, no jump
+    # every epoch that begins is found once, at the step that reads its first sample
+    starts = [(s, *e) for s in range(46, 200) for e in epoch_starts(new, (s - 1) * B, s * B)]
+    for k, name in enumerate(new.names):
+        passes_made = new.counts(199 * B)[k] // lengths[k]
+        assert sorted(e for _, n, e in starts if n == name) == list(range(before[k] // lengths[k] + 1, passes_made + 1))
+
+
+def test_a_resume_after_the_change_is_the_stream_never_interrupted():
+    """Same weights as the checkpoint's: its origin is kept, so a run stopped again after a change of
+    weights reads on exactly as one that was not; and a mixture without change is the pure stream."""
+    from trainer.data import resume
+
+    S1, S2 = 300, 420
+    old = mixture([0.7, 0.3], [50, 20])
+    changed = mixture([0.4, 0.6], [50, 20])
+    resume(changed, saved_meta(old, S1))
+    again = mixture([0.4, 0.6], [50, 20])
+    assert resume(again, saved_meta(changed, S2)) is None  # nothing changed: nothing to say
+    assert [again[i] for i in range(S2, S2 + 200)] == [changed[i] for i in range(S2, S2 + 200)]
+    same = mixture([0.7, 0.3], [50, 20])
+    assert resume(same, saved_meta(old, S1)) is None
+    assert (same.start, same.taken) == (0, [0, 0])
+    assert [same[i] for i in range(S1, S1 + 100)] == [old[i] for i in range(S1, S1 + 100)]
+
+
+def test_a_source_added_on_resume_starts_at_its_first_sample_and_a_bad_origin_is_one_line():
+    from trainer.data import DataError, resume
+
+    old = mixture([0.7, 0.3], [50, 20])
+    grown = Mixture([Numbered(k, n) for k, n in enumerate([50, 20, 30])], [0.5, 0.3, 0.2], ["s0", "s1", "new"], 0)
+    line = resume(grown, saved_meta(old, 100))
+    assert "(s0 from its sample 70, s1 from its sample 30, new from its sample 0 (new))" in line
+    assert own_indices(grown, 100, 50)[2][:3] == [0, 1, 2]
+    meta = saved_meta(old, 100)
+    meta["mixture"] = {"start": 0, "taken": [0, -5]}  # meta.json is untrusted
+    with pytest.raises(DataError) as e:
+        resume(mixture([0.5, 0.5], [50, 20]), meta)
+    assert str(e.value) == (
+        "checkpoint ckpt: meta.json's mixture is {'start': 0, 'taken': [0, -5]}, not the origin a save writes; "
+        "move that checkpoint away"
+    )
+
+
+@pytest.mark.slow
+def test_a_run_resumed_with_other_weights_goes_on_from_each_source_s_position(tmp_path, files):
+    """0.7/0.3 for 5 steps, then 0.2/0.8: the line says where each source goes on from, the
+    checkpoint keeps the new origin, each source's passes go on without a jump, and every pass that
+    begins has its epoch row once."""
+    run_dir = tmp_path / "run"
+    common = [*TINY, *MIX, "checkpoint.interval=5"]
+    weighted = lambda w, v: (
+        f"data.sources=[{{path: {files['web']}, weight: {w}}}, {{path: {files['code']}, weight: {v}}}]"
+    )
+    train(run_dir, 1, *common, weighted(0.7, 0.3), "train.steps=5")
+    first = mixture([0.7, 0.3], [40, 20]).counts(60)
+    out = train(run_dir, 1, *common, weighted(0.2, 0.8), "train.steps=15").stdout
+    assert f"from sample 60 on each source goes on from where it was (web from its sample {first[0]}, code from its " \
+        f"sample {first[1]})" in out  # fmt: skip
+    meta = json.loads((run_dir / "checkpoints" / "step_00000015" / "meta.json").read_text())
+    assert meta["mixture"] == {"start": 60, "taken": first}
+    m = mixture([0.2, 0.8], [40, 20])
+    m.start, m.taken = 60, first
+    got = {r["step"]: (r["epoch/web"], r["epoch/code"]) for r in rows(run_dir)}
+    for step in range(6, 16):
+        web, code = m.counts(step * 12)
+        assert got[step] == (pytest.approx(web / 40), pytest.approx(code / 20)), step
+    expected = sorted(
+        (["web", "code"][k], e, s)
+        for s in range(1, 16)
+        for k in range(2)
+        for e in range(1, 20)
+        if (mixture([0.7, 0.3], [40, 20]) if s <= 5 else m).counts((s - 1) * 12)[k]
+        <= e * [40, 20][k]
+        < (mixture([0.7, 0.3], [40, 20]) if s <= 5 else m).counts(s * 12)[k]
+    )
+    assert sorted(epoch_rows(run_dir)) == expected

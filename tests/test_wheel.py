@@ -38,7 +38,7 @@ def installed(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("wheel")
     src = tmp / "src"  # a copy: building in the checkout would leave build/ and an egg-info there
     src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, src / name)
     for name in ("trainer", "configs"):
         shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
@@ -53,6 +53,12 @@ def installed(tmp_path_factory) -> Path:
     modules = {str(p.relative_to(ROOT)) for p in (ROOT / "trainer").rglob("*.py")}
     configs = {f"trainer/{p.relative_to(ROOT)}" for p in (ROOT / "configs").glob("*.yaml")}
     assert modules | configs <= names, f"missing from the wheel: {sorted(modules | configs - names)}"
+    # the license ships (#42 item 8: the wheel carried none): the file, and the metadata that names it
+    info = f"fsdp_trainer-{VERSION}.dist-info"
+    with zipfile.ZipFile(wheel) as z:
+        assert z.read(f"{info}/licenses/LICENSE") == (ROOT / "LICENSE").read_bytes()
+        metadata = z.read(f"{info}/METADATA").decode().splitlines()
+    assert "License-Expression: Apache-2.0" in metadata and "License-File: LICENSE" in metadata
 
     venv = tmp / "venv"
     run(sys.executable, "-m", "venv", "--without-pip", str(venv))

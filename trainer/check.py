@@ -19,7 +19,17 @@ import typing
 from typing import TYPE_CHECKING
 
 from trainer import files, ranges
-from trainer.config import Config, ConfigError, load_run, resolve, resolve_batch
+from trainer.config import (
+    Config,
+    ConfigError,
+    eval_data,
+    eval_data_problem,
+    load_run,
+    print_config,
+    print_parser,
+    resolve,
+    resolve_batch,
+)
 from trainer.layout import RUN_DIR_FILES, RUN_DIR_FOLDERS, WRITTEN_FILES, WRITTEN_FOLDERS
 from trainer.models import FamilyError, family_of
 from trainer.models import choices as model_choices
@@ -70,6 +80,10 @@ def validate(
         ]
         return f"override {given[-1]!r}" if given else where
 
+    def resolved() -> Config:
+        """The config resolved; a problem of model.init_from's folder blames where the folder was named."""
+        return resolve(cfg, source("model.init_from"))
+
     for key, value in _floats(cfg):
         if not math.isfinite(value):
             fail(key, f"is {value}; give a finite number")
@@ -85,6 +99,9 @@ def validate(
             f"set eval.interval (steps between evaluations) or train.early_stop_patience=0",
         )
 
+    if cfg.eval.interval and cfg.data.eval_fraction is not None and eval_data_problem(cfg.data):  # None: resolved
+        fail("eval.interval", f"is {cfg.eval.interval}, but {eval_data_problem(cfg.data)}")
+
     if "\0" in cfg.health.command:
         fail("health.command", "holds a NUL byte; give a shell command line, e.g. /etc/nhc/nhc")
 
@@ -98,14 +115,14 @@ def validate(
         fail("model.init_from", f"applies to the transformer only (model.name is {m.name!r}); remove it")
     if family is None:
         fail("model.name", f"is {m.name!r}; use {model_choices()}")
-    family.check(m, d, fail, lambda: resolve(cfg, where).model)
+    family.check(m, d, fail, lambda: resolved().model)
     if d.name == "tokens":  # the family takes token data: the files must fit its vocabulary
-        vocab_size = resolve(cfg, where).model.vocab_size
+        vocab_size = resolved().model.vocab_size
         for key, path in (("data.path", d.path), ("data.eval_path", d.eval_path)):
             if path and os.path.isfile(path):
                 _check_sidecar(key, path, d.token_dtype, vocab_size, fail)
     if d.sources:  # several token files mixed by weight
-        _check_sources(d, m.seq_len, lambda: resolve(cfg, where).model.vocab_size, fail, elsewhere)
+        _check_sources(d, m.seq_len, lambda: resolved().model.vocab_size, fail, elsewhere)
     elif d.name in ("tokens", "imagefolder", "mnist"):
         if not d.path:
             fail("data.path", f"is not set; data.name={d.name} needs it")
@@ -145,7 +162,7 @@ def validate(
             )
 
     # parallelism: the plan's own checks (trainer.parallel, imported without torch)
-    tp_model = resolve(cfg, where).model if cfg.parallel.tp > 1 else None  # what tensor parallelism splits
+    tp_model = resolved().model if cfg.parallel.tp > 1 else None  # what tensor parallelism splits
     for key, message in plan.problems(tp_model):
         fail(key, message)
     if cfg.parallel.float8 != "none":  # torchao, compile, the blocks' dimensions; the GPU is each rank's check_float8
@@ -387,18 +404,32 @@ def _check_planted(path: str, where: str) -> None:
         )
 
 
-def check_devices(nproc: int) -> None:
-    """The number of processes per node must fit this machine's GPUs (or CPU cores without GPUs)."""
+def check_devices(nproc: int, option: str = "--nproc {}") -> str | None:
+    """The number of processes per node must fit this machine's GPUs (ConfigError naming `option`, the
+    command's own: `--nproc-per-node={}` for the launcher, `--nproc {}` for the check; make's NPROC
+    beside it). Without a GPU, more processes than CPU cores run all the same, sharing the cores (gloo,
+    as torchrun runs them: a laptop can try parallel.tp=2 with 2 data-parallel ranks): the warning to
+    say then, else None. The cores are this process's (its affinity: a Slurm or container cpuset)."""
     import torch
 
-    if torch.cuda.is_available():
-        have, what = torch.cuda.device_count(), "GPUs"
-    else:
-        have, what = os.cpu_count() or 1, "CPU cores (no GPU found)"
     if nproc < 1:
-        raise ConfigError(f"NPROC is {nproc}; it must be at least 1")
-    if nproc > have:
-        raise ConfigError(f"NPROC={nproc} processes but this machine has {have} {what}; use NPROC={have} or fewer")
+        raise ConfigError(f"{option.format(nproc)}: give 1 or more processes")
+    if torch.cuda.is_available():
+        have = torch.cuda.device_count()
+        if nproc > have:
+            raise ConfigError(
+                f"{option.format(nproc)} processes but this machine has {have} GPU{'s' if have != 1 else ''}; use "
+                f"{option.format(have)} or fewer (NPROC={have} under make), or hide the GPUs (CUDA_VISIBLE_DEVICES=) "
+                f"to train on the CPU"
+            )
+        return None
+    have = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if nproc <= have:
+        return None
+    return (
+        f"{nproc} processes on {have} CPU core(s) (no GPU found): the ranks share the cores, so every step is "
+        f"slower than on {have}; fine to try a layout (parallel.tp, data-parallel ranks), not to train fast"
+    )
 
 
 def check_gpus(local_world_size: int) -> None:
@@ -427,7 +458,36 @@ def check_float8(cfg: Config, device: torch.device, where: str = "config") -> No
         raise ConfigError(f"{where}: parallel.float8: {problem}")
 
 
+def config_main(argv: list[str] | None = None) -> int:
+    """`python -m trainer.config --print` (fsdp-config, make config), which hands its command line over
+    to this: every key of the config with the value a run of it would take, checked as make check
+    checks it (what only the training machine has, its data files, is a warning) and resolved as a
+    run resolves it (the shape, the batch of --nproc x --nnodes processes)."""
+    args = print_parser().parse_intermixed_args(argv)
+    try:
+        cfg, where, notes = load_run(args.config, args.overrides)
+        nproc = max(1, cfg.parallel.tp) if args.nproc is None else args.nproc  # unsaid: the fewest that fit tp
+        if nproc < 1 or args.nnodes < 1:
+            raise ConfigError(f"--nproc {nproc} --nnodes {args.nnodes}: give 1 or more of each")
+        world = nproc * args.nnodes
+        warnings = validate(cfg, world, where=where, overrides=args.overrides, planning=True, node_size=nproc)
+        cfg = resolve(cfg, where=where, world_size=world)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for line in [*notes, *(f"warning: {w}" for w in warnings)]:
+        print(line, file=sys.stderr)
+    try:
+        print(f"# the config of {cfg.run_dir}, from {where}{' and the command line' if args.overrides else ''}")
+        print(print_config(cfg), flush=True)
+    except BrokenPipeError:  # `make config | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    if (sys.argv[1:] if argv is None else argv)[:1] == ["--print-config"]:  # python -m trainer.config's hand-over
+        return config_main((sys.argv[1:] if argv is None else argv)[1:])
     parser = argparse.ArgumentParser(prog="python -m trainer.check", description=__doc__.split("\n\n")[0])
     add_version(parser)
     parser.add_argument("--config", required=True, help="YAML config file")
@@ -447,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
         warnings = []
         if args.nproc is not None:  # this machine's devices (torch tells them), then the config
             try:
-                check_devices(args.nproc)
+                warnings += filter(None, [check_devices(args.nproc)])
             except ConfigError as e:
                 if not planning or args.nproc < 1:
                     raise
@@ -478,6 +538,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     for line in plan_lines(cfg, args.nproc or 1, args.nnodes):
         print(line)
+    if cfg.eval.interval:  # never the training data (data.eval_fraction)
+        print(f"evaluation: every {cfg.eval.interval} steps on {eval_data(cfg.data)}")
     for line in notes:
         print(line)
     for line in warnings:

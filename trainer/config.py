@@ -24,6 +24,7 @@ import inspect
 import json
 import os
 import re
+import subprocess
 import sys
 import textwrap
 import tokenize
@@ -110,7 +111,15 @@ class DataArgs:
     # trainer.prepare, MNIST, a folder of images in one subfolder per class, or generated images.
     name: Literal["synthetic", "tokens", "mnist", "imagefolder", "synthetic_images"] = "synthetic"
     path: str | None = None  # token file, MNIST root or ImageFolder root (for the training split)
-    eval_path: str | None = None  # the same for evaluation; None: a held-out part of the stream
+    # The same for evaluation; None: MNIST's test split, generated data's own far range, and for a token
+    # file or image folder the part data.eval_fraction holds out of data.path.
+    eval_path: str | None = None
+    # The fraction of a token file's sequences (its last ones) or of an image folder's images (every
+    # k-th in the folder's order, so each class gives its share) held out for evaluation, which training
+    # never reads: of data.path when data.eval_path is not set, of each data.sources file without its own
+    # eval_path. None: 0.01 when evaluation is on (eval.interval) at the run's first start, else 0; the
+    # run's config.yaml records the number, so every resume holds out the same part.
+    eval_fraction: Annotated[float | None, Range(0, 1, high_open=True)] = None
     token_dtype: Literal["uint16", "uint32"] = "uint16"  # element type of a token file
     download: bool = True  # MNIST: download into `path` when the files are not there
     num_workers: Annotated[int, NOT_NEGATIVE] = 0  # DataLoader worker processes per rank
@@ -118,6 +127,53 @@ class DataArgs:
     # Several token files mixed by weight (data.name=tokens, instead of data.path), e.g.
     # [{path: a.bin, weight: 0.7}, {path: b.bin, weight: 0.3}]; empty: the single data.path.
     sources: tuple[SourceArgs, ...] = ()
+
+
+# data.eval_fraction of a run that evaluates and names no evaluation file (HF's run_clm holds out 5%,
+# nanoGPT's OpenWebText 0.05%; an evaluation reads eval.batches micro-batches of it at a time).
+DEFAULT_EVAL_FRACTION = 0.01
+
+
+def holds_out(d: DataArgs) -> bool:
+    """Whether data.eval_fraction applies to the data `d` names: a token file or image folder without
+    an evaluation file, or a mixture with a source that has none."""
+    if d.sources:
+        return not d.eval_path and not all(s.eval_path for s in d.sources)
+    return d.name in ("tokens", "imagefolder") and not d.eval_path
+
+
+def eval_data(d: DataArgs) -> str:
+    """What an evaluation of the data `d` names reads, in words (make check's `evaluation:` line)."""
+    held = f"the last {(d.eval_fraction or 0) * 100:g}%"
+    if d.eval_path:
+        return f"data.eval_path {d.eval_path}"
+    if d.sources:
+        each = [f"{s.label}: {s.eval_path or held + ' of ' + str(s.path)}" for s in d.sources]
+        return f"each source's own ({'; '.join(each)}), which training never reads"
+    never = f"(data.eval_fraction={d.eval_fraction or 0:g}), which training never reads"
+    if d.name == "tokens":
+        return f"{held} of {d.path}'s sequences {never}"
+    if d.name == "imagefolder":
+        return f"{held} of {d.path}'s images, evenly spread {never}"
+    return f"MNIST's test split under {d.path}" if d.name == "mnist" else "generated samples training never reaches"
+
+
+def eval_data_problem(d: DataArgs) -> str | None:
+    """Why an evaluation of the data `d` names would read nothing held out from training, or None."""
+    if not holds_out(d) or d.eval_fraction:
+        return None
+    if d.sources:
+        return (
+            "evaluation needs data that training does not read, and no source has an eval_path while "
+            "data.eval_fraction is 0; give data.eval_path or data.sources[i].eval_path files, or set "
+            f"data.eval_fraction={DEFAULT_EVAL_FRACTION} to hold out the last 1% of each source"
+        )
+    what = "sequences" if d.name == "tokens" else "images"
+    return (
+        f"evaluation needs data that training does not read: data.eval_path is not set and "
+        f"data.eval_fraction is 0; give data.eval_path, or set data.eval_fraction={DEFAULT_EVAL_FRACTION} to "
+        f"hold out 1% of data.path's {what} (training then never reads them)"
+    )
 
 
 @dataclass
@@ -224,12 +280,17 @@ def resolve(cfg: Config, where: str = "config", world_size: int = 1) -> Config:
     """The config as the run records it: the global batch of `world_size` processes, and the
     transformer's shape spelled out, from model.init_from's config.json (keys the config sets
     must agree with it; trainer/hf.py reads the folder), from the token files' sidecars for the
-    vocabulary (trainer/prepare.py reads them; a mixture: the largest), and else from model.size."""
+    vocabulary (trainer/prepare.py reads them; a mixture: the largest), and else from model.size; and
+    data.eval_fraction's number (DEFAULT_EVAL_FRACTION when evaluation is on and needs it, else 0)."""
     from trainer import hf  # torch only where a folder's weights are read
     from trainer.models import resolve as resolve_model
     from trainer.prepare import sidecar_vocab
 
     cfg = resolve_batch(cfg, world_size)
+    if cfg.data.eval_fraction is None:  # at the run's first start; its config.yaml keeps the number
+        evaluates = cfg.eval.interval > 0 and holds_out(cfg.data)
+        fraction = DEFAULT_EVAL_FRACTION if evaluates else 0.0
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eval_fraction=fraction))
     model = cfg.model
     try:
         model = hf.init_args(model)
@@ -724,7 +785,10 @@ def keys(
         inner = [a for a in typing.get_args(hints[f.name]) if dataclasses.is_dataclass(a)]
         if inner and typing.get_origin(hints[f.name]) is tuple:  # a list of sections (data.sources): each item's keys
             section = inner[0]
-            out += [(k, None, d, m) for k, _, d, m in keys(section(), key + "[].", section(), whole)]
+            if not value:  # none given (the key table): the keys an item takes, as key[].sub
+                out += [(k, None, d, m) for k, _, d, m in keys(section(), key + "[].", section(), whole)]
+            for i, item in enumerate(value):  # each item given, as key[i].sub
+                out += keys(item, f"{key}[{i}].", section(), whole)
         elif inner:  # a section that may be null: its keys, with the defaults they take when given
             section = inner[0]
             for k, _, d, m in keys(section(), key + ".", section(), whole):
@@ -735,7 +799,7 @@ def keys(
 def show(value: Any) -> str:
     """A value as YAML spells it on a command line: null, true, [0.9, 0.95], fsdp."""
     if isinstance(value, tuple):
-        value = list(value)
+        value = [dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for v in value]  # data.sources' items
     if dataclasses.is_dataclass(value):
         value = dataclasses.asdict(value)
     if isinstance(value, str):
@@ -763,34 +827,37 @@ def print_config(cfg: Config) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def print_parser() -> argparse.ArgumentParser:
+    """The command line of `python -m trainer.config` (fsdp-config, make config)."""
     parser = argparse.ArgumentParser(
         prog="python -m trainer.config",
-        description="Print every key of the config (the defaults, a YAML file and key=value overrides): its "
-        "value, its default where that differs, and its meaning.",
+        description="Print every key of the config (the defaults, a YAML file and key=value overrides, or a run "
+        "dir's saved run): the value a run of it would take, its default where that differs, and its meaning. "
+        "The config is checked as make check checks it first.",
     )
     add_version(parser)
     parser.add_argument("--print", action="store_true", help="print every key (the default action)")
     parser.add_argument("--table", action="store_true", help="print the README's markdown table of the keys")
     parser.add_argument("--config", help="YAML config file; none: the defaults")
+    parser.add_argument(
+        "--nproc", type=int, help="processes per node a run would have (the batch); default: parallel.tp, the fewest"
+    )
+    parser.add_argument("--nnodes", type=int, default=1, help="nodes a run would have (the batch)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    args = parser.parse_intermixed_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = print_parser().parse_intermixed_args(argv)
     if args.table:
         sys.stdout.write(key_table())
         return 0
-    try:
-        cfg, where, notes = load_run(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    for line in notes:
-        print(line, file=sys.stderr)
-    try:
-        print(f"# the config of {cfg.run_dir}, from {where}{' and the command line' if args.overrides else ''}")
-        print(print_config(cfg), flush=True)
-    except BrokenPipeError:  # `make config | head`: the reader has what it wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
-    return 0
+    # Printing what a run would take means checking the config as make check does and resolving it
+    # (trainer.check.config_main): that is a floor above this module, which imports none of it
+    # (tools/imports.py), so the command line is handed over to it whole, as the Makefile would.
+    argv = sys.argv[1:] if argv is None else argv
+    sys.stdout.flush()
+    return subprocess.call([sys.executable, "-m", "trainer.check", "--print-config", *argv])
 
 
 if __name__ == "__main__":

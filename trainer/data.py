@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from trainer.config import DataArgs
+from trainer.config import DataArgs, eval_data_problem, holds_out
 from trainer.prepare import token_file_problem
 
 
@@ -216,7 +216,76 @@ def image_folder(root: str, size: int, num_classes: int) -> Dataset:
 
 
 # ---------------------------------------------------------------------------------------------------
+# The part of a file or folder held out for evaluation (data.eval_fraction).
+
+
+class Part(Dataset):
+    """Items `indices` of `dataset`, as its items 0, 1, ...: what training reads of a token file or
+    image folder, or the part held out of it for evaluation."""
+
+    def __init__(self, dataset: Dataset, indices):
+        self.dataset, self.indices = dataset, indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int):
+        return self.dataset[int(self.indices[int(i)])]
+
+
+def held_out(length: int, fraction: float | None) -> int:
+    """How many of `length` items data.eval_fraction holds out: rounded up, so at least one when it is
+    set, from the decimal as written (0.01 of 300 is 3)."""
+    if not fraction:
+        return 0
+    exact = Fraction(repr(float(fraction)))
+    return -(-length * exact.numerator // exact.denominator)
+
+
+def split(dataset: Dataset, fraction: float | None, where: str, spread: bool = False) -> tuple[Dataset, Dataset | None]:
+    """(what training reads, the part held out for evaluation or None) of `dataset` (data.eval_fraction):
+    its last items (a token file: one stretch of text, whose neighbours training reads as little as it
+    can), or with `spread` every k-th item (an image folder in class order: each class gives its share).
+    A pure function of the length and the fraction, which the run's config.yaml records: every start
+    of the run holds out the same items, whatever the seed and the number of processes."""
+    n, h = len(dataset), held_out(len(dataset), fraction)
+    if not h:
+        return dataset, None
+    if h >= n:
+        raise DataError(
+            f"{where}: holding out data.eval_fraction={fraction:g} of its {n} items for evaluation leaves none to "
+            f"train on; lower data.eval_fraction, or give data.eval_path"
+        )
+    if not spread:
+        return Part(dataset, range(n - h)), Part(dataset, range(n - h, n))
+    held = (np.arange(h) * n + n // 2) // h  # evenly spaced over the folder, the first a half step in
+    rest = np.setdiff1d(np.arange(n), held)
+    return Part(dataset, rest), Part(dataset, held)
+
+
+# ---------------------------------------------------------------------------------------------------
 # Several token files mixed by weight (data.sources).
+
+
+def _shares(weights: list[float]) -> list[tuple[int, int]]:
+    """Each source's share of what the sources before it leave, as (numerator, denominator): w_k /
+    (w_k + ... + w_last), exact fractions of the weights as written (0.3 is 3/10); the last is 1."""
+    exact = [Fraction(repr(float(w))) for w in weights]  # 0.3 as 3/10, the decimal given, not the float's binary
+    shares, rest = [], sum(exact)
+    for w in exact:
+        share = w / rest
+        shares.append((share.numerator, share.denominator))
+        rest -= w
+    return shares
+
+
+def _counts(shares: list[tuple[int, int]], n: int) -> list[int]:
+    """How many of n samples interleaved by `shares` each source gives."""
+    out = []
+    for num, den in shares[:-1]:
+        out.append(num * n // den)
+        n -= out[-1]
+    return [*out, n]
 
 
 class Mixture(Dataset):
@@ -231,39 +300,43 @@ class Mixture(Dataset):
     a random draw whose counts drift. The shares are exact fractions of the weights as written (0.3 is 3/10).
     Inside a source, its j-th sample is item perm(j // len)[j % len]: a fresh permutation per pass
     (epoch), drawn from (seed, source, epoch). `len` is effectively infinite, as generated data's:
-    the sources wrap on their own."""
+    the sources wrap on their own.
 
-    def __init__(self, datasets: list[Dataset], weights: list[float], names: list[str], seed: int):
+    The interleave counts from the mixture's origin (`start`, `taken`): global sample `start`, where
+    each source k had given taken[k] samples; 0 and none from the run's first step. A resume with
+    other weights (or other files) moves the origin to where the checkpoint stopped (resume()), so
+    that each source goes on from its own next sample, as Megatron's blended datasets keep a position
+    per dataset: nothing of a pass read twice, nothing skipped."""
+
+    def __init__(self, datasets: list[Dataset], weights: list[float], names: list[str], seed: int, paths=None):
         self.datasets, self.names, self.seed = datasets, names, seed
+        self.paths = list(paths or names)  # the sources' files, as the config names them (resume() matches them)
+        self.weights = list(weights)
         self.lengths = [len(d) for d in datasets]
-        exact = [Fraction(repr(float(w))) for w in weights]  # 0.3 as 3/10, the decimal given, not the float's binary
-        shares, rest = [], sum(exact)
-        for w in exact:
-            share = w / rest
-            shares.append((share.numerator, share.denominator))
-            rest -= w
-        self.shares = shares  # the last is 1: it takes what the others leave
+        self.shares = _shares(weights)
+        self.start, self.taken = 0, [0] * len(datasets)  # the origin
         self._perms: dict[int, tuple[int, np.ndarray]] = {}  # source -> (epoch, permutation) last used
 
     def __len__(self) -> int:
         return 2**62
 
     def locate(self, i: int) -> tuple[int, int]:
-        """(source, that source's own sample index) of global sample i."""
+        """(source, that source's own sample index) of global sample i (at or after the origin)."""
+        i -= self.start
+        if i < 0:
+            raise IndexError(f"global sample {i + self.start} is before the mixture's origin {self.start}")
         for k, (num, den) in enumerate(self.shares[:-1]):
             before = num * i // den  # source k's samples among the level's first i
             if num * (i + 1) // den > before:
-                return k, before
+                return k, self.taken[k] + before
             i -= before  # its place among what the later sources share
-        return len(self.shares) - 1, i
+        return len(self.shares) - 1, self.taken[-1] + i
 
     def counts(self, n: int) -> list[int]:
-        """How many of the first n global samples each source gave."""
-        out = []
-        for num, den in self.shares[:-1]:
-            out.append(num * n // den)
-            n -= out[-1]
-        return [*out, n]
+        """How many of the first n global samples (n at or after the origin) each source gave."""
+        if n < self.start:
+            raise IndexError(f"{n} samples is before the mixture's origin {self.start}")
+        return [t + c for t, c in zip(self.taken, _counts(self.shares, n - self.start))]
 
     def __getitem__(self, i: int):
         k, j = self.locate(int(i))
@@ -273,6 +346,77 @@ class Mixture(Dataset):
             cached = epoch, np.random.default_rng([self.seed, 0x50C, k, epoch]).permutation(self.lengths[k])
             self._perms[k] = cached
         return self.datasets[k][int(cached[1][pos])]
+
+
+MIXTURE = "mixture"  # meta.json's key of a mixture's origin (position())
+
+
+def position(dataset: Dataset) -> dict:
+    """What a checkpoint's meta.json keeps of the stream beside the samples consumed: a mixture's
+    origin (resume() reads it); nothing for a single dataset."""
+    if not isinstance(dataset, Mixture):
+        return {}
+    return {MIXTURE: {"start": dataset.start, "taken": list(dataset.taken)}}
+
+
+def _saved_origin(meta: dict, sources: list, samples: int) -> list[int]:
+    """How many samples each of the checkpoint's sources had given among the stream's first `samples`,
+    from its meta.json (untrusted: a value not of its kind raises DataError): its origin and its
+    config's weights; a checkpoint of a trainer before the origin was kept read its weights'
+    interleave from sample 0."""
+    where = f"checkpoint {meta.get('path', '?')}: meta.json's {MIXTURE}"
+    origin = meta.get(MIXTURE, {"start": 0, "taken": [0] * len(sources)})
+
+    def count(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    ok = isinstance(origin, dict) and set(origin) == {"start", "taken"} and count(origin["start"])
+    ok = ok and isinstance(origin["taken"], list) and len(origin["taken"]) == len(sources)
+    if not ok or not all(map(count, origin["taken"])) or origin["start"] > samples:
+        raise DataError(f"{where} is {str(origin)[:80]}, not the origin a save writes; move that checkpoint away")
+    weights = [s.get("weight") for s in sources]
+    if not all(isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0 for w in weights):
+        raise DataError(f"{where}: the config's data.sources weights {str(weights)[:80]} are not all positive numbers")
+    given = _counts(_shares(weights), samples - origin["start"])
+    return [t + c for t, c in zip(origin["taken"], given)]
+
+
+def resume(dataset: Dataset, meta: dict | None) -> str | None:
+    """Continue a mixture from the checkpoint `meta`: with the same files and weights, from the
+    checkpoint's origin (the stream is the one never interrupted); with other weights or files, each
+    source from the samples it had given (matched by file: a new file from its first), the new
+    weights sharing the samples that follow. Returns the line to say for a change, else None."""
+    if not isinstance(dataset, Mixture) or not meta:
+        return None
+    data = meta.get("config", {}).get("data", {}) if isinstance(meta.get("config"), dict) else {}
+    sources = data.get("sources") if isinstance(data, dict) else None
+    samples = meta["samples"]
+    if not isinstance(sources, list) or not sources or not all(isinstance(s, dict) for s in sources):
+        return None  # the checkpoint's run read one file: stream_change says so
+    given = _saved_origin(meta, sources, samples)
+    paths = [s.get("path") for s in sources]
+    now = dataset.paths
+    if paths == now and [s.get("weight") for s in sources] == dataset.weights:
+        origin = meta.get(MIXTURE, {"start": 0, "taken": [0] * len(sources)})
+        dataset.start, dataset.taken = origin["start"], list(origin["taken"])
+        return None
+    by_path = dict(zip(paths, given))
+    dataset.start, dataset.taken = samples, [by_path.get(p, 0) for p in now]
+
+    def printable(name) -> str:  # the checkpoint's bytes, never a terminal's escape sequence
+        return "".join(c for c in str(name) if c.isprintable())
+
+    before = ", ".join(f"{printable(p)} x{printable(s.get('weight'))}" for p, s in zip(paths, sources))
+    after = ", ".join(f"{p} x{w}" for p, w in zip(now, dataset.weights))
+    where = ", ".join(
+        f"{name} from its sample {t}" + ("" if p in by_path else " (new)")
+        for name, p, t in zip(dataset.names, now, dataset.taken)
+    )
+    return (
+        f"the mixture changed since the checkpoint ({before} -> {after}): from sample {samples} on each source "
+        f"goes on from where it was ({where}) and the new weights share what follows; each pass reads every "
+        f"sample of a source once"
+    )
 
 
 class EvalSources(dict):
@@ -285,20 +429,30 @@ class EvalSources(dict):
 
 
 def _mixture(args: DataArgs, model_args, seed: int, train: bool) -> Dataset:
-    """data.sources' training mixture, or its evaluation set: data.eval_path's file, else the
-    sources' own eval_path files (EvalSources), else the mixture itself (its far end: evaluate())."""
+    """data.sources' training mixture, or its evaluation set: data.eval_path's file, else per source
+    (EvalSources) its own eval_path file or the part data.eval_fraction holds out of it. A source
+    with an evaluation file of its own holds nothing out."""
     from trainer.models import transformer_shape
 
     seq_len, vocab = model_args.seq_len, transformer_shape(model_args).vocab_size
     if not train and args.eval_path:
         return TokenFile(args.eval_path, args.token_dtype, seq_len, vocab)
-    if not train and any(s.eval_path for s in args.sources):
-        return EvalSources(
-            {s.label: TokenFile(s.eval_path, args.token_dtype, seq_len, vocab) for s in args.sources if s.eval_path},
-            {s.label: s.weight for s in args.sources if s.eval_path},
-        )
-    files = [TokenFile(s.path, args.token_dtype, seq_len, vocab) for s in args.sources]
-    return Mixture(files, [s.weight for s in args.sources], [s.label for s in args.sources], seed)
+    fraction = 0.0 if args.eval_path else args.eval_fraction
+    parts = [
+        split(TokenFile(s.path, args.token_dtype, seq_len, vocab), 0.0 if s.eval_path else fraction, s.path)
+        for s in args.sources
+    ]
+    if train:
+        weights, names = [s.weight for s in args.sources], [s.label for s in args.sources]
+        return Mixture([p[0] for p in parts], weights, names, seed, [s.path for s in args.sources])
+    sets = {
+        s.label: TokenFile(s.eval_path, args.token_dtype, seq_len, vocab) if s.eval_path else held
+        for s, (_, held) in zip(args.sources, parts)
+        if s.eval_path or held is not None
+    }
+    if not sets:
+        raise DataError(eval_data_problem(args))
+    return EvalSources(sets, {s.label: s.weight for s in args.sources if s.label in sets})
 
 
 def passes(dataset: Dataset, samples: int) -> dict[str, tuple[int, int]]:
@@ -329,9 +483,10 @@ def epoch_starts(dataset: Dataset, before: int, after: int) -> list[tuple[str, i
 
 
 def stream_change(saved: dict, args: DataArgs, step: int) -> str | None:
-    """The line for a resume whose training files or weights differ from the checkpoint's (`saved`:
-    its config, as to_dict wrote it), or None: the stream goes on at the same position, over the
-    new files, so what each step reads from here is not what the old config would have read."""
+    """The line for a resume whose training files differ from the checkpoint's (`saved`: its config, as
+    to_dict wrote it), or whose held-out part does, or None: the stream goes on at the same position,
+    over the new files, so what each step reads from here is not what the old config would have read.
+    A mixture resumed as a mixture is resume()'s: each source goes on from its own position."""
 
     def files(data) -> list:
         if not isinstance(data, dict):
@@ -346,7 +501,16 @@ def stream_change(saved: dict, args: DataArgs, step: int) -> str | None:
 
     before = [printable(f) for f in files(saved.get("data"))] if isinstance(saved, dict) else []
     now = files({"path": args.path, "sources": [{"path": s.path, "weight": s.weight} for s in args.sources]})
-    if not before or before == now:
+    held = saved.get("data", {}).get("eval_fraction") if isinstance(saved.get("data"), dict) else None
+    held = held if isinstance(held, (int, float)) and not isinstance(held, bool) else 0  # older runs: none
+    if holds_out(args) and held != (args.eval_fraction or 0):
+        return (
+            f"data.eval_fraction is {args.eval_fraction or 0:g}, the checkpoint's run held out {held:g}: from step "
+            f"{step} on training reads {'less' if (args.eval_fraction or 0) > held else 'more'} of each file, in "
+            f"another order, at the same position in its stream; evaluation reads the new held-out part"
+        )
+    was_mixture = isinstance(saved.get("data"), dict) and not saved["data"].get("path") and saved["data"].get("sources")
+    if not before or before == now or (args.sources and was_mixture):  # mixture to mixture: resume()'s line
         return None
     return (
         f"the training data changed since the checkpoint ({', '.join(before)} -> {', '.join(now)}): "
@@ -365,12 +529,19 @@ def build(args: DataArgs, model_args, seed: int, train: bool) -> Dataset:
     if args.name == "synthetic":
         vocab = transformer_shape(model_args).vocab_size
         return SyntheticLM(vocab, model_args.seq_len, seed)
-    if args.name == "tokens":
-        return TokenFile(path, args.token_dtype, model_args.seq_len, transformer_shape(model_args).vocab_size)
-    if args.name == "mnist":
+    if args.name == "mnist":  # its own test split
         return mnist(path, train=train, download=args.download)
-    if args.name == "imagefolder":
-        return image_folder(path, model_args.image_size, model_args.num_classes)
+    if args.name in ("tokens", "imagefolder"):
+        if args.name == "tokens":
+            dataset = TokenFile(path, args.token_dtype, model_args.seq_len, transformer_shape(model_args).vocab_size)
+        else:
+            dataset = image_folder(path, model_args.image_size, model_args.num_classes)
+        if args.eval_path:  # a file or folder of its own for evaluation: training reads all of data.path
+            return dataset
+        part, held = split(dataset, args.eval_fraction, path, spread=args.name == "imagefolder")
+        if not train and held is None:
+            raise DataError(eval_data_problem(args))
+        return part if train else held
     from trainer.models import spec
 
     channels, size, _ = spec(model_args).input_shape(model_args)

@@ -28,7 +28,7 @@ import time
 
 from trainer import checkpoint, data, files, layout, models, parallel
 from trainer import dist as distributed
-from trainer.config import ConfigError, from_dict, to_dict
+from trainer.config import ConfigError, eval_data_problem, from_dict, holds_out, to_dict
 from trainer.export import _config, add_choice, consolidate
 from trainer.metrics import finite_or_null
 from trainer.version import add_version
@@ -45,7 +45,19 @@ def config(run_dir: str, path: str, overrides: list[str]):
                 f"override {item!r}: trainer.evaluate changes {', '.join(s + '.*' for s in SECTIONS)} "
                 f"keys only; the model and the rest are the checkpoint's"
             )
-    cfg = from_dict(to_dict(_config(run_dir, path)), where=f"{path}/meta.json", overrides=overrides)
+    saved = from_dict(to_dict(_config(run_dir, path)), where=f"{path}/meta.json")
+    cfg = from_dict(to_dict(saved), where=f"{path}/meta.json", overrides=overrides)
+    if (cfg.data.eval_fraction or 0) != (saved.data.eval_fraction or 0) and holds_out(saved.data):
+        raise ConfigError(
+            f"data.eval_fraction={cfg.data.eval_fraction}: what the run held out for evaluation is its own "
+            f"({saved.data.eval_fraction or 0:g}); another fraction is data it trained on: give data.eval_path instead"
+        )
+    if eval_data_problem(cfg.data):
+        raise ConfigError(
+            f"{path}: the run held nothing out for evaluation (data.eval_fraction {saved.data.eval_fraction or 0:g}: "
+            f"it started without eval.interval, or with a trainer before the split), so every sample of its data "
+            f"may have been trained on; give data.eval_path=FILE (or DIR) of data it did not train on"
+        )
     if cfg.eval.batches < 1:
         raise ConfigError(f"eval.batches is {cfg.eval.batches}; give 1 or more micro-batches per rank")
     # How the weights are spread does not change the numbers; a hybrid mesh of the training's

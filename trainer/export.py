@@ -7,11 +7,12 @@ Hugging Face model folder.
 Runs in one process whatever number of processes trained. The file loads straight into the plain
 model: `model.load_state_dict(torch.load("model.pt", weights_only=True))`. A `.pt` or `.pth` name
 is written by torch.save, a `.safetensors` name in that format; any other suffix is refused, like an
---out that is a folder or in a folder that is missing. `--format hf` (transformers only) writes
-config.json and safetensors shards with HF's names (trainer/hf.py, asking the family's adapter) into
-a new or empty folder, which `AutoModelForCausalLM.from_pretrained(DIR)` loads as the architecture the
-run started from (Llama, Mistral, Qwen2, Qwen3), with the tokenizer the run's token file was made
-with (its sidecar names it). Every file written gets the mode the umask gives (0644 under 022).
+--out that is a folder; the folders missing on the way to --out are made (after every check).
+`--format hf` (transformers only) writes config.json and safetensors shards with HF's names
+(trainer/hf.py, asking the family's adapter) into a new or empty folder, which
+`AutoModelForCausalLM.from_pretrained(DIR)` loads as the architecture the run started from (Llama,
+Mistral, Qwen2, Qwen3), with the tokenizer the run's token file was made with (its sidecar names
+it). Every file written gets the mode the umask gives (0644 under 022).
 """
 
 from __future__ import annotations
@@ -226,12 +227,15 @@ def check_out(out: str, fmt: str = "file") -> None:
         raise ConfigError(
             f"--out {out}: unknown suffix {suffix or '(none)'}; name the file .pt or .pth (torch.save) or .safetensors"
         )
-    if not os.path.isdir(parent):
-        raise ConfigError(f"--out {out}: the folder {parent} does not exist; create it first, or write elsewhere")
+    existing = parent  # the folders missing on the way are made once every check passed (make_parents)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"--out {out}: {existing} is not a folder; write elsewhere")
     try:  # tried, not judged from permission bits
-        os.rmdir(tempfile.mkdtemp(prefix=".export-check-", dir=parent))
+        os.rmdir(tempfile.mkdtemp(prefix=".export-check-", dir=existing))
     except OSError as e:
-        raise ConfigError(f"--out {out}: cannot write to {parent} ({e.strerror}); write elsewhere") from None
+        raise ConfigError(f"--out {out}: cannot write to {existing} ({e.strerror}); write elsewhere") from None
     if suffix == ".safetensors":
         try:
             import safetensors.torch  # noqa: F401 - whether it imports, before anything is written
@@ -267,9 +271,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.format == "hf":
             cfg = _config(args.run_dir, path)
             if models.spec(cfg.model).hf is None:
+                what = f"model.family {cfg.model.family}" if cfg.model.family else f"a {cfg.model.name}"
                 raise ConfigError(
-                    f"{path} holds a {cfg.model.name}; --format hf exports the transformer (a Llama, "
-                    f"Mistral, Qwen2 or Qwen3) and families with a Hugging Face adapter only"
+                    f"{path} holds {what}, which has no Hugging Face adapter; --format hf exports the transformer "
+                    f'(a Llama, Mistral, Qwen2 or Qwen3) and families with one (README, "Adding a model family"); '
+                    f"export a file instead: --out model.pt or model.safetensors"
                 )
             try:
                 max_bytes = hf.parse_size(args.max_shard_size)
@@ -286,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             follow_umask([os.path.join(args.out, name) for name in written])
             print(f"exported {path} as a Hugging Face folder to {args.out}: {', '.join(written)}")
             return 0
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)  # checked: the folders on the way
         if args.out.endswith(".safetensors"):
             from safetensors.torch import save_file
 

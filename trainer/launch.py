@@ -560,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
             layout.write_status(cfg.run_dir, state="finished")
         return 0
     try:
-        check_devices(nproc)
+        crowded = check_devices(nproc, "--nproc-per-node={}")  # on the CPU: a warning, and the run goes on
         check_gpus(nproc)
     except ConfigError as e:
         where = f"{node_name()}: " if a.nnodes > 1 else ""
@@ -573,6 +573,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return outcomes.BAD_INPUT.code
     _say(device_line(nproc))
+    if crowded:
+        _say(f"warning: {crowded}")
     if cfg.health.enabled:
         code = _health_check(cfg)
         if code:

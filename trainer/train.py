@@ -139,6 +139,7 @@ class Run:
     trace: object = None  # the sample trace file (data.trace), else None
     early: early_stopping.EarlyStop | None = None  # early stopping's state, a checkpoint part (set with ckpt)
     best: early_stopping.Best | None = None  # the best eval loss's step, a checkpoint part (set with ckpt)
+    train_set: object = None  # the training data: a mixture's origin goes into each checkpoint (data.position)
 
 
 class StuckRank(Exception):
@@ -259,6 +260,9 @@ def _train(run: Run, train_set, eval_set) -> None:
     run.ckpt = ckpt = _checkpointer(run, model, optimizer, scheduler, scaler)
     run.reporter = reporter = Reporter(run_dir, cfg.log, cfg.train.steps, env.is_main)
     step, samples, meta = _resume(cfg, ckpt, model, scheduler, reporter, run.times)
+    run.train_set, change = train_set, data.resume(train_set, meta)  # a mixture: each source from its own position
+    if change:
+        reporter.message(change)
     if run.early.stopped is not None:  # stopped early, and this start's patience keeps it stopped: nothing written
         _nothing_to_do(
             cfg, env, reporter, step, early_stopping.nothing_to_do(step, run.early.patience, run.early.reason)
@@ -415,7 +419,7 @@ def _save(run: Run, model, step: int, samples: int, first_bad: torch.Tensor, sto
     _stop_if_diverged(first_bad, run.ckpt, model)
     parallel.average_batchnorm_stats(model)
     run.watchdog.allow(run.cfg.checkpoint.timeout_s)
-    run.ckpt.save_due(step, {"samples": samples, "config": to_dict(run.cfg)}, stopping)
+    run.ckpt.save_due(step, {"samples": samples, "config": to_dict(run.cfg), **data.position(run.train_set)}, stopping)
 
 
 def _checkpointer(run: Run, model, optimizer, scheduler, scaler) -> checkpoint.Checkpointer:

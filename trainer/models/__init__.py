@@ -43,7 +43,7 @@ class ModelArgs:
     # model's family, in place of model.name's (README, "Adding a model family"). Importing it runs
     # its code: a run dir's config.yaml that others could write may not name it (trainer/config.py).
     family: str | None = None
-    size: str = "tiny"  # transformer size: one of TRANSFORMER_SIZES; the keys below set each part of it
+    size: str = "tiny"  # transformer size: tiny, small, 125m, 1b or 8b; the keys below set each part of it
     # A local Hugging Face folder (config.json + *.safetensors) of a Llama, Mistral, Qwen2 or Qwen3 a
     # new run starts from (the transformer; a family of your own with a Hugging Face adapter): its
     # config.json gives the transformer's shape (keys set here must agree), its weights the first

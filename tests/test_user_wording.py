@@ -1,0 +1,92 @@
+"""Wording that sent a pip user astray (issue #42 item 6): the installed commands' usage names the
+command typed, a sliding-window refusal blames the override that named the folder, an export to a
+folder not yet made makes it, and a family of one's own exported as --format hf is named as such."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import DEFAULT, HF_CONFIG, PYTHON, ROOT, TINY, env, hf_folder, refused, train
+from trainer.export import main as export
+
+
+def test_an_installed_command_s_usage_names_the_command(monkeypatch, capsys):
+    """`fsdp-train --help` printed `usage: python -m trainer.launch`. A console script runs main() with
+    its own path as argv[0], as here."""
+    from trainer import launch
+
+    assert launch._parser().format_usage().startswith("usage: python -m trainer.launch ")  # python -m
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/fsdp-train"])
+    assert launch._parser().format_usage().startswith("usage: fsdp-train ")
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/fsdp-export"])
+    with pytest.raises(SystemExit) as e:
+        export(["--help"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("usage: fsdp-export ")
+
+
+def test_a_sliding_window_refusal_blames_the_override_that_named_the_folder(capsys, tmp_path):
+    """It blamed `configs/default.yaml: model.init_from` for a folder given on the command line."""
+    folder = hf_folder(tmp_path, {**HF_CONFIG, "model_type": "mistral", "sliding_window": 16})
+    line = refused(capsys, tmp_path / "run", f"model.init_from={folder}")
+    assert line == (
+        f"error: override 'model.init_from={folder}': model.init_from: {folder}/config.json: sliding_window is 16 "
+        f"tokens, shorter than model.seq_len=64; the transformer attends to the whole sequence: set model.seq_len "
+        f"to at most 16"
+    )
+    assert DEFAULT not in line
+
+
+def test_an_export_into_a_folder_not_made_yet_makes_it_once_every_check_passed(capsys, tmp_path):
+    """`--out a/b/model.pt` failed when a/ did not exist; now the folders are made, but only after the
+    checks (here: no checkpoint to export), so a refused export still writes nothing."""
+    out = tmp_path / "a" / "b" / "model.pt"
+    assert export([str(tmp_path / "no-run"), "--out", str(out)]) == 2
+    assert "checkpoint" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()
+    (tmp_path / "file").write_text("")
+    assert export([str(tmp_path / "no-run"), "--out", str(tmp_path / "file" / "model.pt")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: --out {tmp_path}/file/model.pt: {tmp_path}/file is not a folder; write elsewhere"
+    )
+
+
+@pytest.mark.slow
+def test_a_family_of_one_s_own_exports_into_new_folders_and_is_named_when_hf_is_asked(tmp_path):
+    """A family without a Hugging Face adapter was refused as `... holds a transformer` (model.name's
+    default); an export into a/b/ made the folders."""
+    run_dir = tmp_path / "run"
+    toy = ["model.family=tests.toy_family", "data.name=synthetic_images", "model.image_size=8", "model.num_classes=3"]
+    train(run_dir, 1, *TINY, *toy, "train.steps=1")
+    proc = subprocess.run(
+        [PYTHON, "-m", "trainer.export", str(run_dir), "--format", "hf", "--out", str(tmp_path / "hf")],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    step = run_dir / "checkpoints" / "step_00000001"
+    assert (proc.returncode, proc.stderr.splitlines()) == (
+        2,
+        [
+            f"error: {step} holds model.family tests.toy_family, which has no Hugging Face adapter; --format hf "
+            f'exports the transformer (a Llama, Mistral, Qwen2 or Qwen3) and families with one (README, "Adding a '
+            f'model family"); export a file instead: --out model.pt or model.safetensors'
+        ],
+    )
+    assert not (tmp_path / "hf").exists()
+    out = tmp_path / "a" / "b" / "model.pt"
+    proc = subprocess.run(
+        [PYTHON, "-m", "trainer.export", str(run_dir), "--out", str(out)],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(torch.load(out, weights_only=True)) == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]
