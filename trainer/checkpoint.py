@@ -60,7 +60,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from trainer import __version__, checksums, files, layout, load_plan, torch_compat
+from trainer import __version__, checksums, files, layout, load_plan, save_plan, torch_compat
 from trainer.checksums import ChecksumWriter
 from trainer.config import CheckpointArgs
 from trainer.layout import read_meta, step_path
@@ -680,6 +680,7 @@ class Checkpointer:
         self.metadata: dcp.metadata.Metadata | None = None  # of the checkpoint `choose` chose, as rank 0 read it
         self.chunk_index: dict | None = None  # load_plan.index of that metadata, made by rank 0 with it
         self.plan_key = f"trainer.checkpoint/{uuid.uuid4().hex}/{world_size}"  # this one's save plans (`_planner`)
+        self.planned_by: str | None = None  # how the last save was planned: "layout" (save_plan.py) or "dcp"
         self.said: set[tuple[str, str]] = set()  # (folder, why) of the checkpoints skipped so far: said once
         self.stager = _stager(rank, world_size) if args.async_save else None
         if rank == 0:
@@ -951,10 +952,11 @@ class Checkpointer:
                 used = self.stager["async_stager"]
                 used.close()
                 self.stager["async_stager"] = torch_compat.fresh_stager(used)
+            planner, writer = self._planner(state, tmp)
             response = dcp.async_save(
                 state,
-                storage_writer=ChecksumWriter(tmp),
-                planner=self._planner(),
+                storage_writer=writer,
+                planner=planner,
                 process_group=self.group,
                 **self.stager,
             )
@@ -962,22 +964,37 @@ class Checkpointer:
             self.staging = getattr(response, "staging_completion", None)
             self.pending = (future, step, tmp, meta)
         else:
+            planner, writer = self._planner(state, tmp)
             with _write_errors(step, tmp):
-                dcp.save(state, storage_writer=ChecksumWriter(tmp), planner=self._planner(), process_group=self.group)
+                dcp.save(state, storage_writer=writer, planner=planner, process_group=self.group)
             self._commit(step, tmp, meta)
 
-    def _planner(self) -> DefaultSavePlanner:
-        """DCP's save planner, caching its plans where the installed torch can: a rank whose plan is
-        as at the last save sends none, and rank 0 reuses its global plan and metadata (at 16k ranks
-        its planning was most of a save). DCP keys its cache by the planner's class, in class-level
-        dicts; here the key is this Checkpointer's own (`plan_key`), so a cached plan is never used
-        for another layout: another process group or world size, or another Checkpointer's state
-        in the same process (a test, the bench), starts a cache of its own on every rank at once."""
+    def _planner(self, state: dict, tmp: str) -> tuple[DefaultSavePlanner, ChecksumWriter]:
+        """The save's planner and storage writer. Where every rank describes the same layout
+        (save_plan.describe: DTensors over the whole group, plain tensors, values; agreed by one
+        all-reduce of its digest), each rank plans the whole save by itself (save_plan.Planner: no
+        plan gathered on rank 0, none scattered, the write results gathered compact) and rank 0
+        writes DCP's .metadata from the plan's arrays. Otherwise DCP's own planner, caching its
+        plans where the installed torch can: a rank whose plan is as at the last save sends none,
+        and rank 0 reuses its global plan and metadata. DCP keys its cache by the planner's class,
+        in class-level dicts; here the key is this Checkpointer's own (`plan_key`), so a cached
+        plan is never used for another layout."""
+        try:
+            items = save_plan.describe(torch_compat.flatten(state), self.world_size)
+        except (AttributeError, TypeError, ValueError):  # a torch or a value it cannot describe
+            items = None
+        digest = save_plan.digest(items)
+        halves = (digest >> 32, digest & 0xFFFFFFFF)
+        agreed = self._agreed_max(*halves, *(-h for h in halves))
+        if digest and agreed[:2] == [float(h) for h in halves] and agreed[2:] == [float(-h) for h in halves]:
+            self.planned_by = "layout"
+            return save_plan.Planner(items, self.rank, self.world_size), save_plan.IndexWriter(tmp)
+        self.planned_by = "dcp"
         if not _PLAN_CACHING:
-            return DefaultSavePlanner()
+            return DefaultSavePlanner(), ChecksumWriter(tmp)
         planner = DefaultSavePlanner(enable_plan_caching=True)
         torch_compat.cache_plans_under(planner, self.plan_key)
-        return planner
+        return planner, ChecksumWriter(tmp)
 
     def wait_staged(self) -> None:
         """Block until an async save has copied the state; call before the optimizer changes it."""

@@ -39,13 +39,16 @@ from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
+    MetadataIndex,
     TensorProperties,
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 
 from trainer import torch_compat
+from trainer.checksums import ChecksumWriter
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,7 @@ class Item:
     size: torch.Size | None  # the global size (None: a non-tensor value, written as bytes)
     properties: TensorProperties | None
     layout: tuple | None  # a DTensor's (global shape, mesh shape, placements): `chunk_table`'s key
-    ranks: tuple[int, ...] | None  # a DTensor's mesh: the group rank at each mesh coordinate, row-major
+    ranks: tuple[int, ...] | None  # the group rank at each mesh coordinate, row-major (None: the same)
 
 
 @functools.lru_cache(maxsize=256)
@@ -121,6 +124,35 @@ def _layout_problem(layout: tuple) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=256)
+def _distinct(layout: tuple | None, ranks: tuple | None, world: int, size) -> tuple:
+    """(each rank's chunk, the distinct chunks' offsets and sizes, how many ranks hold each, the
+    first rank holding each) of an item of `layout` on the mesh `ranks` (None: mesh order is rank
+    order), the chunks numbered by the first rank holding them. DCP tells chunks apart by their
+    offsets (MetadataIndex): the empty chunks of an uneven split, all at the end, are one item."""
+    if layout is None:  # held by every rank, one chunk: the whole value
+        ndim = len(size) if size is not None else 0
+        sizes = np.asarray(list(size) if size is not None else [], dtype=np.int64).reshape(1, ndim)
+        return (
+            np.zeros(world, dtype=np.int64),
+            np.zeros((1, ndim), dtype=np.int64),
+            sizes,
+            np.asarray([world]),
+            np.zeros(1, np.int64),
+        )
+    offsets, sizes = chunk_table(layout)
+    if ranks is not None:
+        by_rank_off, by_rank_size = np.empty_like(offsets), np.empty_like(sizes)
+        by_rank_off[list(ranks)], by_rank_size[list(ranks)] = offsets, sizes
+        offsets, sizes = by_rank_off, by_rank_size
+    distinct, first, chunk_of = np.unique(offsets, axis=0, return_index=True, return_inverse=True)
+    order = np.argsort(first)  # chunks numbered by the first rank holding them
+    renumber = np.empty_like(order)
+    renumber[order] = np.arange(len(order))
+    chunk_of = renumber[chunk_of.reshape(-1)]
+    return chunk_of, distinct[order], sizes[first[order]], np.bincount(chunk_of, minlength=len(order)), first[order]
+
+
 def describe(state_dict: dict, world: int) -> list[Item] | None:
     """The items of a flattened state dict in DCP's plan order, or None where this module cannot
     plan it (DCP's planner then does): a value that is neither a DTensor (on a mesh of all `world`
@@ -132,6 +164,7 @@ def describe(state_dict: dict, world: int) -> list[Item] | None:
             ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
             if len(ranks) != world or sorted(ranks) != list(range(world)) or mesh.get_coordinate() is None:
                 return None
+            ranks = None if ranks == tuple(range(world)) else ranks
             if any(p.is_partial() for p in obj.placements) or hasattr(obj._local_tensor, "__create_write_items__"):
                 return None
             layout = (tuple(obj.shape), tuple(mesh.mesh.shape), tuple(obj.placements))
@@ -178,59 +211,36 @@ class GlobalPlan:
         self.writer: list[np.ndarray] = []  # per item: the rank writing each chunk
         self._plan()
 
-    def _chunks(self, item: Item) -> None:
-        if item.layout is None:  # held by every rank, one chunk: the whole value
-            ndim = len(item.size) if item.size is not None else 0
-            self.chunk_of.append(np.zeros(self.world, dtype=np.int64))
-            self.offsets.append(np.zeros((1, ndim), dtype=np.int64))
-            sizes = np.asarray([list(item.size)] if item.size is not None else [[]], dtype=np.int64)
-            self.sizes.append(sizes.reshape(1, ndim))
-            return
-        offsets, sizes = chunk_table(item.layout)
-        by_rank_off = np.empty_like(offsets)
-        by_rank_size = np.empty_like(sizes)
-        by_rank_off[list(item.ranks)] = offsets
-        by_rank_size[list(item.ranks)] = sizes
-        # DCP tells chunks apart by their offsets (MetadataIndex): equal offsets are one item
-        distinct, first, chunk_of = np.unique(by_rank_off, axis=0, return_index=True, return_inverse=True)
-        order = np.argsort(first)  # chunks numbered by the first rank holding them
-        renumber = np.empty_like(order)
-        renumber[order] = np.arange(len(order))
-        self.chunk_of.append(renumber[chunk_of.reshape(-1)])
-        self.offsets.append(distinct[order])
-        self.sizes.append(by_rank_size[first[order]])
-
     def _plan(self) -> None:
-        world = self.world
-        elsize = []
+        world, n_items = self.world, len(self.items)
+        holders, first_holder, stored = [], [], []  # per item: ranks holding each chunk, the first; its bytes
         for item in self.items:
-            self._chunks(item)
-            self._check(item, self.offsets[-1], self.sizes[-1])
-            elsize.append(torch.empty((), dtype=item.properties.dtype).element_size() if item.properties else 0)
-        n_items = len(self.items)
-        # per item: its chunks' storage sizes as dedup counts them, holders, first holder
-        stored, holders, first_holder = [], [], []
-        for t in range(n_items):
+            if item.layout is not None:
+                self._check(item)
+            chunk_of, offsets, sizes, counts, first = _distinct(item.layout, item.ranks, world, item.size)
+            self.chunk_of.append(chunk_of)
+            self.offsets.append(offsets)
+            self.sizes.append(sizes)
+            holders.append(counts)
+            first_holder.append(first)
             # DCP counts an item by its whole tensor's bytes (WriteItem.tensor_storage_size: the global
             # size's), not its chunk's; 1 for a non-tensor value or an empty tensor
-            item = self.items[t]
-            whole = math.prod(item.size) * elsize[t] if item.properties is not None else 0
-            stored.append(np.full(len(self.offsets[t]), whole or 1, dtype=np.int64))
-            counts = np.bincount(self.chunk_of[t], minlength=len(self.offsets[t]))
-            holders.append(counts)
-            first_holder.append(np.unique(self.chunk_of[t], return_index=True)[1])  # chunks are numbered so
+            elsize = torch.empty((), dtype=item.properties.dtype).element_size() if item.properties else 0
+            stored.append((math.prod(item.size) * elsize if item.properties is not None else 0) or 1)
         shared_first = np.zeros(world, dtype=bool)  # ranks that meet first an item they share
         own_bytes = np.zeros(world, dtype=np.int64)  # bytes of the items a rank alone holds
+        alone_by_layout: dict[int, np.ndarray] = {}
         for t in range(n_items):
-            c = self.chunk_of[t]
-            alone = holders[t][c] == 1
-            own_bytes += np.where(alone, stored[t][c], 0)
-            shared = np.flatnonzero(holders[t] > 1)
-            shared_first[first_holder[t][shared]] = True
-        writer = [np.full(len(self.offsets[t]), -1, dtype=np.int64) for t in range(n_items)]
+            key = id(self.chunk_of[t])  # items of one layout share their arrays
+            alone = alone_by_layout.get(key)
+            if alone is None:
+                alone = alone_by_layout[key] = holders[t][self.chunk_of[t]] == 1
+                shared_first[first_holder[t][holders[t] > 1]] = True
+            own_bytes += alone * stored[t]
+        writer = []
         for t in range(n_items):
-            alone = holders[t] == 1
-            writer[t][alone] = first_holder[t][alone]
+            w = np.where(holders[t] == 1, first_holder[t], -1)
+            writer.append(w)
         plan_size = [0] * world
         for r in range(world):
             if not shared_first[r]:
@@ -239,25 +249,22 @@ class GlobalPlan:
             for t in range(n_items):
                 c = int(self.chunk_of[t][r])
                 if holders[t][c] == 1:
-                    plan_size[r] += int(stored[t][c])
+                    plan_size[r] += stored[t]
                 elif first_holder[t][c] == r:
-                    ranks = np.flatnonzero(self.chunk_of[t] == c).tolist()
-                    if len(ranks) == world:  # {0..N-1}: a set iterates it in order, min takes the first least
+                    if holders[t][c] == world:  # {0..N-1}: a set iterates it in order, min takes the first least
                         chosen = int(np.argmin(plan_size))
                     else:
-                        chosen = min(set(ranks), key=plan_size.__getitem__)
+                        chosen = min(set(np.flatnonzero(self.chunk_of[t] == c).tolist()), key=plan_size.__getitem__)
                     writer[t][c] = chosen
-                    plan_size[chosen] += int(stored[t][c])
+                    plan_size[chosen] += stored[t]
         self.writer = writer
         self.plan_size = plan_size
 
     @staticmethod
-    def _check(item: Item, offsets: np.ndarray, sizes: np.ndarray) -> None:
+    def _check(item: Item) -> None:
         """DCP's validation of the global plan (_validate_global_plan) on arrays: every chunk inside
         the tensor, no two overlapping (an uneven _StridedShard's, which DTensor's one chunk per rank
         cannot describe), and as many elements as the tensor's. Once per layout (cached)."""
-        if item.layout is None:
-            return
         why = _layout_problem(item.layout)
         if why:
             raise ValueError(f"{item.fqn}: {why}; DCP's planner refuses this layout too")
@@ -346,3 +353,77 @@ class Layout:
 
     def metadata(self) -> Metadata:
         return self.plan.metadata(planner_data=self.mappings)
+
+    def write_results(self, rank: int, written) -> list:
+        return _write_results(self.plan, rank, written)
+
+
+@dataclass
+class Written:
+    """One rank's write results, compact: for each item it wrote, its position in the layout, its
+    file (an index into `files`), offset and length. What the coordinator gathers in place of DCP's
+    WriteResults (a WriteResult, MetadataIndex and _StorageInfo per item, pickled one by one)."""
+
+    files: list[str]
+    item: np.ndarray  # int32
+    file: np.ndarray  # int32
+    offset: np.ndarray  # int64
+    length: np.ndarray  # int64
+    size_in_bytes: np.ndarray  # int64
+
+
+class IndexWriter(ChecksumWriter):
+    """The trainer's ChecksumWriter for a save planned by `Planner`: each rank returns its write
+    results compact (`Written`), and the coordinator's finish writes DCP's `.metadata`, built from
+    the global plan's arrays and those results, for stock DCP and the trainer's reader alike."""
+
+    def write_data(self, plan, planner):
+        future = super().write_data(plan, planner)
+        results = future.wait()
+        position = {item.fqn: t for t, item in enumerate(planner.items)}
+        infos = [r.storage_data for r in results]
+        if any(getattr(i, "transform_descriptors", None) for i in infos):
+            return future  # a storage transform this module does not record: DCP's own results
+        files = sorted({i.relative_path for i in infos})
+        file_of = {name: n for n, name in enumerate(files)}
+        written = Written(
+            files=files,
+            item=np.asarray([position[r.index.fqn] for r in results], dtype=np.int32),
+            file=np.asarray([file_of[i.relative_path] for i in infos], dtype=np.int32),
+            offset=np.asarray([i.offset for i in infos], dtype=np.int64),
+            length=np.asarray([i.length for i in infos], dtype=np.int64),
+            size_in_bytes=np.asarray([r.size_in_bytes for r in results], dtype=np.int64),
+        )
+        done = torch.futures.Future()
+        done.set_result(written)
+        return done
+
+    def finish(self, metadata: Metadata, results: list) -> None:
+        layout = metadata.planner_data
+        if not isinstance(layout, Layout):  # planned by DCP's own planner
+            return super().finish(metadata, results)
+        full = layout.metadata()
+        super().finish(full, [layout.write_results(rank, r) for rank, r in enumerate(results)])
+        metadata.planner_data = None  # DCP hands what finish had to every rank: not the plan's arrays
+
+
+def _write_results(plan: GlobalPlan, rank: int, written) -> list:
+    """DCP's WriteResults of `rank` from its compact `Written` (or its WriteResults as they are)."""
+    if not isinstance(written, Written):
+        return written
+    info = torch_compat.storage_info_class()
+    out = []
+    for t, f, offset, length, size in zip(
+        written.item.tolist(),
+        written.file.tolist(),
+        written.offset.tolist(),
+        written.length.tolist(),
+        written.size_in_bytes.tolist(),
+    ):
+        item = plan.items[t]
+        if item.kind == WriteItemType.BYTE_IO:
+            index = MetadataIndex(item.fqn)
+        else:
+            index = MetadataIndex(item.fqn, torch.Size(plan.offsets[t][int(plan.chunk_of[t][rank])].tolist()))
+        out.append(WriteResult(index=index, size_in_bytes=size, storage_data=info(written.files[f], offset, length)))
+    return out
