@@ -165,7 +165,9 @@ def describe(state_dict: dict, world: int) -> list[Item] | None:
             if len(ranks) != world or sorted(ranks) != list(range(world)) or mesh.get_coordinate() is None:
                 return None
             ranks = None if ranks == tuple(range(world)) else ranks
-            if any(p.is_partial() for p in obj.placements) or hasattr(obj._local_tensor, "__create_write_items__"):
+            if any(p.is_partial() for p in obj.placements) or hasattr(
+                torch_compat.local_tensor(obj), "__create_write_items__"
+            ):
                 return None
             layout = (tuple(obj.shape), tuple(mesh.mesh.shape), tuple(obj.placements))
             props = TensorProperties.create_from_tensor(obj.to_local())
