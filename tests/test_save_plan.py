@@ -227,6 +227,9 @@ def _real_saves(rank: int, world: int, root: str, out: str) -> None:
                 {"scheduler": scheduler2},
             )
             seen[f"{name}_loaded_step"] = ckpt.load()["step"]
+            seen[f"{name}_index_written"] = os.path.isfile(os.path.join(paths["layout"], "chunks.npz"))
+            chunks = ckpt.metadata.state_dict_metadata["model.0.weight"].chunks
+            seen[f"{name}_chunks_held_{rank}"] = len(chunks)
             got = {k: v.full_tensor() for k, v in model2.state_dict().items()}
             got_moments = {k: v["exp_avg"].full_tensor() for k, v in optimizer2.state_dict()["state"].items()}
             seen[f"{name}_exact"] = all(torch.equal(got[k], full[k]) for k in full) and all(
@@ -258,5 +261,7 @@ def test_a_real_4_rank_save_planned_from_the_layout_is_dcps_and_loads_exactly(tm
         assert seen[f"{name}_same_storage"], f"{name}: .metadata's storage records are DCP's"
         assert seen[f"{name}_same_mappings"]
         assert seen[f"{name}_loaded_step"] == 1
+        assert seen[f"{name}_index_written"]
+        assert seen[f"{name}_chunks_held_0"] == 1, "rank 0 planned its reads from its own chunk's record alone"
         assert seen[f"{name}_exact"], f"{name}: weights and moments loaded as saved"
         assert seen[f"{name}_stock_exact"], f"{name}: stock dcp.load reads the checkpoint"

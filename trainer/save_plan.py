@@ -29,7 +29,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import io
+import json
 import math
+import os
+import zipfile
 from dataclasses import dataclass
 
 import numpy as np
@@ -406,6 +410,7 @@ class IndexWriter(ChecksumWriter):
             return super().finish(metadata, results)
         full = layout.metadata()
         super().finish(full, [layout.write_results(rank, r) for rank, r in enumerate(results)])
+        write_index(self.path, layout.plan, layout.mappings, full.storage_data)
         metadata.planner_data = None  # DCP hands what finish had to every rank: not the plan's arrays
 
 
@@ -429,3 +434,207 @@ def _write_results(plan: GlobalPlan, rank: int, written) -> list:
             index = MetadataIndex(item.fqn, torch.Size(plan.offsets[t][int(plan.chunk_of[t][rank])].tolist()))
         out.append(WriteResult(index=index, size_in_bytes=size, storage_data=info(written.files[f], offset, length)))
     return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# The chunk index: DCP's metadata as arrays, beside .metadata
+
+INDEX = "chunks.npz"  # in the checkpoint folder, listed in its manifest like every file
+INDEX_VERSION = 1
+_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64,
+           torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}  # fmt: skip
+
+
+def write_index(folder: str, plan: GlobalPlan, mappings: dict, storage: dict) -> None:
+    """`folder`/chunks.npz: the global plan's chunks and where each lies (`storage`: MetadataIndex ->
+    _StorageInfo, as .metadata holds them), as numeric arrays and one JSON header in NumPy's npz (a
+    zip of .npy files, read with allow_pickle=False: nothing in it can carry code). Per tensor: its
+    distinct chunks (offsets, sizes), each one's file, offset and length; per non-tensor value the
+    same three. What a load reads in place of .metadata (`read_index`, `Slice`)."""
+    files_of: dict[str, int] = {}
+    arrays: dict[str, np.ndarray] = {}
+    items = []
+    for t, item in enumerate(plan.items):
+        if item.kind == WriteItemType.BYTE_IO:
+            keys = [MetadataIndex(item.fqn)]
+            items.append({"fqn": item.fqn, "kind": "bytes"})
+        else:
+            offsets = plan.offsets[t]
+            keys = [MetadataIndex(item.fqn, torch.Size(o)) for o in offsets.tolist()]
+            p = item.properties
+            dtype = str(p.dtype).removeprefix("torch.")
+            if dtype not in _DTYPES:
+                raise ValueError(f"{item.fqn}: dtype {p.dtype} is not one the chunk index records")
+            items.append({"fqn": item.fqn, "kind": "tensor", "size": list(item.size), "dtype": dtype,
+                          "requires_grad": bool(p.requires_grad)})  # fmt: skip
+            arrays[f"o{t}"], arrays[f"s{t}"] = offsets, plan.sizes[t]
+        infos = [storage[k] for k in keys]
+        arrays[f"f{t}"] = np.asarray([files_of.setdefault(i.relative_path, len(files_of)) for i in infos], np.int32)
+        arrays[f"p{t}"] = np.asarray([i.offset for i in infos], dtype=np.int64)
+        arrays[f"l{t}"] = np.asarray([i.length for i in infos], dtype=np.int64)
+    header = {
+        "version": INDEX_VERSION,
+        "items": items,
+        "files": list(files_of),
+        "mappings": {k: list(v) for k, v in mappings.items()},
+    }
+    arrays["header"] = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
+    path = os.path.join(folder, INDEX)
+    with open(path + ".tmp", "wb") as f:
+        np.savez(f, **arrays)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(path + ".tmp", path)
+
+
+class BadIndex(ValueError):
+    """A chunk index that is not what write_index writes."""
+
+
+def read_index(data: bytes) -> tuple[dict, dict[str, np.ndarray]]:
+    """(header, arrays) of a chunk index's bytes (already checked against the manifest by the
+    caller), every array's type and shape checked against the header: a damaged or forged index
+    raises BadIndex naming what is wrong, never runs code (allow_pickle=False)."""
+    try:
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            arrays = {name: z[name] for name in z.files}
+        header = json.loads(arrays.pop("header").tobytes())
+    except (OSError, ValueError, KeyError, UnicodeDecodeError, zipfile.BadZipFile) as e:
+        raise BadIndex(f"{INDEX} is unreadable ({type(e).__name__}: {e})") from None
+    if not isinstance(header, dict) or header.get("version") != INDEX_VERSION:
+        raise BadIndex(f"{INDEX} is not version {INDEX_VERSION} of the chunk index")
+    files = header.get("files")
+    if not isinstance(files, list) or not all(
+        isinstance(n, str) and os.path.basename(n) == n and n not in ("", ".", "..") for n in files
+    ):
+        raise BadIndex(f"{INDEX} names a shard file outside its folder")
+    items = header.get("items")
+    if not isinstance(items, list) or not isinstance(header.get("mappings"), dict):
+        raise BadIndex(f"{INDEX} has no item list")
+    for t, item in enumerate(items):
+        where = f"{INDEX} item {t}"
+        if not isinstance(item, dict) or not isinstance(item.get("fqn"), str):
+            raise BadIndex(f"{where} is not an item")
+        storage = [arrays.get(f"{k}{t}") for k in "fpl"]
+        if any(a is None or a.ndim != 1 or a.dtype.kind != "i" for a in storage) or len({len(a) for a in storage}) != 1:
+            raise BadIndex(f"{where} ({item['fqn']}) has no storage records")
+        n = len(storage[0])
+        if n and (
+            storage[0].min() < 0 or storage[0].max() >= len(files) or min(storage[1].min(), storage[2].min()) < 0
+        ):
+            raise BadIndex(f"{where} ({item['fqn']}) names a file or range that is not there")
+        if item.get("kind") == "bytes":
+            if n != 1:
+                raise BadIndex(f"{where} ({item['fqn']}) is a value with {n} records")
+            continue
+        size = item.get("size")
+        if item.get("kind") != "tensor" or item.get("dtype") not in _DTYPES or not isinstance(size, list):
+            raise BadIndex(f"{where} ({item['fqn']}) is neither a tensor nor a value")
+        if not all(isinstance(d, int) and d >= 0 for d in size):
+            raise BadIndex(f"{where} ({item['fqn']}) has size {size}")
+        offsets, sizes = arrays.get(f"o{t}"), arrays.get(f"s{t}")
+        want = (n, len(size))
+        if offsets is None or sizes is None or offsets.shape != want or sizes.shape != want:
+            raise BadIndex(f"{where} ({item['fqn']}) has no chunk table of {n} chunks")
+        if n and ((offsets < 0).any() or (sizes < 0).any() or (offsets + sizes > np.asarray(size, np.int64)).any()):
+            raise BadIndex(f"{where} ({item['fqn']}) has a chunk outside the tensor")
+    return header, arrays
+
+
+@dataclass
+class Slice:
+    """What one rank needs of a chunk index to plan its reads: for each of its rows, the item, the
+    chunk's offsets and sizes (padded to `ndim` columns), its file, offset and length."""
+
+    item: np.ndarray  # int32, per row
+    offsets: np.ndarray  # int64 [rows, ndim]
+    sizes: np.ndarray
+    file: np.ndarray  # int32
+    offset: np.ndarray  # int64
+    length: np.ndarray  # int64
+
+
+def slices(header: dict, arrays: dict, now: GlobalPlan | None, world: int) -> list[Slice]:
+    """Each of `world` ranks' Slice of a chunk index: of an item whose saved chunks are the chunks
+    of `now` (the current layout's plan, every rank's the same: the same world, shapes and
+    placements), the one row of the rank's own chunk; of any other item (another world size, a
+    layout that changed, a state `now` does not describe) every row, as DCP's metadata would give."""
+    items = header["items"]
+    ndim = max([len(i.get("size", ())) for i in items] + [1])
+    counts = [len(arrays[f"f{t}"]) for t in range(len(items))]
+    base = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    total = int(base[-1])
+    offsets = np.zeros((total, ndim), dtype=np.int64)
+    sizes = np.zeros((total, ndim), dtype=np.int64)
+    for t, item in enumerate(items):
+        if item["kind"] == "tensor" and len(item["size"]):
+            d = len(item["size"])
+            offsets[base[t] : base[t + 1], :d] = arrays[f"o{t}"]
+            sizes[base[t] : base[t + 1], :d] = arrays[f"s{t}"]
+    file = np.concatenate([arrays[f"f{t}"] for t in range(len(items))]) if items else np.zeros(0, np.int32)
+    offset = np.concatenate([arrays[f"p{t}"] for t in range(len(items))]) if items else np.zeros(0, np.int64)
+    length = np.concatenate([arrays[f"l{t}"] for t in range(len(items))]) if items else np.zeros(0, np.int64)
+    item_of = np.repeat(np.arange(len(items), dtype=np.int32), counts)
+    own, everyone = [], []  # items whose row per rank is the rank's own chunk; items all rows go to all
+    for t, item in enumerate(items):
+        if now is not None and t < len(now.items) and _same_chunks(item, arrays, now, t):
+            own.append(t)
+        else:
+            everyone.append(t)
+    shared = np.concatenate([np.arange(base[t], base[t + 1]) for t in everyone]) if everyone else np.zeros(0, np.int64)
+    rows_by_rank = np.stack([base[t] + now.chunk_of[t] for t in own], axis=1) if own else None  # [world, own]
+    out = []
+    for rank in range(world):
+        rows = shared if rows_by_rank is None else np.concatenate([rows_by_rank[rank], shared])
+        out.append(Slice(item_of[rows], offsets[rows], sizes[rows], file[rows], offset[rows], length[rows]))
+    return out
+
+
+def _same_chunks(item: dict, arrays: dict, now: GlobalPlan, t: int) -> bool:
+    """Whether saved item `t` is `now`'s item `t` with the same chunks in the same numbering."""
+    current = now.items[t]
+    if current.fqn != item["fqn"] or (item["kind"] == "bytes") != (current.kind == WriteItemType.BYTE_IO):
+        return False
+    if item["kind"] == "bytes":
+        return False  # one row: every rank gets it anyway
+    if list(current.size) != item["size"]:
+        return False
+    saved_o, saved_s = arrays[f"o{t}"], arrays[f"s{t}"]
+    return (
+        saved_o.shape == now.offsets[t].shape and (saved_o == now.offsets[t]).all() and (saved_s == now.sizes[t]).all()
+    )
+
+
+def metadata_of(header: dict, part: Slice) -> Metadata:
+    """DCP's Metadata holding `part`'s chunks (a rank's Slice) and where they lie: what the rank's
+    load plans its reads from, as from the whole .metadata."""
+    info = torch_compat.storage_info_class()
+    files = header["files"]
+    md: dict = {}
+    storage: dict = {}
+    for it in header["items"]:
+        if it["kind"] == "bytes":
+            md[it["fqn"]] = BytesStorageMetadata()
+        else:
+            p = TensorProperties(dtype=_DTYPES[it["dtype"]], requires_grad=it["requires_grad"])
+            md[it["fqn"]] = TensorStorageMetadata(properties=p, size=torch.Size(it["size"]), chunks=[])
+    items = header["items"]
+    for t, o, z, f, off, n in zip(
+        part.item.tolist(),
+        part.offsets.tolist(),
+        part.sizes.tolist(),
+        part.file.tolist(),
+        part.offset.tolist(),
+        part.length.tolist(),
+    ):
+        it = items[t]
+        if it["kind"] == "bytes":
+            key = MetadataIndex(it["fqn"])
+        else:
+            d = len(it["size"])
+            offsets = torch.Size(o[:d])
+            md[it["fqn"]].chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(z[:d])))
+            key = MetadataIndex(it["fqn"], offsets)
+        storage[key] = info(files[f], off, n)
+    mappings = {k: tuple(v) for k, v in header["mappings"].items()}
+    return Metadata(state_dict_metadata=md, planner_data=mappings, storage_data=storage)
