@@ -8,6 +8,7 @@ group of that rank, and DCP's own local plans are made from them."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 
@@ -16,13 +17,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from trainer import save_plan
+from trainer import save_plan, torch_compat
 
 DTYPES = (torch.float32, torch.bfloat16, torch.int64)
 
@@ -265,3 +267,114 @@ def test_a_real_4_rank_save_planned_from_the_layout_is_dcps_and_loads_exactly(tm
         assert seen[f"{name}_chunks_held_0"] == 1, "rank 0 planned its reads from its own chunk's record alone"
         assert seen[f"{name}_exact"], f"{name}: weights and moments loaded as saved"
         assert seen[f"{name}_stock_exact"], f"{name}: stock dcp.load reads the checkpoint"
+
+
+def _indexed(seed: int, tmp_path):
+    """A random layout's global plan, the storage records a save would give it, its chunk index
+    written to `tmp_path` and read back; with DCP's full metadata of the same save."""
+    rng = random.Random(seed)
+    world = rng.choice([2, 3, 4, 6])
+    recipe = random_state(rng, world)
+    states = [rank_state(recipe, rank, world) for rank in range(world)]
+    items = save_plan.describe(states[0], world)
+    plan = save_plan.GlobalPlan(items, world)
+    _, _, want_md = dcp_plans(states)
+    info = torch_compat.storage_info_class()
+    storage, at = {}, {}
+    for fqn, md in want_md.state_dict_metadata.items():
+        keys = [MetadataIndex(fqn)] if isinstance(md, BytesStorageMetadata) else [
+            MetadataIndex(fqn, c.offsets) for c in md.chunks
+        ]  # fmt: skip
+        for k in keys:
+            name = f"__{rng.randrange(world)}_0.distcp"
+            storage[k] = info(name, at.get(name, 0), rng.randint(1, 999))
+            at[name] = storage[k].offset + storage[k].length
+    full = dataclasses.replace(want_md, storage_data=storage)
+    save_plan.write_index(str(tmp_path), plan, want_md.planner_data, storage)
+    data = (tmp_path / save_plan.INDEX).read_bytes()
+    return world, states, plan, full, data
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_each_ranks_slice_of_the_index_plans_dcps_reads(seed, tmp_path):
+    """Each rank's part of the chunk index (save_plan.slices, the layout unchanged) made into DCP's
+    metadata plans the reads DCP plans from the whole .metadata: the same ReadItems (index hints
+    aside), and the records they name are the whole metadata's. Without the current layout, each
+    rank gets every record, and its metadata is the whole one."""
+    world, states, plan, full, data = _indexed(seed, tmp_path)
+    header, arrays = save_plan.read_index(data)
+    for now in (plan, None):
+        parts = save_plan.slices(header, arrays, now, world)
+        for rank in range(world):
+            mine = save_plan.metadata_of(header, parts[rank])
+            if now is None:
+                assert mine.state_dict_metadata == full.state_dict_metadata or _same_chunk_sets(mine, full)
+                assert mine.storage_data == full.storage_data
+            assert mine.planner_data == full.planner_data
+            ours, theirs = (_load_plan(states[rank], md) for md in (mine, full))
+            assert _without_hints(ours) == _without_hints(theirs), rank
+            for item in ours:
+                assert mine.storage_data[item.storage_index] == full.storage_data[item.storage_index]
+
+
+def _same_chunk_sets(a, b) -> bool:
+    return all(
+        sorted(map(repr, getattr(a.state_dict_metadata[k], "chunks", [])))
+        == sorted(map(repr, getattr(b.state_dict_metadata[k], "chunks", [])))
+        for k in b.state_dict_metadata
+    )
+
+
+def _load_plan(state: dict, metadata) -> list:
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(dict(state), metadata, is_coordinator=False)
+    return planner.create_local_plan().items
+
+
+def _without_hints(items) -> list:
+    return sorted(
+        (i.dest_index.fqn, tuple(i.dest_index.offset or ()), tuple(i.storage_index.offset or ()), tuple(i.dest_offsets),
+         tuple(i.storage_offsets), tuple(i.lengths))
+        for i in items
+    )  # fmt: skip
+
+
+def _rewrite(data: bytes, **changes) -> bytes:
+    """The index `data` with some of its arrays replaced (as a forged or damaged file would be)."""
+    import io
+
+    import numpy as np
+
+    with np.load(io.BytesIO(data), allow_pickle=False) as z:
+        arrays = {name: z[name] for name in z.files}
+    arrays.update(changes)
+    out = io.BytesIO()
+    np.savez(out, **arrays)
+    return out.getvalue()
+
+
+def test_an_index_that_could_carry_code_or_points_outside_is_refused(tmp_path):
+    """Whatever a chunk index holds, reading it runs no code and names nothing outside its folder:
+    an object array (a pickle inside the npz), a file name with a path, a chunk outside its
+    tensor, a missing array, and bytes that are no npz: each one BadIndex, naming what is wrong."""
+    import json
+
+    import numpy as np
+
+    *_, data = _indexed(0, tmp_path)
+    header, arrays = save_plan.read_index(data)
+    tensor = next(t for t, i in enumerate(header["items"]) if i["kind"] == "tensor")
+    forged_header = dict(header, files=["../../etc/passwd", *header["files"][1:]])
+    cases = {
+        "an object array": _rewrite(data, **{f"p{tensor}": np.array([object()] * len(arrays[f"p{tensor}"]))}),
+        "a path": _rewrite(data, header=np.frombuffer(json.dumps(forged_header).encode(), dtype=np.uint8)),
+        "a chunk outside": _rewrite(data, **{f"o{tensor}": arrays[f"o{tensor}"] + 10**6}),
+        "no storage": _rewrite(data, **{f"l{tensor}": np.zeros(0, np.int64)}),
+        "no npz": b"\x80\x04not an npz",
+    }
+    for what, forged in cases.items():
+        with pytest.raises(save_plan.BadIndex):
+            save_plan.read_index(forged)
+        assert what
