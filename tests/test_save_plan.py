@@ -290,7 +290,7 @@ def _indexed(seed: int, tmp_path):
             storage[k] = info(name, at.get(name, 0), rng.randint(1, 999))
             at[name] = storage[k].offset + storage[k].length
     full = dataclasses.replace(want_md, storage_data=storage)
-    save_plan.write_index(str(tmp_path), plan, want_md.planner_data, storage)
+    save_plan.write_index(str(tmp_path), plan, want_md.planner_data, *save_plan.rows_of_storage(plan, storage))
     data = (tmp_path / save_plan.INDEX).read_bytes()
     return world, states, plan, full, data
 
@@ -366,11 +366,12 @@ def test_an_index_that_could_carry_code_or_points_outside_is_refused(tmp_path):
     *_, data = _indexed(0, tmp_path)
     header, arrays = save_plan.read_index(data)
     tensor = next(t for t, i in enumerate(header["items"]) if i["kind"] == "tensor")
+    table = header["items"][tensor]["chunks"]
     forged_header = dict(header, files=["../../etc/passwd", *header["files"][1:]])
     cases = {
         "an object array": _rewrite(data, **{f"p{tensor}": np.array([object()] * len(arrays[f"p{tensor}"]))}),
         "a path": _rewrite(data, header=np.frombuffer(json.dumps(forged_header).encode(), dtype=np.uint8)),
-        "a chunk outside": _rewrite(data, **{f"o{tensor}": arrays[f"o{tensor}"] + 10**6}),
+        "a chunk outside": _rewrite(data, **{f"o{table}": arrays[f"o{table}"] + 10**6}),
         "no storage": _rewrite(data, **{f"l{tensor}": np.zeros(0, np.int64)}),
         "no npz": b"\x80\x04not an npz",
     }

@@ -408,9 +408,12 @@ class IndexWriter(ChecksumWriter):
         layout = metadata.planner_data
         if not isinstance(layout, Layout):  # planned by DCP's own planner
             return super().finish(metadata, results)
+        plan = layout.plan
+        if all(isinstance(r, Written) for r in results):
+            files, rows = storage_rows(plan, results)
+            write_index(self.path, plan, layout.mappings, files, rows)
         full = layout.metadata()
         super().finish(full, [layout.write_results(rank, r) for rank, r in enumerate(results)])
-        write_index(self.path, layout.plan, layout.mappings, full.storage_data)
         metadata.planner_data = None  # DCP hands what finish had to every rank: not the plan's arrays
 
 
@@ -445,37 +448,81 @@ _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float
            torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}  # fmt: skip
 
 
-def write_index(folder: str, plan: GlobalPlan, mappings: dict, storage: dict) -> None:
-    """`folder`/chunks.npz: the global plan's chunks and where each lies (`storage`: MetadataIndex ->
-    _StorageInfo, as .metadata holds them), as numeric arrays and one JSON header in NumPy's npz (a
-    zip of .npy files, read with allow_pickle=False: nothing in it can carry code). Per tensor: its
-    distinct chunks (offsets, sizes), each one's file, offset and length; per non-tensor value the
-    same three. What a load reads in place of .metadata (`read_index`, `Slice`)."""
-    files_of: dict[str, int] = {}
+def storage_rows(plan: GlobalPlan, results: list) -> tuple[list[str], list[tuple]]:
+    """(files, per item (file, offset, length) arrays over its chunks in the plan's numbering) of
+    every rank's compact write results (`Written`, in rank order), without an object per chunk."""
+    files: dict[str, int] = {}
+    item, rank, file, offset, length = [], [], [], [], []
+    for r, w in enumerate(results):
+        remap = np.asarray([files.setdefault(name, len(files)) for name in w.files], dtype=np.int32)
+        item.append(w.item)
+        rank.append(np.full(len(w.item), r, dtype=np.int64))
+        file.append(remap[w.file] if len(w.file) else w.file)
+        offset.append(w.offset)
+        length.append(w.length)
+    item, rank, file, offset, length = (np.concatenate(x) for x in (item, rank, file, offset, length))
+    order = np.argsort(item, kind="stable")
+    bounds = np.searchsorted(item[order], np.arange(len(plan.items) + 1))
+    rows = []
+    for t in range(len(plan.items)):
+        at = order[bounds[t] : bounds[t + 1]]
+        chunks = plan.chunk_of[t][rank[at]]
+        n = len(plan.offsets[t])
+        f, p, ln = np.full(n, -1, np.int32), np.full(n, -1, np.int64), np.full(n, -1, np.int64)
+        f[chunks], p[chunks], ln[chunks] = file[at], offset[at], length[at]
+        if (f < 0).any():
+            raise ValueError(f"{plan.items[t].fqn}: a chunk no rank wrote")
+        rows.append((f, p, ln))
+    return list(files), rows
+
+
+def rows_of_storage(plan: GlobalPlan, storage: dict) -> tuple[list[str], list[tuple]]:
+    """storage_rows' answer from DCP's storage records (MetadataIndex -> _StorageInfo)."""
+    files: dict[str, int] = {}
+    rows = []
+    for t, item in enumerate(plan.items):
+        if item.kind == WriteItemType.BYTE_IO:
+            keys = [MetadataIndex(item.fqn)]
+        else:
+            keys = [MetadataIndex(item.fqn, torch.Size(o)) for o in plan.offsets[t].tolist()]
+        infos = [storage[k] for k in keys]
+        rows.append(
+            (
+                np.asarray([files.setdefault(i.relative_path, len(files)) for i in infos], np.int32),
+                np.asarray([i.offset for i in infos], dtype=np.int64),
+                np.asarray([i.length for i in infos], dtype=np.int64),
+            )
+        )
+    return list(files), rows
+
+
+def write_index(folder: str, plan: GlobalPlan, mappings: dict, files: list[str], rows: list[tuple]) -> None:
+    """`folder`/chunks.npz: the global plan's chunks and where each lies (`rows`: per item its
+    chunks' file (an index into `files`), offset and length), as numeric arrays and one JSON header
+    in NumPy's npz (a zip of .npy files, read with allow_pickle=False: nothing in it can carry
+    code). The chunk tables (o<k>, s<k>: offsets and sizes) once per layout, each tensor naming
+    its own ("chunks"); per item f<t>, p<t>, l<t>. What a load reads in place of .metadata
+    (`read_index`, `slices`)."""
+    tables: dict[int, int] = {}
     arrays: dict[str, np.ndarray] = {}
     items = []
     for t, item in enumerate(plan.items):
         if item.kind == WriteItemType.BYTE_IO:
-            keys = [MetadataIndex(item.fqn)]
             items.append({"fqn": item.fqn, "kind": "bytes"})
         else:
-            offsets = plan.offsets[t]
-            keys = [MetadataIndex(item.fqn, torch.Size(o)) for o in offsets.tolist()]
             p = item.properties
             dtype = str(p.dtype).removeprefix("torch.")
             if dtype not in _DTYPES:
                 raise ValueError(f"{item.fqn}: dtype {p.dtype} is not one the chunk index records")
+            table = tables.setdefault(id(plan.offsets[t]), len(tables))  # items of one layout share it
+            arrays[f"o{table}"], arrays[f"s{table}"] = plan.offsets[t], plan.sizes[t]
             items.append({"fqn": item.fqn, "kind": "tensor", "size": list(item.size), "dtype": dtype,
-                          "requires_grad": bool(p.requires_grad)})  # fmt: skip
-            arrays[f"o{t}"], arrays[f"s{t}"] = offsets, plan.sizes[t]
-        infos = [storage[k] for k in keys]
-        arrays[f"f{t}"] = np.asarray([files_of.setdefault(i.relative_path, len(files_of)) for i in infos], np.int32)
-        arrays[f"p{t}"] = np.asarray([i.offset for i in infos], dtype=np.int64)
-        arrays[f"l{t}"] = np.asarray([i.length for i in infos], dtype=np.int64)
+                          "requires_grad": bool(p.requires_grad), "chunks": table})  # fmt: skip
+        arrays[f"f{t}"], arrays[f"p{t}"], arrays[f"l{t}"] = rows[t]
     header = {
         "version": INDEX_VERSION,
         "items": items,
-        "files": list(files_of),
+        "files": files,
         "mappings": {k: list(v) for k, v in mappings.items()},
     }
     arrays["header"] = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
@@ -532,7 +579,10 @@ def read_index(data: bytes) -> tuple[dict, dict[str, np.ndarray]]:
             raise BadIndex(f"{where} ({item['fqn']}) is neither a tensor nor a value")
         if not all(isinstance(d, int) and d >= 0 for d in size):
             raise BadIndex(f"{where} ({item['fqn']}) has size {size}")
-        offsets, sizes = arrays.get(f"o{t}"), arrays.get(f"s{t}")
+        table = item.get("chunks")
+        if not isinstance(table, int) or isinstance(table, bool):
+            raise BadIndex(f"{where} ({item['fqn']}) names no chunk table")
+        offsets, sizes = arrays.get(f"o{table}"), arrays.get(f"s{table}")
         want = (n, len(size))
         if offsets is None or sizes is None or offsets.shape != want or sizes.shape != want:
             raise BadIndex(f"{where} ({item['fqn']}) has no chunk table of {n} chunks")
@@ -569,8 +619,8 @@ def slices(header: dict, arrays: dict, now: GlobalPlan | None, world: int) -> li
     for t, item in enumerate(items):
         if item["kind"] == "tensor" and len(item["size"]):
             d = len(item["size"])
-            offsets[base[t] : base[t + 1], :d] = arrays[f"o{t}"]
-            sizes[base[t] : base[t + 1], :d] = arrays[f"s{t}"]
+            offsets[base[t] : base[t + 1], :d] = arrays[f"o{item['chunks']}"]
+            sizes[base[t] : base[t + 1], :d] = arrays[f"s{item['chunks']}"]
     file = np.concatenate([arrays[f"f{t}"] for t in range(len(items))]) if items else np.zeros(0, np.int32)
     offset = np.concatenate([arrays[f"p{t}"] for t in range(len(items))]) if items else np.zeros(0, np.int64)
     length = np.concatenate([arrays[f"l{t}"] for t in range(len(items))]) if items else np.zeros(0, np.int64)
@@ -599,7 +649,7 @@ def _same_chunks(item: dict, arrays: dict, now: GlobalPlan, t: int) -> bool:
         return False  # one row: every rank gets it anyway
     if list(current.size) != item["size"]:
         return False
-    saved_o, saved_s = arrays[f"o{t}"], arrays[f"s{t}"]
+    saved_o, saved_s = arrays[f"o{item['chunks']}"], arrays[f"s{item['chunks']}"]
     return (
         saved_o.shape == now.offsets[t].shape and (saved_o == now.offsets[t]).all() and (saved_s == now.sizes[t]).all()
     )
