@@ -446,6 +446,116 @@ def layout_round(world: int) -> dict:
     return r
 
 
+def synthetic_written(plan, world: int) -> list:
+    """Every rank's compact write results (save_plan.Written) of the whole state: each item a rank
+    writes in its one file, in plan order, 4 bytes an element and 1100 of torch.save's zip headers."""
+    from trainer import save_plan as sp
+
+    n_items = len(plan.items)
+    writes = np.zeros((n_items, world), dtype=bool)
+    length = np.zeros((n_items, world), dtype=np.int64)
+    for t in range(n_items):
+        chunk = plan.chunk_of[t]
+        writes[t] = plan.writer[t][chunk] == np.arange(world)
+        numel = np.prod(plan.sizes[t], axis=1) if plan.sizes[t].shape[1] else np.ones(len(plan.sizes[t]), np.int64)
+        length[t] = 4 * numel[chunk] + 1100
+    length *= writes
+    offset = np.cumsum(length, axis=0) - length
+    out = []
+    for r in range(world):
+        mine = np.flatnonzero(writes[:, r])
+        out.append(
+            sp.Written(
+                files=[f"__{r}_0.distcp"],
+                item=mine.astype(np.int32),
+                file=np.zeros(len(mine), dtype=np.int32),
+                offset=offset[mine, r],
+                length=length[mine, r],
+                size_in_bytes=length[mine, r],
+            )
+        )
+    return out
+
+
+def index_round(world: int) -> dict:
+    """A save's chunk index and a resume from it, the whole 8B state at `world` ranks, as the trainer
+    does them (trainer/save_plan.py, trainer/checkpoint.py `_checked_metadata`, `_index_slices`):
+    rank 0 at the save's finish (the N ranks' compact write results unpickled, the index's arrays,
+    the file written); at the resume, rank 0 (the file read, hashed, checked and parsed, the
+    current layout's plan, every rank's slice, the header and slices pickled for the broadcast and
+    the scatter), and one rank (its slice unpickled, DCP's metadata of it, its load plan)."""
+    import xxhash
+
+    from trainer import load_plan
+    from trainer import save_plan as sp
+
+    items = state_items(llama_shapes(), True)
+    mappings = mappings_of(items)
+    r: dict = {"world": world}
+    plan = sp.GlobalPlan(layout_items(items, world), world)
+    blobs = [pickle.dumps(w) for w in synthetic_written(plan, world)]
+    r["index_results_bytes"] = sum(map(len, blobs))
+    base = vm("VmRSS")
+    t = time.perf_counter()
+    results = [pickle.loads(b) for b in blobs]
+    del blobs
+    files, rows = sp.storage_rows(plan, results)
+    del results
+    with tempfile.TemporaryDirectory() as folder:
+        sp.write_index(folder, plan, mappings, files, rows)
+        r["index_finish_s"] = time.perf_counter() - t
+        del rows, plan
+        path = os.path.join(folder, sp.INDEX)
+        r["index_bytes"] = os.path.getsize(path)
+        digest = xxhash.xxh3_64_intdigest(Path(path).read_bytes())  # the manifest's record, at the commit
+        r["index_save_peak_bytes"] = vm("VmHWM") - base
+
+        # The resume: rank 0
+        t = time.perf_counter()
+        with open(path, "rb") as f:
+            data = f.read()
+        assert xxhash.xxh3_64_intdigest(data) == digest
+        header, arrays = sp.read_index(data)
+        del data
+        r["index_read_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    now = sp.Chunks(layout_items(items, world), world)  # the current layout, as rank 0 describes it
+    shared, own_items, parts = sp.slices(header, arrays, now, world)
+    r["index_slices_s"] = time.perf_counter() - t
+    del arrays, now
+    t = time.perf_counter()
+    header_blob = pickle.dumps((header, shared, own_items))
+    sent = [pickle.dumps(p) for p in parts]
+    r["index_send_s"] = time.perf_counter() - t
+    r["index_header_bytes"] = len(header_blob)
+    r["index_slice_bytes"] = len(sent[world // 2])
+    r["index_rank0_s"] = r["index_read_s"] + r["index_slices_s"] + r["index_send_s"]
+    r["index_resume_peak_bytes"] = vm("VmHWM") - base
+    del parts
+
+    # The resume: one rank
+    rank = world // 2
+    state = load_state(items, world, rank)
+    layout = layout_items(items, world)
+    t = time.perf_counter()
+    mine = sp.metadata_of(*pickle.loads(header_blob), pickle.loads(sent[rank]), sp.Chunks(layout, world), rank)
+    planner = load_plan.Planner(None)
+    planner.set_up_planner({}, mine, is_coordinator=False)
+    planner.original_state_dict = state
+    planner.state_dict, planner.mappings = _flatten(state)
+    planned = planner.create_local_plan()
+    r["index_rank_s"] = time.perf_counter() - t
+    r["index_rank_read_items"] = len(planned.items)
+    assert len(planned.items) <= len(items)  # each item read from its one saved chunk (none where the chunk is empty)
+    return r
+
+
+def _flatten(state):
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    return flatten_state_dict(state)
+
+
 def _storage_prefix():
     from torch.distributed.checkpoint.filesystem import _StoragePrefix
 
@@ -614,6 +724,18 @@ LAYOUT_KEYS = (
     "layout_results_gather_s",
     "layout_finish_s",
     "layout_metadata_bytes",
+    "index_results_bytes",
+    "index_finish_s",
+    "index_bytes",
+    "index_save_peak_bytes",
+    "index_read_s",
+    "index_slices_s",
+    "index_send_s",
+    "index_header_bytes",
+    "index_slice_bytes",
+    "index_rank0_s",
+    "index_resume_peak_bytes",
+    "index_rank_s",
 )
 LAYOUT_SLICED = {"layout_results_bytes", "layout_results_gather_s", "layout_finish_s", "layout_metadata_bytes"}
 
@@ -648,7 +770,7 @@ def main() -> int:
         print(json.dumps(plan_round(args.plan_round, args.plan_whole)))
         return 0
     if args.layout_round:
-        print(json.dumps(layout_round(args.layout_round)))
+        print(json.dumps({**layout_round(args.layout_round), **index_round(args.layout_round)}))
         return 0
     if not args.out:
         parser.error("--out is required")

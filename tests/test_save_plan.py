@@ -303,10 +303,10 @@ def test_each_ranks_slice_of_the_index_plans_dcps_reads(seed, tmp_path):
     rank gets every record, and its metadata is the whole one."""
     world, states, plan, full, data = _indexed(seed, tmp_path)
     header, arrays = save_plan.read_index(data)
-    for now in (plan, None):
-        parts = save_plan.slices(header, arrays, now, world)
+    for now in (save_plan.Chunks(plan.items, world), None):
+        shared, own_items, parts = save_plan.slices(header, arrays, now, world)
         for rank in range(world):
-            mine = save_plan.metadata_of(header, parts[rank])
+            mine = save_plan.metadata_of(header, shared, own_items, parts[rank], now, rank)
             if now is None:
                 assert mine.state_dict_metadata == full.state_dict_metadata or _same_chunk_sets(mine, full)
                 assert mine.storage_data == full.storage_data

@@ -865,15 +865,17 @@ class Checkpointer:
         halves = (digest >> 32, digest & 0xFFFFFFFF)
         agreed = self._agreed_max(*halves, *(-h for h in halves))
         same = digest and agreed[:2] == [float(h) for h in halves] and agreed[2:] == [float(-h) for h in halves]
-        header, parts = [None], None
+        now = save_plan.Chunks(items, self.world_size) if same else None  # every rank's chunks, each rank's own
+        common, parts = [None], None
         if self.rank == 0:
             indexed, self.indexed = self.indexed, None
-            now = save_plan.GlobalPlan(items, self.world_size) if same else None
-            header, parts = [indexed.header], save_plan.slices(indexed.header, indexed.arrays, now, self.world_size)
-        dist.broadcast_object_list(header, src=0, group=self.group)
+            shared, own_items, parts = save_plan.slices(indexed.header, indexed.arrays, now, self.world_size)
+            common = [(indexed.header, shared, own_items)]
+        dist.broadcast_object_list(common, src=0, group=self.group)
         own: list = [None]
         dist.scatter_object_list(own, parts, src=0, group=self.group)
-        self.metadata, self.chunk_index = save_plan.metadata_of(header[0], own[0]), None
+        self.metadata = save_plan.metadata_of(*common[0], own[0], now, self.rank)
+        self.chunk_index = None
 
     def load(self) -> dict | None:
         """Restore every part from the newest usable checkpoint: the sharded ones (model, optimizer,

@@ -593,54 +593,73 @@ def read_index(data: bytes) -> tuple[dict, dict[str, np.ndarray]]:
 
 @dataclass
 class Slice:
-    """What one rank needs of a chunk index to plan its reads: for each of its rows, the item, the
-    chunk's offsets and sizes (padded to `ndim` columns), its file, offset and length."""
+    """Records of a chunk index: per row the item, the chunk's offsets and sizes (padded to the
+    widest tensor's dimensions), its file, offset and length; `rows` [n, 2 x ndim + 3] int64."""
 
-    item: np.ndarray  # int32, per row
-    offsets: np.ndarray  # int64 [rows, ndim]
-    sizes: np.ndarray
-    file: np.ndarray  # int32
-    offset: np.ndarray  # int64
-    length: np.ndarray  # int64
+    item: np.ndarray  # int64 [n]
+    rows: np.ndarray  # int64 [n, 2 * ndim + 3]: offsets, sizes, file, offset, length
 
 
-def slices(header: dict, arrays: dict, now: GlobalPlan | None, world: int) -> list[Slice]:
-    """Each of `world` ranks' Slice of a chunk index: of an item whose saved chunks are the chunks
-    of `now` (the current layout's plan, every rank's the same: the same world, shapes and
-    placements), the one row of the rank's own chunk; of any other item (another world size, a
-    layout that changed, a state `now` does not describe) every row, as DCP's metadata would give."""
+class Chunks:
+    """Every rank's chunk of each item of a layout, without the dedup (what `slices` compares the
+    saved chunks with): GlobalPlan's chunk_of, offsets and sizes."""
+
+    def __init__(self, items: list[Item], world: int):
+        self.items = items
+        found = [_distinct(i.layout, i.ranks, world, i.size) for i in items]
+        self.chunk_of = [f[0] for f in found]
+        self.offsets = [f[1] for f in found]
+        self.sizes = [f[2] for f in found]
+
+
+def slices(header: dict, arrays: dict, now: GlobalPlan | Chunks | None, world: int) -> tuple[Slice, np.ndarray, list]:
+    """(what every rank gets, the items each rank gets one record of, each rank's records of
+    those) of a chunk index: of an item whose saved chunks are the chunks of `now` (the current
+    layout's plan, every rank's the same: the same world, shapes and placements), the record of
+    the rank's own chunk; of any other item (another world size, a layout that changed, a state
+    `now` does not describe) every record, to every rank, as DCP's metadata would give them.
+    The per-rank part is one int64 array per rank, [own items, 3]: file, offset and length of its
+    chunk of each (its offsets and sizes it knows: `metadata_of` takes them from `now`)."""
     items = header["items"]
     ndim = max([len(i.get("size", ())) for i in items] + [1])
-    counts = [len(arrays[f"f{t}"]) for t in range(len(items))]
-    base = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    total = int(base[-1])
-    offsets = np.zeros((total, ndim), dtype=np.int64)
-    sizes = np.zeros((total, ndim), dtype=np.int64)
-    for t, item in enumerate(items):
-        if item["kind"] == "tensor" and len(item["size"]):
-            d = len(item["size"])
-            offsets[base[t] : base[t + 1], :d] = arrays[f"o{item['chunks']}"]
-            sizes[base[t] : base[t + 1], :d] = arrays[f"s{item['chunks']}"]
-    file = np.concatenate([arrays[f"f{t}"] for t in range(len(items))]) if items else np.zeros(0, np.int32)
-    offset = np.concatenate([arrays[f"p{t}"] for t in range(len(items))]) if items else np.zeros(0, np.int64)
-    length = np.concatenate([arrays[f"l{t}"] for t in range(len(items))]) if items else np.zeros(0, np.int64)
-    item_of = np.repeat(np.arange(len(items), dtype=np.int32), counts)
-    own, everyone = [], []  # items whose row per rank is the rank's own chunk; items all rows go to all
+    columns = 2 * ndim + 3
+    own, everyone = [], []
     for t, item in enumerate(items):
         if now is not None and t < len(now.items) and _same_chunks(item, arrays, now, t):
             own.append(t)
         else:
             everyone.append(t)
-    shared = np.concatenate([np.arange(base[t], base[t + 1]) for t in everyone]) if everyone else np.zeros(0, np.int64)
-    rows_by_rank = np.stack([base[t] + now.chunk_of[t] for t in own], axis=1) if own else None  # [world, own]
-    out = []
-    for rank in range(world):
-        rows = shared if rows_by_rank is None else np.concatenate([rows_by_rank[rank], shared])
-        out.append(Slice(item_of[rows], offsets[rows], sizes[rows], file[rows], offset[rows], length[rows]))
-    return out
+
+    def records(t: int, chunks) -> np.ndarray:
+        """Item t's records of `chunks` (indices into its chunk table), [len, columns]."""
+        out = np.zeros((len(chunks), columns), dtype=np.int64)
+        item = items[t]
+        if item["kind"] == "tensor" and len(item["size"]):
+            d = len(item["size"])
+            out[:, :d] = arrays[f"o{item['chunks']}"][chunks]
+            out[:, ndim : ndim + d] = arrays[f"s{item['chunks']}"][chunks]
+        out[:, 2 * ndim] = arrays[f"f{t}"][chunks]
+        out[:, 2 * ndim + 1] = arrays[f"p{t}"][chunks]
+        out[:, 2 * ndim + 2] = arrays[f"l{t}"][chunks]
+        return out
+
+    shared_items = [np.full(len(arrays[f"f{t}"]), t, dtype=np.int64) for t in everyone]
+    shared_rows = [records(t, np.arange(len(arrays[f"f{t}"]))) for t in everyone]
+    shared = Slice(
+        np.concatenate(shared_items) if everyone else np.zeros(0, np.int64),
+        np.concatenate(shared_rows) if everyone else np.zeros((0, columns), np.int64),
+    )
+    # of its own chunks a rank knows the offsets and sizes (`now`): only file, offset and length
+    by_rank = np.empty((world, len(own), 3), dtype=np.int64)
+    for j, t in enumerate(own):
+        chunks = now.chunk_of[t]
+        by_rank[:, j, 0] = arrays[f"f{t}"][chunks]
+        by_rank[:, j, 1] = arrays[f"p{t}"][chunks]
+        by_rank[:, j, 2] = arrays[f"l{t}"][chunks]
+    return shared, np.asarray(own, dtype=np.int64), list(by_rank)
 
 
-def _same_chunks(item: dict, arrays: dict, now: GlobalPlan, t: int) -> bool:
+def _same_chunks(item: dict, arrays: dict, now: GlobalPlan | Chunks, t: int) -> bool:
     """Whether saved item `t` is `now`'s item `t` with the same chunks in the same numbering."""
     current = now.items[t]
     if current.fqn != item["fqn"] or (item["kind"] == "bytes") != (current.kind == WriteItemType.BYTE_IO):
@@ -655,36 +674,39 @@ def _same_chunks(item: dict, arrays: dict, now: GlobalPlan, t: int) -> bool:
     )
 
 
-def metadata_of(header: dict, part: Slice) -> Metadata:
-    """DCP's Metadata holding `part`'s chunks (a rank's Slice) and where they lie: what the rank's
-    load plans its reads from, as from the whole .metadata."""
+def metadata_of(
+    header: dict, shared: Slice, own_items: np.ndarray, own_rows: np.ndarray, now: Chunks | None, rank: int
+) -> Metadata:
+    """DCP's Metadata holding a rank's records of a chunk index (`slices`: those every rank gets,
+    and those of its own chunks, whose offsets and sizes are `now`'s of `rank`) and where each
+    chunk lies: what the rank's load plans its reads from, as from the whole .metadata."""
     info = torch_compat.storage_info_class()
-    files = header["files"]
+    files, items = header["files"], header["items"]
     md: dict = {}
-    storage: dict = {}
-    for it in header["items"]:
+    for it in items:
         if it["kind"] == "bytes":
             md[it["fqn"]] = BytesStorageMetadata()
         else:
             p = TensorProperties(dtype=_DTYPES[it["dtype"]], requires_grad=it["requires_grad"])
             md[it["fqn"]] = TensorStorageMetadata(properties=p, size=torch.Size(it["size"]), chunks=[])
-    items = header["items"]
-    for t, o, z, f, off, n in zip(
-        part.item.tolist(),
-        part.offsets.tolist(),
-        part.sizes.tolist(),
-        part.file.tolist(),
-        part.offset.tolist(),
-        part.length.tolist(),
-    ):
+    ndim = (shared.rows.shape[1] - 3) // 2
+    storage: dict = {}
+
+    def record(t: int, offsets: list, sizes: list, where: list) -> None:
         it = items[t]
         if it["kind"] == "bytes":
             key = MetadataIndex(it["fqn"])
         else:
             d = len(it["size"])
-            offsets = torch.Size(o[:d])
-            md[it["fqn"]].chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(z[:d])))
-            key = MetadataIndex(it["fqn"], offsets)
-        storage[key] = info(files[f], off, n)
+            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets[:d]), sizes=torch.Size(sizes[:d]))
+            md[it["fqn"]].chunks.append(chunk)
+            key = MetadataIndex(it["fqn"], chunk.offsets)
+        storage[key] = info(files[where[0]], where[1], where[2])
+
+    for t, row in zip(shared.item.tolist(), shared.rows.tolist()):
+        record(t, row[:ndim], row[ndim : 2 * ndim], row[2 * ndim :])
+    for t, where in zip(own_items.tolist(), own_rows.tolist()):
+        c = int(now.chunk_of[t][rank])
+        record(t, now.offsets[t][c].tolist(), now.sizes[t][c].tolist(), where)
     mappings = {k: tuple(v) for k, v in header["mappings"].items()}
     return Metadata(state_dict_metadata=md, planner_data=mappings, storage_data=storage)
