@@ -245,6 +245,14 @@ def plan_round(world: int, whole: bool) -> dict:
     assert _compare_save_plans(one, again)
     r["cached_local_compare_s"] = time.perf_counter() - t  # one rank at the second save: plan unchanged?
     del plans, one, again
+    # trainer/save_plan.py's global plan, from the layout alone, is DCP's: every rank's (a few at many ranks)
+    from trainer import save_plan as sp
+
+    ours = sp.GlobalPlan(layout_items(items, world), world)
+    for rank in range(world) if world <= 64 else (0, world // 2, world - 1):
+        assert ours.final_plan(save_plan(items, world, rank, mappings), rank).items == global_plans[rank].items
+    assert ours.metadata(planner_data=mappings).state_dict_metadata == metadata.state_dict_metadata
+    del ours
     t = time.perf_counter()
     scattered = [pickle.dumps(p) for p in global_plans]
     r["scatter_s"] = time.perf_counter() - t
