@@ -1,6 +1,7 @@
 """How a checkpoint's planning, its metadata and the rendezvous grow with the number of ranks.
 
-    .venv/bin/python -m bench.scale --out scale.json [--ranks 1024 ... 16384] [--rounds 3] [--dcp] [--rendezvous 2 4 8 16]
+    .venv/bin/python -m bench.scale --out scale.json [--ranks 1024 ... 16384] [--rounds 3] [--dcp]
+                                    [--rendezvous 2 4 8 16]
 
 The trainer's planning (trainer/save_plan.py), without processes, the whole Llama-3.1-8B state below
 at N ranks, each round in a fresh process (`layout_round`, `index_round`):
@@ -15,7 +16,8 @@ at N ranks, each round in a fresh process (`layout_round`, `index_round`):
                 part and the N slices pickled (broadcast, scatter); one rank: its slice unpickled, DCP's
                 metadata of it, its load plan (trainer/load_plan.Planner)
 
-With --dcp, DCP's own planning too (minutes a round at 16k ranks; bench/results/2026-11-27-vm.md): each rank's SavePlan is built as DCP builds it for the trainer's
+With --dcp, DCP's own planning too (minutes a round at 16k ranks; bench/results/2026-11-27-vm.md):
+each rank's SavePlan is built as DCP builds it for the trainer's
 state ({"model": ..., "optim": ...} from get_state_dict) of the Llama-3.1-8B shape (configs/llama-8b.yaml,
 built on the meta device), every parameter and both AdamW moments a DTensor sharded Shard(0) over N
 ranks as FSDP2 shards them (uneven: the last ranks' chunks short or empty), the optimizer's `step` a
