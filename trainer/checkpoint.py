@@ -4,6 +4,7 @@ Layout of `<run_dir>/checkpoints/`:
 
     step_00000100/        a complete checkpoint: it only ever appears by an atomic rename
         .metadata, *.distcp   DCP: the sharded parts (model, optim, ...), each rank writing its own shards
+        chunks.npz        the same metadata as arrays (trainer/save_plan.py), which a load reads instead
         meta.json         step, samples consumed, world size, parameter shapes, the small parts (scheduler, ...)
         rng/rank_00000.pt the per-rank parts: each rank's random number generator states
         manifest.json     size and checksum of every file above (trainer/checksums.py)
