@@ -379,3 +379,49 @@ def test_an_index_that_could_carry_code_or_points_outside_is_refused(tmp_path):
         with pytest.raises(save_plan.BadIndex):
             save_plan.read_index(forged)
         assert what
+
+
+def test_a_chunk_index_changed_after_the_commit_makes_the_checkpoint_unreadable(tmp_path):
+    """One rank saves (planned from the layout: chunks.npz written); a byte of chunks.npz changed,
+    its size kept: the checkpoint is unusable with one line naming chunks.npz, and a resume from it
+    stops with that line before any rank reads a shard."""
+    from conftest import small_parts, small_step
+    from trainer import checkpoint
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    model, optimizer, scheduler = small_parts(0)
+    small_step(model, optimizer, scheduler)
+    ckpt = checkpoint.Checkpointer(
+        checkpoint.CheckpointArgs(keep=0),
+        str(tmp_path),
+        0,
+        1,
+        dist.group.WORLD,
+        model,
+        optimizer,
+        {"scheduler": scheduler},
+    )
+    ckpt.save(1, {"samples": 3}, blocking=True)
+    ckpt.close()
+    assert ckpt.planned_by == "layout"
+    path = checkpoint.step_path(str(tmp_path), 1)
+    assert checkpoint.unusable(path) is None
+    index = os.path.join(path, save_plan.INDEX)
+    data = bytearray(open(index, "rb").read())
+    data[len(data) // 2] ^= 0x01
+    with open(index, "wb") as f:
+        f.write(data)
+    assert checkpoint.unusable(path) == "chunks.npz is damaged: it is not what the commit wrote"
+    model2, optimizer2, scheduler2 = small_parts(1)
+    reader = checkpoint.Checkpointer(
+        checkpoint.CheckpointArgs(keep=0, resume_from=path),
+        str(tmp_path / "other"),
+        0,
+        1,
+        dist.group.WORLD,
+        model2,
+        optimizer2,
+        {"scheduler": scheduler2},
+    )
+    with pytest.raises(checkpoint.CheckpointError, match="chunks.npz is damaged"):
+        reader.load()
