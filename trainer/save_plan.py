@@ -333,7 +333,7 @@ class Planner(DefaultSavePlanner):
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()  # this rank's items (its DTensors' chunks), DCP's own
-        self.global_plan_arrays = GlobalPlan(self.items, self.world)
+        self.global_plan_arrays = _plan_of(self.items, self.world)
         self.own_plan = self.global_plan_arrays.final_plan(plan, self.rank)
         return SavePlan([], usable=False)
 
@@ -347,6 +347,19 @@ class Planner(DefaultSavePlanner):
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         self.plan = dataclasses.replace(self.own_plan, storage_data=new_plan.storage_data)
         return self.plan
+
+
+_LAST_PLAN: dict[tuple[int, int], GlobalPlan] = {}  # the last layout's plan in this process: the next save's
+
+
+def _plan_of(items: list[Item], world: int) -> GlobalPlan:
+    """GlobalPlan(items, world), kept for the next save of the same layout (its digest) in this
+    process (the trainer's, or DCP's async save process), as DCP's plan cache keeps its plans."""
+    key = (digest(items), world)
+    if key not in _LAST_PLAN:
+        _LAST_PLAN.clear()
+        _LAST_PLAN[key] = GlobalPlan(items, world)
+    return _LAST_PLAN[key]
 
 
 @dataclass
