@@ -297,6 +297,18 @@ class GlobalPlan:
                 kept.append(item)
         return dataclasses.replace(plan, items=kept)
 
+    def chunk_sizes(self, t: int) -> tuple[list, list]:
+        """Item `t`'s chunks' offsets and sizes as torch.Size, one object per chunk shared by every
+        item of its layout (and by .metadata's chunk lists and storage keys: pickled once each)."""
+        cache = self.__dict__.setdefault("_sizes", {})
+        key = id(self.offsets[t])
+        if key not in cache:
+            cache[key] = (
+                [torch.Size(o) for o in self.offsets[t].tolist()],
+                [torch.Size(z) for z in self.sizes[t].tolist()],
+            )
+        return cache[key]
+
     def chunk_order(self, t: int) -> np.ndarray:
         """Item `t`'s chunks in the metadata's order (by their writer's rank)."""
         return np.argsort(self.writer[t], kind="stable")
@@ -312,9 +324,8 @@ class GlobalPlan:
             if item.kind == WriteItemType.BYTE_IO:
                 md[item.fqn] = BytesStorageMetadata()
                 continue
-            order = self.chunk_order(t)
-            offsets, sizes = self.offsets[t][order].tolist(), self.sizes[t][order].tolist()
-            chunks = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in zip(offsets, sizes)]
+            offsets, sizes = self.chunk_sizes(t)
+            chunks = [ChunkStorageMetadata(offsets=offsets[c], sizes=sizes[c]) for c in self.chunk_order(t).tolist()]
             md[item.fqn] = TensorStorageMetadata(properties=item.properties, size=item.size, chunks=chunks)
         return Metadata(state_dict_metadata=md, planner_data=planner_data)
 
@@ -447,7 +458,7 @@ def _write_results(plan: GlobalPlan, rank: int, written) -> list:
         if item.kind == WriteItemType.BYTE_IO:
             index = MetadataIndex(item.fqn)
         else:
-            index = MetadataIndex(item.fqn, torch.Size(plan.offsets[t][int(plan.chunk_of[t][rank])].tolist()))
+            index = MetadataIndex(item.fqn, plan.chunk_sizes(t)[0][plan.chunk_of[t][rank]])
         out.append(WriteResult(index=index, size_in_bytes=size, storage_data=info(written.files[f], offset, length)))
     return out
 
