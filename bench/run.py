@@ -842,7 +842,32 @@ def scale_tables(r: dict) -> list[str]:
         ci = f" [{short(f['ci95'][0] / unit)}-{short(f['ci95'][1] / unit)}]" if f["ci95"] else ""
         return short(f["median"] / unit) + ci
 
-    lines = [
+    lines = []
+    if r.get("layout"):
+        lines += [
+            "",
+            "The first save planned from the layout and a resume from its chunk index (trainer/save_plan.py), "
+            "the whole Llama-3.1-8B state (model + AdamW, FSDP2 Shard(0) over N ranks, 1164 items a rank), "
+            f"planning simulated per rank (bench/scale.py); the finish (.metadata for stock DCP) on the slice x "
+            f"{r['slice_to_whole']:.2f}. Seconds unless said:",
+            "",
+            "| ranks | first save: rank 0's planning | a rank's planning | rank 0 peak MB | plans in / out MB "
+            "| finish: chunk index | finish: .metadata | .metadata MB | chunks.npz MB | resume: rank 0 "
+            "| resume: a rank | rank 0 resume peak MB | a rank's slice KB |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for n, p in sorted(r["layout"].items(), key=lambda kv: int(kv[0])):
+            lines.append(
+                f"| {n} | {cell(p['layout_planning_s'])} | {cell(p['layout_rank_planning_s'])} | "
+                f"{cell(p['layout_peak_bytes'], 1e6)} | {number(p['layout_gather_bytes']['median'] / 1e6)} / "
+                f"{number(p['layout_scatter_bytes']['median'] / 1e6)} | {cell(p['index_finish_s'])} | "
+                f"{cell(p['layout_finish_s'])} | {cell(p['layout_metadata_bytes'], 1e6)} | "
+                f"{cell(p['index_bytes'], 1e6)} | {cell(p['index_rank0_s'])} | {cell(p['index_rank_s'])} | "
+                f"{cell(p['index_resume_peak_bytes'], 1e6)} | {cell(p['index_slice_bytes'], 1e3)} |"
+            )
+    if not r.get("planning"):
+        return lines + _rendezvous_lines(r, cell)
+    lines += [
         "",
         f"DCP planning for the Llama-3.1-8B state (model + AdamW, FSDP2 Shard(0) over N ranks), the "
         f"coordinator's (rank 0's) work at a save and one rank's at a load; measured on a slice of 48 items "
@@ -865,6 +890,12 @@ def scale_tables(r: dict) -> list[str]:
     for n, w in r.get("whole", {}).items():
         ratios = ", ".join(f"{k} {v:.2f}" for k, v in w["measured_vs_extrapolated"].items())
         lines += ["", f"The whole state planned at {n} ranks / the slice x factor: {ratios}."]
+    return lines + _rendezvous_lines(r, cell)
+
+
+def _rendezvous_lines(r: dict, cell) -> list[str]:
+    """scale_tables' rendezvous and store lines."""
+    lines: list[str] = []
     if r.get("rendezvous"):
         lines += [
             "",

@@ -1,8 +1,23 @@
 """How a checkpoint's planning, its metadata and the rendezvous grow with the number of ranks.
 
-    .venv/bin/python -m bench.scale --out scale.json [--ranks 1024 ... 16384] [--rounds 3] [--rendezvous 2 4 8 16]
+    .venv/bin/python -m bench.scale --out scale.json [--ranks 1024 ... 16384] [--rounds 3] [--dcp]
+                                    [--rendezvous 2 4 8 16]
 
-DCP's planning, without processes: each rank's SavePlan is built as DCP builds it for the trainer's
+The trainer's planning (trainer/save_plan.py), without processes, the whole Llama-3.1-8B state below
+at N ranks, each round in a fresh process (`layout_round`, `index_round`):
+
+  first save    every rank: the layout's digest (agreed by one all-reduce), the global plan's arrays
+                (DCP's dedup simulated), its own final plan; rank 0 also unpickles N empty plans and
+                pickles N back (DCP's gather and scatter, carrying nothing); rank 0's peak memory
+  finish        after the writes: the N ranks' compact write results unpickled, the chunk index
+                (chunks.npz) assembled and written; DCP's .metadata built from the arrays and pickled
+                (on the slice below, x 1164/48: what stock DCP reads)
+  resume        rank 0: chunks.npz read, hashed, checked and parsed, every rank's slice, the common
+                part and the N slices pickled (broadcast, scatter); one rank: its slice unpickled, DCP's
+                metadata of it, its load plan (trainer/load_plan.Planner)
+
+With --dcp, DCP's own planning too (minutes a round at 16k ranks; bench/results/2026-11-27-vm.md):
+each rank's SavePlan is built as DCP builds it for the trainer's
 state ({"model": ..., "optim": ...} from get_state_dict) of the Llama-3.1-8B shape (configs/llama-8b.yaml,
 built on the meta device), every parameter and both AdamW moments a DTensor sharded Shard(0) over N
 ranks as FSDP2 shards them (uneven: the last ranks' chunks short or empty), the optimizer's `step` a
@@ -57,6 +72,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -243,6 +260,14 @@ def plan_round(world: int, whole: bool) -> dict:
     assert _compare_save_plans(one, again)
     r["cached_local_compare_s"] = time.perf_counter() - t  # one rank at the second save: plan unchanged?
     del plans, one, again
+    # trainer/save_plan.py's global plan, from the layout alone, is DCP's: every rank's (a few at many ranks)
+    from trainer import save_plan as sp
+
+    ours = sp.GlobalPlan(layout_items(items, world), world)
+    for rank in range(world) if world <= 64 else (0, world // 2, world - 1):
+        assert ours.final_plan(save_plan(items, world, rank, mappings), rank).items == global_plans[rank].items
+    assert ours.metadata(planner_data=mappings).state_dict_metadata == metadata.state_dict_metadata
+    del ours
     t = time.perf_counter()
     scattered = [pickle.dumps(p) for p in global_plans]
     r["scatter_s"] = time.perf_counter() - t
@@ -318,6 +343,246 @@ def plan_round(world: int, whole: bool) -> dict:
     assert m["xxh3_64"] == checksums._digest(m["files"])
     r["manifest_read_s"] = time.perf_counter() - t
     return r
+
+
+# ---------------------------------------------------------------------------------------------------
+# The first save planned from the layout (trainer/save_plan.py)
+
+
+def layout_items(items, world: int) -> list:
+    """trainer/save_plan.describe's items of the state `items` (state_items) sharded over `world` ranks."""
+    import torch
+    from torch.distributed.checkpoint.metadata import TensorProperties
+    from torch.distributed.checkpoint.planner import WriteItemType
+    from torch.distributed.tensor import Shard
+
+    from trainer import save_plan as sp
+
+    props = TensorProperties(dtype=torch.float32)
+    out = []
+    for key, shape, sharded in items:
+        if sharded:
+            layout = (shape, (world,), (Shard(0),))
+            out.append(sp.Item(key, WriteItemType.SHARD, torch.Size(shape), props, layout, None))
+        else:
+            out.append(sp.Item(key, WriteItemType.TENSOR, torch.Size(()), props, None, None))
+    return out
+
+
+def written(plan, rank: int):
+    """Rank `rank`'s compact write results (save_plan.Written) of its final plan, as write_results lays them out."""
+    import numpy as np
+
+    from trainer import save_plan as sp
+
+    results = write_results(plan, rank)
+    return sp.Written(
+        files=[f"__{rank}_0.distcp"],
+        item=np.arange(len(results), dtype=np.int32),
+        file=np.zeros(len(results), dtype=np.int32),
+        offset=np.asarray([w.storage_data.offset for w in results], dtype=np.int64),
+        length=np.asarray([w.storage_data.length for w in results], dtype=np.int64),
+        size_in_bytes=np.asarray([w.size_in_bytes for w in results], dtype=np.int64),
+    )
+
+
+def layout_round(world: int) -> dict:
+    """The first save of the whole 8B state at `world` ranks planned from the layout, as the trainer
+    saves it (trainer/checkpoint.py `_planner` with save_plan.Planner): every rank's own work
+    (digest, the global plan's arrays, its final plan), rank 0's (N empty plans in, N out), rank 0's
+    peak memory; then the finish on the slice (x slice_to_whole): the N ranks' compact write results
+    unpickled, DCP's .metadata built from the arrays and pickled (what stock DCP reads)."""
+    import dataclasses as dc
+
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    from trainer import save_plan as sp
+
+    storage_prefix = _storage_prefix()
+    items = state_items(llama_shapes(), True)
+    mappings = mappings_of(items)
+    base = vm("VmRSS")
+    r: dict = {"world": world, "items_per_rank": len(items)}
+    layout = layout_items(items, world)
+    t = time.perf_counter()
+    sp.digest(layout)
+    r["layout_digest_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    plan = sp.GlobalPlan(layout, world)
+    r["layout_global_plan_s"] = time.perf_counter() - t
+    rank = world // 2
+    local = save_plan(items, world, rank, mappings)
+    t = time.perf_counter()
+    own = plan.final_plan(local, rank)
+    r["layout_own_plan_s"] = time.perf_counter() - t
+    r["layout_own_items"] = len(own.items)
+    zero = save_plan(items, world, 0, mappings)
+    t = time.perf_counter()
+    zero = plan.final_plan(zero, 0)
+    r["layout_rank0_own_plan_s"] = time.perf_counter() - t
+    del local, zero
+    empties = [pickle.dumps(SavePlan([], usable=False)) for _ in range(world)]  # each rank's own
+    t = time.perf_counter()
+    got = [pickle.loads(b) for b in empties]
+    r["layout_gather_s"] = time.perf_counter() - t
+    r["layout_gather_bytes"] = sum(map(len, empties))
+    t = time.perf_counter()
+    back = [pickle.dumps(dc.replace(p, storage_data=storage_prefix(f"__{i}_"))) for i, p in enumerate(got)]
+    r["layout_scatter_s"] = time.perf_counter() - t
+    r["layout_scatter_bytes"] = sum(map(len, back))
+    del empties, got, back
+    r["layout_rank_planning_s"] = r["layout_digest_s"] + r["layout_global_plan_s"] + r["layout_own_plan_s"]
+    r["layout_planning_s"] = (
+        r["layout_digest_s"]
+        + r["layout_global_plan_s"]
+        + r["layout_rank0_own_plan_s"]
+        + r["layout_gather_s"]
+        + r["layout_scatter_s"]
+    )
+    r["layout_peak_bytes"] = vm("VmHWM") - base
+    del plan
+
+    # The finish, on the slice: after every byte is written
+    part = state_items(llama_shapes(), False)
+    plan = sp.GlobalPlan(layout_items(part, world), world)
+    part_mappings = mappings_of(part)
+    blobs = []
+    for rank in range(world):
+        final = plan.final_plan(save_plan(part, world, rank, part_mappings), rank)
+        results = written(final, rank)
+        results.item = np.asarray([t for t in range(len(part)) if plan.writes(t, rank)], dtype=np.int32)
+        blobs.append(pickle.dumps(results))
+    r["layout_results_bytes"] = sum(map(len, blobs))
+    t = time.perf_counter()
+    results = [pickle.loads(b) for b in blobs]
+    r["layout_results_gather_s"] = time.perf_counter() - t
+    del blobs
+    t = time.perf_counter()
+    metadata = sp.Layout(plan, part_mappings).metadata()
+    storage = {}
+    for rank, w in enumerate(results):
+        storage.update({x.index: x.storage_data for x in sp._write_results(plan, rank, w)})
+    metadata = dataclasses.replace(metadata, storage_data=storage)
+    data = pickle.dumps(metadata)
+    r["layout_finish_s"] = r["layout_results_gather_s"] + time.perf_counter() - t
+    r["layout_metadata_bytes"] = len(data)
+    return r
+
+
+def synthetic_written(plan, world: int) -> list:
+    """Every rank's compact write results (save_plan.Written) of the whole state: each item a rank
+    writes in its one file, in plan order, 4 bytes an element and 1100 of torch.save's zip headers."""
+    from trainer import save_plan as sp
+
+    n_items = len(plan.items)
+    writes = np.zeros((n_items, world), dtype=bool)
+    length = np.zeros((n_items, world), dtype=np.int64)
+    for t in range(n_items):
+        chunk = plan.chunk_of[t]
+        writes[t] = plan.writer[t][chunk] == np.arange(world)
+        numel = np.prod(plan.sizes[t], axis=1) if plan.sizes[t].shape[1] else np.ones(len(plan.sizes[t]), np.int64)
+        length[t] = 4 * numel[chunk] + 1100
+    length *= writes
+    offset = np.cumsum(length, axis=0) - length
+    out = []
+    for r in range(world):
+        mine = np.flatnonzero(writes[:, r])
+        out.append(
+            sp.Written(
+                files=[f"__{r}_0.distcp"],
+                item=mine.astype(np.int32),
+                file=np.zeros(len(mine), dtype=np.int32),
+                offset=offset[mine, r],
+                length=length[mine, r],
+                size_in_bytes=length[mine, r],
+            )
+        )
+    return out
+
+
+def index_round(world: int) -> dict:
+    """A save's chunk index and a resume from it, the whole 8B state at `world` ranks, as the trainer
+    does them (trainer/save_plan.py, trainer/checkpoint.py `_checked_metadata`, `_index_slices`):
+    rank 0 at the save's finish (the N ranks' compact write results unpickled, the index's arrays,
+    the file written); at the resume, rank 0 (the file read, hashed, checked and parsed, the
+    current layout's plan, every rank's slice, the header and slices pickled for the broadcast and
+    the scatter), and one rank (its slice unpickled, DCP's metadata of it, its load plan)."""
+    import xxhash
+
+    from trainer import load_plan
+    from trainer import save_plan as sp
+
+    items = state_items(llama_shapes(), True)
+    mappings = mappings_of(items)
+    r: dict = {"world": world}
+    plan = sp.GlobalPlan(layout_items(items, world), world)
+    blobs = [pickle.dumps(w) for w in synthetic_written(plan, world)]
+    r["index_results_bytes"] = sum(map(len, blobs))
+    base = vm("VmRSS")
+    t = time.perf_counter()
+    results = [pickle.loads(b) for b in blobs]
+    del blobs
+    files, rows = sp.storage_rows(plan, results)
+    del results
+    with tempfile.TemporaryDirectory() as folder:
+        sp.write_index(folder, plan, mappings, files, rows)
+        r["index_finish_s"] = time.perf_counter() - t
+        del rows, plan
+        path = os.path.join(folder, sp.INDEX)
+        r["index_bytes"] = os.path.getsize(path)
+        digest = xxhash.xxh3_64_intdigest(Path(path).read_bytes())  # the manifest's record, at the commit
+        r["index_save_peak_bytes"] = vm("VmHWM") - base
+
+        # The resume: rank 0
+        t = time.perf_counter()
+        with open(path, "rb") as f:
+            data = f.read()
+        assert xxhash.xxh3_64_intdigest(data) == digest
+        header, arrays = sp.read_index(data)
+        del data
+        r["index_read_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    now = sp.Chunks(layout_items(items, world), world)  # the current layout, as rank 0 describes it
+    shared, own_items, parts = sp.slices(header, arrays, now, world)
+    r["index_slices_s"] = time.perf_counter() - t
+    del arrays, now
+    t = time.perf_counter()
+    header_blob = pickle.dumps((header, shared, own_items))
+    sent = [pickle.dumps(p) for p in parts]
+    r["index_send_s"] = time.perf_counter() - t
+    r["index_header_bytes"] = len(header_blob)
+    r["index_slice_bytes"] = len(sent[world // 2])
+    r["index_rank0_s"] = r["index_read_s"] + r["index_slices_s"] + r["index_send_s"]
+    r["index_resume_peak_bytes"] = vm("VmHWM") - base
+    del parts
+
+    # The resume: one rank
+    rank = world // 2
+    state = load_state(items, world, rank)
+    layout = layout_items(items, world)
+    t = time.perf_counter()
+    mine = sp.metadata_of(*pickle.loads(header_blob), pickle.loads(sent[rank]), sp.Chunks(layout, world), rank)
+    planner = load_plan.Planner(None)
+    planner.set_up_planner({}, mine, is_coordinator=False)
+    planner.original_state_dict = state
+    planner.state_dict, planner.mappings = _flatten(state)
+    planned = planner.create_local_plan()
+    r["index_rank_s"] = time.perf_counter() - t
+    r["index_rank_read_items"] = len(planned.items)
+    assert len(planned.items) <= len(items)  # each item read from its one saved chunk (none where the chunk is empty)
+    return r
+
+
+def _flatten(state):
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    return flatten_state_dict(state)
+
+
+def _storage_prefix():
+    from torch.distributed.checkpoint.filesystem import _StoragePrefix
+
+    return _StoragePrefix
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -466,6 +731,38 @@ PLAN_KEYS = (
 )
 
 
+LAYOUT_KEYS = (
+    "layout_digest_s",
+    "layout_global_plan_s",
+    "layout_own_plan_s",
+    "layout_rank0_own_plan_s",
+    "layout_gather_s",
+    "layout_gather_bytes",
+    "layout_scatter_s",
+    "layout_scatter_bytes",
+    "layout_rank_planning_s",
+    "layout_planning_s",
+    "layout_peak_bytes",
+    "layout_results_bytes",
+    "layout_results_gather_s",
+    "layout_finish_s",
+    "layout_metadata_bytes",
+    "index_results_bytes",
+    "index_finish_s",
+    "index_bytes",
+    "index_save_peak_bytes",
+    "index_read_s",
+    "index_slices_s",
+    "index_send_s",
+    "index_header_bytes",
+    "index_slice_bytes",
+    "index_rank0_s",
+    "index_resume_peak_bytes",
+    "index_rank_s",
+)
+LAYOUT_SLICED = {"layout_results_bytes", "layout_results_gather_s", "layout_finish_s", "layout_metadata_bytes"}
+
+
 def summary(rounds: list[dict], keys, factor: float = 1.0) -> dict:
     """key -> bench/stats.py figure of its rounds (scaled by `factor` where it counts items)."""
     # per rank, not per item: the same for any slice (rank 0's cached planning handles N empty plans)
@@ -483,7 +780,9 @@ def main() -> int:
     parser.add_argument("--rendezvous", type=int, nargs="*", default=[2, 4, 8, 16], help="torchrun sizes")
     parser.add_argument("--store-clients", type=int, nargs="*", default=[1, 4], help="writers to one TCPStore")
     parser.add_argument("--scratch", default=str(ROOT / "runs" / "bench-scale"))
+    parser.add_argument("--dcp", action="store_true", help="also DCP's own planning (minutes a round at 16k ranks)")
     parser.add_argument("--plan-round", type=int, help=argparse.SUPPRESS)  # one round, in a fresh process
+    parser.add_argument("--layout-round", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--plan-whole", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rendezvous-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -493,12 +792,16 @@ def main() -> int:
     if args.plan_round:
         print(json.dumps(plan_round(args.plan_round, args.plan_whole)))
         return 0
+    if args.layout_round:
+        print(json.dumps({**layout_round(args.layout_round), **index_round(args.layout_round)}))
+        return 0
     if not args.out:
         parser.error("--out is required")
 
     factor = len(state_items(llama_shapes(), True)) / len(state_items(llama_shapes(), False))
-    result: dict = {"slice_to_whole": factor, "planning": {}, "whole": {}, "rendezvous": {}, "store": {}}
+    result: dict = {"slice_to_whole": factor, "layout": {}, "planning": {}, "whole": {}, "rendezvous": {}, "store": {}}
     raw: dict = {
+        "layout": {n: [] for n in args.ranks},
         "planning": {n: [] for n in args.ranks},
         "rendezvous": {n: [] for n in args.rendezvous},
         "store": {n: [] for n in args.store_clients},
@@ -506,6 +809,13 @@ def main() -> int:
     scratch = Path(args.scratch)
 
     def write() -> None:
+        keys = LAYOUT_KEYS
+        for n, rs in raw["layout"].items():
+            if rs:
+                result["layout"][n] = {
+                    "rounds": rs,
+                    **{k: stats.figure([x[k] * (factor if k in LAYOUT_SLICED else 1) for x in rs]) for k in keys},
+                }
         for n, rs in raw["planning"].items():
             if rs:
                 result["planning"][n] = {"rounds": rs, **summary(rs, PLAN_KEYS, factor)}
@@ -518,6 +828,11 @@ def main() -> int:
     for i in range(args.rounds):
         order = args.ranks if i % 2 == 0 else args.ranks[::-1]
         for n in order:
+            raw["layout"][n].append(fresh(["--layout-round", str(n)], 1800))
+            print(f"bench.scale: round {i + 1}, {n} ranks planned from the layout: {raw['layout'][n][-1]}", flush=True)
+            write()
+            if not args.dcp:
+                continue
             raw["planning"][n].append(fresh(["--plan-round", str(n)], 1800))
             print(f"bench.scale: round {i + 1}, {n} ranks: {raw['planning'][n][-1]}", flush=True)
             write()
@@ -529,7 +844,7 @@ def main() -> int:
             raw["store"][n].append(store_round(n))
             print(f"bench.scale: round {i + 1}, store writes: {raw['store'][n][-1]}", flush=True)
             write()
-    for n in args.whole:
+    for n in args.whole if args.dcp else ():
         whole = fresh(["--plan-round", str(n), "--plan-whole"], 1800)
         rounds = raw["planning"].get(n, [])
         part = {k: stats.median([x[k] for x in rounds]) for k in PLAN_KEYS} if rounds else {}

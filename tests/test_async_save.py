@@ -32,13 +32,17 @@ def group():
     dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("planner", ["layout", "dcp"])
 @pytest.mark.parametrize("how", ["blocking", "thread", "process"])
-def test_a_cached_plan_saves_what_a_fresh_one_does(tmp_path, group, caplog, monkeypatch, how):
+def test_a_cached_plan_saves_what_a_fresh_one_does(tmp_path, group, caplog, monkeypatch, how, planner):
     """Three saves of a changing model through one Checkpointer, blocking, async in a thread, and
-    async in DCP's save process (where torch has it): each checkpoint passes the manifest and
-    checksum checks (the .xxh3 records written by ChecksumWriter, in the save process too) and
-    loads the weights it was saved with; in this process, the second and third saves reuse the
-    plan (DCP says so; the save process's lines are its own)."""
+    async in DCP's save process (where torch has it), planned from the layout (save_plan.py, no
+    plan gathered) or, for a state it cannot describe, by DCP's planner: each checkpoint passes
+    the manifest and checksum checks (the .xxh3 records written by ChecksumWriter, in the save
+    process too) and loads the weights it was saved with; with DCP's planner, in this process,
+    the second and third saves reuse the plan (DCP says so; the save process's lines are its own)."""
+    if planner == "dcp":
+        monkeypatch.setattr(checkpoint.save_plan, "describe", lambda state, world: None)
     if how == "thread":  # what a Checkpointer does when DCP's save process is another layout's
         monkeypatch.setattr(checkpoint, "_SAVER_PROCESS_FOR", (-1, -1))
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # where the save process's process group meets
@@ -57,9 +61,10 @@ def test_a_cached_plan_saves_what_a_fresh_one_does(tmp_path, group, caplog, monk
         ckpt.save(step, {"samples": step * 3})
         ckpt.wait()
         reused.append(UNCHANGED in caplog.text)
+        assert ckpt.planned_by == planner
         saved[step] = {k: v.clone() for k, v in model.state_dict().items()}
     ckpt.close()
-    assert reused == ([False] * 3 if in_process else [False, True, True])
+    assert reused == ([False] * 3 if in_process or planner == "layout" else [False, True, True])
     assert not any(ckpt.plan_key in getattr(SavePlanner, c) for c in torch_compat.PLAN_CACHES)
 
     for step in (1, 2, 3):

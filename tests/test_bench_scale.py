@@ -54,7 +54,8 @@ def test_synthetic_plan_is_dcps_plan_of_an_fsdp2_model():
 
 
 def test_a_planning_round_resumes_each_rank_from_its_own_chunks():
-    """A round at 8 ranks of the Llama-8B slice: 48 items per rank, each read back whole by one read."""
+    """A round at 8 ranks of the Llama-8B slice: 48 items per rank, each read back whole by one read;
+    trainer/save_plan.py's plans of the same state are DCP's (asserted inside the round)."""
     r = scale.plan_round(8, whole=False)
     assert r["items_per_rank"] == 48 == r["load_read_items"]
     assert r["metadata_bytes"] > 0 and r["manifest_bytes"] > 0
@@ -66,3 +67,15 @@ def test_a_second_save_plans_from_rank_0s_cache():
     r = scale.plan_round(8, whole=False)
     assert r["cached_scatter_bytes"] < r["scatter_bytes"] / 50
     assert r["metadata_broadcast_bytes"] > 0
+
+
+def test_a_layout_round_plans_without_a_gather_and_resumes_from_the_index():
+    """At 16 ranks, the whole 8B state planned from the layout: rank 0 receives 16 empty plans (a
+    few bytes each) where DCP's gather receives every item; the chunk index is written and each
+    rank's resume plans one read per item from its slice alone (its records, not every rank's)."""
+    r = {**scale.layout_round(16), **scale.index_round(16)}
+    assert r["items_per_rank"] == 1164
+    assert r["layout_gather_bytes"] < 16 * 200
+    assert 873 <= r["layout_own_items"] < 1164  # its 873 shards, and of the 291 steps (plain tensors) a few
+    assert r["index_rank_read_items"] == 1164
+    assert r["index_slice_bytes"] < r["index_bytes"] / 8

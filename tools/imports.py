@@ -84,6 +84,7 @@ FLOORS: list[tuple[str, list[str]]] = [
             "trainer.parallel",
             "trainer.shard_reader",
             "trainer.load_plan",
+            "trainer.save_plan",
             "trainer.checkpoint",
             "trainer.metrics",
             "trainer.memory",

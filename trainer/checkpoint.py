@@ -4,6 +4,7 @@ Layout of `<run_dir>/checkpoints/`:
 
     step_00000100/        a complete checkpoint: it only ever appears by an atomic rename
         .metadata, *.distcp   DCP: the sharded parts (model, optim, ...), each rank writing its own shards
+        chunks.npz        the same metadata as arrays (trainer/save_plan.py), which a load reads instead
         meta.json         step, samples consumed, world size, parameter shapes, the small parts (scheduler, ...)
         rng/rank_00000.pt the per-rank parts: each rank's random number generator states
         manifest.json     size and checksum of every file above (trainer/checksums.py)
@@ -50,6 +51,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import xxhash
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import (
@@ -60,7 +62,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from trainer import __version__, checksums, files, layout, load_plan, torch_compat
+from trainer import __version__, checksums, files, layout, load_plan, save_plan, torch_compat
 from trainer.checksums import ChecksumWriter
 from trainer.config import CheckpointArgs
 from trainer.layout import read_meta, step_path
@@ -190,18 +192,53 @@ def unusable(path: str) -> str | None:
     return _checked_metadata(path)[0]
 
 
-def _checked_metadata(path: str) -> tuple[str | None, dcp.metadata.Metadata | None]:
-    """(`unusable`'s answer, the checkpoint's DCP metadata as the restricted unpickler read it, or
-    None where it is unusable): what rank 0 reads once and hands to every rank at a load."""
-    why = problem(path) or checksums.manifest_problem(path, deep=True)
+def _checked_metadata(path: str) -> tuple[str | None, dcp.metadata.Metadata | Indexed | None]:
+    """(`unusable`'s answer, the checkpoint's DCP metadata as rank 0 reads it once and hands to
+    every rank at a load, or None where it is unusable): its chunk index (save_plan.INDEX, numeric
+    arrays, checked against the manifest as read) where the save wrote one, and then its
+    `.metadata` (1.2 GB at 16k ranks) is neither hashed nor read; else `.metadata` by the
+    restricted unpickler."""
+    indexed = _listed(path, save_plan.INDEX)
+    unread = (".metadata", save_plan.INDEX) if indexed else ()
+    why = problem(path) or checksums.manifest_problem(path, deep=True, unread=unread)
     if why:
         return why, None
     try:
+        if indexed:
+            return None, _read_index(path, indexed)
         return None, load_metadata(os.path.join(path, ".metadata"))
-    except Refused as e:
+    except (Refused, save_plan.BadIndex) as e:
         return str(e), None
     except Exception as e:  # noqa: BLE001 - any unreadable file makes it unusable
         return f"unreadable metadata ({type(e).__name__}: {e})", None
+
+
+class Indexed:
+    """A checkpoint's chunk index as rank 0 read it (save_plan.read_index's header and arrays)."""
+
+    def __init__(self, header: dict, arrays: dict):
+        self.header, self.arrays = header, arrays
+
+
+def _listed(path: str, name: str) -> dict | None:
+    """The manifest's record (size, xxh3_64) of file `name` of the checkpoint at `path`, or None."""
+    try:
+        record = files.read_json(os.path.join(path, checksums.MANIFEST), checksums.MANIFEST_BYTES)["files"].get(name)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _read_index(path: str, record: dict) -> Indexed:
+    """The chunk index of the checkpoint at `path`, its bytes read once and checked against the
+    manifest's `record` before anything is made of them."""
+    name = os.path.join(path, save_plan.INDEX)
+    with files.open_regular(name) as f:
+        data = f.read()
+    digest = xxhash.xxh3_64_intdigest(data)
+    if (len(data), digest) != (record.get("size"), record.get("xxh3_64")):
+        raise save_plan.BadIndex(f"{save_plan.INDEX} is damaged: it is not what the commit wrote")
+    return Indexed(*save_plan.read_index(data))
 
 
 _RUN_ID = re.compile(r"[0-9a-f]{32}")  # what run_id holds: 128 random bits in hex
@@ -695,7 +732,9 @@ class Checkpointer:
         self.last_saved: int | None = None
         self.metadata: dcp.metadata.Metadata | None = None  # of the checkpoint `choose` chose, as rank 0 read it
         self.chunk_index: dict | None = None  # load_plan.index of that metadata, made by rank 0 with it
+        self.indexed: Indexed | None = None  # rank 0: the chosen checkpoint's chunk index, until sent
         self.plan_key = f"trainer.checkpoint/{uuid.uuid4().hex}/{world_size}"  # this one's save plans (`_planner`)
+        self.planned_by: str | None = None  # how the last save was planned: "layout" (save_plan.py) or "dcp"
         self.said: set[tuple[str, str]] = set()  # (folder, why) of the checkpoints skipped so far: said once
         self.stager = _stager(rank, world_size) if args.async_save else None
         if rank == 0:
@@ -814,13 +853,46 @@ class Checkpointer:
         # With the choice, the metadata rank 0 read (the restricted unpickler, once): no other rank
         # reads or unpickles the file (at 16k ranks a 1 GB .metadata, minutes of each rank's time);
         # and the index of its chunks that each rank's load plan looks up (load_plan.py), made once.
+        # Where the checkpoint has a chunk index, only whether it has: each rank gets its own part
+        # of it once its state is known (`_index_slices`).
         chosen = metadata if isinstance(choice[0], str) else None
-        choice += [chosen, load_plan.index(chosen) if chosen is not None else None]
+        self.indexed = chosen if isinstance(chosen, Indexed) else None
+        if self.indexed is not None:
+            choice += ["indexed", None]
+        else:
+            choice += [chosen, load_plan.index(chosen) if chosen is not None else None]
         dist.broadcast_object_list(choice, src=0, group=self.group)
         if isinstance(choice[0], tuple):
             raise CheckpointError(choice[0][1])
         self.metadata, self.chunk_index = choice[1], choice[2]
         return choice[0]
+
+    def _index_slices(self, state: dict) -> None:
+        """With a checkpoint that has a chunk index (`choose` said so): rank 0, which read it, sends
+        every rank its own part (save_plan.slices: of each tensor whose saved chunks are the current
+        layout's, the rank's own chunk's record; of anything else every record), and each rank
+        makes DCP's metadata of that part to plan its reads from. The current layout is rank 0's
+        description of its state where every rank describes the same (one all-reduce of its
+        digest); else every rank gets every record, as from .metadata."""
+        try:
+            items = save_plan.describe(torch_compat.flatten(state), self.world_size)
+        except (AttributeError, TypeError, ValueError):
+            items = None
+        digest = save_plan.digest(items)
+        halves = (digest >> 32, digest & 0xFFFFFFFF)
+        agreed = self._agreed_max(*halves, *(-h for h in halves))
+        same = digest and agreed[:2] == [float(h) for h in halves] and agreed[2:] == [float(-h) for h in halves]
+        now = save_plan.Chunks(items, self.world_size) if same else None  # every rank's chunks, each rank's own
+        common, parts = [None], None
+        if self.rank == 0:
+            indexed, self.indexed = self.indexed, None
+            shared, own_items, parts = save_plan.slices(indexed.header, indexed.arrays, now, self.world_size)
+            common = [(indexed.header, shared, own_items)]
+        dist.broadcast_object_list(common, src=0, group=self.group)
+        own: list = [None]
+        dist.scatter_object_list(own, parts, src=0, group=self.group)
+        self.metadata = save_plan.metadata_of(*common[0], own[0], now, self.rank)
+        self.chunk_index = None
 
     def load(self) -> dict | None:
         """Restore every part from the newest usable checkpoint: the sharded ones (model, optimizer,
@@ -836,6 +908,8 @@ class Checkpointer:
             meta = read_meta(path)
             names = _sharded_names(path, meta)
             state = {name: part.state_dict() for name, part in self.sharded.items() if name in names}
+            if self.metadata == "indexed":
+                self._index_slices(state)
             check_compatible(path, meta["shapes"], shapes(state["model"]))
             saved_optimizer = meta.get("optimizer", type(optimizer).__name__)
             if saved_optimizer != type(optimizer).__name__:
@@ -967,10 +1041,11 @@ class Checkpointer:
                 used = self.stager["async_stager"]
                 used.close()
                 self.stager["async_stager"] = torch_compat.fresh_stager(used)
+            planner, writer = self._planner(state, tmp)
             response = dcp.async_save(
                 state,
-                storage_writer=ChecksumWriter(tmp),
-                planner=self._planner(),
+                storage_writer=writer,
+                planner=planner,
                 process_group=self.group,
                 **self.stager,
             )
@@ -978,22 +1053,37 @@ class Checkpointer:
             self.staging = getattr(response, "staging_completion", None)
             self.pending = (future, step, tmp, meta)
         else:
+            planner, writer = self._planner(state, tmp)
             with _write_errors(step, tmp):
-                dcp.save(state, storage_writer=ChecksumWriter(tmp), planner=self._planner(), process_group=self.group)
+                dcp.save(state, storage_writer=writer, planner=planner, process_group=self.group)
             self._commit(step, tmp, meta)
 
-    def _planner(self) -> DefaultSavePlanner:
-        """DCP's save planner, caching its plans where the installed torch can: a rank whose plan is
-        as at the last save sends none, and rank 0 reuses its global plan and metadata (at 16k ranks
-        its planning was most of a save). DCP keys its cache by the planner's class, in class-level
-        dicts; here the key is this Checkpointer's own (`plan_key`), so a cached plan is never used
-        for another layout: another process group or world size, or another Checkpointer's state
-        in the same process (a test, the bench), starts a cache of its own on every rank at once."""
+    def _planner(self, state: dict, tmp: str) -> tuple[DefaultSavePlanner, ChecksumWriter]:
+        """The save's planner and storage writer. Where every rank describes the same layout
+        (save_plan.describe: DTensors over the whole group, plain tensors, values; agreed by one
+        all-reduce of its digest), each rank plans the whole save by itself (save_plan.Planner: no
+        plan gathered on rank 0, none scattered, the write results gathered compact) and rank 0
+        writes DCP's .metadata from the plan's arrays. Otherwise DCP's own planner, caching its
+        plans where the installed torch can: a rank whose plan is as at the last save sends none,
+        and rank 0 reuses its global plan and metadata. DCP keys its cache by the planner's class,
+        in class-level dicts; here the key is this Checkpointer's own (`plan_key`), so a cached
+        plan is never used for another layout."""
+        try:
+            items = save_plan.describe(torch_compat.flatten(state), self.world_size)
+        except (AttributeError, TypeError, ValueError):  # a torch or a value it cannot describe
+            items = None
+        digest = save_plan.digest(items)
+        halves = (digest >> 32, digest & 0xFFFFFFFF)
+        agreed = self._agreed_max(*halves, *(-h for h in halves))
+        if digest and agreed[:2] == [float(h) for h in halves] and agreed[2:] == [float(-h) for h in halves]:
+            self.planned_by = "layout"
+            return save_plan.Planner(items, self.rank, self.world_size), save_plan.IndexWriter(tmp)
+        self.planned_by = "dcp"
         if not _PLAN_CACHING:
-            return DefaultSavePlanner()
+            return DefaultSavePlanner(), ChecksumWriter(tmp)
         planner = DefaultSavePlanner(enable_plan_caching=True)
         torch_compat.cache_plans_under(planner, self.plan_key)
-        return planner
+        return planner, ChecksumWriter(tmp)
 
     def wait_staged(self) -> None:
         """Block until an async save has copied the state; call before the optimizer changes it."""

@@ -153,10 +153,11 @@ def write_manifest(folder: str, run_id: str | None = None) -> None:
         os.fsync(f.fileno())
 
 
-def manifest_problem(folder: str, deep: bool = False) -> str | None:
+def manifest_problem(folder: str, deep: bool = False, unread: tuple[str, ...] = ()) -> str | None:
     """Why the files of checkpoint `folder` are not those its manifest.json lists, or None (also
     without a manifest: a checkpoint saved before them). Sizes only, unless `deep`: then the
-    checksum of every file that is not a shard with its own record (those are checked as read)."""
+    checksum of every file that is not a shard with its own record (those are checked as read),
+    nor named in `unread` (files the caller does not read, or checks as it reads them)."""
     try:
         manifest = files.read_json(os.path.join(folder, MANIFEST), MANIFEST_BYTES)
         listed = manifest["files"]
@@ -186,7 +187,7 @@ def manifest_problem(folder: str, deep: bool = False) -> str | None:
             return f"{name} is missing"
         if size != want["size"]:
             return f"{name} is damaged: {size} bytes, but {want['size']} were written"
-        if deep and not (name.endswith(".distcp") and name + SUFFIX in listed):
+        if deep and name not in unread and not (name.endswith(".distcp") and name + SUFFIX in listed):
             _, digest = checksum_file(path)
             if digest != want["xxh3_64"]:
                 return f"{name} is damaged: checksum {digest:016x}, but {want['xxh3_64']:016x} was written"

@@ -19,6 +19,11 @@ Each private name: who uses it (through which function here); what happens where
 * algorithms._checkpoint.checkpoint_wrapper: parallel.py (checkpoint_wrapper); AC cannot be used.
 * distributed.tensor._utils.compute_local_shape_and_global_offset: hf.py (local_shape_and_offset);
   no HF import of a DTensor.
+* checkpoint._nested_dict.flatten_state_dict: checkpoint.py (flatten, for save_plan.describe: the
+  state as DCP's planner flattens it); checkpoints are saved by DCP's own planner.
+* distributed.tensor._utils._compute_local_shape_and_global_offset (the same for any mesh coordinate,
+  not only this rank's): save_plan.py (chunk_at: every rank's chunk of a DTensor other than one
+  mesh dimension of Shard); checkpoints are saved by DCP's own planner (gathering every plan).
 * checkpoint.filesystem._StorageInfo, FileSystemReader._get_metadata_path: shard_reader.py
   (storage_info_class, metadata_path); checkpoints cannot load.
 * torch._utils._rebuild_tensor_v2, serialization._get_layout: names that checkpoint files' pickles
@@ -69,6 +74,8 @@ PRIVATE = [
     ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_delay"),
     ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "checkpoint_wrapper"),
     ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset"),
+    ("torch.distributed.tensor._utils", "_compute_local_shape_and_global_offset"),
+    ("torch.distributed.checkpoint._nested_dict", "flatten_state_dict"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch.distributed.checkpoint.filesystem", "FileSystemReader._get_metadata_path"),
     ("torch._utils", "_rebuild_tensor_v2"),
@@ -251,6 +258,22 @@ def local_shape_and_offset(param):
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     return compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+
+
+def chunk_at(shape, mesh_shape, coordinate: list[int], placements) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shape, offset) in the full tensor of the chunk a DTensor of `shape` and `placements` on a mesh
+    of `mesh_shape` holds at mesh `coordinate` (any rank's, where local_shape_and_offset is this
+    rank's); raises AttributeError where this torch has no such function."""
+    from torch.distributed.tensor import _utils
+
+    return _utils._compute_local_shape_and_global_offset(shape, mesh_shape, coordinate, placements)
+
+
+def flatten(state: dict) -> dict:
+    """`state` flattened as DCP's planners flatten it (keys "model.layers.0.w", ...)."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    return flatten_state_dict(state)[0]
 
 
 def storage_info_class() -> type:
