@@ -91,7 +91,8 @@ test-fast: venv-test ## the unit-level tests, without those marked slow (about 1
 # The oldest torch the trainer supports (pyproject.toml's torch>=2.11), in a venv of its own with only
 # what the selected tests import; never the trainer's extras. The tests: FSDP2, bf16 + activation
 # checkpointing, compile (CPU), DCP save and load 2 -> 3 ranks, the restricted unpickler, the launcher
-# (a failure, a stop signal, the rendezvous' _delay) and trainer/torch_compat.py's private names.
+# (a failure, a stop signal, the rendezvous' _delay), trainer/torch_compat.py's private names and the save
+# planner that computes DCP's global plan from the layout (trainer/save_plan.py).
 COMPAT_VENV  := .venv-compat
 COMPAT_TORCH ?= 2.11.*
 COMPAT_TESTS := \
@@ -105,7 +106,8 @@ COMPAT_TESTS := \
 	tests/test_launch.py::test_a_failing_rank_is_one_launcher_line_and_exit_1 \
 	tests/test_launch.py::test_signal_to_the_launcher_alone_saves_exits_0_and_resumes \
 	tests/test_dist.py::test_the_launchers_rendezvous_polls_faster_only_while_it_runs \
-	tests/test_tp.py::test_tp2_x_dp2_trains_as_dp4
+	tests/test_tp.py::test_tp2_x_dp2_trains_as_dp4 \
+	tests/test_save_plan.py
 
 $(COMPAT_VENV)/.installed: Makefile
 	python3 -m venv $(COMPAT_VENV)
