@@ -32,14 +32,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import json
 import logging
 import math
 import os
 import re
-import shutil
 import stat
-import sys
 import time
 import uuid
 import warnings
@@ -251,26 +248,44 @@ def _not_this_runs(path: str, step: int, run: str | None) -> str | None:
     return None
 
 
-def complete(run_dir: str, said: set | None = None) -> list[tuple[int, str]]:
+def complete(run_dir: str, said: set | None = None, held: files.HeldFolder | None = None) -> list[tuple[int, str]]:
     """Complete checkpoints in `run_dir` that this run saved, oldest first; broken ones, and those
     of another run or copied under another step, are skipped with a warning, once per folder and
     reason when `said` (the lines said so far, added to) is given. Nothing is unpickled for those
-    with a manifest (trainer/checksums.py)."""
+    with a manifest (trainer/checksums.py). `held`: checkpoints/ as the run holds it open, listed
+    and read by its descriptor (the paths returned and said are by name all the same)."""
     found = []
     run = run_id(run_dir)
-    for step, path in layout.step_folders(run_dir):
+    for step, path in layout.step_folders(run_dir, held.path if held else None):
+        shown = step_path(run_dir, step)
         why = (
             "a symbolic link, not a folder this run saved; give it as checkpoint.resume_from instead"
             if os.path.islink(path)
             else problem(path) or _not_this_runs(path, step, run)
         )
-        if why and (said is None or (path, why) not in said):
-            log.warning("skipping checkpoint %s: %s", path, why)
+        if why and (said is None or (shown, why) not in said):
+            log.warning("skipping checkpoint %s: %s", shown, why)
             if said is not None:
-                said.add((path, why))
+                said.add((shown, why))
         elif not why:
-            found.append((step, path))
+            found.append((step, shown))
     return found
+
+
+def _saved_by_another(path: str, run: str | None) -> str | None:
+    """The run id of the run that saved the checkpoint folder at `path` when it is not `run`, as its
+    meta.json or manifest.json says (either, readable, naming another), else None: such a folder is
+    never discarded, replaced or retired by this run, whatever state it is in."""
+    if run is None:
+        return None
+    for name, limit in (("meta.json", files.SMALL_FILE_BYTES), (checksums.MANIFEST, checksums.MANIFEST_BYTES)):
+        try:
+            saved_by = files.read_json(os.path.join(path, name), limit).get("run_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if saved_by is not None and saved_by != run:
+            return str(saved_by)[:32]
+    return None
 
 
 def latest_step(run_dir: str) -> int | None:
@@ -338,38 +353,6 @@ def _free_bytes(path: str) -> int | None:
     except OSError:
         return None
     return st.f_bavail * st.f_frsize
-
-
-def discard(path: str) -> None:
-    """Delete a checkpoint folder: first renamed out of the listings (to a name no other folder has,
-    whatever leftovers exist), then removed. A kill in between leaves a .trash_* for the next start."""
-    trash = os.path.join(os.path.dirname(path), f".trash_{os.path.basename(path)}_{uuid.uuid4().hex[:8]}")
-    os.rename(path, trash)
-    remove(trash)
-
-
-def remove(path: str) -> bool:
-    """Delete `path` without following a symbolic link: a link is unlinked (what it points to is
-    left alone), a folder removed with what it holds. What cannot be removed is logged; False then."""
-    if not os.path.isdir(path) or os.path.islink(path):
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            log.warning("could not remove %s: %s", path, e.strerror or e)
-            return False
-        return True
-    failed: list[str] = []
-
-    def said(function, name, error) -> None:
-        error = error if isinstance(error, BaseException) else error[1]  # onexc gives it, onerror a tuple
-        failed.append(f"{getattr(error, 'strerror', None) or error} ({getattr(error, 'filename', None) or name})")
-
-    shutil.rmtree(path, **{"onexc" if sys.version_info >= (3, 12) else "onerror": said})
-    if failed:
-        log.warning("could not remove %s: %s", path, "; ".join(failed[:3]))
-    return not failed
 
 
 def _warn_if_others_can_write(path: str) -> None:
@@ -682,14 +665,29 @@ class Checkpointer:
         self.plan_key = f"trainer.checkpoint/{uuid.uuid4().hex}/{world_size}"  # this one's save plans (`_planner`)
         self.said: set[tuple[str, str]] = set()  # (folder, why) of the checkpoints skipped so far: said once
         self.stager = _stager(rank, world_size) if args.async_save else None
+        # checkpoints/, held open by every rank for the whole run (files.HeldFolder): every folder a
+        # save makes, renames or deletes is made, renamed or deleted in it, and DCP writes into it by
+        # its descriptor, so that a neighbour who renames it and puts a link or a folder of theirs
+        # under its name redirects nothing; rank 0 stops the run when it sees that (`_held`).
+        self.held: files.HeldFolder | None = None
         if rank == 0:
-            os.makedirs(folder(run_dir), exist_ok=True)
-            for name in os.listdir(folder(run_dir)):
+            os.makedirs(run_dir, exist_ok=True)
+            files.make_folder(folder(run_dir))  # a link there is refused, never followed
+            self.held = files.HeldFolder(folder(run_dir))
+            for name in self.held.listdir():
                 # leftovers of a killed save or delete
-                if name.startswith((".tmp_", ".trash_")) and remove(os.path.join(folder(run_dir), name)):
+                if name.startswith((".tmp_", ".trash_")) and self._remove(name):
                     log.info("removed unfinished %s", os.path.join(folder(run_dir), name))
         self.run_id = run_id(run_dir, create=True) if rank == 0 else None  # recorded in every save's meta.json
-        dist.barrier(group=group)
+        identity = [self.held.identity[1] if self.held else None]
+        dist.broadcast_object_list(identity, src=0, group=group)
+        if rank != 0:  # its own descriptor of the same folder (the inode: st_dev differs between NFS clients)
+            self.held = files.HeldFolder(folder(run_dir))
+            if self.held.identity[1] != identity[0]:
+                raise CheckpointError(
+                    f"{folder(run_dir)} on rank {rank} is another folder than rank 0's: it was replaced while the "
+                    f"run started; see who renamed it (ls -la {run_dir}) and start again"
+                )
 
     # -- when to save -------------------------------------------------------------------------------
 
@@ -923,10 +921,11 @@ class Checkpointer:
         if step == self.last_saved:
             return  # already on disk (e.g. stopped right after resuming)
         self.wait()  # at most one save in flight
-        tmp = os.path.join(folder(self.run_dir), f".tmp_step_{step:08d}")
+        tmp = self.held.join(f".tmp_step_{step:08d}")  # in the folder held, whatever its name leads to now
         if self.rank == 0:  # made here, never through a link someone else placed: mkdir fails on any leftover
-            remove(tmp)
-            os.mkdir(tmp)
+            self._held()
+            self._remove(os.path.basename(tmp))
+            self.held.mkdir(os.path.basename(tmp))
             for name in self.per_rank:
                 os.mkdir(os.path.join(tmp, name))
         dist.barrier(group=self.group)
@@ -1006,24 +1005,58 @@ class Checkpointer:
         if self.stager:
             self.stager["async_stager"].close()
         torch_compat.drop_cached_plans(self.plan_key)
+        if self.held:
+            self.held.close()
+
+    def _held(self) -> None:
+        """CheckpointError, in one line, when checkpoints/ is no longer the folder this run holds
+        (renamed away, a link or another folder put under its name): the run stops with nothing
+        committed or deleted, before the next folder is made, renamed or deleted in it."""
+        why = self.held.problem()
+        if why:
+            raise CheckpointError(
+                f"{self.held.name} {why}: the run stops with nothing deleted (its saves so far are in the folder it "
+                f"held, now elsewhere in {self.run_dir}); see who changed it (ls -la {self.run_dir}), put the run's "
+                f"own checkpoints folder back under its name and start again"
+            )
+
+    def _remove(self, name: str) -> bool:
+        """`remove` of `name` in checkpoints/, by the descriptor held."""
+        failed = self.held.remove(name)
+        if failed:
+            log.warning("could not remove %s: %s", os.path.join(self.held.name, name), "; ".join(failed[:3]))
+        return not failed
+
+    def _discard(self, name: str) -> None:
+        """`discard` of the step folder `name` in checkpoints/, by the descriptor held."""
+        trash = f".trash_{name}_{uuid.uuid4().hex[:8]}"
+        self.held.rename(name, trash)
+        self._remove(trash)
 
     def _commit(self, step: int, tmp: str, meta: dict) -> None:
         # DCP's save returns on a rank only after the coordinator wrote .metadata, which it does only
         # after every rank reported its shards (and its rng file, written before) as done.
         if self.rank != 0 or (self.still_owner and not self.still_owner()):
             return
+        self._held()
         meta_file = os.path.join(tmp, "meta.json")
-        with open(meta_file, "w") as f:  # saying that a manifest follows: a checkpoint that lost it is no old one
-            json.dump({**meta, "manifest": checksums.MANIFEST, "run_id": self.run_id}, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
+        # saying that a manifest follows: a checkpoint that lost it is no old one
+        files.write_json(meta_file, {**meta, "manifest": checksums.MANIFEST, "run_id": self.run_id}, sort_keys=False)
         checksums.write_manifest(tmp, self.run_id)
         _fsync(tmp)
         final = step_path(self.run_dir, step)
-        if os.path.lexists(final):  # a broken folder of the same name (skipped when listing), or a link
-            discard(final)
-        os.rename(tmp, final)
-        _fsync(folder(self.run_dir))
+        name = os.path.basename(final)
+        if self.held.exists(name):  # a broken folder of the same name (skipped when listing), or a link
+            other = _saved_by_another(self.held.join(name), self.run_id)
+            if other:
+                raise CheckpointError(
+                    f"{final} was saved by another run (run id {other}), not this one ({self.run_id}): it is not "
+                    f"replaced; the run stops with nothing deleted: move it away and start again to resume"
+                )
+            self._discard(name)
+        self._held()
+        self.held.rename(os.path.basename(tmp), name)
+        self.held.fsync()
         log.info("saved checkpoint %s", final)
         self._retain()
 
@@ -1031,11 +1064,12 @@ class Checkpointer:
         """Delete old checkpoints: keep the `keep` newest and every `keep_every`-th; never the newest."""
         if self.args.keep <= 0:
             return
-        steps = [step for step, _ in complete(self.run_dir, self.said)]
+        self._held()
+        steps = [step for step, _ in complete(self.run_dir, self.said, self.held)]  # this run's own only
         newest = set(steps[-self.args.keep :])
         for step in steps:
             if step in newest or (self.args.keep_every and step % self.args.keep_every == 0):
                 continue
             if self.still_owner and not self.still_owner():
                 return
-            discard(step_path(self.run_dir, step))
+            self._discard(os.path.basename(step_path(self.run_dir, step)))

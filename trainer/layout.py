@@ -63,10 +63,12 @@ def step_path(run_dir, step):
     return os.path.join(checkpoints_dir(run_dir), "step_{:08d}".format(step))
 
 
-def step_folders(run_dir):
-    """(step, path) of every step_N folder, oldest first, complete or not."""
-    root = checkpoints_dir(run_dir)
-    if not os.path.isdir(root):
+def step_folders(run_dir, root=None):
+    """(step, path) of every step_N folder, oldest first, complete or not; none when checkpoints/ is
+    a symbolic link (never followed: the start refuses it). `root`: where checkpoints/ is listed
+    instead (the trainer's descriptor of it, files.HeldFolder.path)."""
+    root = root or checkpoints_dir(run_dir)
+    if os.path.islink(root) or not os.path.isdir(root):
         return []
     found = []
     for name in os.listdir(root):

@@ -1,0 +1,151 @@
+"""checkpoints/ held open for the whole run (issue 41 item 1): a neighbour who can write the run dir
+renames checkpoints/ away while the run trains and puts a link to another run's checkpoints under
+its name. The run stops at its next save with one line naming the folder; nothing of either run is
+deleted, nothing is written into the other run's folder. In this process, with the trainer's own
+Checkpointer on a process group of one; the neighbour is a second uid (tests/neighbour.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch.distributed as dist
+
+from conftest import small_parts, small_step
+from neighbour import as_neighbour, needs_root, run_dir, shared_folder, tree_hashes
+from trainer import checkpoint, files, layout
+
+pytestmark = needs_root
+
+
+@pytest.fixture
+def shared():
+    with shared_folder() as folder:
+        yield folder
+
+
+@pytest.fixture(scope="module")
+def group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def checkpointer(run, group, keep=2) -> tuple[checkpoint.Checkpointer, tuple]:
+    parts = small_parts(0)
+    model, optimizer, scheduler = parts
+    ckpt = checkpoint.Checkpointer(
+        checkpoint.CheckpointArgs(keep=keep), str(run), 0, 1, group, model, optimizer, {"scheduler": scheduler}
+    )
+    return ckpt, parts
+
+
+def saves(ckpt, parts, steps) -> None:
+    for step in steps:
+        small_step(*parts)
+        ckpt.save(step, {"samples": step * 3}, blocking=True)
+
+
+SWAP = """
+import os, sys
+run, target = sys.argv[1], sys.argv[2]
+os.rename(os.path.join(run, "checkpoints"), os.path.join(run, "checkpoints.moved"))
+os.symlink(target, os.path.join(run, "checkpoints"))
+"""
+
+
+def test_checkpoints_swapped_for_a_link_stops_the_run_and_deletes_nothing(shared, group):
+    """The issue's attack: `important` (another run of the victim's, 0755) holds steps 4, 6, 8; the
+    attacked run saved 2 and 4 when the neighbour swaps its checkpoints/ for a link to important's.
+    Before the fix the run saved 6 and 8 through the link, discarded important's step 6 and 8
+    (same names), and retention removed the rest."""
+    important = shared / "important"
+    important.mkdir(mode=0o755)
+    ckpt, parts = checkpointer(important, group, keep=0)
+    saves(ckpt, parts, (4, 6, 8))
+    ckpt.close()
+    before = tree_hashes(important)
+
+    run = run_dir(shared, "run")
+    ckpt, parts = checkpointer(run, group, keep=2)
+    saves(ckpt, parts, (2, 4))
+    as_neighbour(SWAP, str(run), "../important/checkpoints")
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        saves(ckpt, parts, (6,))
+    assert str(e.value).startswith(
+        f"{run / 'checkpoints'} was replaced by a symbolic link while this run worked in it: the run stops with "
+        f"nothing deleted"
+    )
+    assert "\n" not in str(e.value)
+    assert tree_hashes(important) == before  # nothing written, nothing deleted
+    assert sorted(os.listdir(run / "checkpoints.moved")) == ["step_00000002", "step_00000004"]
+    ckpt.close()
+
+
+def test_checkpoints_renamed_away_and_replaced_by_a_folder_stops_the_run(shared, group):
+    """The same with a folder of the neighbour's under the name: nothing is saved into it."""
+    run = run_dir(shared, "run")
+    ckpt, parts = checkpointer(run, group)
+    saves(ckpt, parts, (1,))
+    as_neighbour(
+        "import os, sys; r = sys.argv[1]; os.rename(r + '/checkpoints', r + '/x'); os.mkdir(r + '/checkpoints')",
+        str(run),
+    )
+    with pytest.raises(checkpoint.CheckpointError, match=r"was replaced by another folder while this run worked"):
+        saves(ckpt, parts, (2,))
+    assert os.listdir(run / "checkpoints") == []
+    assert sorted(os.listdir(run / "x")) == ["step_00000001"]
+    ckpt.close()
+
+
+def test_a_folder_of_another_run_under_the_next_steps_name_is_never_discarded(shared, group):
+    """A step folder of another run's (copied in by the neighbour under the name the next save
+    takes) is not this run's to discard: the commit stops with one line, the folder intact."""
+    other = shared / "other"
+    other.mkdir(mode=0o755)
+    ckpt, parts = checkpointer(other, group, keep=0)
+    saves(ckpt, parts, (2,))
+    ckpt.close()
+    run = run_dir(shared, "run")
+    ckpt, parts = checkpointer(run, group)
+    saves(ckpt, parts, (1,))
+    (run / "checkpoints").chmod(0o2775)  # as a group's umask 002 makes it
+    planted = run / "checkpoints" / "step_00000002"
+    as_neighbour(
+        "import shutil, sys; shutil.copytree(sys.argv[1], sys.argv[2])",
+        str(other / "checkpoints" / "step_00000002"),
+        str(planted),
+    )
+    before = tree_hashes(planted)
+    with pytest.raises(checkpoint.CheckpointError, match=rf"^{planted} was saved by another run \(run id "):
+        saves(ckpt, parts, (2,))
+    assert tree_hashes(planted) == before
+    assert [s for s, _ in checkpoint.complete(str(run))] == [1]
+    ckpt.close()
+
+
+def test_a_held_folder_is_worked_in_by_its_descriptor(tmp_path):
+    """files.HeldFolder: made, renamed, listed and removed in the folder held after its name was
+    swapped for a link, and `problem` says so; nothing happens in the link's target."""
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "keep").write_text("x")
+    held = files.HeldFolder(tmp_path / "held") if (tmp_path / "held").mkdir() is None else None
+    assert held.problem() is None
+    os.rename(tmp_path / "held", tmp_path / "moved")
+    os.symlink(target, tmp_path / "held")
+    assert held.problem() == "was replaced by a symbolic link while this run worked in it"
+    held.mkdir("a")
+    os.makedirs(os.path.join(held.path, "a", "b"))
+    (tmp_path / "moved" / "a" / "b" / "f").write_text("y")
+    os.symlink(target / "keep", tmp_path / "moved" / "a" / "link")
+    held.rename("a", "c")
+    assert held.listdir() == ["c"] and held.exists("c") and not held.exists("a")
+    assert held.remove("c") == []
+    assert held.listdir() == [] and (target / "keep").read_text() == "x" and os.listdir(target) == ["keep"]
+    with pytest.raises(files.UnsafeFile, match="was replaced by a symbolic link"):
+        held.check()
+    with pytest.raises(files.UnsafeFile, match="is a symbolic link"):
+        files.HeldFolder(tmp_path / "held")
+    held.close()
+    assert layout.step_folders(str(tmp_path), None) == []
