@@ -6,6 +6,7 @@ Checkpointer on a process group of one; the neighbour is a second uid (tests/nei
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -56,7 +57,7 @@ os.symlink(target, os.path.join(run, "checkpoints"))
 
 def test_checkpoints_swapped_for_a_link_stops_the_run_and_deletes_nothing(shared, group):
     """The issue's attack: `important` (another run of the victim's, 0755) holds steps 4, 6, 8; the
-    attacked run saved 2 and 4 when the neighbour swaps its checkpoints/ for a link to important's.
+    attacked run saved 2, 4 and 6 when the neighbour swaps its checkpoints/ for a link to important's.
     Before the fix the run saved 6 and 8 through the link, discarded important's step 6 and 8
     (same names), and retention removed the rest."""
     important = shared / "important"
@@ -68,17 +69,18 @@ def test_checkpoints_swapped_for_a_link_stops_the_run_and_deletes_nothing(shared
 
     run = run_dir(shared, "run")
     ckpt, parts = checkpointer(run, group, keep=2)
-    saves(ckpt, parts, (2, 4))
+    saves(ckpt, parts, (2, 4, 6))  # retention (keep=2) deletes step 2
+    assert sorted(os.listdir(run / "checkpoints")) == ["step_00000004", "step_00000006"]
     as_neighbour(SWAP, str(run), "../important/checkpoints")
     with pytest.raises(checkpoint.CheckpointError) as e:
-        saves(ckpt, parts, (6,))
+        saves(ckpt, parts, (8,))
     assert str(e.value).startswith(
         f"{run / 'checkpoints'} was replaced by a symbolic link while this run worked in it: the run stops with "
         f"nothing deleted"
     )
     assert "\n" not in str(e.value)
     assert tree_hashes(important) == before  # nothing written, nothing deleted
-    assert sorted(os.listdir(run / "checkpoints.moved")) == ["step_00000002", "step_00000004"]
+    assert sorted(os.listdir(run / "checkpoints.moved")) == ["step_00000004", "step_00000006"]
     ckpt.close()
 
 
@@ -149,3 +151,38 @@ def test_a_held_folder_is_worked_in_by_its_descriptor(tmp_path):
         files.HeldFolder(tmp_path / "held")
     held.close()
     assert layout.step_folders(str(tmp_path), None) == []
+
+
+@pytest.mark.parametrize(
+    "name,plant,reason",
+    [
+        ("manifest.json", "remove", "manifest.json is missing, though meta.json says its commit wrote one"),
+        (
+            "manifest.json",
+            "unnamed",
+            "its meta.json has a run id but neither a manifest.json nor its name, which no trainer saves",
+        ),
+        (".metadata", "fifo", "its .metadata is a FIFO, not a regular file"),
+        (".metadata", "zero", "its .metadata is a symbolic link, not a regular file"),
+        ("rng/rank_00000.pt", "fifo", "rng/rank_00000.pt is a FIFO, not a regular file"),
+        ("rng/rank_00000.pt", "zero", "rng/rank_00000.pt is a symbolic link, not a regular file"),
+    ],
+)
+def test_a_skipped_checkpoint_is_said_with_its_real_cause(tmp_path, group, caplog, name, plant, reason):
+    """Issue 41 item 13: with manifest.json gone (run_id kept) the line said 'saved by another run'
+    with two equal run ids; a FIFO or a link to /dev/zero at .metadata said 'no DCP .metadata', at
+    an rng file 'rng/rank_00000.pt is missing'."""
+    ckpt, parts = checkpointer(tmp_path, group)
+    saves(ckpt, parts, (1, 2))
+    ckpt.close()
+    path = tmp_path / "checkpoints" / "step_00000002" / name
+    path.unlink()
+    if plant == "unnamed":  # and meta.json no longer names it: it looks saved before manifests, run id kept
+        meta = path.parent / "meta.json"
+        meta.write_text(json.dumps({k: v for k, v in json.loads(meta.read_text()).items() if k != "manifest"}))
+    elif plant == "fifo":
+        os.mkfifo(path)
+    elif plant == "zero":
+        path.symlink_to("/dev/zero")
+    assert [s for s, _ in checkpoint.complete(str(tmp_path))] == [1]
+    assert f"skipping checkpoint {tmp_path / 'checkpoints' / 'step_00000002'}: {reason}" in caplog.text

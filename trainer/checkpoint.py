@@ -225,29 +225,6 @@ def run_id(run_dir: str, create: bool = False) -> str | None:
     return text
 
 
-def _not_this_runs(path: str, step: int, run: str | None) -> str | None:
-    """Why the checkpoint at `path`, listed as `step` of the run whose id is `run`, is not one this
-    run saved there: its meta.json's step differs from its folder's name, or its run id (in meta.json
-    and manifest.json alike) is another run's. A checkpoint saved before run ids is checked by step."""
-    meta = layout.read_meta(path)
-    if meta.get("step") != step:
-        return (
-            f"its meta.json says step {meta.get('step')!r}, not {step} as its folder's name: it is a copy of "
-            f"another checkpoint; move it away, or give it as checkpoint.resume_from"
-        )
-    saved_by = meta.get("run_id")
-    if saved_by is None or run is None:
-        return None
-    manifest = os.path.join(path, checksums.MANIFEST)
-    recorded = files.read_json(manifest, checksums.MANIFEST_BYTES).get("run_id") if os.path.lexists(manifest) else None
-    if saved_by != run or recorded != saved_by:
-        return (
-            f"it was saved by another run (run id {str(saved_by)[:32]}, this run's is {run}); move it away, or "
-            f"start a new run_dir with checkpoint.resume_from={path}"
-        )
-    return None
-
-
 def complete(run_dir: str, said: set | None = None, held: files.HeldFolder | None = None) -> list[tuple[int, str]]:
     """Complete checkpoints in `run_dir` that this run saved, oldest first; broken ones, and those
     of another run or copied under another step, are skipped with a warning, once per folder and
@@ -258,11 +235,7 @@ def complete(run_dir: str, said: set | None = None, held: files.HeldFolder | Non
     run = run_id(run_dir)
     for step, path in layout.step_folders(run_dir, held.path if held else None):
         shown = step_path(run_dir, step)
-        why = (
-            "a symbolic link, not a folder this run saved; give it as checkpoint.resume_from instead"
-            if os.path.islink(path)
-            else problem(path) or _not_this_runs(path, step, run)
-        )
+        why = layout.checkpoint_problem(path, step, run) or problem(path)  # the launcher's answer, then closer
         if why and (said is None or (shown, why) not in said):
             log.warning("skipping checkpoint %s: %s", shown, why)
             if said is not None:
