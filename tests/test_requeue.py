@@ -275,23 +275,26 @@ def test_the_standard_library_listing_skips_a_copy_under_another_step_or_another
     from trainer import layout
 
     run = tmp_path / "run"
-    _committed(run, 2, {"step": 2, "run_id": "a" * 32})
+    _with_manifest(run, 2, "a" * 32, 20)
     (run / "run_id").write_text("a" * 32 + "\n")
-    _committed(run, 9, {"step": 2, "run_id": "a" * 32})  # a copy under a higher step
-    _committed(run, 11, {"step": 11, "run_id": "b" * 32})  # another run's
+    _with_manifest(run, 9, "a" * 32, 20, step=2)  # a copy under a higher step
+    _with_manifest(run, 11, "b" * 32, 20)  # another run's
     assert layout.latest_committed_step(run) == 2
     _committed(run, 12, {"step": 12})  # saved before run ids: its step alone is checked
     assert layout.latest_committed_step(run) == 12
 
 
-def _with_manifest(run_dir: Path, step: int, run_id: str, steps: int) -> Path:
-    """A step folder as a commit leaves it, its manifest listing each file's size (the checksums are
-    trainer/checksums.py's to check), saved under train.steps=`steps`."""
-    folder = _committed(
-        run_dir,
-        step,
-        {"step": step, "run_id": run_id, "manifest": "manifest.json", "config": {"train": {"steps": steps}}},
-    )
+def _with_manifest(run_dir: Path, number: int, run_id: str, steps: int, **meta) -> Path:
+    """Step folder `number` as a commit leaves it, its manifest listing each file's size (the checksums are
+    trainer/checksums.py's to check), saved under train.steps=`steps`; `meta`: more of meta.json."""
+    meta = {
+        "step": number,
+        "run_id": run_id,
+        "manifest": "manifest.json",
+        "config": {"train": {"steps": steps}},
+        **meta,
+    }
+    folder = _committed(run_dir, number, meta)
     (folder / "__0_0.distcp").write_bytes(b"w" * 64)
     listed = {p.name: {"size": p.stat().st_size, "xxh3_64": 0} for p in folder.iterdir()}
     (folder / "manifest.json").write_text(json.dumps({"files": listed, "xxh3_64": 0, "run_id": run_id}))

@@ -33,7 +33,7 @@ class UnsafeFile(OSError):
     """A file or folder in a shared place that is not what the project writes there: a link, a
     FIFO, a device, a folder where a file belongs, or larger than a file of its kind can be."""
 
-    def __init__(self, path, why):
+    def __init__(self, path, why="is not a regular file"):
         super(UnsafeFile, self).__init__(errno.EINVAL, "{} {}".format(path, why))
         self.path, self.why = str(path), why
 
