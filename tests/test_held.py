@@ -186,3 +186,32 @@ def test_a_skipped_checkpoint_is_said_with_its_real_cause(tmp_path, group, caplo
         path.symlink_to("/dev/zero")
     assert [s for s, _ in checkpoint.complete(str(tmp_path))] == [1]
     assert f"skipping checkpoint {tmp_path / 'checkpoints' / 'step_00000002'}: {reason}" in caplog.text
+
+
+def test_checkpoints_renamed_away_refuse_a_start_from_step_0(shared, group, caplog):
+    """Issue 41 item 6: after the neighbour's `mv checkpoints .hidden` the resume printed 'steps
+    0->6' and trained from scratch, although status.json said step 2 was saved. Now one line names
+    what shows the save; checkpoint.start_over=true starts over on purpose, for that start only."""
+    run = run_dir(shared, "run")
+    ckpt, parts = checkpointer(run, group)
+    saves(ckpt, parts, (1, 2))
+    ckpt.close()
+    as_neighbour("import os, sys; os.rename(sys.argv[1] + '/checkpoints', sys.argv[1] + '/.hidden')", str(run))
+    ckpt, _ = checkpointer(run, group)
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        ckpt.load()
+    assert str(e.value) == (
+        f"no checkpoint in {run / 'checkpoints'}, but {run / 'status.json'} says step 2 was saved: its checkpoints "
+        f"were moved or deleted; put them back to resume, or start again with checkpoint.start_over=true to train "
+        f"from step 0"
+    )
+    ckpt.close()
+    ckpt, _ = checkpointer(run, group)
+    ckpt.args.start_over = True
+    assert ckpt.load() is None
+    assert (
+        f"checkpoint.start_over=true: training from step 0, although {run / 'status.json'} says step 2" in caplog.text
+    )
+    assert ckpt.args.start_over is False  # config.yaml, written after the load, keeps false
+    assert layout.read_status(str(run)).get("saved") is None
+    ckpt.close()

@@ -267,6 +267,17 @@ def latest_step(run_dir: str) -> int | None:
     return found[-1][0] if found else None
 
 
+def earlier_save(run_dir: str) -> str | None:
+    """What says that this run saved a checkpoint before, or None: status.json's `saved` (the newest
+    commit's step) or `step` (where a start resumed, or where the run stopped or finished). A start
+    that finds no checkpoint where one was saved refuses to begin from step 0 (checkpoint.start_over
+    does it on purpose): a neighbour's `mv checkpoints .hidden` must not silently restart the run."""
+    status = layout.read_status(run_dir)  # a link or FIFO there: files.UnsafeFile, one line
+    steps = [v for v in (status.get("saved"), status.get("step")) if isinstance(v, int) and not isinstance(v, bool)]
+    newest = max(steps, default=0)
+    return f"{os.path.join(run_dir, layout.STATUS_FILE)} says step {newest} was saved" if newest > 0 else None
+
+
 def shapes(model_state: dict) -> dict[str, list[int]]:
     return {k: list(v.shape) for k, v in model_state.items() if isinstance(v, torch.Tensor)}
 
@@ -753,7 +764,16 @@ class Checkpointer:
                     (
                         "error",
                         f"no readable checkpoint is left in {self.run_dir} (unreadable: {', '.join(unreadable)}); "
-                        f"move them away to start from scratch",
+                        f"move them away and start again with checkpoint.start_over=true to start from scratch",
+                    )
+                ]
+            elif (saved := earlier_save(self.run_dir)) and not self.args.start_over:
+                choice = [
+                    (
+                        "error",
+                        f"no checkpoint in {folder(self.run_dir)}, but {saved}: its checkpoints were moved or "
+                        f"deleted; put them back to resume, or start again with checkpoint.start_over=true to "
+                        f"train from step 0",
                     )
                 ]
             elif self.args.resume_from:
@@ -763,6 +783,12 @@ class Checkpointer:
                     if why
                     else [self.args.resume_from]
                 )
+        if self.rank == 0 and choice[0] is None and self.args.start_over:
+            saved = earlier_save(self.run_dir)
+            if saved:
+                log.warning("checkpoint.start_over=true: training from step 0, although %s", saved)
+            self.args.start_over = False  # for this start only: config.yaml keeps false for the next
+            layout.write_status(self.run_dir, saved=None)
         if self.rank == 0 and isinstance(choice[0], str):
             _warn_if_others_can_write(choice[0])
             _warn_if_unverified(choice[0])
@@ -1031,6 +1057,7 @@ class Checkpointer:
         self.held.rename(os.path.basename(tmp), name)
         self.held.fsync()
         log.info("saved checkpoint %s", final)
+        layout.write_status(self.run_dir, saved=step)  # a later start that finds none says so (earlier_save)
         self._retain()
 
     def _retain(self) -> None:
