@@ -656,7 +656,7 @@ class Checkpointer:
         self.held: files.HeldFolder | None = None
         if rank == 0:
             os.makedirs(run_dir, exist_ok=True)
-            files.make_folder(folder(run_dir))  # a link there is refused, never followed
+            files.make_folder(folder(run_dir), 0o777)  # as os.makedirs: the umask decides; a link is refused
             self.held = files.HeldFolder(folder(run_dir))
             for name in self.held.listdir():
                 # leftovers of a killed save or delete
@@ -783,12 +783,13 @@ class Checkpointer:
                     if why
                     else [self.args.resume_from]
                 )
-        if self.rank == 0 and choice[0] is None and self.args.start_over:
-            saved = earlier_save(self.run_dir)
+        if self.rank == 0 and self.args.start_over:  # for this start only: config.yaml keeps false for the next
+            self.args.start_over = False
+            saved = earlier_save(self.run_dir) if choice[0] is None or choice[0] == self.args.resume_from else None
             if saved:
-                log.warning("checkpoint.start_over=true: training from step 0, although %s", saved)
-            self.args.start_over = False  # for this start only: config.yaml keeps false for the next
-            layout.write_status(self.run_dir, saved=None)
+                start = "step 0" if choice[0] is None else f"checkpoint.resume_from={choice[0]}"
+                log.warning("checkpoint.start_over=true: training from %s, although %s", start, saved)
+                layout.write_status(self.run_dir, saved=None)
         if self.rank == 0 and isinstance(choice[0], str):
             _warn_if_others_can_write(choice[0])
             _warn_if_unverified(choice[0])

@@ -329,7 +329,8 @@ class HeldFolder(object):
             return False
         return True
 
-    def mkdir(self, name, mode=0o755):
+    def mkdir(self, name, mode=0o777):
+        """Make the folder `name` in the held folder (the umask decides its mode, as os.mkdir's)."""
         os.mkdir(name, mode, dir_fd=self.fd)
 
     def rename(self, old, new):
