@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -26,7 +27,7 @@ from trainer import layout
 
 pytestmark = [pytest.mark.slow, needs_root]
 
-STEPS = 150
+STEPS = 100
 RUN = [*TINY, f"train.steps={STEPS}", "checkpoint.interval=10", "checkpoint.keep=3", "log.interval=10"]
 SEED = int(os.environ.get("SOAK_SEED", "41"))
 ACTIONS = int(os.environ.get("SOAK_ACTIONS", "80"))
@@ -117,21 +118,42 @@ def _decoy(base: Path) -> Path:
     return home
 
 
-def _own_step(run: Path, run_id: str, step: int = STEPS) -> Path | None:
-    """The folder of `step` that this run committed, wherever the neighbour renamed it to."""
+def _own_step(run: Path, run_id: str | None, step: int = STEPS) -> Path | None:
+    """The folder of `step` that this run committed, wherever the neighbour renamed it to: one whose
+    meta.json names this run, else (the neighbour may damage what is in a group-writable folder,
+    which the resume then skips with a line) any real folder of that name; None if there is none."""
     name = f"step_{step:08d}"
-    for root, dirs, _ in os.walk(run):
-        for d in dirs:
-            path = Path(root) / d
-            if d != name or path.is_symlink():
-                continue
-            try:
-                meta = _meta(path / "meta.json")
-            except OSError:
-                continue
-            if meta.get("run_id") == run_id and meta.get("step") == step:
-                return path
-    return None
+    found = [
+        Path(root) / d
+        for root, dirs, _ in os.walk(run)
+        for d in dirs
+        if d == name and not (Path(root) / d).is_symlink()
+    ]
+    ours = [p for p in found if run_id and _meta(p / "meta.json").get("run_id") == run_id]
+    return (ours or found or [None])[0]
+
+
+def _restore(run: Path, run_id: str | None, newest: Path | None) -> None:
+    """What an admin does after the stop: take the folder that holds the run's newest checkpoint
+    aside, remove what is not the victim's at the layout's names (links, FIFOs, the neighbour's
+    files and folders), put that folder back as checkpoints/ and the run id back in run_id."""
+    kept = run / ".restored"
+    if newest is not None:
+        os.rename(newest.parent, kept)
+    me = os.geteuid()
+    for name in [*layout.WRITTEN_FILES, layout.RUN_ID_FILE, *layout.WRITTEN_FOLDERS]:
+        path = run / name
+        if not os.path.lexists(path):
+            continue
+        st = os.lstat(path)
+        folder = name in layout.WRITTEN_FOLDERS
+        mine = st.st_uid == me and (stat.S_ISDIR(st.st_mode) if folder else stat.S_ISREG(st.st_mode))
+        if not mine or name in (layout.RUN_ID_FILE, layout.CHECKPOINTS_DIR) and newest is not None:
+            shutil.rmtree(path) if stat.S_ISDIR(st.st_mode) else path.unlink()
+    if newest is not None:
+        os.rename(kept, run / layout.CHECKPOINTS_DIR)
+    if run_id:
+        (run / layout.RUN_ID_FILE).write_text(run_id + "\n")
 
 
 def _metas(run: Path) -> list[Path]:
@@ -199,4 +221,11 @@ def test_a_hostile_neighbour_never_changes_what_is_outside_the_run_dir_nor_loses
         else:  # stopped: one line naming a file or folder of its run dir, and what it saved is kept
             errors = [line for line in err.splitlines() if line.startswith("error:") or "NOT requeued" in line]
             assert errors and str(run) in errors[0], f"exit {proc.returncode}: {err[-3000:]}\n{seed}"
-            print(f"stopped, {seed}: {errors[0]}")
+            print(f"stopped: {errors[0]}")
+            # The admin puts back what the neighbour changed; the resume then ends where an undisturbed
+            # run ends: what was saved before the stop was neither lost nor changed.
+            _restore(run, run_id, _own_step(run, run_id, saved[-1]) if saved else None)
+            proc = _launch(run)
+            out, err = proc.communicate(timeout=600)
+            assert proc.returncode == 0 and "Traceback" not in out + err, f"{err[-3000:]}\n{seed}"
+            assert_same_weights(weights(run, STEPS), weights(important, STEPS), exact=True)
