@@ -365,3 +365,20 @@ def test_a_forged_checkpoint_or_status_never_stops_the_requeues(tmp_path, scontr
     out = requeue(run, 0, "7", bin_dir)
     assert out.returncode == 0 and "training finished at step 6" in out.stdout, out.stdout + out.stderr
     assert calls.read_text().count("requeue 7") == 1
+
+
+@pytest.mark.slow
+def test_the_launchers_nothing_to_do_takes_no_forged_checkpoint(tmp_path):
+    """Issue 41 item 5 through the launcher (what make run runs): with the forged step 9 it said
+    'nothing to do: step 9 reached train.steps=6', exited 0 and wrote status 'finished'. It now
+    names step 4, the newest good one (here train.steps=4, so that it stops before any rank starts)."""
+    from conftest import launch_command, run_command
+
+    run = tmp_path / "run"
+    ours = "a" * 32
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "run_id").write_text(ours + "\n")
+    _forged_step_9(run, _with_manifest(run, 4, ours, 4))
+    proc = run_command(launch_command(run, "train.steps=4"), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "nothing to do: step 4 reached train.steps=4; raise train.steps to continue" in proc.stdout, proc.stdout
