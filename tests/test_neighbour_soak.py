@@ -121,13 +121,13 @@ def _decoy(base: Path) -> Path:
 def _own_step(run: Path, run_id: str | None, step: int = STEPS) -> Path | None:
     """The folder of `step` that this run committed, wherever the neighbour renamed it to: one whose
     meta.json names this run, else (the neighbour may damage what is in a group-writable folder,
-    which the resume then skips with a line) any real folder of that name; None if there is none."""
-    name = f"step_{step:08d}"
+    which the resume then skips with a line, or rename) any real folder of that name; None if none."""
+    name = f"step_{step:08d}"  # or renamed by the neighbour: step_00000020.moved-622301269
     found = [
         Path(root) / d
         for root, dirs, _ in os.walk(run)
         for d in dirs
-        if d == name and not (Path(root) / d).is_symlink()
+        if d.split(".moved-")[0] == name and not (Path(root) / d).is_symlink()
     ]
     ours = [p for p in found if run_id and _meta(p / "meta.json").get("run_id") == run_id]
     return (ours or found or [None])[0]
@@ -135,11 +135,17 @@ def _own_step(run: Path, run_id: str | None, step: int = STEPS) -> Path | None:
 
 def _restore(run: Path, run_id: str | None, newest: Path | None) -> None:
     """What an admin does after the stop: take the folder that holds the run's newest checkpoint
-    aside, remove what is not the victim's at the layout's names (links, FIFOs, the neighbour's
-    files and folders), put that folder back as checkpoints/ and the run id back in run_id."""
+    aside (the neighbour's renames in it undone), remove what is not the victim's at the layout's
+    names (links, FIFOs, the neighbour's files and folders), put that folder back as checkpoints/
+    and the run id back in run_id."""
     kept = run / ".restored"
     if newest is not None:
         os.rename(newest.parent, kept)
+        for root, dirs, names in os.walk(kept, topdown=False):  # the neighbour's renames, undone
+            for name in dirs + names:
+                original = Path(root) / name.split(".moved-")[0]
+                if ".moved-" in name and not os.path.lexists(original):
+                    os.rename(Path(root) / name, original)
     me = os.geteuid()
     for name in [*layout.WRITTEN_FILES, layout.RUN_ID_FILE, *layout.WRITTEN_FOLDERS]:
         path = run / name
