@@ -303,9 +303,10 @@ def check_compatible(path: str, saved: dict[str, list[int]], current: dict[str, 
 
 
 @contextlib.contextmanager
-def _write_errors(step: int, tmp: str):
+def _write_errors(step: int, tmp: str, held: files.HeldFolder | None = None):
     """A failed write (full disk, quota, permissions) as one CheckpointError line naming the cause
-    and the path, instead of DCP's per-rank tracebacks. What was committed before stays intact."""
+    and the path, instead of DCP's per-rank tracebacks. What was committed before stays intact.
+    `held`: the checkpoints/ folder `tmp` is in, whose name the line says rather than /proc's."""
     try:
         yield
     except (Exception, CheckpointException) as e:
@@ -322,6 +323,8 @@ def _write_errors(step: int, tmp: str):
             what = f"No space left on device ({tmp}: {free} bytes free)"
         elif oserror is None:  # not the filesystem: a rank failed (a peer gone mid-save), which a restart fixes
             raise
+        if held is not None:
+            what = what.replace(held.path, held.name)
         raise CheckpointError(
             f"saving the checkpoint of step {step} failed: {what}; the checkpoints saved before are "
             f"intact; free space or fix the filesystem, then start again to resume"
@@ -961,7 +964,7 @@ class Checkpointer:
             self.staging = getattr(response, "staging_completion", None)
             self.pending = (future, step, tmp, meta)
         else:
-            with _write_errors(step, tmp):
+            with _write_errors(step, tmp, self.held):
                 dcp.save(state, storage_writer=ChecksumWriter(tmp), planner=self._planner(), process_group=self.group)
             self._commit(step, tmp, meta)
 
@@ -995,7 +998,7 @@ class Checkpointer:
         if self.pending:
             future, step, tmp, meta = self.pending
             self.pending = None
-            with _write_errors(step, tmp):
+            with _write_errors(step, tmp, self.held):
                 future.result()  # raises if any rank failed to write
             self._commit(step, tmp, meta)
 
