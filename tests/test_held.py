@@ -100,9 +100,10 @@ def test_checkpoints_renamed_away_and_replaced_by_a_folder_stops_the_run(shared,
     ckpt.close()
 
 
-def test_a_folder_of_another_run_under_the_next_steps_name_is_never_discarded(shared, group):
+def test_a_folder_of_another_run_under_the_next_steps_name_is_never_discarded(shared, group, caplog):
     """A step folder of another run's (copied in by the neighbour under the name the next save
-    takes) is not this run's to discard: the commit stops with one line, the folder intact."""
+    takes) is not this run's to discard (the commit discarded any same-named folder): it is moved
+    aside whole, with a line, and the save is committed under its name."""
     other = shared / "other"
     other.mkdir(mode=0o755)
     ckpt, parts = checkpointer(other, group, keep=0)
@@ -113,16 +114,17 @@ def test_a_folder_of_another_run_under_the_next_steps_name_is_never_discarded(sh
     saves(ckpt, parts, (1,))
     (run / "checkpoints").chmod(0o2775)  # as a group's umask 002 makes it
     planted = run / "checkpoints" / "step_00000002"
-    as_neighbour(
-        "import shutil, sys; shutil.copytree(sys.argv[1], sys.argv[2])",
-        str(other / "checkpoints" / "step_00000002"),
-        str(planted),
-    )
+    source = other / "checkpoints" / "step_00000002"
+    as_neighbour("import shutil, sys; shutil.copytree(sys.argv[1], sys.argv[2])", str(source), str(planted))
     before = tree_hashes(planted)
-    with pytest.raises(checkpoint.CheckpointError, match=rf"^{planted} was saved by another run \(run id "):
-        saves(ckpt, parts, (2,))
-    assert tree_hashes(planted) == before
-    assert [s for s, _ in checkpoint.complete(str(run))] == [1]
+    saves(ckpt, parts, (2,))
+    (aside,) = [p for p in (run / "checkpoints").iterdir() if p.name.startswith("step_00000002.another-run-")]
+    assert tree_hashes(aside) == before
+    assert (
+        f"{planted} was saved by another run (run id " in caplog.text
+        and f"moved aside, whole, to {aside}" in caplog.text
+    )
+    assert [s for s, _ in checkpoint.complete(str(run))] == [1, 2]
     ckpt.close()
 
 
@@ -163,9 +165,9 @@ def test_a_held_folder_is_worked_in_by_its_descriptor(tmp_path):
             "its meta.json has a run id but neither a manifest.json nor its name, which no trainer saves",
         ),
         (".metadata", "fifo", "its .metadata is a FIFO, not a regular file"),
-        (".metadata", "zero", "its .metadata is a symbolic link, not a regular file"),
+        (".metadata", "zero", "its .metadata is a symbolic link; the project never follows one here"),
         ("rng/rank_00000.pt", "fifo", "rng/rank_00000.pt is a FIFO, not a regular file"),
-        ("rng/rank_00000.pt", "zero", "rng/rank_00000.pt is a symbolic link, not a regular file"),
+        ("rng/rank_00000.pt", "zero", "rng/rank_00000.pt is a symbolic link; the project never follows one here"),
     ],
 )
 def test_a_skipped_checkpoint_is_said_with_its_real_cause(tmp_path, group, caplog, name, plant, reason):

@@ -327,7 +327,9 @@ def test_one_answer_to_which_checkpoint_is_the_newest_good_one(tmp_path):
     good = _with_manifest(run, 4, ours, 6)
     forged = _forged_step_9(run, good)
     assert layout.latest_committed_step(run) == 4
-    assert layout.checkpoint_problem(str(forged), 9, ours) == "manifest.json is a symbolic link, not a regular file"
+    assert layout.checkpoint_problem(str(forged), 9, ours) == (
+        "manifest.json is a symbolic link; the project never follows one here"
+    )
     (forged / "manifest.json").unlink()
     shutil.copy(good / "manifest.json", forged / "manifest.json")  # the real manifest: meta.json's size differs
     (forged / "meta.json").write_text(json.dumps({**json.loads((good / "meta.json").read_text()), "step": 9}, indent=1))

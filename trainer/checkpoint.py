@@ -1051,12 +1051,17 @@ class Checkpointer:
         name = os.path.basename(final)
         if self.held.exists(name):  # a broken folder of the same name (skipped when listing), or a link
             other = _saved_by_another(self.held.join(name), self.run_id)
-            if other:
-                raise CheckpointError(
-                    f"{final} was saved by another run (run id {other}), not this one ({self.run_id}): it is not "
-                    f"replaced; the run stops with nothing deleted: move it away and start again to resume"
+            if other:  # never discarded: kept whole under a name no listing takes for a checkpoint
+                aside = f"{name}.another-run-{other[:8]}-{uuid.uuid4().hex[:8]}"
+                self.held.rename(name, aside)
+                log.warning(
+                    "%s was saved by another run (run id %s), not this one: moved aside, whole, to %s",
+                    final,
+                    other,
+                    os.path.join(self.held.name, aside),
                 )
-            self._discard(name)
+            else:
+                self._discard(name)
         self._held()
         self.held.rename(os.path.basename(tmp), name)
         self.held.fsync()

@@ -96,6 +96,8 @@ def _regular_problem(path, name):
         return "missing"
     except OSError as e:
         return "unreadable ({})".format(e.strerror or e)
+    if stat.S_ISLNK(mode):  # the words of files.py's own refusal
+        return "a symbolic link; the project never follows one here"
     return None if stat.S_ISREG(mode) else "{}, not a regular file".format(files.kind(mode))
 
 
