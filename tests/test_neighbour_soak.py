@@ -141,11 +141,7 @@ def _restore(run: Path, run_id: str | None, newest: Path | None) -> None:
     kept = run / ".restored"
     if newest is not None:
         os.rename(newest.parent, kept)
-        for root, dirs, names in os.walk(kept, topdown=False):  # the neighbour's renames, undone
-            for name in dirs + names:
-                original = Path(root) / name.split(".moved-")[0]
-                if ".moved-" in name and not os.path.lexists(original):
-                    os.rename(Path(root) / name, original)
+        _undo(kept)
     me = os.geteuid()
     for name in [*layout.WRITTEN_FILES, layout.RUN_ID_FILE, *layout.WRITTEN_FOLDERS]:
         path = run / name
@@ -160,6 +156,31 @@ def _restore(run: Path, run_id: str | None, newest: Path | None) -> None:
         os.rename(kept, run / layout.CHECKPOINTS_DIR)
     if run_id:
         (run / layout.RUN_ID_FILE).write_text(run_id + "\n")
+
+
+def _undo(folder: Path) -> None:
+    """Undo the neighbour's renames under `folder` (the run's checkpoints): at each name where an
+    entry of the victim's was renamed to <name>.moved-<n>, remove what the neighbour put there (a
+    link, a FIFO, a file or folder of theirs) and rename the victim's own entry back."""
+    me = os.geteuid()
+
+    def own(path: Path) -> bool:
+        st = os.lstat(path)
+        return st.st_uid == me and (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode))
+
+    for root, dirs, names in os.walk(folder, topdown=False):
+        entries = dirs + names
+        for base in {n.split(".moved-")[0] for n in entries if ".moved-" in n}:
+            moved = [Path(root) / n for n in entries if n.split(".moved-")[0] == base and n != base]
+            ours = [p for p in moved if own(p)]
+            if not ours:
+                continue
+            original = Path(root) / base
+            if os.path.lexists(original):
+                if own(original):
+                    continue
+                shutil.rmtree(original) if stat.S_ISDIR(os.lstat(original).st_mode) else original.unlink()
+            os.rename(ours[0], original)
 
 
 def _metas(run: Path) -> list[Path]:
