@@ -197,3 +197,23 @@ def test_a_fifo_swapped_in_at_status_json_while_the_run_trains_stops_it_in_one_l
     assert f"error: {run / layout.STATUS_FILE} is a FIFO, not a regular file" in err.splitlines(), err[-3000:]
     assert layout.latest_committed_step(run) is not None
     assert stat.S_ISFIFO(os.lstat(run / layout.STATUS_FILE).st_mode)
+
+
+@pytest.mark.parametrize("kind", ["link", "fifo"])
+def test_a_planted_lease_file_never_hides_the_line_of_a_lost_lease(tmp_path, secret, kind):
+    """Found by the hostile-neighbour soak (seed 3): a FIFO renamed over lease.json mid-run lost the
+    lease, and releasing it then raised UnsafeFile on the moved FIFO, so the run ended without the
+    lost lease's line (exit 2 naming lease.json.released-..., or exit 3 with no line at all)."""
+    from trainer import lease
+
+    run = tmp_path / "run"
+    run.mkdir()
+    held = lease.Lease(str(run))
+    held.acquire()
+    os.remove(run / layout.LEASE_FILE)
+    plant(kind, run / layout.LEASE_FILE, secret)
+    assert not held.check() and "its lease file cannot be read" in held.lost
+    held.release()  # raised files.UnsafeFile
+    assert os.path.lexists(run / layout.LEASE_FILE)  # the planted one put back, not ours to remove
+    assert [p.name for p in run.iterdir() if ".released-" in p.name] == []
+    untouched(secret, run)
