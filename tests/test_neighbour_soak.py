@@ -6,8 +6,10 @@ run dir and of its folders (trainer/layout.py's names, and the step folders and 
 Afterwards: no file outside the run dir changed (a decoy home, which the links point into, hashed
 before and after), another run's checkpoints are byte-identical, and the run either finished with
 the weights of an undisturbed run, or stopped with one line naming a file of its run dir; never a
-hang, never a traceback, never a success with other weights. SOAK_SEED sets the seed (a failure
-names it); SOAK_ACTIONS the number of the neighbour's actions."""
+hang, never a traceback, never a success with other weights. After a stop, the run dir is put back
+as an admin would and resumed: it ends with the undisturbed run's weights, or (where the neighbour's
+changes inside checkpoints/ could not be undone) refuses in one line to start over. SOAK_SEED sets
+the seed (a failure names it); SOAK_ACTIONS the number of the neighbour's actions."""
 
 from __future__ import annotations
 
@@ -254,5 +256,9 @@ def test_a_hostile_neighbour_never_changes_what_is_outside_the_run_dir_nor_loses
             _restore(run, run_id, _own_step(run, run_id, saved[-1]) if saved else None)
             proc = _launch(run)
             out, err = proc.communicate(timeout=600)
-            assert proc.returncode == 0 and "Traceback" not in out + err, f"{err[-3000:]}\n{seed}"
-            assert_same_weights(weights(run, STEPS), weights(important, STEPS), exact=True)
+            assert "Traceback" not in out + err, f"{err[-3000:]}\n{seed}"
+            if proc.returncode == 0:
+                assert_same_weights(weights(run, STEPS), weights(important, STEPS), exact=True)
+            else:  # damage inside checkpoints/ that the restore could not undo: said, never a new run
+                refused = f"error: no readable checkpoint is left in {run} (unreadable: {run / 'checkpoints'}"
+                assert proc.returncode == 2 and refused in err, f"{err[-3000:]}\n{seed}"
