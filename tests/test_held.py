@@ -217,3 +217,22 @@ def test_checkpoints_renamed_away_refuse_a_start_from_step_0(shared, group, capl
     assert ckpt.args.start_over is False  # config.yaml, written after the load, keeps false
     assert layout.read_status(str(run)).get("saved") is None
     ckpt.close()
+
+
+def test_a_save_is_writable_by_its_user_only_whatever_the_umask(shared, group):
+    """Under a group's umask 002 a save's folders were group-writable: the neighbour could put a file
+    of theirs into a save between DCP's writes and the manifest, which then recorded it as the
+    checkpoint's. The step folder and rng/ are 0755 now; checkpoints/ keeps the umask's mode."""
+    run = run_dir(shared, "run")
+    old = os.umask(0o002)
+    try:
+        ckpt, parts = checkpointer(run, group)
+        saves(ckpt, parts, (1,))
+        ckpt.close()
+    finally:
+        os.umask(old)
+    step = run / "checkpoints" / "step_00000001"
+    assert os.stat(step).st_mode & 0o777 == 0o755 and os.stat(step / "rng").st_mode & 0o777 == 0o755
+    assert os.stat(run / "checkpoints").st_mode & 0o777 == 0o775
+    as_neighbour("import os, sys\ntry:\n os.mkfifo(sys.argv[1])\nexcept PermissionError:\n pass", str(step / "x"))
+    assert not os.path.lexists(step / "x")

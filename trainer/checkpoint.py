@@ -928,9 +928,11 @@ class Checkpointer:
         if self.rank == 0:  # made here, never through a link someone else placed: mkdir fails on any leftover
             self._held()
             self._remove(os.path.basename(tmp))
-            self.held.mkdir(os.path.basename(tmp))
+            # Writable by this user only, whatever the umask (a group's 002): nobody else can put a file
+            # in a save between its writes and the manifest that records them, nor in it once committed.
+            self.held.mkdir(os.path.basename(tmp), 0o755)
             for name in self.per_rank:
-                os.mkdir(os.path.join(tmp, name))
+                os.mkdir(os.path.join(tmp, name), 0o755)
         dist.barrier(group=self.group)
         for name, part in self.per_rank.items():
             torch.save(part.state_dict(), os.path.join(tmp, name, f"rank_{self.rank:05d}.pt"))
