@@ -134,7 +134,7 @@ def test_with_every_checkpoint_unreadable_the_run_refuses_to_start_over(tmp_path
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert errors == [
         f"error: no readable checkpoint is left in {tmp_path} (unreadable: {step5}); "
-        "move them away to start from scratch"
+        "move them away and start again with checkpoint.start_over=true to start from scratch"
     ], proc.stderr
     assert _step_dirs(tmp_path) == [step5] and sorted(losses(tmp_path)) == [5]
 

@@ -22,7 +22,6 @@ ROWS = {o.name: o for o in outcomes.OUTCOMES}
 # said where it is raised (or is another entry point's), so none needs a row. Why, for each:
 NOT_AN_OUTCOME = {
     ("trainer.checksums", "ChecksumError"): "a checkpoint that is not what was written: CheckpointError",
-    ("trainer.files", "UnsafeFile"): "an OSError naming the file, said by the reader that met it",
     ("trainer.config", "_Refused"): "YAML refused while loading: ConfigError",
     ("trainer.shard_reader", "Refused"): "a checkpoint's pickle refused: CheckpointError",
     ("trainer.shard_reader", "_NotPlain"): "internal to the restricted unpickler",

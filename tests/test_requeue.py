@@ -275,10 +275,112 @@ def test_the_standard_library_listing_skips_a_copy_under_another_step_or_another
     from trainer import layout
 
     run = tmp_path / "run"
-    _committed(run, 2, {"step": 2, "run_id": "a" * 32})
+    _with_manifest(run, 2, "a" * 32, 20)
     (run / "run_id").write_text("a" * 32 + "\n")
-    _committed(run, 9, {"step": 2, "run_id": "a" * 32})  # a copy under a higher step
-    _committed(run, 11, {"step": 11, "run_id": "b" * 32})  # another run's
+    _with_manifest(run, 9, "a" * 32, 20, step=2)  # a copy under a higher step
+    _with_manifest(run, 11, "b" * 32, 20)  # another run's
     assert layout.latest_committed_step(run) == 2
     _committed(run, 12, {"step": 12})  # saved before run ids: its step alone is checked
     assert layout.latest_committed_step(run) == 12
+
+
+def _with_manifest(run_dir: Path, number: int, run_id: str, steps: int, **meta) -> Path:
+    """Step folder `number` as a commit leaves it, its manifest listing each file's size (the checksums are
+    trainer/checksums.py's to check), saved under train.steps=`steps`; `meta`: more of meta.json."""
+    meta = {
+        "step": number,
+        "run_id": run_id,
+        "manifest": "manifest.json",
+        "config": {"train": {"steps": steps}},
+        **meta,
+    }
+    folder = _committed(run_dir, number, meta)
+    (folder / "__0_0.distcp").write_bytes(b"w" * 64)
+    listed = {p.name: {"size": p.stat().st_size, "xxh3_64": 0} for p in folder.iterdir()}
+    (folder / "manifest.json").write_text(json.dumps({"files": listed, "xxh3_64": 0, "run_id": run_id}))
+    return folder
+
+
+def _forged_step_9(run: Path, good: Path) -> Path:
+    """Issue 41 item 5: step 4 copied as step_00000009, meta.json's step set to 9, manifest.json a
+    link to /dev/zero."""
+    forged = run / "checkpoints" / "step_00000009"
+    shutil.copytree(good, forged)
+    meta = json.loads((forged / "meta.json").read_text())
+    (forged / "meta.json").write_text(json.dumps({**meta, "step": 9}))
+    (forged / "manifest.json").unlink()
+    (forged / "manifest.json").symlink_to("/dev/zero")
+    return forged
+
+
+def test_one_answer_to_which_checkpoint_is_the_newest_good_one(tmp_path):
+    """Issue 41 item 5: the launcher's and the requeue check's listing took the forged step 9 (its
+    manifest never read) for the newest: 'nothing to do: step 9 reached train.steps=6'. Now the
+    listing they share with the trainer (layout.checkpoint_problem) checks the manifest: a regular
+    file that parses, listing files that are there, as regular files, at their sizes."""
+    from trainer import checkpoint, layout
+
+    run = tmp_path / "run"
+    ours = "a" * 32
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "run_id").write_text(ours + "\n")
+    good = _with_manifest(run, 4, ours, 6)
+    forged = _forged_step_9(run, good)
+    assert layout.latest_committed_step(run) == 4
+    assert layout.checkpoint_problem(str(forged), 9, ours) == (
+        "manifest.json is a symbolic link; the project never follows one here"
+    )
+    (forged / "manifest.json").unlink()
+    shutil.copy(good / "manifest.json", forged / "manifest.json")  # the real manifest: meta.json's size differs
+    (forged / "meta.json").write_text(json.dumps({**json.loads((good / "meta.json").read_text()), "step": 9}, indent=1))
+    assert layout.checkpoint_problem(str(forged), 9, ours).startswith("meta.json is damaged: ")
+    shard = forged / "__0_0.distcp"
+    shard.unlink()
+    os.mkfifo(shard)
+    assert layout.checkpoint_problem(str(forged), 9, ours).startswith("__0_0.distcp is a FIFO, not a regular file")
+    assert layout.latest_committed_step(run) == 4
+    # The trainer's listing gives the same answer, with its own checks after.
+    assert [step for step, _ in checkpoint.complete(str(run))] == []  # step 4's checksums (0) are not its files'
+    assert checkpoint.complete.__doc__ and layout.checkpoint_problem(str(good), 4, ours) is None
+
+
+@pytest.mark.skipif(SYSTEM_PYTHON is None, reason="no system python3 in /usr/bin")
+def test_a_forged_checkpoint_or_status_never_stops_the_requeues(tmp_path, scontrol):
+    """Issue 41 item 5: the forged step 9, or a status.json saying 'finished', made the requeue
+    check stop requeueing a run whose newest checkpoint is step 4 of 6. Finished is what the newest
+    good checkpoint proves: its step reached the train.steps it was saved under."""
+    bin_dir, calls = scontrol
+    run = tmp_path / "run"
+    ours = "a" * 32
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "run_id").write_text(ours + "\n")
+    good = _with_manifest(run, 4, ours, 6)
+    _forged_step_9(run, good)
+    (run / "status.json").write_text(json.dumps({"steps": 6, "state": "finished", "step": 9}))
+    out = requeue(run, 0, "7", bin_dir)
+    assert out.returncode == 0 and "stopped at newest checkpoint: step 4 (exit code 0); requeueing" in out.stdout, (
+        out.stdout + out.stderr
+    )
+    assert calls.read_text().count("requeue 7") == 1
+    _with_manifest(run, 6, ours, 6)
+    (run / "status.json").write_text(json.dumps({"steps": 60, "state": "running"}))  # forged the other way
+    out = requeue(run, 0, "7", bin_dir)
+    assert out.returncode == 0 and "training finished at step 6" in out.stdout, out.stdout + out.stderr
+    assert calls.read_text().count("requeue 7") == 1
+
+
+@pytest.mark.slow
+def test_the_launchers_nothing_to_do_takes_no_forged_checkpoint(tmp_path):
+    """Issue 41 item 5 through the launcher (what make run runs): with the forged step 9 it said
+    'nothing to do: step 9 reached train.steps=6', exited 0 and wrote status 'finished'. It now
+    names step 4, the newest good one (here train.steps=4, so that it stops before any rank starts)."""
+    from conftest import launch_command, run_command
+
+    run = tmp_path / "run"
+    ours = "a" * 32
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "run_id").write_text(ours + "\n")
+    _forged_step_9(run, _with_manifest(run, 4, ours, 4))
+    proc = run_command(launch_command(run, "train.steps=4"), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "nothing to do: step 4 reached train.steps=4; raise train.steps to continue" in proc.stdout, proc.stdout

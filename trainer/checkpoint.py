@@ -33,14 +33,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import json
 import logging
 import math
 import os
 import re
-import shutil
 import stat
-import sys
 import time
 import uuid
 import warnings
@@ -265,55 +262,57 @@ def run_id(run_dir: str, create: bool = False) -> str | None:
     return text
 
 
-def _not_this_runs(path: str, step: int, run: str | None) -> str | None:
-    """Why the checkpoint at `path`, listed as `step` of the run whose id is `run`, is not one this
-    run saved there: its meta.json's step differs from its folder's name, or its run id (in meta.json
-    and manifest.json alike) is another run's. A checkpoint saved before run ids is checked by step."""
-    meta = layout.read_meta(path)
-    if meta.get("step") != step:
-        return (
-            f"its meta.json says step {meta.get('step')!r}, not {step} as its folder's name: it is a copy of "
-            f"another checkpoint; move it away, or give it as checkpoint.resume_from"
-        )
-    saved_by = meta.get("run_id")
-    if saved_by is None or run is None:
-        return None
-    manifest = os.path.join(path, checksums.MANIFEST)
-    recorded = files.read_json(manifest, checksums.MANIFEST_BYTES).get("run_id") if os.path.lexists(manifest) else None
-    if saved_by != run or recorded != saved_by:
-        return (
-            f"it was saved by another run (run id {str(saved_by)[:32]}, this run's is {run}); move it away, or "
-            f"start a new run_dir with checkpoint.resume_from={path}"
-        )
-    return None
-
-
-def complete(run_dir: str, said: set | None = None) -> list[tuple[int, str]]:
+def complete(run_dir: str, said: set | None = None, held: files.HeldFolder | None = None) -> list[tuple[int, str]]:
     """Complete checkpoints in `run_dir` that this run saved, oldest first; broken ones, and those
     of another run or copied under another step, are skipped with a warning, once per folder and
     reason when `said` (the lines said so far, added to) is given. Nothing is unpickled for those
-    with a manifest (trainer/checksums.py)."""
+    with a manifest (trainer/checksums.py). `held`: checkpoints/ as the run holds it open, listed
+    and read by its descriptor (the paths returned and said are by name all the same)."""
     found = []
     run = run_id(run_dir)
-    for step, path in layout.step_folders(run_dir):
-        why = (
-            "a symbolic link, not a folder this run saved; give it as checkpoint.resume_from instead"
-            if os.path.islink(path)
-            else problem(path) or _not_this_runs(path, step, run)
-        )
-        if why and (said is None or (path, why) not in said):
-            log.warning("skipping checkpoint %s: %s", path, why)
+    for step, path in layout.step_folders(run_dir, held.path if held else None):
+        shown = step_path(run_dir, step)
+        why = layout.checkpoint_problem(path, step, run) or problem(path)  # the launcher's answer, then closer
+        if why and (said is None or (shown, why) not in said):
+            log.warning("skipping checkpoint %s: %s", shown, why)
             if said is not None:
-                said.add((path, why))
+                said.add((shown, why))
         elif not why:
-            found.append((step, path))
+            found.append((step, shown))
     return found
+
+
+def _saved_by_another(path: str, run: str | None) -> str | None:
+    """The run id of the run that saved the checkpoint folder at `path` when it is not `run`, as its
+    meta.json or manifest.json says (either, readable, naming another), else None: such a folder is
+    never discarded, replaced or retired by this run, whatever state it is in."""
+    if run is None:
+        return None
+    for name, limit in (("meta.json", files.SMALL_FILE_BYTES), (checksums.MANIFEST, checksums.MANIFEST_BYTES)):
+        try:
+            saved_by = files.read_json(os.path.join(path, name), limit).get("run_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if saved_by is not None and saved_by != run:
+            return str(saved_by)[:32]
+    return None
 
 
 def latest_step(run_dir: str) -> int | None:
     """Step of the newest complete checkpoint in `run_dir`, or None."""
     found = complete(run_dir)
     return found[-1][0] if found else None
+
+
+def earlier_save(run_dir: str) -> str | None:
+    """What says that this run saved a checkpoint before, or None: status.json's `saved` (the newest
+    commit's step) or `step` (where a start resumed, or where the run stopped or finished). A start
+    that finds no checkpoint where one was saved refuses to begin from step 0 (checkpoint.start_over
+    does it on purpose): a neighbour's `mv checkpoints .hidden` must not silently restart the run."""
+    status = layout.read_status(run_dir)  # a link or FIFO there: files.UnsafeFile, one line
+    steps = [v for v in (status.get("saved"), status.get("step")) if isinstance(v, int) and not isinstance(v, bool)]
+    newest = max(steps, default=0)
+    return f"{os.path.join(run_dir, layout.STATUS_FILE)} says step {newest} was saved" if newest > 0 else None
 
 
 def shapes(model_state: dict) -> dict[str, list[int]]:
@@ -341,9 +340,10 @@ def check_compatible(path: str, saved: dict[str, list[int]], current: dict[str, 
 
 
 @contextlib.contextmanager
-def _write_errors(step: int, tmp: str):
+def _write_errors(step: int, tmp: str, held: files.HeldFolder | None = None):
     """A failed write (full disk, quota, permissions) as one CheckpointError line naming the cause
-    and the path, instead of DCP's per-rank tracebacks. What was committed before stays intact."""
+    and the path, instead of DCP's per-rank tracebacks. What was committed before stays intact.
+    `held`: the checkpoints/ folder `tmp` is in, whose name the line says rather than /proc's."""
     try:
         yield
     except (Exception, CheckpointException) as e:
@@ -360,6 +360,8 @@ def _write_errors(step: int, tmp: str):
             what = f"No space left on device ({tmp}: {free} bytes free)"
         elif oserror is None:  # not the filesystem: a rank failed (a peer gone mid-save), which a restart fixes
             raise
+        if held is not None:
+            what = what.replace(held.path, held.name)
         raise CheckpointError(
             f"saving the checkpoint of step {step} failed: {what}; the checkpoints saved before are "
             f"intact; free space or fix the filesystem, then start again to resume"
@@ -375,38 +377,6 @@ def _free_bytes(path: str) -> int | None:
     except OSError:
         return None
     return st.f_bavail * st.f_frsize
-
-
-def discard(path: str) -> None:
-    """Delete a checkpoint folder: first renamed out of the listings (to a name no other folder has,
-    whatever leftovers exist), then removed. A kill in between leaves a .trash_* for the next start."""
-    trash = os.path.join(os.path.dirname(path), f".trash_{os.path.basename(path)}_{uuid.uuid4().hex[:8]}")
-    os.rename(path, trash)
-    remove(trash)
-
-
-def remove(path: str) -> bool:
-    """Delete `path` without following a symbolic link: a link is unlinked (what it points to is
-    left alone), a folder removed with what it holds. What cannot be removed is logged; False then."""
-    if not os.path.isdir(path) or os.path.islink(path):
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            log.warning("could not remove %s: %s", path, e.strerror or e)
-            return False
-        return True
-    failed: list[str] = []
-
-    def said(function, name, error) -> None:
-        error = error if isinstance(error, BaseException) else error[1]  # onexc gives it, onerror a tuple
-        failed.append(f"{getattr(error, 'strerror', None) or error} ({getattr(error, 'filename', None) or name})")
-
-    shutil.rmtree(path, **{"onexc" if sys.version_info >= (3, 12) else "onerror": said})
-    if failed:
-        log.warning("could not remove %s: %s", path, "; ".join(failed[:3]))
-    return not failed
 
 
 def _warn_if_others_can_write(path: str) -> None:
@@ -737,14 +707,29 @@ class Checkpointer:
         self.planned_by: str | None = None  # how the last save was planned: "layout" (save_plan.py) or "dcp"
         self.said: set[tuple[str, str]] = set()  # (folder, why) of the checkpoints skipped so far: said once
         self.stager = _stager(rank, world_size) if args.async_save else None
+        # checkpoints/, held open by every rank for the whole run (files.HeldFolder): every folder a
+        # save makes, renames or deletes is made, renamed or deleted in it, and DCP writes into it by
+        # its descriptor, so that a neighbour who renames it and puts a link or a folder of theirs
+        # under its name redirects nothing; rank 0 stops the run when it sees that (`_held`).
+        self.held: files.HeldFolder | None = None
         if rank == 0:
-            os.makedirs(folder(run_dir), exist_ok=True)
-            for name in os.listdir(folder(run_dir)):
+            os.makedirs(run_dir, exist_ok=True)
+            files.make_folder(folder(run_dir), 0o777)  # as os.makedirs: the umask decides; a link is refused
+            self.held = files.HeldFolder(folder(run_dir))
+            for name in self.held.listdir():
                 # leftovers of a killed save or delete
-                if name.startswith((".tmp_", ".trash_")) and remove(os.path.join(folder(run_dir), name)):
+                if name.startswith((".tmp_", ".trash_")) and self._remove(name):
                     log.info("removed unfinished %s", os.path.join(folder(run_dir), name))
         self.run_id = run_id(run_dir, create=True) if rank == 0 else None  # recorded in every save's meta.json
-        dist.barrier(group=group)
+        identity = [self.held.identity[1] if self.held else None]
+        dist.broadcast_object_list(identity, src=0, group=group)
+        if rank != 0:  # its own descriptor of the same folder (the inode: st_dev differs between NFS clients)
+            self.held = files.HeldFolder(folder(run_dir))
+            if self.held.identity[1] != identity[0]:
+                raise CheckpointError(
+                    f"{folder(run_dir)} on rank {rank} is another folder than rank 0's: it was replaced while the "
+                    f"run started; see who renamed it (ls -la {run_dir}) and start again"
+                )
 
     # -- when to save -------------------------------------------------------------------------------
 
@@ -837,7 +822,16 @@ class Checkpointer:
                     (
                         "error",
                         f"no readable checkpoint is left in {self.run_dir} (unreadable: {', '.join(unreadable)}); "
-                        f"move them away to start from scratch",
+                        f"move them away and start again with checkpoint.start_over=true to start from scratch",
+                    )
+                ]
+            elif (saved := earlier_save(self.run_dir)) and not self.args.start_over:
+                choice = [
+                    (
+                        "error",
+                        f"no checkpoint in {folder(self.run_dir)}, but {saved}: its checkpoints were moved or "
+                        f"deleted; put them back to resume, or start again with checkpoint.start_over=true to "
+                        f"train from step 0",
                     )
                 ]
             elif self.args.resume_from:
@@ -847,6 +841,13 @@ class Checkpointer:
                     if why
                     else [self.args.resume_from]
                 )
+        if self.rank == 0 and self.args.start_over:  # for this start only: config.yaml keeps false for the next
+            self.args.start_over = False
+            saved = earlier_save(self.run_dir) if choice[0] is None or choice[0] == self.args.resume_from else None
+            if saved:
+                start = "step 0" if choice[0] is None else f"checkpoint.resume_from={choice[0]}"
+                log.warning("checkpoint.start_over=true: training from %s, although %s", start, saved)
+                layout.write_status(self.run_dir, saved=None)
         if self.rank == 0 and isinstance(choice[0], str):
             _warn_if_others_can_write(choice[0])
             _warn_if_unverified(choice[0])
@@ -1013,12 +1014,15 @@ class Checkpointer:
         if step == self.last_saved:
             return  # already on disk (e.g. stopped right after resuming)
         self.wait()  # at most one save in flight
-        tmp = os.path.join(folder(self.run_dir), f".tmp_step_{step:08d}")
+        tmp = self.held.join(f".tmp_step_{step:08d}")  # in the folder held, whatever its name leads to now
         if self.rank == 0:  # made here, never through a link someone else placed: mkdir fails on any leftover
-            remove(tmp)
-            os.mkdir(tmp)
+            self._held()
+            self._remove(os.path.basename(tmp))
+            # Writable by this user only, whatever the umask (a group's 002): nobody else can put a file
+            # in a save between its writes and the manifest that records them, nor in it once committed.
+            self.held.mkdir(os.path.basename(tmp), 0o755)
             for name in self.per_rank:
-                os.mkdir(os.path.join(tmp, name))
+                os.mkdir(os.path.join(tmp, name), 0o755)
         dist.barrier(group=self.group)
         for name, part in self.per_rank.items():
             torch.save(part.state_dict(), os.path.join(tmp, name, f"rank_{self.rank:05d}.pt"))
@@ -1054,7 +1058,7 @@ class Checkpointer:
             self.pending = (future, step, tmp, meta)
         else:
             planner, writer = self._planner(state, tmp)
-            with _write_errors(step, tmp):
+            with _write_errors(step, tmp, self.held):
                 dcp.save(state, storage_writer=writer, planner=planner, process_group=self.group)
             self._commit(step, tmp, meta)
 
@@ -1102,7 +1106,7 @@ class Checkpointer:
         if self.pending:
             future, step, tmp, meta = self.pending
             self.pending = None
-            with _write_errors(step, tmp):
+            with _write_errors(step, tmp, self.held):
                 future.result()  # raises if any rank failed to write
             self._commit(step, tmp, meta)
 
@@ -1112,25 +1116,65 @@ class Checkpointer:
         if self.stager:
             self.stager["async_stager"].close()
         torch_compat.drop_cached_plans(self.plan_key)
+        if self.held:
+            self.held.close()
+
+    def _held(self) -> None:
+        """CheckpointError, in one line, when checkpoints/ is no longer the folder this run holds
+        (renamed away, a link or another folder put under its name): the run stops with nothing
+        committed or deleted, before the next folder is made, renamed or deleted in it."""
+        why = self.held.problem()
+        if why:
+            raise CheckpointError(
+                f"{self.held.name} {why}: the run stops with nothing deleted (its saves so far are in the folder it "
+                f"held, now elsewhere in {self.run_dir}); see who changed it (ls -la {self.run_dir}), put the run's "
+                f"own checkpoints folder back under its name and start again"
+            )
+
+    def _remove(self, name: str) -> bool:
+        """`remove` of `name` in checkpoints/, by the descriptor held."""
+        failed = self.held.remove(name)
+        if failed:
+            log.warning("could not remove %s: %s", os.path.join(self.held.name, name), "; ".join(failed[:3]))
+        return not failed
+
+    def _discard(self, name: str) -> None:
+        """`discard` of the step folder `name` in checkpoints/, by the descriptor held."""
+        trash = f".trash_{name}_{uuid.uuid4().hex[:8]}"
+        self.held.rename(name, trash)
+        self._remove(trash)
 
     def _commit(self, step: int, tmp: str, meta: dict) -> None:
         # DCP's save returns on a rank only after the coordinator wrote .metadata, which it does only
         # after every rank reported its shards (and its rng file, written before) as done.
         if self.rank != 0 or (self.still_owner and not self.still_owner()):
             return
+        self._held()
         meta_file = os.path.join(tmp, "meta.json")
-        with open(meta_file, "w") as f:  # saying that a manifest follows: a checkpoint that lost it is no old one
-            json.dump({**meta, "manifest": checksums.MANIFEST, "run_id": self.run_id}, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
+        # saying that a manifest follows: a checkpoint that lost it is no old one
+        files.write_json(meta_file, {**meta, "manifest": checksums.MANIFEST, "run_id": self.run_id}, sort_keys=False)
         checksums.write_manifest(tmp, self.run_id)
         _fsync(tmp)
         final = step_path(self.run_dir, step)
-        if os.path.lexists(final):  # a broken folder of the same name (skipped when listing), or a link
-            discard(final)
-        os.rename(tmp, final)
-        _fsync(folder(self.run_dir))
+        name = os.path.basename(final)
+        if self.held.exists(name):  # a broken folder of the same name (skipped when listing), or a link
+            other = _saved_by_another(self.held.join(name), self.run_id)
+            if other:  # never discarded: kept whole under a name no listing takes for a checkpoint
+                aside = f"{name}.another-run-{other[:8]}-{uuid.uuid4().hex[:8]}"
+                self.held.rename(name, aside)
+                log.warning(
+                    "%s was saved by another run (run id %s), not this one: moved aside, whole, to %s",
+                    final,
+                    other,
+                    os.path.join(self.held.name, aside),
+                )
+            else:
+                self._discard(name)
+        self._held()
+        self.held.rename(os.path.basename(tmp), name)
+        self.held.fsync()
         log.info("saved checkpoint %s", final)
+        layout.write_status(self.run_dir, saved=step)  # a later start that finds none says so (earlier_save)
         self._retain(meta)
 
     def _retain(self, meta: dict) -> None:
@@ -1139,7 +1183,8 @@ class Checkpointer:
         eval loss's checkpoint, trainer/early_stop.py); never the newest."""
         if self.args.keep <= 0:
             return
-        steps = [step for step, _ in complete(self.run_dir, self.said)]
+        self._held()
+        steps = [step for step, _ in complete(self.run_dir, self.said, self.held)]  # this run's own only
         kept = set(steps[-self.args.keep :])
         kept.update(
             s for name, part in self.parts.items() for s in getattr(part, "pinned", lambda _: ())(meta.get(name))
@@ -1149,4 +1194,4 @@ class Checkpointer:
                 continue
             if self.still_owner and not self.still_owner():
                 return
-            discard(step_path(self.run_dir, step))
+            self._discard(os.path.basename(step_path(self.run_dir, step)))

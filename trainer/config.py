@@ -223,6 +223,8 @@ class CheckpointArgs:
     keep_every: Annotated[int, NOT_NEGATIVE] = 0
     async_save: bool = False  # write shards in the background while training goes on
     resume_from: str | None = None  # a checkpoint folder a new run starts from; once run_dir has its own, they win
+    # start from step 0 although status.json says this run saved checkpoints that are gone (else refused); once
+    start_over: bool = False
     timeout_s: Annotated[int, TIMEOUT_S] = 3600  # limit for the collectives of one save or load (slow filesystems)
 
 

@@ -33,7 +33,7 @@ class UnsafeFile(OSError):
     """A file or folder in a shared place that is not what the project writes there: a link, a
     FIFO, a device, a folder where a file belongs, or larger than a file of its kind can be."""
 
-    def __init__(self, path, why):
+    def __init__(self, path, why="is not a regular file"):
         super(UnsafeFile, self).__init__(errno.EINVAL, "{} {}".format(path, why))
         self.path, self.why = str(path), why
 
@@ -350,3 +350,130 @@ def replaceable(path):
                 parent, pst.st_uid, stat.S_IMODE(pst.st_mode), child
             )
         child, child_st = parent, pst
+
+
+# ---- folders held open: what is done in a folder that someone else may rename or swap ------------
+#
+# A name is looked up again at every use: a neighbour who can write the folder above can rename the
+# folder away and put a link or a folder of their own under its name, and a later mkdir, rename or
+# delete by name then acts in their folder, or through their link in one of yours. A HeldFolder is
+# the folder opened once (O_DIRECTORY | O_NOFOLLOW) and worked in through its descriptor (dir_fd=,
+# as git and systemd do), so that a swap of its name cannot redirect what is done; `check` says
+# whether the name still leads to it.
+
+
+class HeldFolder(object):
+    """The folder at `path`, open for the life of this object (UnsafeFile if a link, or not a
+    folder, is there; FileNotFoundError if nothing is)."""
+
+    def __init__(self, path):
+        self.name = str(path)
+        try:
+            self.fd = _open(self.name, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        except NotADirectoryError:  # Linux's answer for a link with O_DIRECTORY | O_NOFOLLOW
+            raise UnsafeFile(self.name, "is {}, not a folder".format(kind(os.lstat(self.name).st_mode))) from None
+        st = os.fstat(self.fd)
+        if not stat.S_ISDIR(st.st_mode):
+            os.close(self.fd)
+            raise UnsafeFile(self.name, "is {}, not a folder".format(kind(st.st_mode)))
+        self.identity = (st.st_dev, st.st_ino)
+        # What code that needs a path (DCP's writer, torch.save, a background save process of the
+        # same user) is given: the descriptor's own entry in /proc, which leads to the folder held
+        # whatever its name leads to now. Without /proc (not Linux): the name, checked by `check`.
+        proc = "/proc/{}/fd/{}".format(os.getpid(), self.fd)
+        self.path = proc if os.path.isdir(proc) else self.name
+
+    def join(self, *names):
+        """A path of something inside the held folder, as `path` gives it."""
+        return os.path.join(self.path, *names)
+
+    def problem(self):
+        """Why the name no longer leads to the folder held (renamed away, replaced by another
+        folder or a link), or None."""
+        try:
+            st = os.lstat(self.name)
+        except OSError as e:
+            return "was renamed away while this run worked in it ({})".format(e.strerror or e)
+        if stat.S_ISLNK(st.st_mode):
+            return "was replaced by a symbolic link while this run worked in it"
+        if (st.st_dev, st.st_ino) != self.identity:
+            return "was replaced by another {} while this run worked in it".format(
+                "folder" if stat.S_ISDIR(st.st_mode) else kind(st.st_mode)
+            )
+        return None
+
+    def check(self):
+        """UnsafeFile, naming the folder, if its name no longer leads to the folder held."""
+        why = self.problem()
+        if why:
+            raise UnsafeFile(self.name, why)
+
+    def listdir(self):
+        return os.listdir(self.fd)
+
+    def lstat(self, name):
+        return os.lstat(name, dir_fd=self.fd)
+
+    def exists(self, name):
+        try:
+            self.lstat(name)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def mkdir(self, name, mode=0o777):
+        """Make the folder `name` in the held folder (the umask decides its mode, as os.mkdir's)."""
+        os.mkdir(name, mode, dir_fd=self.fd)
+
+    def rename(self, old, new):
+        """Rename `old` to `new`, both in the held folder."""
+        os.rename(old, new, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+
+    def fsync(self):
+        os.fsync(self.fd)
+
+    def remove(self, name):
+        """Delete `name` in the held folder without following a link: a link or file is unlinked,
+        a folder removed with what it holds, each level opened O_NOFOLLOW and worked in by its
+        descriptor. Returns what could not be removed, as 'why (path)' lines."""
+        return _remove_at(self.fd, name, self.name)
+
+    def close(self):
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _remove_at(dir_fd, name, where):
+    """HeldFolder.remove's walk: `name` in the folder open as `dir_fd` (called `where` in lines)."""
+    path = os.path.join(where, name)
+    try:
+        st = os.lstat(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return []
+    if not stat.S_ISDIR(st.st_mode):
+        try:
+            os.unlink(name, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            return ["{} ({})".format(e.strerror or e, path)]
+        return []
+    failed = []
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_DIRECTORY", 0), dir_fd=dir_fd)
+    except OSError as e:
+        return ["{} ({})".format(e.strerror or e, path)]
+    try:
+        opened = os.fstat(fd)
+        if (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino):  # swapped in between: not ours
+            return ["{} was replaced while it was being removed".format(path)]
+        for entry in os.listdir(fd):
+            failed += _remove_at(fd, entry, path)
+    finally:
+        os.close(fd)
+    try:
+        os.rmdir(name, dir_fd=dir_fd)
+    except OSError as e:
+        failed.append("{} ({})".format(e.strerror or e, path))
+    return failed

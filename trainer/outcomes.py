@@ -190,6 +190,9 @@ RAISED = {
     ("trainer.data", "DataError"): BAD_INPUT,
     ("trainer.dist", "NodeError"): BAD_INPUT,
     ("trainer.lease", "LeaseError"): BAD_INPUT,
+    # A link, FIFO or device put where the run keeps a file, met while it runs (a neighbour's, issue 41):
+    # its own words name the file; a restart would refuse it at the start all the same.
+    ("trainer.files", "UnsafeFile"): BAD_INPUT,
     ("trainer.models", "FamilyError"): BAD_INPUT,  # model.family names no usable module (on this node)
     ("trainer.lease", "LeaseLost"): LEASE_LOST,
     ("trainer.health", "HealthError"): HEALTH_FAILED,

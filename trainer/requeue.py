@@ -78,9 +78,14 @@ def requeue_check(run_dir, exit_code, max_attempts, job_id, max_excluded=0):
     fails with a message, so that a broken run does not loop forever. `max_excluded` is the job's
     health.max_excluded, from its submission (never from the run dir, which others may write)."""
     run_dir = str(run_dir)
-    latest = layout.latest_committed_step(run_dir)
-    status = layout.read_status(run_dir)
-    total = status.get("steps")
+    latest = layout.latest_committed_step(run_dir)  # the trainer's own answer (layout.checkpoint_problem)
+    # Finished is what the newest checkpoint proves: its step reached the train.steps it was saved
+    # under. status.json's state is never read for it (anyone who can write the run dir can forge
+    # "finished"); its steps only for a checkpoint whose meta.json does not say (an older trainer's).
+    total = layout.steps_saved_for(run_dir, latest)
+    if total is None:
+        steps = layout.read_status(run_dir).get("steps")
+        total = steps if isinstance(steps, int) and not isinstance(steps, bool) else None
     prefix = "requeue-check: job {}:".format(job_id)
     where = "newest checkpoint: step {}".format(latest) if latest is not None else "no checkpoint yet"
     stopped = layout.early_stop_record(run_dir, latest)  # the newest checkpoint says the run stopped early
@@ -92,7 +97,7 @@ def requeue_check(run_dir, exit_code, max_attempts, job_id, max_excluded=0):
             flush=True,
         )
         return 0
-    if status.get("state") == "finished" or (total is not None and latest == total):
+    if latest is not None and total is not None and latest >= total:
         print("{} {}".format(prefix, outcomes.FINISHED.line.format(step=latest, run_dir=run_dir)), flush=True)
         return outcomes.FINISHED.code
     outcome = outcomes.by_code(exit_code)
