@@ -286,7 +286,7 @@ def _train(run: Run, train_set, eval_set) -> None:
             if trace:
                 trace.write(f"{step} {' '.join(map(str, index.tolist()))}\n")
             x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
-            with plan.no_sync(model, i, accum), plan.loss_parallel():
+            with plan.grad_sync(model, i, accum), plan.loss_parallel():
                 with plan.autocast(compute_dtype):
                     loss = loss_fn(model(x), y) / accum
                 # sum: the sum over the micro-batch's samples (tokens), as the tutorial's reduction="sum"
