@@ -468,13 +468,16 @@ def _saved_ops() -> set:
     matmul and the abs-max its scales come from."""
     import torch
 
-    aten, names = torch.ops.aten, (
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_cudnn_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_mm",
-        "max",
+    aten, names = (
+        torch.ops.aten,
+        (
+            "_scaled_dot_product_efficient_attention",
+            "_scaled_dot_product_flash_attention",
+            "_scaled_dot_product_cudnn_attention",
+            "_scaled_dot_product_flash_attention_for_cpu",
+            "_scaled_mm",
+            "max",
+        ),
     )
     ops = {aten.mm.default, torch.ops._c10d_functional.reduce_scatter_tensor.default}
     return ops | {getattr(aten, name).default for name in names if hasattr(aten, name)}
