@@ -508,3 +508,8 @@ def selective_context():
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     return create_selective_checkpoint_contexts(selective_policy(collections.Counter()))
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's model under a DDP wrapper (FSDP2 wraps in place)."""
+    return getattr(model, "module", model) if type(model).__name__ == "DistributedDataParallel" else model
