@@ -324,15 +324,15 @@ class Plan:
 
             float8.convert(model, args, family.blocks, fsdp_ranks=self.dp_shard if self.fsdp else 0)
         units = units_of(model, args, family.blocks)
-        if args.compile:
-            for unit in units:
-                unit.compile()
         if args.ac_mode != "none":
             # The wrappers become the FSDP units (torchtitan's order): FSDP's pre-forward hook casts the
             # block's float inputs (the RoPE tables) to param_dtype outside the checkpointed region, so
             # the recompute sees the dtypes the forward saved. Sharded inside the wrapper, torch < 2.13
             # skips that cast in the recompute (pytorch#150140) and raises CheckpointError at step 1.
             units = checkpoint_units(model, units, args)
+        if args.compile:  # after checkpointing, as torchtitan: dynamo traces the checkpoint and its policy
+            for unit in units:
+                unit.compile()
         if args.strategy == "none":
             return model.to_empty(device=device) if _on_meta(model) else model.to(device)
         if args.strategy == "ddp":
