@@ -629,11 +629,18 @@ def memory_modes(ctx) -> tuple[dict, dict, dict]:
         values = [t / b for i in range(rounds) for t, b in zip(peaks[top][i], peaks[bottom][i])]
         figures[key] = figure(key, values)
         est = estimates[top]["total"] / estimates[bottom]["total"]
+        differences = [t - b for i in range(rounds) for t, b in zip(peaks[top][i], peaks[bottom][i])]
+        terms = ", ".join(
+            f"{term} {estimates[top][term] / 1e9:.3f} vs {estimates[bottom][term] / 1e9:.3f}"
+            for term in ("gradients", "activations")
+        )
         notes[key] = (
             f"{a.modes_size}, seq {a.modes_seq_len}, {n} processes, 4 micro-batches of 1 a step; {rounds} rounds x "
-            f"{n} ranks; medians {statistics.median(sum(peaks[top], [])) / 1e9:.2f} / "
-            f"{statistics.median(sum(peaks[bottom], [])) / 1e9:.2f} GB; the estimate's totals "
-            f"{estimates[top]['total'] / 1e9:.2f} / {estimates[bottom]['total'] / 1e9:.2f} GB ({est:.3f})"
+            f"{n} ranks; medians {statistics.median(sum(peaks[top], [])) / 1e9:.3f} / "
+            f"{statistics.median(sum(peaks[bottom], [])) / 1e9:.3f} GB, difference "
+            f"{statistics.median(differences) / 1e9:+.3f} GB; the estimate's totals "
+            f"{estimates[top]['total'] / 1e9:.3f} / {estimates[bottom]['total'] / 1e9:.3f} GB ({est:.3f}, difference "
+            f"{(estimates[top]['total'] - estimates[bottom]['total']) / 1e9:+.3f} GB; {terms} GB)"
             + (f"; stopped: {stopped}" if stopped else "")
         )
     details = {
