@@ -430,12 +430,14 @@ def test_check_refuses_llama_8b_on_2_ranks_and_advises_more_ranks_not_what_is_se
 
 
 def test_check_warns_under_10_percent_headroom_with_only_changes_not_made(capsys, tmp_path):
-    code, out, err = run_check(capsys, tmp_path, "--nproc", "4", "--nnodes", "4", "--gpu-mem-gb", "76")
+    # the 8B example as it shipped before #44: gradients unsharded until the last micro-batch, full recompute
+    before = ["parallel.grad_sync=last_micro_batch", "parallel.activation_checkpointing=full"]
+    code, out, err = run_check(capsys, tmp_path, "--nproc", "4", "--nnodes", "4", "--gpu-mem-gb", "76", *before)
     assert code == 0, err
     assert "per GPU estimated for NPROC=4 x NODES=4" in out, out
     warning = next(line for line in out.splitlines() if line.startswith("warning: less than 10% headroom"))
     assert re.search(r"the estimate is 9\d% of the GPU", warning), warning
-    assert "NPROC=8 (" in warning, warning
+    assert "NPROC=8 (" in warning and "parallel.grad_sync=every_micro_batch (" in warning, warning
     assert "activation_checkpointing" not in warning and "micro_batch_size" not in warning, warning
 
 

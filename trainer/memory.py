@@ -23,7 +23,8 @@ The estimate of one rank's peak, by part (`estimate`):
   a float32 rstd); on the CPU, and on the meta device unless told, torch runs its composite, which
   saves float32 copies of a bfloat16 input: counting those on a GPU was the estimate's 17-28% excess
   in eager bfloat16 (#33). With activation checkpointing the blocks are wrapped as the trainer wraps
-  them, so their recomputation in backward is measured too. Compiled runs: COMPILED_ACTIVATIONS of it.
+  them (full; selective by operator, or every Nth block: parallel.selective_ac), so their
+  recomputation in backward is measured too, each mode on its own. Compiled runs: COMPILED_ACTIVATIONS of it.
 * tensor parallelism (parallel.tp > 1): parameters, gradients and optimizer state are split over
   dp_shard x tp ranks, and what is all-gathered, reduced or accumulated is 1/tp of each unit. Of the
   activations, tp splits each block's (heads and the MLP's hidden units; with sequence parallelism the
@@ -35,7 +36,9 @@ The estimate of one rank's peak, by part (`estimate`):
 * gradients at the peak: the peak is at the start of backward. Without gradient accumulation none
   exist then (set to None after each step; backward makes them as it frees the activations), so
   they count only where they outgrow the activations. With accumulation the earlier micro-batches'
-  gradients are held through the last one's backward: under FSDP unsharded, every parameter's, in
+  gradients are held through the last one's backward: parallel.grad_sync=every_micro_batch, as
+  float32 shards (1/S: each micro-batch's are reduce-scattered into them); last_micro_batch (and auto
+  until the preflight decides it: choose_grad_sync), under FSDP unsharded, every parameter's, in
   reduce_dtype (FSDP2 reduces nothing while gradient sync is off).
 * overhead: on a GPU the caching allocator's, ALLOCATOR_OVERHEAD of the above, and the CUDA context
   with NCCL's buffers, CUDA_CONTEXT_BYTES; on the CPU the freed blocks glibc keeps,
