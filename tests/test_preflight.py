@@ -96,7 +96,8 @@ def test_a_job_that_cannot_fit_is_refused_with_what_would_fit(capsys, tmp_path):
         "--gpu-mem-gb",
         "60",
         "parallel.sharding=full",
-        "parallel.activation_checkpointing=false",
+        "parallel.activation_checkpointing=none",
+        "parallel.grad_sync=last_micro_batch",
     )
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1, err
@@ -108,7 +109,8 @@ def test_a_job_that_cannot_fit_is_refused_with_what_would_fit(capsys, tmp_path):
     assert m, lines[0]
     assert float(m[1]) - 60 == pytest.approx(float(m[2]), abs=0.11)
     fixes = m[3].split(", or ")
-    assert any(f.startswith("parallel.activation_checkpointing=true") for f in fixes), fixes
+    assert any(f.startswith("parallel.activation_checkpointing=selective (") for f in fixes), fixes
+    assert any(f.startswith("parallel.grad_sync=every_micro_batch (") for f in fixes), fixes  # 1/32 of the gradients
     assert not any("micro_batch_size" in f for f in fixes)  # already 1 sample: no smaller one to offer
     # every suggestion, applied, passes the same check
     for fix in fixes:
@@ -121,7 +123,8 @@ def test_a_job_that_cannot_fit_is_refused_with_what_would_fit(capsys, tmp_path):
             "--gpu-mem-gb",
             "60",
             "parallel.sharding=full",
-            "parallel.activation_checkpointing=false",
+            "parallel.activation_checkpointing=none",
+            "parallel.grad_sync=last_micro_batch",
         ]
         if option.startswith(("NODES=", "NPROC=")):  # make check's NODES= and NPROC=
             argv[3 if option.startswith("NODES=") else 1] = option.split("=")[1]
@@ -148,7 +151,7 @@ def test_the_local_gpus_memory_is_the_target_without_gpu_mem_gb(capsys, tmp_path
         "parallel.sharding=full",
         "train.global_batch_size=8",
         "train.micro_batch_size=8",
-        "parallel.activation_checkpointing=false",
+        "parallel.activation_checkpointing=none",
     )
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and "than the 40.0 GB of this machine's GPU" in lines[0], err
@@ -311,7 +314,7 @@ def test_submit_dry_run_prints_the_estimate_beside_the_partitions_gpus(tmp_path)
         r"GPU memory +about [\d.]+ GB per GPU estimated, of the 85.5 GB of h100 \(gres of partition gpu\)", out.stdout
     ), out.stdout
     assert re.search(
-        r"^    activations +[\d.]+ GB  1 sample\(s\) x [\d.]+ GB, with activation checkpointing", out.stdout, re.M
+        r"^    activations +[\d.]+ GB  1 sample\(s\) x [\d.]+ GB, with selective activation checkpointing", out.stdout, re.M
     )
     assert not _shared_run_dir().exists()
 
@@ -321,7 +324,7 @@ def test_submit_refuses_a_job_that_cannot_fit_in_one_line(tmp_path):
     out = submit_dry_run(
         tmp_path,
         _fake_slurm(tmp_path, "gpu:a100:8"),
-        "parallel.activation_checkpointing=false",
+        "parallel.activation_checkpointing=none",
         "train.micro_batch_size=4",
         "train.global_batch_size=128",
     )
@@ -332,7 +335,7 @@ def test_submit_refuses_a_job_that_cannot_fit_in_one_line(tmp_path):
     assert re.fullmatch(
         r"submit: error: .*llama-8b.yaml: memory: one GPU needs about [\d.]+ GB \(estimated.*\), [\d.]+ GB "
         r"more than the 42.9 GB of a100 \(gres of partition gpu\); it would fit with "
-        r"parallel.activation_checkpointing=true \([\d.]+ GB\).*",
+        r"(.*, or )?parallel.activation_checkpointing=selective \([\d.]+ GB\).*",
         lines[0],
     ), lines[0]
 
