@@ -314,7 +314,9 @@ def test_submit_dry_run_prints_the_estimate_beside_the_partitions_gpus(tmp_path)
         r"GPU memory +about [\d.]+ GB per GPU estimated, of the 85.5 GB of h100 \(gres of partition gpu\)", out.stdout
     ), out.stdout
     assert re.search(
-        r"^    activations +[\d.]+ GB  1 sample\(s\) x [\d.]+ GB, with selective activation checkpointing", out.stdout, re.M
+        r"^    activations +[\d.]+ GB  1 sample\(s\) x [\d.]+ GB, with selective activation checkpointing",
+        out.stdout,
+        re.M,
     )
     assert not _shared_run_dir().exists()
 
@@ -602,7 +604,10 @@ LLAMA_70B = str(ROOT / "configs" / "llama-70b.yaml")
 def test_llama_70b_on_8_nodes_of_8_h100s_with_and_without_tp():
     """README's worked example, its numbers. As shipped (64 sequences a step, tp=8): 44.9 GB of 80;
     FSDP alone, 1 sequence a rank: 55.1 GB. At 128 sequences tp=8 still fits (72.9 GB) and FSDP alone
-    does not (81.1 GB, 2 sequences a rank), and where the family has a tp plan tp=8 is offered."""
+    does not (81.1 GB, 2 sequences a rank); FSDP alone fits with 1 sequence a micro-batch, 2 accumulated,
+    when the gradients are reduce-scattered every micro-batch (59.9 GB; at the last one: 365.5 GB, 282.2
+    of them gradients), which the planner offers (grad_sync=auto decides so), and where the family has a
+    tp plan tp is offered (#44: tp=2 now, its accumulation sharded too)."""
     from trainer import models
     from trainer.config import ConfigError
 
@@ -616,9 +621,23 @@ def test_llama_70b_on_8_nodes_of_8_h100s_with_and_without_tp():
         for c in (cfg, alone, big, big_alone)
     ]
     assert totals == ["44.9 GB", "55.1 GB", "72.9 GB", "81.1 GB"]
+    accumulated = {
+        mode: memory.estimate(
+            memory._with(big_alone, parallel={"grad_sync": mode}, train={"micro_batch_size": 1}),
+            64,
+            1,
+            8,
+            gpu=True,
+            profile=pr,
+        )
+        for mode in ("every_micro_batch", "last_micro_batch")
+    }
+    assert [memory.gb(e.total) for e in accumulated.values()] == ["59.9 GB", "365.5 GB"]
+    assert memory.gb(accumulated["last_micro_batch"].gradients) == "282.2 GB"
     with pytest.raises(ConfigError) as e:
         memory.preflight(big_alone, 64, 8, 80 * 10**9, "GPU_MEM_GB=80", nodes=8, nodes_option="NODES={}")
     assert "one GPU needs about 81.1 GB" in str(e.value) and "NODES=16 (" in str(e.value)
     assert models.spec(cfg.model).tp_plan is not None  # the transformer's (transformer_tp.py): tp is offered
     fixes = memory.changes_that_fit(big_alone, 64, 8, 80 * 10**9, 8, "NODES={}", profile=pr)
-    assert "parallel.tp=8 (62.6 GB)" in fixes, fixes  # micro-batch 2 kept: tp 2 and 4 accumulate too much
+    assert "train.micro_batch_size=1 (59.9 GB)" in fixes, fixes  # 2 accumulated, reduce-scattered every one
+    assert "parallel.tp=2 (53.2 GB)" in fixes, fixes  # the micro-batch kept: tp=2 accumulates 2, sharded

@@ -623,6 +623,7 @@ def changes_that_fit(
     fixes = []
 
     def fits(changed, world: int = world_size, mb: int = micro, rpn: int = ranks_per_node) -> int | None:
+        changed, _ = choose_grad_sync(changed, world, mb, rpn, have, True, pr)  # auto decides for the change too
         e = estimate(changed, world, mb, rpn, gpu=True, profile=pr)
         return e.total if e.total <= have else None
 
