@@ -90,14 +90,15 @@ test-fast: venv-test ## the unit-level tests, without those marked slow (about 1
 
 # The oldest torch the trainer supports (pyproject.toml's torch>=2.11), in a venv of its own with only
 # what the selected tests import; never the trainer's extras. The tests: FSDP2, bf16 + activation
-# checkpointing, compile (CPU), DCP save and load 2 -> 3 ranks, the restricted unpickler, the launcher
-# (a failure, a stop signal, the rendezvous' _delay), trainer/torch_compat.py's private names and the save
-# planner that computes DCP's global plan from the layout (trainer/save_plan.py).
+# checkpointing (full and selective), compile (CPU), DCP save and load 2 -> 3 ranks, the restricted
+# unpickler, the launcher (a failure, a stop signal, the rendezvous' _delay), trainer/torch_compat.py's
+# private names and the save planner that computes DCP's global plan from the layout (trainer/save_plan.py).
 COMPAT_VENV  := .venv-compat
 COMPAT_TORCH ?= 2.11.*
 COMPAT_TESTS := \
 	'tests/test_parallel.py::test_matches_single_process[fsdp2]' \
 	tests/test_parallel.py::test_bf16_with_activation_checkpointing_runs_and_stays_close \
+	tests/test_activation_checkpointing.py::test_checkpointing_recomputes_what_it_should_and_matches \
 	tests/test_parallel.py::test_compile_matches \
 	'tests/test_checkpoint.py::test_resume_on_other_process_counts[2-3]' \
 	tests/test_shard_reader.py \

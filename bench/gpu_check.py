@@ -4,7 +4,9 @@
 
 With nothing but the repository and the machine's own torch (no venv, no network), in at most
 8 minutes on one H100/H200: the front door (launch, resume, generate, evaluate, metrics),
-tests/test_gpu.py, activation checkpointing in bfloat16 eager and compiled, the memory calibration
+tests/test_gpu.py, activation checkpointing in bfloat16 compiled, the memory modes (#44: gradients
+reduced at the last or every micro-batch, activations kept, recomputed in full or by operator, each
+in bfloat16 eager: max_memory_allocated and step time against the estimate), the memory calibration
 and the 1b MFU (compiled and eager). Each step runs in a subprocess with its own time box; a step
 that fails or runs out of time is reported and the others go on. One results file,
 bench/results/<date>-<gpu>-gpu-check.json and .md, names the GPU, driver, torch and commit.
@@ -43,7 +45,7 @@ def plan(scratch: Path) -> list[Step]:
     run = str(scratch / "front-door")
     launch = (PY, "-m", "trainer.launch", "--nproc-per-node=1", "--config", "configs/default.yaml", f"run_dir={run}")
     trainer = (PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", "trainer")
-    ac_bf16 = ("parallel.activation_checkpointing=true", "parallel.param_dtype=bfloat16", "train.steps=6")
+    ac_bf16 = ("parallel.activation_checkpointing=full", "parallel.param_dtype=bfloat16", "train.steps=6")
     return [
         Step("launch", (*launch, *TINY, "train.steps=20", "checkpoint.interval=10"), 35),
         Step("resume", (*launch, *TINY, "train.steps=30", "checkpoint.interval=10"), 25),
@@ -52,12 +54,7 @@ def plan(scratch: Path) -> list[Step]:
         ),
         Step("evaluate", (PY, "-m", "trainer.evaluate", run), 15),
         Step("metrics", (PY, "-m", "trainer.metrics", run, "--json"), 10),
-        Step("tests/test_gpu.py", (PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu.py"), 150),
-        Step(
-            "activation checkpointing, bf16, eager",
-            (*trainer, "--config", "configs/default.yaml", f"run_dir={scratch / 'ac-eager'}", *TINY, *ac_bf16),
-            25,
-        ),
+        Step("tests/test_gpu.py", (PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu.py"), 130),
         Step(
             "activation checkpointing, bf16, compiled",
             (
@@ -72,12 +69,18 @@ def plan(scratch: Path) -> list[Step]:
             45,
         ),
         # Each configuration's line is printed as it is measured: a time-out keeps those.
+        # Each mode's line is printed as it is measured (bf16 eager, full and selective checkpointing among them).
+        Step(
+            "memory modes: grad_sync and activation checkpointing",
+            (PY, "bench/memory_modes.py", "--gpu", "--out", str(scratch)),
+            70,
+        ),
         Step("memory calibration", (PY, "bench/memory_calibration.py", "--device", "cuda", "--out", str(scratch)), 45),
         # The bench reports each run that finished: the compiled one first, then the eager one if time is left.
         Step(
             "1b MFU, compiled and eager",
-            (PY, "bench/run.py", "--only", "gpu", "--budget", "105", "--gpu-steps", "10", "--scratch", str(scratch)),
-            110,
+            (PY, "bench/run.py", "--only", "gpu", "--budget", "85", "--gpu-steps", "10", "--scratch", str(scratch)),
+            90,
         ),
     ]
 

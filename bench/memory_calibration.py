@@ -49,7 +49,7 @@ CPU_CONFIGS = [
             "model.size=small",
             "model.seq_len=512",
             "train.global_batch_size=32",
-            "parallel.activation_checkpointing=true",
+            "parallel.activation_checkpointing=full",
         ],
     ),
     ("small, ddp", ["model.size=small", "model.seq_len=512", "train.global_batch_size=32", "parallel.strategy=ddp"]),
@@ -76,7 +76,7 @@ GPU_CONFIGS = [(r["name"], r["overrides"]) for r in json.loads(CALIBRATION.read_
             "model.seq_len=2048",
             "train.global_batch_size=8",
             "parallel.param_dtype=bfloat16",
-            "parallel.activation_checkpointing=true",
+            "parallel.activation_checkpointing=full",
             f"parallel.compile={str(compiled).lower()}",
         ],
     )

@@ -15,6 +15,7 @@ bench/results/<date>-<host>.md and .json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -23,6 +24,7 @@ import re
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -80,6 +82,22 @@ GOALS = {
         "time) / a synchronous save of the same state",
         "<=",
         0.05,
+    ),
+    "every_vs_last_peak_rss": (
+        "each rank's peak RSS, 125m-class model, 4 micro-batches a step: parallel.grad_sync=every_micro_batch / "
+        "last_micro_batch (#44), no activation checkpointing",
+        None,
+        None,
+    ),
+    "full_ac_vs_none_peak_rss": (
+        "the same: activation_checkpointing=full / none (both every_micro_batch)",
+        None,
+        None,
+    ),
+    "selective_ac_vs_none_peak_rss": (
+        "the same: activation_checkpointing=selective (by operator) / none (both every_micro_batch)",
+        None,
+        None,
     ),
     "shard_bytes_vs_ideal_n2": ("per-rank params+grads+optimizer bytes, FSDP full shard / (total/2)", "<=", 1.05),
     "shard_bytes_vs_ideal_n4": ("per-rank params+grads+optimizer bytes, FSDP full shard / (total/4)", "<=", 1.05),
@@ -548,6 +566,106 @@ def save_memory(ctx) -> tuple[dict, dict, dict]:
     )
     rounds = [d / r for d, r in zip(added["dcp"][:n], added["rank0"][:n])]
     return {key: figure(key, rounds)}, {key: note}, {"save_memory": {"added": added, "peak_rss": peaks}}
+
+
+def memory_modes(ctx) -> tuple[dict, dict, dict]:
+    """Each rank's peak RSS under the memory modes of bench/memory_modes.py (gradients reduced at the
+    last or every micro-batch, activations kept, recomputed in full or by operator), each mode in a
+    fresh launch, the modes interleaved (a round: one launch of each, the order turned every round).
+    A round's figure is a ratio of two modes' peaks, rank by rank (each rank's ratio is one value);
+    the estimate's terms (trainer.memory on the CPU) beside them. glibc is told to give freed blocks
+    back (MALLOC_MMAP_THRESHOLD_, as bench/memory_calibration.py), so the RSS follows what is allocated."""
+    from bench.common import size_overrides  # imports torch: not before a measurement needs it
+    from bench.memory_modes import MODES, RATIOS
+
+    a = ctx.args
+    n = a.nproc
+    train = [
+        *size_overrides(a.modes_size),
+        f"model.seq_len={a.modes_seq_len}",
+        f"train.global_batch_size={4 * n}",  # 4 micro-batches of 1 sequence on each rank
+        "train.micro_batch_size=1",
+        "train.steps=2",
+        "log.interval=1",
+        "log.progress=false",
+        "checkpoint.interval=0",
+        "optim.warmup_steps=1",
+    ]
+    peaks = {name: [] for name, _ in MODES}
+    estimates, stopped = {}, None
+    threshold = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+    for i in range(a.modes_rounds):
+        try:
+            order = MODES if i % 2 == 0 else MODES[::-1]
+            got = {}
+            for name, overrides in order:
+                run_dir, out = ctx.scratch / "memory_modes", ctx.scratch / "memory_modes.json"
+                shutil.rmtree(run_dir, ignore_errors=True)
+                for old in ctx.scratch.glob("memory_modes.json.rank*"):
+                    old.unlink()
+                with _environ(threshold):
+                    launch(
+                        n,
+                        ["-m", "bench.memory_modes", "--out", str(out), "--config", CONFIG, f"run_dir={run_dir}"]
+                        + train
+                        + overrides,
+                        ctx.scratch / f"memory_modes_{name}_{i}.log",
+                        ctx.budget.need(30, f"the {name} mode's run"),
+                    )
+                ranks = [json.loads((ctx.scratch / f"memory_modes.json.rank{r}").read_text()) for r in range(n)]
+                got[name] = [r["peak_rss"] for r in ranks]
+                estimates[name] = ranks[0]["estimate"]
+            for name in peaks:
+                peaks[name].append(got[name])
+        except Failed as e:
+            stopped = str(e)
+            break
+    keys = [key for key, _, _, _ in RATIOS]
+    rounds = len(peaks["last"])
+    if not rounds:
+        return *not_measured(keys, stopped), {}
+    figures, notes = {}, {}
+    for key, top, bottom, _ in RATIOS:
+        values = [t / b for i in range(rounds) for t, b in zip(peaks[top][i], peaks[bottom][i])]
+        figures[key] = figure(key, values)
+        est = estimates[top]["total"] / estimates[bottom]["total"]
+        differences = [t - b for i in range(rounds) for t, b in zip(peaks[top][i], peaks[bottom][i])]
+        terms = ", ".join(
+            f"{term} {estimates[top][term] / 1e9:.3f} vs {estimates[bottom][term] / 1e9:.3f}"
+            for term in ("gradients", "activations")
+        )
+        notes[key] = (
+            f"{a.modes_size}, seq {a.modes_seq_len}, {n} processes, 4 micro-batches of 1 a step; {rounds} rounds x "
+            f"{n} ranks; medians {statistics.median(sum(peaks[top], [])) / 1e9:.3f} / "
+            f"{statistics.median(sum(peaks[bottom], [])) / 1e9:.3f} GB, difference "
+            f"{statistics.median(differences) / 1e9:+.3f} GB; the estimate's totals "
+            f"{estimates[top]['total'] / 1e9:.3f} / {estimates[bottom]['total'] / 1e9:.3f} GB ({est:.3f}, difference "
+            f"{(estimates[top]['total'] - estimates[bottom]['total']) / 1e9:+.3f} GB; {terms} GB)"
+            + (f"; stopped: {stopped}" if stopped else "")
+        )
+    details = {
+        "memory_modes": {
+            "peak_rss_by_round_and_rank": peaks,
+            "estimate": {name: {k: v for k, v in e.items() if k != "notes"} for name, e in estimates.items()},
+            "estimate_notes": {name: e["notes"] for name, e in estimates.items()},
+        }
+    }
+    return figures, notes, details
+
+
+@contextlib.contextmanager
+def _environ(values: dict):
+    """os.environ with `values` set (launch passes os.environ on), restored after."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def shard_bytes(ctx) -> tuple[dict, dict, dict]:
@@ -1052,6 +1170,7 @@ MEASUREMENTS = [
     (checkpoint_scaling, [], 60),
     (save_memory, ["dcp_vs_rank0_peak_mem"], 40),
     (shard_bytes, ["shard_bytes_vs_ideal_n4"], 40),
+    (memory_modes, ["every_vs_last_peak_rss", "full_ac_vs_none_peak_rss", "selective_ac_vs_none_peak_rss"], 4 * 40),
     (trainer_runs, ["trainer_vs_minimal_step_time", *[f"resume_{p}_s" for p in RESUME_PARTS]], 3 * 30),
     (throughput_scaling, [], 30),
     (
@@ -1212,6 +1331,9 @@ def main() -> int:
     )
     parser.add_argument("--memory-size", default="125m", help="size of the fresh-process memory measurement")
     parser.add_argument("--memory-rounds", type=int, default=3, help="rounds (a DCP and a rank-0 launch each) of it")
+    parser.add_argument("--modes-size", default="125m", help="transformer size of the memory modes' peak RSS (#44)")
+    parser.add_argument("--modes-seq-len", type=int, default=512, help="sequence length of the memory modes' runs")
+    parser.add_argument("--modes-rounds", type=int, default=3, help="rounds (a launch of each mode) of them")
     parser.add_argument(
         "--no-system-drop",
         action="store_true",

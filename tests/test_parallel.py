@@ -26,9 +26,27 @@ def baseline(tmp_path_factory):
         (4, ["parallel.sharding=hybrid", "parallel.shard_size=2"]),
         (2, ["parallel.sharding=grad_op", "parallel.wrap=size", "parallel.wrap_min_params=5000"]),
         (2, ["parallel.cpu_offload=true"]),
-        (2, ["parallel.activation_checkpointing=true"]),
+        (2, ["parallel.activation_checkpointing=full"]),
+        # selective by operator (#44), with the gradients reduce-scattered at each of 3 micro-batches
+        (
+            2,
+            [
+                "parallel.activation_checkpointing=selective",
+                "train.micro_batch_size=2",
+                "parallel.grad_sync=every_micro_batch",
+            ],
+        ),
     ],
-    ids=["fsdp2", "fsdp3-accum", "ddp2-accum", "hybrid4", "grad_op-size_wrap", "cpu_offload", "act_ckpt"],
+    ids=[
+        "fsdp2",
+        "fsdp3-accum",
+        "ddp2-accum",
+        "hybrid4",
+        "grad_op-size_wrap",
+        "cpu_offload",
+        "act_ckpt",
+        "selective_ac-every_micro_batch",
+    ],
 )
 def test_matches_single_process(tmp_path, baseline, nproc, overrides):
     base_losses, base_weights = baseline
@@ -49,13 +67,15 @@ def test_bf16_mixed_precision_stays_close(tmp_path, baseline):
     assert _largest_relative_difference(got, base_losses) > FLOAT32_NOISE
 
 
-def test_bf16_with_activation_checkpointing_runs_and_stays_close(tmp_path, baseline):
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_bf16_with_activation_checkpointing_runs_and_stays_close(tmp_path, baseline, mode):
     """#33 item 1: with torch < 2.13 the recompute saw the RoPE tables in float32 where the forward
     had saved them in bfloat16 (CheckpointError at step 1), because the block was sharded inside its
     checkpoint wrapper. The wrapper is the FSDP unit now: the input cast happens before the
-    checkpointed region. Fails on the old code in the compat venv (torch 2.11)."""
+    checkpointed region. Fails on the old code in the compat venv (torch 2.11). Selective
+    checkpointing (#44) is wrapped the same way."""
     base_losses, _ = baseline
-    train(tmp_path, 1, *TINY, "parallel.activation_checkpointing=true", "parallel.param_dtype=bfloat16")
+    train(tmp_path, 1, *TINY, f"parallel.activation_checkpointing={mode}", "parallel.param_dtype=bfloat16")
     got = losses(tmp_path)
     assert got.keys() == base_losses.keys()
     assert all(abs(got[s] - base_losses[s]) < 0.02 * base_losses[s] for s in got), (got, base_losses)

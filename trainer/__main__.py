@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     if env.rank == 0:
         for line in notes:
             print(line, flush=True)
+        if cfg.parallel.deprecated:
+            print(f"warning: {cfg.parallel.deprecated}", flush=True)
 
     from trainer.train import train  # torch.distributed set-up lives there
 

@@ -60,7 +60,7 @@ def validate(
     `node_size`: the ranks of one node of the target (make check's NPROC, make submit's GPUS_PER_NODE)
     where no memory is checked here; else ranks_per_node: parallel.tp must divide it.
     Only the memory check, the last, imports torch: the config alone is checked without it."""
-    warnings: list[str] = []
+    warnings: list[str] = [cfg.parallel.deprecated] if cfg.parallel.deprecated else []
 
     def fail(key: str, message: str):
         raise ConfigError(f"{source(key)}: {key}: {message}")

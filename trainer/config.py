@@ -194,7 +194,21 @@ class ParallelArgs:
     # whose gradients overflow (that step is skipped) and doubles after 2000 steps without one. > 0.
     loss_scale: Annotated[float, POSITIVE] = 65536.0
     cpu_offload: bool = False  # keep sharded params, grads and optimizer state in host memory
-    activation_checkpointing: bool = False  # recompute each block's activations in backward
+    # Recompute activations in backward instead of keeping them (torchtitan's activation_checkpoint.mode):
+    # none; full: every block's whole forward again; selective: as parallel.selective_ac says. The old
+    # true/false still mean full/none (a deprecation line says so).
+    activation_checkpointing: Literal["none", "full", "selective"] | bool = "none"
+    # activation_checkpointing=selective (torchtitan's selective_ac_option): op: every block keeps the outputs
+    # of its matmuls (every other one of them) and attention, and recomputes the rest (norms, activations,
+    # RoPE); N: every Nth block is checkpointed in full, the others keep all their activations.
+    selective_ac: Annotated[int | Literal["op"], AT_LEAST_1] = "op"
+    # When FSDP reduces the gradients under accumulation: every_micro_batch reduce-scatters each
+    # micro-batch's into the sharded gradients (1/N held, as torchtitan and ZeRO-2/3; hybrid all-reduces
+    # across its replicas at the last only); last_micro_batch keeps them unsharded, in reduce_dtype, until
+    # the last micro-batch (one reduce-scatter a step, a whole copy of the gradients on every rank); auto:
+    # last_micro_batch where the memory estimate fits the GPU (less communication), else every_micro_batch.
+    # DDP reduces at the last micro-batch always (no_sync).
+    grad_sync: Literal["auto", "every_micro_batch", "last_micro_batch"] = "auto"
     compile: bool = False  # torch.compile each block and the loss
     # float8 matmuls in the blocks' linear layers (torchao: pip install .[float8]); tensorwise: one scale a
     # tensor, weights all-gathered in float8 under FSDP; rowwise: one scale a row, closer to bf16, slower.
@@ -207,6 +221,25 @@ class ParallelArgs:
     # Seconds a collective of the training process group waits for a rank that does not answer;
     # then the run stops with an error naming the step (exit code 1), so that Slurm can requeue it.
     timeout_s: Annotated[int, TIMEOUT_S] = 600
+
+    deprecated: typing.ClassVar[str | None] = None  # the line a deprecated value of a key gets (set by __post_init__)
+
+    def __post_init__(self):
+        if isinstance(self.activation_checkpointing, bool):  # the old key: true/false, one deprecation line
+            self.deprecated = AC_DEPRECATED.format(str(self.activation_checkpointing).lower(), self.ac_mode)
+            self.activation_checkpointing = self.ac_mode
+
+    @property
+    def ac_mode(self) -> str:
+        """activation_checkpointing as none, full or selective (the old true/false: full/none)."""
+        ac = self.activation_checkpointing
+        return ("full" if ac else "none") if isinstance(ac, bool) else ac
+
+
+AC_DEPRECATED = (
+    "parallel.activation_checkpointing={} is deprecated: it means parallel.activation_checkpointing={}; write "
+    "that (none, full or selective)"
+)
 
 
 @dataclass

@@ -23,7 +23,8 @@ The estimate of one rank's peak, by part (`estimate`):
   a float32 rstd); on the CPU, and on the meta device unless told, torch runs its composite, which
   saves float32 copies of a bfloat16 input: counting those on a GPU was the estimate's 17-28% excess
   in eager bfloat16 (#33). With activation checkpointing the blocks are wrapped as the trainer wraps
-  them, so their recomputation in backward is measured too. Compiled runs: COMPILED_ACTIVATIONS of it.
+  them (full; selective by operator, or every Nth block: parallel.selective_ac), so their
+  recomputation in backward is measured too, each mode on its own. Compiled runs: COMPILED_ACTIVATIONS of it.
 * tensor parallelism (parallel.tp > 1): parameters, gradients and optimizer state are split over
   dp_shard x tp ranks, and what is all-gathered, reduced or accumulated is 1/tp of each unit. Of the
   activations, tp splits each block's (heads and the MLP's hidden units; with sequence parallelism the
@@ -35,7 +36,9 @@ The estimate of one rank's peak, by part (`estimate`):
 * gradients at the peak: the peak is at the start of backward. Without gradient accumulation none
   exist then (set to None after each step; backward makes them as it frees the activations), so
   they count only where they outgrow the activations. With accumulation the earlier micro-batches'
-  gradients are held through the last one's backward: under FSDP unsharded, every parameter's, in
+  gradients are held through the last one's backward: parallel.grad_sync=every_micro_batch, as
+  float32 shards (1/S: each micro-batch's are reduce-scattered into them); last_micro_batch (and auto
+  until the preflight decides it: choose_grad_sync), under FSDP unsharded, every parameter's, in
   reduce_dtype (FSDP2 reduces nothing while gradient sync is off).
 * overhead: on a GPU the caching allocator's, ALLOCATOR_OVERHEAD of the above, and the CUDA context
   with NCCL's buffers, CUDA_CONTEXT_BYTES; on the CPU the freed blocks glibc keeps,
@@ -136,10 +139,15 @@ class Profile:
     root_params: int  # parameters in no FSDP unit: the root's (embeddings, final norm, head)
     largest_unit: int  # parameters of the largest FSDP unit (a block)
     activations: int  # bytes autograd saves for one sample, in the compute dtype
-    activations_checkpointed: int  # the same with activation checkpointing of the blocks
+    activations_checkpointed: int  # the same with full activation checkpointing of the blocks
     compute_dtype: torch.dtype  # what FSDP all-gathers and computes in (float32 for BatchNorm models)
     blocks: int = 0  # the model's repeated blocks (family.blocks)
     block_input: int = 0  # bytes of one block's input for one sample (the LM: seq_len x dim), compute dtype
+    activations_selective: int = 0  # the same with selective checkpointing (the config's parallel.selective_ac)
+
+    def per_sample(self, mode: str) -> int:
+        """One sample's activation bytes under activation_checkpointing `mode` (none, full, selective)."""
+        return {"none": self.activations, "full": self.activations_checkpointed}.get(mode, self.activations_selective)
 
 
 @dataclass(frozen=True)
@@ -189,16 +197,21 @@ def measure(cfg, gpu: bool = False) -> Profile:
     units = parallel.wrap_units(model, cfg.parallel, family.blocks)
     in_units = {id(p) for u in units for p in u.parameters()}
     plain = _activation_peak(model.to(dtype), cfg.model, dtype, gpu)
-    with torch.device("meta"):
-        checkpointed = family.build(cfg.model).to(dtype)
-    parallel.checkpoint_units(checkpointed, parallel.units_of(checkpointed, cfg.parallel, family.blocks))
+    checkpointed = {}
+    for mode in ("full", "selective"):  # the blocks wrapped as the trainer wraps them (selective: its option)
+        with torch.device("meta"):
+            wrapped = family.build(cfg.model).to(dtype)
+        args = dataclasses.replace(cfg.parallel, activation_checkpointing=mode)
+        parallel.checkpoint_units(wrapped, parallel.units_of(wrapped, args, family.blocks), args)
+        checkpointed[mode] = _activation_peak(wrapped, cfg.model, dtype, gpu)
     blocks = family.blocks(model)
     return Profile(
         params=sum(p.numel() for p in model.parameters()),
         root_params=sum(p.numel() for p in model.parameters() if id(p) not in in_units),
         largest_unit=max((sum(p.numel() for p in u.parameters()) for u in units), default=0),
         activations=plain,
-        activations_checkpointed=_activation_peak(checkpointed, cfg.model, dtype, gpu),
+        activations_checkpointed=checkpointed["full"],
+        activations_selective=checkpointed["selective"],
         compute_dtype=dtype,
         blocks=len(blocks),
         block_input=_block_input_bytes(model, blocks, cfg.model, dtype) if blocks else 0,
@@ -219,14 +232,39 @@ def _block_input_bytes(model, blocks, m, dtype: torch.dtype) -> int:
     return first.numel() * first.element_size() // 2 if isinstance(first, torch.Tensor) else 0
 
 
-def tp_activations(per_sample: int, pr: Profile, tp: int, checkpointed: bool) -> int:
+def tp_activations(per_sample: int, pr: Profile, tp: int, parallel_args) -> int:
     """One sample's activation bytes on one of `tp` tensor-parallel ranks, from what one rank keeps
     without tensor parallelism (`per_sample`): 1/tp of it, but the all-gathered inputs of each
-    block's attention and MLP count whole (see the module's docstring)."""
+    block's attention and MLP count whole (see the module's docstring): every block's that keeps
+    its activations, and the one being recomputed (`parallel_args`: how the blocks are checkpointed;
+    the operator policy keeps matmul outputs, not the gathered inputs, which it recomputes)."""
     if tp == 1:
         return per_sample
-    gathered = min(per_sample, 2 * pr.block_input * (1 if checkpointed else pr.blocks))
+    gathered = min(per_sample, 2 * pr.block_input * kept_block_inputs(pr.blocks, parallel_args))
     return (per_sample - gathered) // tp + gathered
+
+
+def kept_block_inputs(blocks: int, parallel_args) -> int:
+    """Blocks whose inputs are alive at once in backward: all without checkpointing, the one being
+    recomputed with it, and with every Nth block checkpointed the others and that one."""
+    mode, option = parallel_args.ac_mode, parallel_args.selective_ac
+    if mode == "none":
+        return blocks
+    if mode == "selective" and option != "op":
+        return blocks - blocks // option + 1
+    return 1
+
+
+def ac_words(parallel_args) -> str:
+    """How the blocks are checkpointed, in words."""
+    mode, option = parallel_args.ac_mode, parallel_args.selective_ac
+    if mode == "none":
+        return "without activation checkpointing"
+    if mode == "full":
+        return "with full activation checkpointing"
+    if option == "op":
+        return "with selective activation checkpointing (matmul and attention outputs kept, the rest recomputed)"
+    return f"with every {option}th block checkpointed (selective_ac={option})"
 
 
 def _activation_peak(model, m, dtype: torch.dtype, gpu: bool = False) -> int:
@@ -410,8 +448,7 @@ def estimate(
     else:
         reduce_buffers = 0
         notes["reduce_buffers"] = "none"
-    per_sample = pr.activations_checkpointed if p.activation_checkpointing else pr.activations
-    per_sample = tp_activations(per_sample, pr, tp, p.activation_checkpointing)
+    per_sample = tp_activations(pr.per_sample(p.ac_mode), pr, tp, p)
     if p.compile:
         per_sample = int(per_sample * COMPILED_ACTIVATIONS)
     activations = per_sample * micro_batch
@@ -424,8 +461,7 @@ def estimate(
             f"counted only beyond them"
         )
     notes["activations"] = (
-        f"{micro_batch} sample(s) x {gb(per_sample)}, "
-        f"{'with' if p.activation_checkpointing else 'without'} activation checkpointing"
+        f"{micro_batch} sample(s) x {gb(per_sample)}, {ac_words(p)}"
         f"{f', tp {tp} (the gathered block inputs whole, the rest 1/{tp})' if tp > 1 else ''}"
         f"{f', compiled ({COMPILED_ACTIVATIONS:.0%} of eager)' if p.compile else ''}"
     )
@@ -434,7 +470,18 @@ def estimate(
         host = parameters + gradients + optimizer
         parameters = gradients = optimizer = 0
         notes["host"] = "parameters, gradients and optimizer state offloaded to host memory"
-    if fsdp and accumulating:
+    if fsdp and accumulating and factors.sharded_accumulation:
+        # parallel.grad_sync=every_micro_batch: each micro-batch's gradients are reduce-scattered (the
+        # largest unit's unsharded ones in the reduce buffers) and added into the sharded float32 ones
+        notes["gradients"] = (
+            notes["gradients"]
+            if offloaded
+            else (
+                f"float32, {what}: reduce-scattered every micro-batch and accumulated sharded "
+                f"(grad_sync=every_micro_batch), held through the next micro-batch's backward"
+            )
+        )
+    elif fsdp and accumulating:
         # FSDP2 without gradient sync (the trainer's set_requires_gradient_sync(False) on all but the
         # last micro-batch) keeps every unit's gradients unsharded on the device, in reduce_dtype
         # (FSDPParam.to_accumulated_grad_if_needed), until the last micro-batch's reduce-scatter.
@@ -444,7 +491,7 @@ def estimate(
         notes["gradients"] = (
             f"{_name(torch_dtype(p.reduce_dtype)) if reduce_bytes != b else _name(pr.compute_dtype)}, "
             f"{whole} unsharded: FSDP keeps the micro-batches' gradients unsharded until the last one's "
-            f"reduce-scatter (gradient accumulation)"
+            f"reduce-scatter (grad_sync=last_micro_batch; every_micro_batch keeps 1/{s})"
         )
     allocated = parameters + gradients + optimizer + unsharded + reduce_buffers + activations
     if gpu:
@@ -469,6 +516,34 @@ def estimate(
         overhead=overhead,
         host=host,
         notes=notes,
+    )
+
+
+def choose_grad_sync(
+    cfg, world_size: int, micro_batch: int, ranks_per_node: int | None, have: int | None, gpu: bool, profile=None
+) -> tuple:
+    """(cfg with parallel.grad_sync=auto decided, the line that says why, or None where nothing was
+    decided). auto: last_micro_batch (one reduce-scatter a step) where its estimate fits `have`
+    bytes, else every_micro_batch (1/N of the gradients held, a reduce-scatter each micro-batch).
+    Only FSDP with accumulation has a choice; elsewhere auto means last_micro_batch, which is then
+    what happens (no accumulation: one reduction a step either way; DDP: no_sync)."""
+    p = cfg.parallel
+    if p.grad_sync != "auto":
+        return cfg, None
+    last = _with(cfg, parallel={"grad_sync": "last_micro_batch"})
+    plan = Plan(p, world_size, ranks_per_node=ranks_per_node)
+    if not plan.fsdp or accumulation(cfg, plan.dp_size, micro_batch) == 1 or not have:
+        return last, None
+    need = estimate(last, world_size, micro_batch, ranks_per_node, gpu=gpu, profile=profile).total
+    if need <= have:
+        return last, (
+            f"parallel.grad_sync=auto: last_micro_batch (one reduce-scatter a step): its estimate, "
+            f"{gb(need)}, fits the {gb(have)}"
+        )
+    every = _with(cfg, parallel={"grad_sync": "every_micro_batch"})
+    return every, (
+        f"parallel.grad_sync=auto: every_micro_batch (gradients sharded, a reduce-scatter each micro-batch): "
+        f"last_micro_batch would need about {gb(need)}, more than the {gb(have)}"
     )
 
 
@@ -501,7 +576,10 @@ def preflight(
 
     pr = measure(cfg, gpu=True)
     micro = cfg.train.micro_batch_size or cfg.train.global_batch_size // dp_size(cfg, world_size)
+    cfg, chosen = choose_grad_sync(cfg, world_size, micro, ranks_per_node, have, True, pr)
     need = estimate(cfg, world_size, micro, ranks_per_node, gpu=True, profile=pr)
+    if chosen:
+        need.notes["gradients"] += f" [{chosen}]"
     if need.total <= have:
         return need
     fixes = changes_that_fit(cfg, world_size, ranks_per_node, have, nodes, nodes_option, ranks_option, pr)
@@ -509,7 +587,8 @@ def preflight(
         ("it would fit with " + ", or ".join(fixes))
         if fixes
         else (
-            "no single change (activation checkpointing, a smaller micro-batch, CPU offload, full sharding, "
+            "no single change (gradients reduced every micro-batch, activation checkpointing, a smaller "
+            "micro-batch, CPU offload, full sharding, "
             "tensor parallelism, more ranks per node, up to 16x the nodes) makes it fit: use a smaller model or "
             "GPUs with more memory"
         )
@@ -531,10 +610,10 @@ def changes_that_fit(
     ranks_option: str | None = None,
     profile: Profile | None = None,
 ) -> list[str]:
-    """Each single change not already made (activation checkpointing, a smaller micro-batch, CPU
-    offload, full sharding, more tensor parallelism, more ranks per node, more nodes) after which the
-    GPU estimate is at most `have` bytes, with that estimate: "parallel.activation_checkpointing=true
-    (41.2 GB)"."""
+    """Each single change not already made (gradients reduced every micro-batch, selective or full
+    activation checkpointing, a smaller micro-batch, CPU offload, full sharding, more tensor
+    parallelism, more ranks per node, more nodes) after which the GPU estimate is at most `have`
+    bytes, with that estimate: "parallel.activation_checkpointing=selective (41.2 GB)"."""
     from trainer import models
 
     pr = profile or measure(cfg, gpu=True)
@@ -544,14 +623,21 @@ def changes_that_fit(
     fixes = []
 
     def fits(changed, world: int = world_size, mb: int = micro, rpn: int = ranks_per_node) -> int | None:
+        changed, _ = choose_grad_sync(changed, world, mb, rpn, have, True, pr)  # auto decides for the change too
         e = estimate(changed, world, mb, rpn, gpu=True, profile=pr)
         return e.total if e.total <= have else None
 
-    p, factors = cfg.parallel, Plan(cfg.parallel, world_size, ranks_per_node=ranks_per_node).memory_factors()
-    if not p.activation_checkpointing:
-        total = fits(_with(cfg, parallel={"activation_checkpointing": True}))
+    plan = Plan(cfg.parallel, world_size, ranks_per_node=ranks_per_node)
+    p, factors = cfg.parallel, plan.memory_factors()
+    if factors.gathers and not factors.sharded_accumulation and accumulation(cfg, plan.dp_size, micro) > 1:
+        total = fits(_with(cfg, parallel={"grad_sync": "every_micro_batch"}))
         if total:
-            fixes.append(f"parallel.activation_checkpointing=true ({gb(total)})")
+            fixes.append(f"parallel.grad_sync=every_micro_batch ({gb(total)}, a reduce-scatter each micro-batch)")
+    # selective first: torchtitan's default for its large models, full recompute costs about a third more compute
+    for mode in {"none": ("selective", "full"), "selective": ("full",)}.get(p.ac_mode, ()):
+        total = fits(_with(cfg, parallel={"activation_checkpointing": mode}))
+        if total:
+            fixes.append(f"parallel.activation_checkpointing={mode} ({gb(total)})")
     smaller = [m for m in range(micro - 1, 0, -1) if per_rank % m == 0 and fits(cfg, mb=m)]
     if smaller:
         fixes.append(f"train.micro_batch_size={smaller[0]} ({gb(fits(cfg, mb=smaller[0]))})")

@@ -15,6 +15,7 @@ reads the plan's checks on a login node, as it reads the model families' specs.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import os
@@ -54,6 +55,9 @@ class MemoryFactors:
     node_shards: bool  # hybrid sharding over fewer ranks than the world: sharding=full would shard finer
     finer_per_node: bool  # more ranks per node shard finer (FSDP without a fixed shard_size)
     finer_with_nodes: bool  # more nodes shard finer (FSDP over the whole world)
+    # under accumulation FSDP reduce-scatters every micro-batch: the gradients held are the sharded ones
+    # (parallel.grad_sync=every_micro_batch); else unsharded until the last micro-batch
+    sharded_accumulation: bool = False
 
 
 @dataclass(eq=False)
@@ -237,6 +241,7 @@ class Plan:
             node_shards=self.hybrid and self.dp_shard < self.dp_size,
             finer_per_node=self.fsdp and not p.shard_size,
             finer_with_nodes=self.fsdp and not self.hybrid,
+            sharded_accumulation=self.fsdp and p.grad_sync == "every_micro_batch",
         )
 
     # -- training -----------------------------------------------------------------------------------
@@ -261,13 +266,22 @@ class Plan:
 
         return torch.autocast(self._device_type, dtype=compute_dtype) if compute_dtype else contextlib.nullcontext()
 
-    def no_sync(self, model: nn.Module, micro: int, accum: int):
-        """Skip the gradient reduction on all but the last micro-batch of an accumulation. Without one
-        there is nothing to do: the reduction is on by default (FSDP's setter walks every module)."""
+    def grad_sync(self, model: nn.Module, micro: int, accum: int):
+        """The gradient reduction of micro-batch `micro` of `accum` (parallel.grad_sync, resolved:
+        trainer.memory.choose_grad_sync). last_micro_batch: none before the last (FSDP's gradients stay
+        unsharded, DDP's no_sync). every_micro_batch (FSDP): a reduce-scatter each micro-batch, FSDP2
+        adding it into the sharded gradient; hybrid sharding all-reduces across its replicas at the last
+        only (torchtitan's set_requires_all_reduce). Without accumulation there is nothing to do: the
+        reduction is on by default (FSDP's setters walk every module)."""
         if accum == 1:
             return contextlib.nullcontext()
         last_micro = micro == accum - 1
-        if self.fsdp:
+        if self.fsdp and self.args.grad_sync == "every_micro_batch":
+            if micro == 0:
+                model.set_requires_gradient_sync(True)
+            if self.hybrid:
+                model.set_requires_all_reduce(last_micro)
+        elif self.fsdp:
             model.set_requires_gradient_sync(last_micro)
         elif self.args.strategy == "ddp" and not last_micro:
             return model.no_sync()
@@ -310,15 +324,15 @@ class Plan:
 
             float8.convert(model, args, family.blocks, fsdp_ranks=self.dp_shard if self.fsdp else 0)
         units = units_of(model, args, family.blocks)
-        if args.compile:
-            for unit in units:
-                unit.compile()
-        if args.activation_checkpointing:
+        if args.ac_mode != "none":
             # The wrappers become the FSDP units (torchtitan's order): FSDP's pre-forward hook casts the
             # block's float inputs (the RoPE tables) to param_dtype outside the checkpointed region, so
             # the recompute sees the dtypes the forward saved. Sharded inside the wrapper, torch < 2.13
             # skips that cast in the recompute (pytorch#150140) and raises CheckpointError at step 1.
-            units = checkpoint_units(model, units)
+            units = checkpoint_units(model, units, args)
+        if args.compile:  # after checkpointing, as torchtitan: dynamo traces the checkpoint and its policy
+            for unit in units:
+                unit.compile()
         if args.strategy == "none":
             return model.to_empty(device=device) if _on_meta(model) else model.to(device)
         if args.strategy == "ddp":
@@ -425,20 +439,75 @@ def _on_meta(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
 
 
-def checkpoint_units(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
-    """Replace each unit by a checkpoint-wrapped one, in place in its parent; the wrappers, in the
-    units' order. State-dict keys do not change: the wrapper's hooks (and DCP) drop its
+def checkpoint_units(model: nn.Module, units: list[nn.Module], args: ParallelArgs | None = None) -> list[nn.Module]:
+    """Replace units by checkpoint-wrapped ones, in place in their parents, as `args` says
+    (activation_checkpointing and selective_ac; None: full): every unit, in full or with the
+    operator policy (`selective_policy`), or every selective_ac-th unit in full (torchtitan counts
+    from 1: with 2, the second, fourth, ...). The units with the wrappers in their place, in order.
+    State-dict keys do not change: the wrapper's hooks (and DCP) drop its
     `_checkpoint_wrapped_module.` prefix."""
     from trainer.torch_compat import checkpoint_wrapper
 
+    mode, option = (args.ac_mode, args.selective_ac) if args else ("full", "op")
+    by_op = mode == "selective" and option == "op"
+    every = option if mode == "selective" and not by_op else 1
+    targets = {id(u) for i, u in enumerate(units) if (i + 1) % every == 0}
     wrapped: dict[int, nn.Module] = {}
-    targets = {id(u) for u in units}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if id(child) in targets:
-                wrapped[id(child)] = checkpoint_wrapper(child)
+                wrapped[id(child)] = checkpoint_wrapper(child, selective_context if by_op else None)
                 parent.register_module(name, wrapped[id(child)])
-    return [wrapped[id(u)] for u in units]
+    return [wrapped.get(id(u), u) for u in units]
+
+
+def _saved_ops() -> set:
+    """What selective checkpointing by operator keeps (torchtitan's _save_list): the matmuls' outputs
+    (every other mm: `selective_policy`), the attention kernels' (the CPU's flash kernel too, so that
+    the CPU runs what a GPU does), tensor parallelism's reduce-scatters, and float8's: its scaled
+    matmul and the abs-max its scales come from."""
+    import torch
+
+    aten, names = (
+        torch.ops.aten,
+        (
+            "_scaled_dot_product_efficient_attention",
+            "_scaled_dot_product_flash_attention",
+            "_scaled_dot_product_cudnn_attention",
+            "_scaled_dot_product_flash_attention_for_cpu",
+            "_scaled_mm",
+            "max",
+        ),
+    )
+    ops = {aten.mm.default, torch.ops._c10d_functional.reduce_scatter_tensor.default}
+    return ops | {getattr(aten, name).default for name in names if hasattr(aten, name)}
+
+
+def selective_policy(counts: dict):
+    """torchtitan's operator policy: keep the outputs of the ops of `_saved_ops`, but recompute every
+    second matmul (those with an even count in this forward, or in its recompute: torch < 2.14 asks
+    again there); recompute every other op. `counts`: one forward's matmuls, by phase."""
+    import torch
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    saved, mm = _saved_ops(), torch.ops.aten.mm.default
+
+    def policy(ctx, func, *args, **kwargs):
+        phase = "recompute" if ctx.is_recompute else "forward"
+        if func == mm:
+            counts[phase] += 1
+        keep = func in saved and not (func == mm and counts[phase] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def selective_context():
+    """The context_fn of a block's checkpoint wrapper: torch's create_selective_checkpoint_contexts
+    with the operator policy, its matmul counts new for each forward."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(selective_policy(collections.Counter()))
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -246,11 +246,12 @@ def agent_used(agent: type):
         launcher_api.LocalElasticAgent = original  # main() may run again in this process (submitit)
 
 
-def checkpoint_wrapper(module):
-    """`module` wrapped for activation checkpointing (torch's wrapper, still under a private path)."""
+def checkpoint_wrapper(module, context_fn=None):
+    """`module` wrapped for activation checkpointing (torch's wrapper, still under a private path);
+    `context_fn`: torch.utils.checkpoint's, for selective checkpointing (None: recompute everything)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as wrap
 
-    return wrap(module)
+    return wrap(module, context_fn=context_fn) if context_fn else wrap(module)
 
 
 def local_shape_and_offset(param):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -107,9 +108,9 @@ def train(cfg: Config) -> None:
     store = torch_compat.default_store()
     store.set(f"trainer/where/{env.rank}", f"{hangs.node()} {os.getpid()}")  # named in hang files and straggler lines
     watchdog = hangs.Watchdog(run_dir, env.rank, cfg.parallel.timeout_s, store)  # armed by the loop's first step
-    plan = parallel.Plan.of(cfg.parallel, env)
+    plan, chosen = _plan(cfg, env, control)
     try:
-        _train(Run(cfg, env, plan, control, io_group, lease, watchdog, times), *datasets)
+        _train(Run(cfg, env, plan, control, io_group, lease, watchdog, times, grad_sync_line=chosen), *datasets)
     except RuntimeError as e:  # torch.distributed.DistBackendError is one
         watchdog.stop()
         if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
@@ -140,6 +141,26 @@ class Run:
     early: early_stopping.EarlyStop | None = None  # early stopping's state, a checkpoint part (set with ckpt)
     best: early_stopping.Best | None = None  # the best eval loss's step, a checkpoint part (set with ckpt)
     train_set: object = None  # the training data: a mixture's origin goes into each checkpoint (data.position)
+    grad_sync_line: str | None = None  # why parallel.grad_sync=auto chose as it did (None: nothing to choose)
+
+
+def _plan(cfg: Config, env: distributed.Env, group) -> tuple[parallel.Plan, str | None]:
+    """The run's parallel plan, parallel.grad_sync=auto decided by the memory estimate against this
+    rank's GPU (on the CPU: this machine's memory over its ranks), the same on every rank (one
+    needing every_micro_batch makes it so for all); and the line that says why, or None."""
+    from trainer import memory
+
+    micro, _ = batch_plan(cfg, parallel.Plan(cfg.parallel, env.world_size).dp_size)
+    if env.device.type == "cuda":
+        have = torch.cuda.get_device_properties(env.device).total_memory
+    else:
+        have = (memory.machine_bytes() or 0) // env.local_world_size
+    chosen, line = memory.choose_grad_sync(
+        cfg, env.world_size, micro, env.local_world_size, have, env.device.type == "cuda"
+    )
+    if line is not None and _agreed_max(group, float(chosen.parallel.grad_sync == "every_micro_batch"))[0]:
+        return parallel.Plan.of(dataclasses.replace(cfg.parallel, grad_sync="every_micro_batch"), env), line
+    return parallel.Plan.of(chosen.parallel, env), line
 
 
 class StuckRank(Exception):
@@ -293,7 +314,7 @@ def _train(run: Run, train_set, eval_set) -> None:
             if trace:
                 trace.write(f"{step} {' '.join(map(str, index.tolist()))}\n")
             x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
-            with plan.no_sync(model, i, accum), plan.loss_parallel():
+            with plan.grad_sync(model, i, accum), plan.loss_parallel():
                 with plan.autocast(compute_dtype):
                     loss = loss_fn(model(x), y) / accum
                 # sum: the sum over the micro-batch's samples (tokens), as the tutorial's reduction="sum"
@@ -524,6 +545,8 @@ def _begin_steps(run: Run, model, step: int) -> None:
         f"strategy {plan.strategy}, {micro} samples x {accum} micro-batches per rank, steps "
         f"{step}->{cfg.train.steps}"
     )
+    if run.grad_sync_line:
+        reporter.message(run.grad_sync_line)
     model.train()
     ckpt.plan(
         cfg.train.steps, step, _auto_interval(cfg, env) if cfg.checkpoint.interval == "auto" else None, reporter.message
