@@ -111,7 +111,12 @@ def read_bytes(path, limit=SMALL_FILE_BYTES):
     """The bytes of the regular file at `path`, at most `limit` of them (UnsafeFile past that).
 
     Never blocks on a FIFO, never follows a link: FileNotFoundError when nothing is there."""
-    fd = _open(path, os.O_RDONLY | os.O_NONBLOCK)
+    return _read_regular(_open(path, os.O_RDONLY | os.O_NONBLOCK), path, limit)
+
+
+def _read_regular(fd, path, limit):
+    """At most `limit` bytes of the file open as `fd` (closed here), once it is checked to be a
+    regular file; UnsafeFile past `limit`."""
     _regular(fd, path)
     with os.fdopen(fd, "rb") as f:
         data = f.read(limit + 1)
@@ -141,12 +146,7 @@ def read_named(path, limit=SMALL_FILE_BYTES):
         if e.errno == errno.ENXIO:  # a socket
             raise UnsafeFile(path, "is a socket, not a regular file") from None
         raise
-    _regular(fd, path)
-    with os.fdopen(fd, "rb") as f:
-        data = f.read(limit + 1)
-    if len(data) > limit:
-        raise UnsafeFile(path, "is larger than {} bytes, more than a file of its kind holds".format(limit))
-    return data
+    return _read_regular(fd, path, limit)
 
 
 class Untrusted(UnsafeFile):
