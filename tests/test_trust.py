@@ -22,7 +22,7 @@ from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTra
 from torch.distributed.checkpoint.api import CheckpointException
 
 from conftest import ROOT, TINY, load_metadata, losses, rerecord, small_parts, small_step, train
-from trainer import checkpoint
+from trainer import checkpoint, save_plan
 from trainer.shard_reader import ShardReader
 
 
@@ -131,9 +131,11 @@ def resumed(run_dir, group, **args) -> tuple[dict | None, dict]:
 
 def test_a_metadata_payload_never_runs_when_listing_or_loading(tmp_path, group, caplog):
     """A .metadata that creates a file when unpickled, in the newest checkpoint and an older one
-    (with the checksums rewritten to match): listing never creates it, the restart skips both with
-    a line naming the file and loads the good one; the same without manifest.json (a checkpoint
-    saved before it existed, listed through its .metadata)."""
+    (with the checksums rewritten to match): listing never creates it; a checkpoint with a chunk
+    index (chunks.npz) loads from the index and never reads its .metadata; without the index (a
+    checkpoint DCP's own planner saved) the restart skips both with a line naming the file and
+    loads the good one; the same without manifest.json (a checkpoint saved before it existed,
+    listed through its .metadata)."""
     marker = tmp_path / "marker"
     weights = saved_run(tmp_path / "run", group, steps=(1, 2, 3))
     step1, step2, step3 = (checkpoint.step_path(tmp_path / "run", s) for s in (1, 2, 3))
@@ -142,6 +144,13 @@ def test_a_metadata_payload_never_runs_when_listing_or_loading(tmp_path, group, 
     caplog.set_level(logging.INFO, "trainer")
     checkpoint.complete(str(tmp_path / "run"))
     assert not marker.exists(), "listing unpickled a .metadata"
+    meta, state = resumed(tmp_path / "run", group)
+    assert not marker.exists(), "loading through the chunk index unpickled a .metadata"
+    assert meta["step"] == 3 and all(torch.equal(state[k], weights[3][k]) for k in state)
+    for step in (step2, step3):  # as DCP's own planner saves them: no index, .metadata read
+        os.remove(os.path.join(step, save_plan.INDEX))
+        rerecord(step)
+    caplog.clear()
     meta, state = resumed(tmp_path / "run", group)
     assert not marker.exists(), "loading unpickled a .metadata"
     assert meta["step"] == 1 and all(torch.equal(state[k], weights[1][k]) for k in state)
@@ -192,12 +201,26 @@ def _rename_a_tensor(path) -> None:  # still a valid pickle of the same size
     open(path, "wb").write(data.replace(b"1.weight", b"1.weighT", 1))
 
 
+def _without_index(folder) -> None:
+    """`folder` as DCP's own planner saves it: no chunk index, so a load reads its .metadata."""
+    os.remove(os.path.join(folder, save_plan.INDEX))
+    rerecord(folder)
+
+
 @pytest.mark.parametrize(
-    "name, damage", [("rng/rank_00000.pt", _flip), ("meta.json", _change_a_shape), (".metadata", _rename_a_tensor)]
+    "name, damage, before",
+    [
+        ("rng/rank_00000.pt", _flip, None),
+        ("meta.json", _change_a_shape, None),
+        (save_plan.INDEX, _flip, None),
+        (".metadata", _rename_a_tensor, _without_index),  # with an index, .metadata is never read
+    ],
 )
-def test_any_damaged_file_makes_the_checkpoint_unreadable(tmp_path, group, caplog, name, damage):
+def test_any_damaged_file_makes_the_checkpoint_unreadable(tmp_path, group, caplog, name, damage, before):
     weights = saved_run(tmp_path, group)
     newest = checkpoint.step_path(tmp_path, 2)
+    if before:
+        before(newest)
     damage(os.path.join(newest, name))
     caplog.set_level(logging.INFO, "trainer")
     meta, state = resumed(tmp_path, group)
