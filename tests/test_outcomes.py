@@ -25,6 +25,7 @@ NOT_AN_OUTCOME = {
     ("trainer.config", "_Refused"): "YAML refused while loading: ConfigError",
     ("trainer.shard_reader", "Refused"): "a checkpoint's pickle refused: CheckpointError",
     ("trainer.shard_reader", "_NotPlain"): "internal to the restricted unpickler",
+    ("trainer.save_plan", "BadIndex"): "a checkpoint's chunk index refused: the checkpoint is skipped as unreadable",
     ("trainer.hf", "HFError"): "a Hugging Face model refused: ConfigError or CheckpointError where raised",
     ("trainer.prepare", "PrepareError"): "python -m trainer.prepare's own: one line, exit 2 there",
     ("trainer.submit", "SubmitError"): "make submit's own: one line, exit 2 there",

@@ -468,6 +468,8 @@ def _saved_ops() -> set:
     matmul and the abs-max its scales come from."""
     import torch
 
+    from trainer.torch_compat import reduce_scatter_op
+
     aten, names = (
         torch.ops.aten,
         (
@@ -479,7 +481,7 @@ def _saved_ops() -> set:
             "max",
         ),
     )
-    ops = {aten.mm.default, torch.ops._c10d_functional.reduce_scatter_tensor.default}
+    ops = {aten.mm.default, reduce_scatter_op()}
     return ops | {getattr(aten, name).default for name in names if hasattr(aten, name)}
 
 

@@ -37,6 +37,9 @@ Each private name: who uses it (through which function here); what happens where
 * DTensor._local_tensor (a class annotation; torch sets it on each instance): float8.py
   (local_tensor: the very tensor, where to_local() would give a view); float8 checkpoints hold
   torchao's class.
+* ops._c10d_functional.reduce_scatter_tensor (the functional collectives' op namespace): parallel.py
+  (reduce_scatter_op: an op whose output selective activation checkpointing keeps, as torchtitan's
+  policy does); its output is recomputed, which costs a collective per block.
 * nn.modules.batchnorm._BatchNorm: parallel.py (batch_norm_base); no BatchNorm statistics synced,
   or the trainer cannot start.
 * checkpoint.staging.DefaultStager._config (the StagingOptions it was made with): checkpoint.py
@@ -85,6 +88,7 @@ PRIVATE = [
     ("torch", "UntypedStorage._cdata"),
     ("torch.nn.modules.batchnorm", "_BatchNorm"),
     ("torch._inductor.config", "emulate_precision_casts"),
+    ("torch", "ops._c10d_functional.reduce_scatter_tensor"),
     *(("torch.distributed.checkpoint.planner", f"SavePlanner.{name}") for name in PLAN_CACHES),
 ]
 # The hooks of torchrun's agent (a LocalElasticAgent) that Agent below hands to public names.
@@ -252,6 +256,14 @@ def checkpoint_wrapper(module, context_fn=None):
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as wrap
 
     return wrap(module, context_fn=context_fn) if context_fn else wrap(module)
+
+
+def reduce_scatter_op():
+    """The functional collectives' reduce-scatter (tensor parallelism's, and float8's): an op whose
+    output selective activation checkpointing keeps rather than recompute."""
+    import torch
+
+    return torch.ops._c10d_functional.reduce_scatter_tensor.default
 
 
 def local_shape_and_offset(param):
