@@ -269,6 +269,32 @@ def rerecord(folder) -> None:
         checksums.write_manifest(str(folder), json.load(open(os.path.join(folder, "meta.json"))).get("run_id"))
 
 
+def point_index(folder, fqn: str, offset: int, length: int) -> None:
+    """The chunk index's record of the value `fqn` (a pickled item) pointed at `offset`, `length` of
+    its shard file, as someone who tampers with a checkpoint would (rerecord afterwards)."""
+    import numpy as np
+
+    from trainer import save_plan
+
+    path = os.path.join(folder, save_plan.INDEX)
+    with np.load(path, allow_pickle=False) as z:
+        arrays = {name: z[name] for name in z.files}
+    items = json.loads(arrays["header"].tobytes())["items"]
+    t = next(t for t, item in enumerate(items) if item["fqn"] == fqn)
+    arrays[f"p{t}"][0], arrays[f"l{t}"][0] = offset, length
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
+
+
+def without_index(folder) -> None:
+    """`folder` as DCP's own planner saves it: no chunk index (chunks.npz), so a load reads its
+    .metadata (rerecorded)."""
+    from trainer import save_plan
+
+    os.remove(os.path.join(folder, save_plan.INDEX))
+    rerecord(folder)
+
+
 # ---- bad input: one line, exit 2, nothing written -----------------------------------------------
 
 DEFAULT = str(ROOT / "configs" / "default.yaml")  # the default config, as the bad-input tests name it

@@ -13,7 +13,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY, kill_group, load_metadata, losses, rerecord, rows, start, train, wait_for, weights
+from conftest import (
+    TINY,
+    kill_group,
+    load_metadata,
+    losses,
+    point_index,
+    rerecord,
+    rows,
+    start,
+    train,
+    wait_for,
+    weights,
+)
 from trainer import checkpoint, layout, save_plan
 
 pytestmark = pytest.mark.slow  # every test trains in real processes (damaged checkpoints, the kill -9 soak)
@@ -390,21 +402,8 @@ def _replace_bytes_item(folder: Path, suffix: str, value) -> None:
     with open(folder / ".metadata", "wb") as f:
         pickle.dump(metadata, f)
     if (folder / save_plan.INDEX).exists():  # the chunk index, which a load reads in place of .metadata
-        _point_index(folder, suffix, offset, len(data.getvalue()))
+        point_index(folder, index.fqn, offset, len(data.getvalue()))
     rerecord(folder)
-
-
-def _point_index(folder: Path, suffix: str, offset: int, length: int) -> None:
-    """The chunk index's record of the value whose name ends with `suffix` pointed at `offset`, `length`."""
-    import numpy as np
-
-    with np.load(folder / save_plan.INDEX, allow_pickle=False) as z:
-        arrays = {name: z[name] for name in z.files}
-    items = json.loads(arrays["header"].tobytes())["items"]
-    t = next(t for t, item in enumerate(items) if item["fqn"].endswith(suffix))
-    arrays[f"p{t}"][0], arrays[f"l{t}"][0] = offset, length
-    with open(folder / save_plan.INDEX, "wb") as f:
-        np.savez(f, **arrays)
 
 
 def _replace_rng(folder: Path, rank: int, state: torch.Tensor) -> None:

@@ -21,7 +21,18 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension, ZStandard
 from torch.distributed.checkpoint.api import CheckpointException
 
-from conftest import ROOT, TINY, load_metadata, losses, rerecord, small_parts, small_step, train
+from conftest import (
+    ROOT,
+    TINY,
+    load_metadata,
+    losses,
+    point_index,
+    rerecord,
+    small_parts,
+    small_step,
+    train,
+    without_index,
+)
 from trainer import checkpoint, save_plan
 from trainer.shard_reader import ShardReader
 
@@ -77,6 +88,8 @@ def plant_bytes_item(folder, marker, suffix: str) -> None:
     metadata.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(payload.getvalue()))
     with open(os.path.join(folder, ".metadata"), "wb") as f:
         pickle.dump(metadata, f)
+    if os.path.exists(os.path.join(folder, save_plan.INDEX)):  # which a load reads in place of .metadata
+        point_index(folder, index.fqn, offset, len(payload.getvalue()))
     rerecord(folder)
 
 
@@ -148,8 +161,7 @@ def test_a_metadata_payload_never_runs_when_listing_or_loading(tmp_path, group, 
     assert not marker.exists(), "loading through the chunk index unpickled a .metadata"
     assert meta["step"] == 3 and all(torch.equal(state[k], weights[3][k]) for k in state)
     for step in (step2, step3):  # as DCP's own planner saves them: no index, .metadata read
-        os.remove(os.path.join(step, save_plan.INDEX))
-        rerecord(step)
+        without_index(step)
     caplog.clear()
     meta, state = resumed(tmp_path / "run", group)
     assert not marker.exists(), "loading unpickled a .metadata"
@@ -201,19 +213,13 @@ def _rename_a_tensor(path) -> None:  # still a valid pickle of the same size
     open(path, "wb").write(data.replace(b"1.weight", b"1.weighT", 1))
 
 
-def _without_index(folder) -> None:
-    """`folder` as DCP's own planner saves it: no chunk index, so a load reads its .metadata."""
-    os.remove(os.path.join(folder, save_plan.INDEX))
-    rerecord(folder)
-
-
 @pytest.mark.parametrize(
     "name, damage, before",
     [
         ("rng/rank_00000.pt", _flip, None),
         ("meta.json", _change_a_shape, None),
         (save_plan.INDEX, _flip, None),
-        (".metadata", _rename_a_tensor, _without_index),  # with an index, .metadata is never read
+        (".metadata", _rename_a_tensor, without_index),  # with an index, .metadata is never read
     ],
 )
 def test_any_damaged_file_makes_the_checkpoint_unreadable(tmp_path, group, caplog, name, damage, before):
@@ -475,7 +481,8 @@ SAVING = [*TINY, "checkpoint.interval=3", "log.interval=3", "checkpoint.keep=0"]
 
 @pytest.mark.slow
 def test_payloads_never_run_on_resume_resume_from_or_export(tmp_path):
-    """The report's payloads on 2 ranks: .metadata payloads in steps 6 and 9 (the restart skips
+    """The report's payloads on 2 ranks: .metadata payloads in steps 6 and 9, saved without a chunk
+    index so that a load reads .metadata (the restart skips
     both, naming them, and resumes at 3; export refuses the newest); an optimizer bytes item
     pointed at a payload in a copy of step 3 given as checkpoint.resume_from (refused)."""
     import shutil
@@ -489,8 +496,9 @@ def test_payloads_never_run_on_resume_resume_from_or_export(tmp_path):
     source = tmp_path / "source"
     shutil.copytree(step3, source)
     plant_bytes_item(source, marker, ".lr")
-    plant_metadata(step6, marker)
-    plant_metadata(step9, marker)
+    for step in (step6, step9):  # saved without a chunk index, so that .metadata is what a load reads
+        without_index(step)
+        plant_metadata(step, marker)
 
     assert export([str(run), "--out", str(tmp_path / "m.pt")]) == 2
     assert not marker.exists() and not (tmp_path / "m.pt").exists()
