@@ -72,9 +72,12 @@ def _worker(rank: int, world: int, run_dir: str, action: str, out: str) -> None:
             scheduler.step()
             ckpt.save(1, {"samples": 3}, blocking=True)
         else:
-            reads = []  # .metadata unpickled by this rank: rank 0 once, for every rank (checkpoint.choose)
-            real = shard_reader.load_metadata
+            # the checkpoint's metadata read by this rank (its chunk index, or .metadata unpickled where it
+            # has none): rank 0 once, for every rank (checkpoint.choose)
+            reads = []
+            real, real_index = shard_reader.load_metadata, checkpoint._read_index
             checkpoint.load_metadata = shard_reader.load_metadata = lambda path: reads.append(path) or real(path)
+            checkpoint._read_index = lambda path, record: reads.append(path) or real_index(path, record)
             meta = ckpt.load()
             assert meta is not None and meta["step"] == 1
             counts = [None] * world
