@@ -18,7 +18,7 @@ import torch
 
 from bench.nodes import job_processes, kill_node, restore_node
 from bench.nodes import parent_pid as _ppid
-from conftest import COMMON, cluster, job_info, log_text, make_submit, metrics, submit_job, wait_job
+from conftest import COMMON, ROOT, cluster, job_info, log_text, make_submit, metrics, submit_job, wait_job
 from conftest import wait_for_cluster as wait_for  # polls scontrol and sinfo 5 times a second
 from trainer import layout
 
@@ -264,10 +264,17 @@ def test_a_cancelled_job_is_not_requeued(runs):
 
 
 @cluster
-def test_job_without_progress_is_not_requeued_forever(runs):
+def test_job_without_progress_is_not_requeued_forever(runs, tmp_path):
+    """Ranks that crash at start (exit 1: a failure that may pass, not bad input) are restarted and
+    requeued until two attempts in a row saved no new checkpoint. (A file where the trace folder goes
+    used to crash them; it is bad input now, one line and no requeue, since #41.)"""
     run_dir = runs / "no-progress"
     run_dir.mkdir(parents=True)
-    (run_dir / "trace").write_text("")  # a file where the debugging trace folder goes: the ranks crash at start
+    crash = tmp_path / "crash"
+    crash.mkdir()
+    (crash / "sitecustomize.py").write_text(  # imported by every Python; exits in torchrun's workers only
+        "import os\nif 'TORCHELASTIC_RUN_ID' in os.environ and 'LOCAL_RANK' in os.environ:\n    os._exit(1)\n"
+    )
     job = submit_job(
         "--nodes",
         "1",
@@ -277,7 +284,7 @@ def test_job_without_progress_is_not_requeued_forever(runs):
         "2",
         "train.steps=10",
         "log.interval=1",
-        "data.trace=true",
+        env={"PYTHONPATH": f"{crash}{os.pathsep}{ROOT}"},
     )
     info = wait_job(job)
     assert info["JobState"] == "FAILED"
