@@ -53,6 +53,7 @@ from torch.distributed.tensor import DTensor
 
 from trainer import torch_compat
 from trainer.checksums import ChecksumWriter
+from trainer.files import write_bytes
 
 
 @dataclass(frozen=True)
@@ -550,12 +551,9 @@ def write_index(folder: str, plan: GlobalPlan, mappings: dict, files: list[str],
         "mappings": {k: list(v) for k, v in mappings.items()},
     }
     arrays["header"] = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
-    path = os.path.join(folder, INDEX)
-    with open(path + ".tmp", "wb") as f:
-        np.savez(f, **arrays)
-        f.flush()
-        os.fsync(f.fileno())
-    os.rename(path + ".tmp", path)
+    data = io.BytesIO()
+    np.savez(data, **arrays)
+    write_bytes(os.path.join(folder, INDEX), data.getbuffer())  # trainer/files.py: no link followed, atomic
 
 
 class BadIndex(ValueError):
