@@ -63,27 +63,12 @@ def _tag(key: str) -> str:
     return f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"
 
 
-def held_folder(run_dir: str, name: str) -> tuple[int, str]:
-    """(fd, path) of the folder `name` in `run_dir`, made if absent and held open: the path names the
-    held folder itself (/proc/self/fd/<fd> on Linux), so a writer that opens files under it by path
-    (TensorBoard's) writes into the folder checked here even if someone swaps a link in at the name
-    afterwards. files.UnsafeFile when something other than a folder of ours is at the name."""
-    path = os.path.join(run_dir, name)
-    files.make_folder(path)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
-    except OSError:  # swapped for a link or a file since make_folder looked
-        raise files.UnsafeFile(path, "is not a folder of the run's (a link or a file was put there)") from None
-    held = f"/proc/self/fd/{fd}"
-    return fd, held if os.path.isdir(held) else path
-
-
 class Trackers:
     """The configured trackers of one run, on rank 0; `log` takes metrics.jsonl's rows."""
 
     def __init__(self, run_dir: str, args, config: dict, resumed_step: int | None):
         self.writers: list = []
-        self.held: list[int] = []  # folders held open for the trackers' writers
+        self.held: list[files.HeldFolder] = []  # folders held open for the trackers' writers
         ids = _read_ids(run_dir)
         name = os.path.basename(os.path.abspath(run_dir))
         if args.tensorboard:
@@ -92,12 +77,17 @@ class Trackers:
             # A link planted at <run_dir>/tensorboard (a neighbour in a shared run dir) would have the
             # events written into any folder of ours: the folder is checked and held (issue 41 item 4);
             # the start's check (trainer/check.py, layout.WRITTEN_FOLDERS) refuses one before this.
+            # The writer is given the held folder's own path (/proc/<pid>/fd/N): a link swapped in at the
+            # name afterwards changes nothing.
+            folder = os.path.join(run_dir, layout.TENSORBOARD_DIR)
             try:
-                fd, folder = held_folder(run_dir, layout.TENSORBOARD_DIR)
+                files.make_folder(folder)
+                held = files.HeldFolder(folder)
             except files.UnsafeFile as e:
                 log.warning(f"{e}: no TensorBoard events are written in this start (metrics.jsonl has every row)")
             else:
-                self.held.append(fd)
+                self.held.append(held)
+                folder = held.path
                 # purge_step: events at or after it, written before a crash, are dropped from the view
                 purge = resumed_step + 1 if resumed_step is not None else None
                 self.tensorboard = SummaryWriter(folder, purge_step=purge)
@@ -146,8 +136,8 @@ class Trackers:
     def close(self, finished: bool = True) -> None:
         if hasattr(self, "tensorboard"):
             self.tensorboard.close()
-        for fd in self.held:
-            os.close(fd)
+        for held in self.held:
+            held.close()
         self.held = []
         if hasattr(self, "wandb"):
             self.wandb.finish(exit_code=0 if finished else 1)
