@@ -13,6 +13,7 @@ import subprocess
 import pytest
 
 from conftest import PYTHON, ROOT, TINY, env, metrics, one_line, python, train, wait_for
+from pages import block
 from trainer import api
 from trainer.layout import latest_committed_step
 
@@ -20,10 +21,7 @@ DEFAULT = str(ROOT / "configs" / "default.yaml")
 
 
 def readme_block() -> str:
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Python API") :]
-    block = section[section.index("```python\n") + 10 :]
-    return block[: block.index("```")]
+    return block("README.md", "Python API", "python")
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """See the whole config (issue #35 item 4): `python -m trainer.config --print` and `make config` list
 every key with its value, its default and its meaning, read from the comment beside each field;
-README's key table is made from the same comments and kept equal to them here."""
+docs/configuration.md's key table is made from the same comments and kept equal to them here."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from conftest import ROOT
+from pages import text
 from trainer import config
 from trainer.check import validate
 from trainer.config import Config, ConfigError, keys, load, to_dict
@@ -31,17 +32,19 @@ def test_every_key_has_a_meaning_from_the_comment_beside_its_field():
     assert listed["train.steps"] == "total optimizer steps of the run; >= 1"  # the trailing comment, the range
     assert listed["launch.max_restarts"].startswith("Times the launcher")  # the comment block above
     assert listed["data.token_dtype"] == "element type of a token file; one of uint16, uint32"  # and its choices
-    # the meaning is the first sentence: the explanation after it is left to the source and the README
+    # the meaning is the first sentence: the explanation after it is left to the source and docs/configuration.md
     assert not listed["health.min_write_mbps"].endswith("degraded mount on that node")
     for k in ("model.rope_scaling.factor", "log.tensorboard", "log.wandb", "log.mlflow"):
         assert listed[k], k
 
 
 def test_the_readme_key_table_is_the_one_the_fields_make():
-    readme = (ROOT / "README.md").read_text()
-    start = readme.index("<!-- config keys:")
-    table = readme[readme.index("\n", start) + 1 : readme.index("<!-- end of config keys -->")]
-    assert table == config.key_table(), "README's key table is stale: python -m trainer.config --table makes it"
+    page = text("docs/configuration.md")
+    start = page.index("<!-- config keys:")
+    table = page[page.index("\n", start) + 1 : page.index("<!-- end of config keys -->")]
+    assert table == config.key_table(), (
+        "docs/configuration.md's key table is stale: python -m trainer.config --table makes it"
+    )
     for key in ("log.tensorboard", "log.wandb", "log.mlflow", "health.command_timeout_s", "launch.max_restarts"):
         assert f"| `{key}` |" in table, key
 

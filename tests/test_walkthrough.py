@@ -14,16 +14,14 @@ import urllib.request
 import pytest
 
 from conftest import ROOT, env, rows, wait_for
+from pages import block
 from trainer.dist import free_port
 
 pytestmark = pytest.mark.slow
 
 
 def walkthrough() -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## A run's life") :]
-    block = section[section.index("```sh\n") + 6 :]
-    return block[: block.index("```")].splitlines()
+    return block("README.md", "A run's life").splitlines()
 
 
 def test_a_runs_life_as_the_readme_walks_it(tmp_path):
@@ -51,7 +49,7 @@ def test_a_runs_life_as_the_readme_walks_it(tmp_path):
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)
     # the front door: one stop line (the launcher's), one "received" line, none of torchrun's own
-    # make, signalled too, dies by the SIGINT after its recipe (the launcher) ended: README says why
+    # make, signalled too, dies by the SIGINT after its recipe (the launcher) ended: docs/failures.md says why
     assert first.returncode == -signal.SIGINT, (first.returncode, out)
     assert (
         out.count("the checkpoint is saved, a restart resumes") == 1 and "launch: stopped by SIGINT after step" in out

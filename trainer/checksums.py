@@ -9,7 +9,7 @@ unreadable, so that resume takes the next older one (trainer/checkpoint.py). Exp
 
 XXH3-64 (the xxhash package) rather than zlib's CRC-32: 9 GB/s against 2.3 GB/s on the project's
 VM, where with CRC-32 a checked load took 1.5 to 1.8 times an unchecked one. What the check costs
-the load is measured by `make bench` (`checksum_load_overhead`, README "Benchmarks").
+the load is measured by `make bench` (`checksum_load_overhead`, docs/benchmarks.md).
 It detects accidental damage (flipped bytes, torn writes); it is not a defence against tampering.
 
 Every other file of a checkpoint is covered too (issue 27): at the commit rank 0 writes

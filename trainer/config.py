@@ -742,7 +742,7 @@ def dump(cfg: Config, path: str | Path) -> None:
     files.write_text(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
-# --- The whole config in view (python -m trainer.config --print, make config; the README's key table)
+# --- The whole config in view (python -m trainer.config --print, make config; docs/configuration.md's key table)
 
 
 @functools.cache
@@ -843,7 +843,7 @@ def show(value: Any) -> str:
 
 
 def key_table() -> str:
-    """The README's table of every key (between its `config keys` markers), from the fields' own
+    """docs/configuration.md's table of every key (between its `config keys` markers), from the fields' own
     comments: tests/test_config_print.py keeps the two equal."""
     rows = ["| key | default | meaning |", "|---|---|---|"]
     rows += [f"| `{k}` | `{show(d)}` | {m.replace('|', '&#124;')} |" for k, _, d, m in keys(whole=True)]
@@ -872,7 +872,7 @@ def print_parser() -> argparse.ArgumentParser:
     )
     add_version(parser)
     parser.add_argument("--print", action="store_true", help="print every key (the default action)")
-    parser.add_argument("--table", action="store_true", help="print the README's markdown table of the keys")
+    parser.add_argument("--table", action="store_true", help="print docs/configuration.md's markdown table of the keys")
     parser.add_argument("--config", help="YAML config file; none: the defaults")
     parser.add_argument(
         "--nproc", type=int, help="processes per node a run would have (the batch); default: parallel.tp, the fewest"

@@ -14,8 +14,8 @@ user can write, rename or replace (files.replaceable: every folder above it too)
 the user can change what submitit reads next by the same path. Otherwise it prints one line and
 exits 2 without opening the pickle.
 
-Kept in the run dir (not in a private folder elsewhere) so that the logs stay where the README
-says and the nodes see it (the run dir is proven shared); the price is that a run dir others can
+Kept in the run dir (not in a private folder elsewhere) so that the logs stay where
+docs/slurm-and-docker.md says and the nodes see it (the run dir is proven shared); the price is that a run dir others can
 write cannot take LAUNCHER=submitit (trainer.submit refuses it at submission, this on the node).
 """
 
