@@ -64,3 +64,11 @@ def test_every_exit_code_of_the_outcomes_has_its_row_in_the_failures_page():
     codes = {str(o.code) for o in outcomes.OUTCOMES if o.code is not None}
     signalled = {"128 + N"} if any(o.code is None for o in outcomes.OUTCOMES) else set()
     assert documented == codes | signalled
+
+
+def test_every_results_file_has_its_row_on_the_benchmarks_page():
+    rows = section("docs/benchmarks.md", "Every results file")
+    named = set(re.findall(r"`(\d{4}-\d{2}-\d{2}-[\w-]+)`", rows))
+    files = {p.name.rsplit(".", 1)[0] for p in (ROOT / "bench" / "results").iterdir() if p.suffix in (".md", ".json")}
+    assert sorted(files - named) == [], "results without a row in docs/benchmarks.md"
+    assert sorted(named - files) == [], "rows naming no results file"
