@@ -34,19 +34,21 @@ def _outside_fences(lines: list[str]):
             yield i, line
 
 
+def _headings(lines: list[str]):
+    """(index, match) of the headings among `lines`."""
+    for i, line in _outside_fences(lines):
+        if m := HEADING.match(line):
+            yield i, m
+
+
 def section(page: str, heading: str) -> str:
     """What stands under `heading` (its words, without the #s) on `page`, up to the next heading of
     the same level or above. A heading that is not there, or there twice, fails the test that asks."""
     lines = text(page).splitlines()
-    found = [
-        (i, len(m.group(1))) for i, line in _outside_fences(lines) if (m := HEADING.match(line)) and m.group(2) == heading
-    ]
+    found = [(i, len(m.group(1))) for i, m in _headings(lines) if m.group(2) == heading]
     assert len(found) == 1, f"{page}: {len(found)} headings '{heading}' (one expected)"
     start, level = found[0]
-    end = next(
-        (i for i, line in _outside_fences(lines) if i > start and (m := HEADING.match(line)) and len(m.group(1)) <= level),
-        len(lines),
-    )
+    end = next((i for i, m in _headings(lines) if i > start and len(m.group(1)) <= level), len(lines))
     return "\n".join(lines[start + 1 : end]) + "\n"
 
 
@@ -66,12 +68,11 @@ def anchors(page: Path) -> set[str]:
     """The anchors a link can name on `page` (a heading met again gets -1, -2, ... as on GitHub)."""
     seen: dict[str, int] = {}
     out = set()
-    for _, line in _outside_fences(page.read_text().splitlines()):
-        if m := HEADING.match(line):
-            base = slug(m.group(2))
-            n = seen.get(base, 0)
-            seen[base] = n + 1
-            out.add(base if n == 0 else f"{base}-{n}")
+    for _, m in _headings(page.read_text().splitlines()):
+        base = slug(m.group(2))
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        out.add(base if n == 0 else f"{base}-{n}")
     return out
 
 

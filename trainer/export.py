@@ -274,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
                 what = f"model.family {cfg.model.family}" if cfg.model.family else f"a {cfg.model.name}"
                 raise ConfigError(
                     f"{path} holds {what}, which has no Hugging Face adapter; --format hf exports the transformer "
-                    f'(a Llama, Mistral, Qwen2 or Qwen3) and families with one (docs/architecture.md, "Adding a model family"); '
+                    f"(a Llama, Mistral, Qwen2 or Qwen3) and families with one "
+                    f'(docs/architecture.md, "Adding a model family"); '
                     f"export a file instead: --out model.pt or model.safetensors"
                 )
             try:

@@ -15,8 +15,8 @@ the user can change what submitit reads next by the same path. Otherwise it prin
 exits 2 without opening the pickle.
 
 Kept in the run dir (not in a private folder elsewhere) so that the logs stay where
-docs/slurm-and-docker.md says and the nodes see it (the run dir is proven shared); the price is that a run dir others can
-write cannot take LAUNCHER=submitit (trainer.submit refuses it at submission, this on the node).
+docs/slurm-and-docker.md says and the nodes see it (the run dir is proven shared); the price is that
+a run dir others can write cannot take LAUNCHER=submitit (trainer.submit refuses it at submission, this on the node).
 """
 
 from __future__ import annotations
