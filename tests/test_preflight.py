@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
+from pages import section
 from trainer import check, memory
 from trainer.config import load
 
@@ -425,7 +426,7 @@ def test_the_estimate_is_within_its_tolerance_of_measured_cpu_peaks():
 
 def test_check_refuses_llama_8b_on_2_ranks_and_advises_more_ranks_not_what_is_set(capsys, tmp_path):
     """It printed `about 79.8 GB ... (100%)`, exited 0 and advised a smaller micro-batch and activation
-    checkpointing, both already set; nothing said the README's figure needs NPROC=8."""
+    checkpointing, both already set; nothing said the worked example's figure (docs/planning.md) needs NPROC=8."""
     code, out, err = run_check(capsys, tmp_path, "--nproc", "2", "--gpu-mem-gb", "80")
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1, (out, err)
@@ -603,12 +604,13 @@ LLAMA_70B = str(ROOT / "configs" / "llama-70b.yaml")
 
 @pytest.mark.slow  # the 70B's profile on the meta device: 6 s
 def test_llama_70b_on_8_nodes_of_8_h100s_with_and_without_tp():
-    """README's worked example, its numbers. As shipped (64 sequences a step, tp=8): 44.9 GB of 80;
-    FSDP alone, 1 sequence a rank: 55.1 GB. At 128 sequences tp=8 still fits (72.9 GB) and FSDP alone
-    does not (81.1 GB, 2 sequences a rank); FSDP alone fits with 1 sequence a micro-batch, 2 accumulated,
-    when the gradients are reduce-scattered every micro-batch (59.9 GB; at the last one: 365.5 GB, 282.2
-    of them gradients), which the planner offers (grad_sync=auto decides so), and where the family has a
-    tp plan tp is offered (#44: tp=2 now, its accumulation sharded too)."""
+    """docs/planning.md's worked example, its numbers, and the page's table says them. As shipped (64
+    sequences a step, tp=8): 44.9 GB of 80; FSDP alone, 1 sequence a rank: 55.1 GB. At 128 sequences
+    tp=8 still fits (72.9 GB) and FSDP alone does not (81.1 GB, 2 sequences a rank); FSDP alone fits
+    with 1 sequence a micro-batch, 2 accumulated, when the gradients are reduce-scattered every
+    micro-batch (59.9 GB; at the last one: 365.5 GB, 282.2 of them gradients), which the planner offers
+    (grad_sync=auto decides so), and where the family has a tp plan tp is offered (#44: tp=2 now, its
+    accumulation sharded too)."""
     from trainer import models
     from trainer.config import ConfigError
 
@@ -642,3 +644,6 @@ def test_llama_70b_on_8_nodes_of_8_h100s_with_and_without_tp():
     fixes = memory.changes_that_fit(big_alone, 64, 8, 80 * 10**9, 8, "NODES={}", profile=pr)
     assert "train.micro_batch_size=1 (59.9 GB)" in fixes, fixes  # 2 accumulated, reduce-scattered every one
     assert "parallel.tp=2 (53.2 GB)" in fixes, fixes  # the micro-batch kept: tp=2 accumulates 2, sharded
+    example = section("docs/planning.md", "Worked example: Llama 70B on 8 nodes of 8 H100s")
+    for total in [*totals, *(memory.gb(e.total) for e in accumulated.values())]:
+        assert f"**{total}**" in example, f"docs/planning.md's 70B table does not say {total}"
