@@ -8,7 +8,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+# The repository: the first folder above this file that holds README.md (tests/ now, tests/<tier>/ later).
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "README.md").is_file())
 HEADING = re.compile(r"^(#{1,6}) (.+?)\s*$")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
