@@ -129,9 +129,9 @@ def validate(
             if problem:
                 (elsewhere if not os.path.exists(path) else fail)(key, problem)
 
-    from trainer.trackers import PACKAGES, missing_package
+    from trainer.trackers import SINKS, missing_package
 
-    for name in PACKAGES:
+    for name in SINKS:
         problem = getattr(cfg.log, name) and missing_package(name)
         if problem:
             fail(f"log.{name}", problem)
