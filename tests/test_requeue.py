@@ -19,6 +19,8 @@ HOST_MODULES = [
     "trainer/layout.py",
     "trainer/files.py",
     "trainer/__init__.py",
+    "trainer/cli.py",
+    "trainer/version.py",
 ]
 
 

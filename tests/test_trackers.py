@@ -160,7 +160,7 @@ def _wait_http(url: str, timeout: float = 120) -> None:
 def test_a_tracker_without_its_package_is_one_line(tmp_path, monkeypatch):
     from trainer import trackers
 
-    monkeypatch.setitem(trackers.PACKAGES, "wandb", "no_such_module_for_the_test")
+    monkeypatch.setattr(trackers.SINKS["wandb"], "package", "no_such_module_for_the_test")
     assert trackers.missing_package("wandb") == (
         "is true but the no_such_module_for_the_test package is not installed; "
         "pip install 'fsdp-trainer[wandb]', or set it to false"

@@ -27,6 +27,7 @@ import pytest
 
 import trainer
 from conftest import ROOT, TINY, env
+from trainer import cli
 from trainer.config import ConfigError, load
 
 VERSION = f"{trainer.__version__}+wheeltest"  # only the wheel built below says this
@@ -92,7 +93,7 @@ def test_the_wheels_entry_points_run_outside_the_repository(installed, tmp_path)
     bin_ = installed / "bin"
     where = run(str(bin_ / "python"), "-c", "import trainer; print(trainer.__file__)", cwd=tmp_path).stdout
     assert Path(where.strip()).is_relative_to(installed), where  # the wheel's trainer, not the checkout's
-    for command in ("train", "check", "config", "submit", "evaluate", "export", "generate", "prepare", "metrics"):
+    for command in cli.COMMANDS:  # every command of the table, installed
         assert run(str(bin_ / f"fsdp-{command}"), "--version", cwd=tmp_path).stdout == f"fsdp-trainer {VERSION}\n"
     # A config by name: the one shipped inside the wheel (there is no configs/ in tmp_path).
     check = run(str(bin_ / "fsdp-check"), "--config", "default", "--nproc", "1", cwd=tmp_path)

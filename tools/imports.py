@@ -44,6 +44,7 @@ FLOORS: list[tuple[str, list[str]]] = [
             "trainer.signals",
             "trainer.outcomes",
             "trainer.version",
+            "trainer.cli",
         ],
     ),
     # The run dir's files and what watches a run through them.

@@ -5,7 +5,6 @@ Plain `python -m trainer ...` is the same with one process.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -14,17 +13,15 @@ from trainer import signals
 signals.install()  # before the slow imports below: a stop signal during start-up is kept, not fatal
 signals.stop_with_launcher()  # a rank whose launcher died (kill -9) saves and stops, never trains on alone
 
-from trainer import launch, outcomes
+from trainer import cli, launch, outcomes
 from trainer.check import check_float8, check_gpu_memory, check_gpus, validate
 from trainer.config import ConfigError, load_run, resolve
 from trainer.dist import exit_process, node_name, peer_gone, read_env, shutdown
 from trainer.metrics import setup_logging
-from trainer.version import add_version
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer", description="Train a model with FSDP2.")
-    add_version(parser)
+    parser = cli.parser("trainer", "Train a model with FSDP2.")
     parser.add_argument("--config", required=True, help="YAML config file (see configs/)")
     parser.add_argument(
         "--config-default",

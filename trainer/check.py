@@ -8,7 +8,6 @@ exits 0 with a one-line summary, or 2 with one line saying what is wrong, where 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import os
@@ -18,7 +17,7 @@ import tempfile
 import typing
 from typing import TYPE_CHECKING
 
-from trainer import files, ranges
+from trainer import cli, files, ranges
 from trainer.config import (
     Config,
     ConfigError,
@@ -36,7 +35,6 @@ from trainer.models import choices as model_choices
 from trainer.optim import schedule_warning
 from trainer.parallel import Plan
 from trainer.prepare import token_file_problem
-from trainer.version import add_version
 
 if TYPE_CHECKING:
     import torch
@@ -131,9 +129,9 @@ def validate(
             if problem:
                 (elsewhere if not os.path.exists(path) else fail)(key, problem)
 
-    from trainer.trackers import PACKAGES, missing_package
+    from trainer.trackers import SINKS, missing_package
 
-    for name in PACKAGES:
+    for name in SINKS:
         problem = getattr(cfg.log, name) and missing_package(name)
         if problem:
             fail(f"log.{name}", problem)
@@ -488,8 +486,7 @@ def config_main(argv: list[str] | None = None) -> int:
 def main(argv: list[str] | None = None) -> int:
     if (sys.argv[1:] if argv is None else argv)[:1] == ["--print-config"]:  # python -m trainer.config's hand-over
         return config_main((sys.argv[1:] if argv is None else argv)[1:])
-    parser = argparse.ArgumentParser(prog="python -m trainer.check", description=__doc__.split("\n\n")[0])
-    add_version(parser)
+    parser = cli.parser("check", __doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="YAML config file")
     parser.add_argument("--nproc", type=int, help="processes per node; checked against this machine's devices")
     parser.add_argument("--nnodes", type=int, default=1, help="nodes (for the batch arithmetic)")

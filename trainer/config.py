@@ -36,13 +36,12 @@ from typing import Annotated, Any, Literal
 
 import yaml
 
-from trainer import files, ranges
+from trainer import cli, files, ranges
 from trainer.health import HealthArgs
 from trainer.layout import CONFIG_FILE
 from trainer.models import ModelArgs
 from trainer.optim import OptimArgs
 from trainer.ranges import AT_LEAST_1, MAX_SEED, NOT_NEGATIVE, POSITIVE, TIMEOUT_S, Range
-from trainer.version import add_version
 
 
 class ConfigError(Exception):
@@ -864,13 +863,12 @@ def print_config(cfg: Config) -> str:
 
 def print_parser() -> argparse.ArgumentParser:
     """The command line of `python -m trainer.config` (fsdp-config, make config)."""
-    parser = argparse.ArgumentParser(
-        prog="python -m trainer.config",
-        description="Print every key of the config (the defaults, a YAML file and key=value overrides, or a run "
+    parser = cli.parser(
+        "config",
+        "Print every key of the config (the defaults, a YAML file and key=value overrides, or a run "
         "dir's saved run): the value a run of it would take, its default where that differs, and its meaning. "
         "The config is checked as make check checks it first.",
     )
-    add_version(parser)
     parser.add_argument("--print", action="store_true", help="print every key (the default action)")
     parser.add_argument("--table", action="store_true", help="print docs/configuration.md's markdown table of the keys")
     parser.add_argument("--config", help="YAML config file; none: the defaults")

@@ -11,6 +11,7 @@ function of (seed, i) too, and each source's passes (epochs) are counted from th
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from fractions import Fraction
 
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from trainer import cli
 from trainer.config import DataArgs, eval_data_problem, holds_out
 from trainer.prepare import token_file_problem
 
@@ -626,10 +628,7 @@ def loader(
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import sys
-
-    parser = argparse.ArgumentParser(prog="python -m trainer.data", description="Data helpers.")
+    parser = cli.parser("trainer.data", "Data helpers.")
     sub = parser.add_subparsers(dest="command", required=True)
     fake = sub.add_parser("fake-mnist", help="write generated digits in MNIST's file format to ROOT/MNIST/raw")
     fake.add_argument("root", help="the data.path of the MNIST config, e.g. data/mnist")

@@ -19,19 +19,17 @@ nothing but the one metrics row (one append), so it may run beside the training 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
 import sys
 import time
 
-from trainer import checkpoint, data, files, layout, models, parallel
+from trainer import checkpoint, cli, data, files, layout, models, parallel
 from trainer import dist as distributed
 from trainer.config import ConfigError, eval_data_problem, from_dict, holds_out, to_dict
 from trainer.export import _config, add_choice, consolidate
 from trainer.metrics import finite_or_null
-from trainer.version import add_version
 
 # What may change for an evaluation; the rest (the model above all) is the checkpoint's.
 SECTIONS = ("eval", "data", "parallel")
@@ -78,8 +76,7 @@ def append_row(run_dir: str, row: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer.evaluate", description=__doc__.split("\n\n")[0])
-    add_version(parser)
+    parser = cli.parser("evaluate", __doc__.split("\n\n")[0])
     parser.add_argument("run_dir")
     add_choice(parser)
     parser.add_argument("overrides", nargs="*", help="eval.*, data.*, parallel.* key=value, e.g. eval.batches=32")
@@ -128,10 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def cli() -> None:
+def run() -> None:
     """The fsdp-evaluate command: main, ended as a rank is (trainer/dist.py's exit_process)."""
     distributed.exit_process(main())
 
 
 if __name__ == "__main__":
-    cli()
+    run()

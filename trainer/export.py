@@ -28,10 +28,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from trainer import checkpoint, early_stop, files, hf, models
+from trainer import checkpoint, cli, early_stop, files, hf, models
 from trainer.config import ConfigError, from_dict, load, refuse_untrusted_family
 from trainer.shard_reader import ShardReader
-from trainer.version import add_version
 
 
 def add_choice(parser: argparse.ArgumentParser) -> None:
@@ -244,8 +243,7 @@ def check_out(out: str, fmt: str = "file") -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer.export", description=__doc__.split("\n\n")[0])
-    add_version(parser)
+    parser = cli.parser("export", __doc__.split("\n\n")[0])
     parser.add_argument("run_dir")
     add_choice(parser)
     parser.add_argument(

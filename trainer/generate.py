@@ -20,18 +20,16 @@ the model's logits, one row of scores over the vocabulary (model.vocab_size, the
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 import torch
 
-from trainer import checkpoint, models
+from trainer import checkpoint, cli, models
 from trainer.config import ConfigError
 from trainer.dist import read_env
 from trainer.export import _config, add_choice, consolidate, read_tokenizer, tokenizer_of
 from trainer.models.transformer_shapes import transformer_shape
-from trainer.version import add_version
 
 
 @torch.no_grad()
@@ -160,8 +158,7 @@ def parse_ids(text: str, vocab_size: int) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer.generate", description=__doc__.split("\n\n")[0])
-    add_version(parser)
+    parser = cli.parser("generate", __doc__.split("\n\n")[0])
     parser.add_argument("run_dir")
     add_choice(parser)
     parser.add_argument(

@@ -37,8 +37,7 @@ import sys
 import tempfile
 import time
 
-from trainer import early_stop, files, hangs, heartbeat, layout, outcomes, signals, torch_compat
-from trainer.version import add_version
+from trainer import cli, early_stop, files, hangs, heartbeat, layout, outcomes, signals, torch_compat
 
 # A signal before torchrun's agent takes over (imports, validation, rendezvous) ends the launch
 # cleanly instead of killing it: remembered here (main() listens first thing), acted on once the
@@ -86,8 +85,7 @@ TORCHRUN_DEFAULT_SHUTDOWN_S = 30
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m trainer.launch", description=__doc__.split("\n\n")[0])
-    add_version(p)
+    p = cli.parser("train", __doc__.split("\n\n")[0])
     p.add_argument(
         "--nproc-per-node", default="auto", help="ranks on this node: a number, or auto (one per visible GPU, else 1)"
     )

@@ -33,9 +33,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from trainer import early_stop, files, layout
+from trainer import cli, early_stop, files, layout
 from trainer.config import LogArgs
-from trainer.version import add_version
 
 if TYPE_CHECKING:  # torch is imported where a device is asked about: reading rows (api.metrics) needs none
     import torch
@@ -574,12 +573,7 @@ def plot(run_dirs: list[str], out: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(
-        prog="python -m trainer.metrics", description="Summarise runs from their metrics.jsonl, and plot them."
-    )
-    add_version(parser)
+    parser = cli.parser("metrics", "Summarise runs from their metrics.jsonl, and plot them.")
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     parser.add_argument("--plot", metavar="FILE.png", help="plot loss and eval loss against step into this PNG")
     parser.add_argument("--json", action="store_true", help="one JSON object per run instead of a line")

@@ -19,7 +19,6 @@ the file for data.eval_path.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import json
@@ -30,8 +29,8 @@ import time
 
 import numpy as np
 
+from trainer import cli
 from trainer import files as shared_files  # `files` names the input files here
-from trainer.version import add_version
 
 # End-of-document tokens of common tokenizers, tried in this order when neither --eos nor the
 # folder's tokenizer_config.json names one: Llama 3, GPT-2/NeoX, Llama 2/Mistral, Gemma.
@@ -333,8 +332,7 @@ def _bar(fraction: float, tokens: int, docs: int, seconds: float, width: int = 3
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer.prepare", description=__doc__.split("\n\n")[0])
-    add_version(parser)
+    parser = cli.parser("prepare", __doc__.split("\n\n")[0])
     parser.add_argument(
         "files",
         nargs="+",

@@ -8,7 +8,6 @@ installed, so this module, like trainer/layout.py which it reads the run directo
 only the standard library and Python 3.6 or later.
 """
 
-import argparse
 import datetime
 import os
 import re
@@ -17,7 +16,7 @@ import subprocess
 import sys
 import time
 
-from trainer import files, layout, outcomes
+from trainer import cli, files, layout, outcomes
 
 # The training step's exit codes this check tells apart (trainer/outcomes.py says what each means and
 # what follows; health.py, submit.py and the tests import them from here too).
@@ -289,7 +288,7 @@ def requeue_without(run_dir, job_id, failed, prefix, limit):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python3 -m trainer.requeue", description=__doc__.split("\n\n")[0])
+    p = cli.parser("requeue", __doc__.split("\n\n")[0])
     p.add_argument("--run-dir", required=True)
     p.add_argument("--exit-code", type=int, default=0, help="exit code of the training step")
     p.add_argument("--max-attempts-without-progress", type=int, default=3)

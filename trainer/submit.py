@@ -32,9 +32,8 @@ import sys
 import time
 from pathlib import Path
 
-from trainer import files, signals
+from trainer import cli, files, signals
 from trainer.requeue import HEALTH_FAILED, requeue_check
-from trainer.version import add_version
 
 REPO_DIR = Path(__file__).resolve().parent.parent
 TEMPLATE = REPO_DIR / "slurm" / "train.sbatch.in"
@@ -849,8 +848,7 @@ def submit_submitit(job: Job) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m trainer.submit", description="Submit training to Slurm.")
-    add_version(p)
+    p = cli.parser("submit", "Submit training to Slurm.")
     p.add_argument("--nodes", default="1", help="number of nodes")
     p.add_argument(
         "--min-nodes",

@@ -23,16 +23,14 @@ from trainer import files, layout
 log = logging.getLogger("trainer")
 
 IDS_FILE = "trackers.json"  # {"wandb": run id, "mlflow": run id} of the run dir's tracker runs
-PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}  # log.<key> -> the module it needs
 
 
 def missing_package(name: str) -> str | None:
     """The message for log.<name>=true without its package installed, or None."""
-    module = PACKAGES[name]
+    module = SINKS[name].package
     if importlib.util.find_spec(module) is not None:
         return None
-    extra = f"'fsdp-trainer[{name}]'" if name != "tensorboard" else "tensorboard"
-    return f"is true but the {module} package is not installed; pip install {extra}, or set it to false"
+    return f"is true but the {module} package is not installed; pip install {SINKS[name].install}, or set it to false"
 
 
 def _read_ids(run_dir: str) -> dict:
@@ -58,93 +56,165 @@ def _numbers(row: dict) -> dict[str, float]:
     }
 
 
-def _tag(key: str) -> str:
+def tag(key: str) -> str:
     """TensorBoard/W&B/MLflow name of a metrics.jsonl key: eval_loss -> eval/loss, loss -> train/loss."""
     return f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"
+
+
+class Sink:
+    """One tracker of a run, on rank 0: opened at the run's start, given each metrics row's numbers,
+    closed at its end. A new tracker is a subclass and a row of SINKS (with its log.<name> switch in
+    trainer/config.py's LogArgs); nothing else asks which trackers there are."""
+
+    package = ""  # the module it needs: log.<name>=true without it is bad input at the start (trainer/check.py)
+    install = ""  # what to pip install for it, as the bad-input line says
+    keeps_id = False  # its run continues after a restart: the run id is kept in <run_dir>/trackers.json
+    run_id: str | None = None  # the tracker's own id of the run, where keeps_id
+
+    @classmethod
+    def open(cls, run_dir: str, args, config: dict, resumed_step: int | None, run_id: str | None) -> Sink | None:
+        """The sink of the run in `run_dir` (log.* `args`, the resolved `config` as a dict), resumed
+        after `resumed_step` (None: a first start), continuing tracker run `run_id` where one is kept;
+        None where it cannot start (it says why in a warning; metrics.jsonl has every row)."""
+        raise NotImplementedError
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        """The finite numbers of one metrics row, by metrics.jsonl key (tag() names them)."""
+        raise NotImplementedError
+
+    def close(self, finished: bool) -> None:
+        """The run's end: `finished` False where it stopped on a failure."""
+        raise NotImplementedError
+
+
+class TensorBoard(Sink):
+    """Event files in <run_dir>/tensorboard/; a restart purges the events after the resumed step."""
+
+    package = install = "tensorboard"
+
+    def __init__(self, writer, held: files.HeldFolder):
+        self.writer, self.held = writer, held
+
+    @classmethod
+    def open(cls, run_dir, args, config, resumed_step, run_id):
+        from torch.utils.tensorboard import SummaryWriter
+
+        # A link planted at <run_dir>/tensorboard (a neighbour in a shared run dir) would have the
+        # events written into any folder of ours: the folder is checked and held (issue 41 item 4);
+        # the start's check (trainer/check.py, layout.WRITTEN_FOLDERS) refuses one before this.
+        # The writer is given the held folder's own path (/proc/<pid>/fd/N): a link swapped in at the
+        # name afterwards changes nothing.
+        folder = os.path.join(run_dir, layout.TENSORBOARD_DIR)
+        try:
+            files.make_folder(folder)
+            held = files.HeldFolder(folder)
+        except files.UnsafeFile as e:
+            log.warning(f"{e}: no TensorBoard events are written in this start (metrics.jsonl has every row)")
+            return None
+        # purge_step: events at or after it, written before a crash, are dropped from the view
+        purge = resumed_step + 1 if resumed_step is not None else None
+        return cls(SummaryWriter(held.path, purge_step=purge), held)
+
+    def log(self, step, values):
+        for key, value in values.items():
+            self.writer.add_scalar(tag(key), value, step)
+        self.writer.flush()
+
+    def close(self, finished):
+        self.writer.close()
+        self.held.close()
+
+
+class WandB(Sink):
+    """A Weights & Biases run, its files in <run_dir>/wandb/ (WANDB_MODE=offline works offline)."""
+
+    package, install, keeps_id = "wandb", "'fsdp-trainer[wandb]'", True
+
+    def __init__(self, run):
+        self.run, self.run_id = run, run.id
+
+    @classmethod
+    def open(cls, run_dir, args, config, resumed_step, run_id):
+        import wandb
+
+        files.make_folder(os.path.join(run_dir, layout.WANDB_DIR))  # wandb writes there itself: not a link
+        name = os.path.basename(os.path.abspath(run_dir))
+        return cls(
+            wandb.init(project=args.project or name, name=name, id=run_id, resume="allow", dir=run_dir, config=config)
+        )
+
+    def log(self, step, values):
+        self.run.log({tag(k): v for k, v in values.items()}, step=step)
+
+    def close(self, finished):
+        self.run.finish(exit_code=0 if finished else 1)
+
+
+class MLflow(Sink):
+    """An MLflow run at MLFLOW_TRACKING_URI, the config as its parameters (at its first start)."""
+
+    package, install, keeps_id = "mlflow", "'fsdp-trainer[mlflow]'", True
+
+    def __init__(self, run_id: str):
+        self.run_id = run_id
+
+    @classmethod
+    def open(cls, run_dir, args, config, resumed_step, run_id):
+        import mlflow
+
+        name = os.path.basename(os.path.abspath(run_dir))
+        mlflow.set_experiment(args.project or name)
+        run = mlflow.start_run(run_id=run_id, run_name=None if run_id else name)
+        if run_id is None:
+            mlflow.log_params(_flat_params(config))
+        return cls(run.info.run_id)
+
+    def log(self, step, values):
+        import mlflow
+
+        mlflow.log_metrics({tag(k).replace("/", "_"): v for k, v in values.items()}, step=step)
+
+    def close(self, finished):
+        import mlflow
+
+        mlflow.end_run("FINISHED" if finished else "KILLED")
+
+
+# The trackers by their log.<name> switch, opened in this order.
+SINKS: dict[str, type[Sink]] = {"tensorboard": TensorBoard, "wandb": WandB, "mlflow": MLflow}
+
+
+def sinks_on(args) -> list[str]:
+    """The names of SINKS whose log.<name> switch is on in `args` (LogArgs)."""
+    return [name for name in SINKS if getattr(args, name)]
 
 
 class Trackers:
     """The configured trackers of one run, on rank 0; `log` takes metrics.jsonl's rows."""
 
     def __init__(self, run_dir: str, args, config: dict, resumed_step: int | None):
-        self.writers: list = []
-        self.held: list[files.HeldFolder] = []  # folders held open for the trackers' writers
+        self.sinks: list[Sink] = []
         ids = _read_ids(run_dir)
-        name = os.path.basename(os.path.abspath(run_dir))
-        if args.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            # A link planted at <run_dir>/tensorboard (a neighbour in a shared run dir) would have the
-            # events written into any folder of ours: the folder is checked and held (issue 41 item 4);
-            # the start's check (trainer/check.py, layout.WRITTEN_FOLDERS) refuses one before this.
-            # The writer is given the held folder's own path (/proc/<pid>/fd/N): a link swapped in at the
-            # name afterwards changes nothing.
-            folder = os.path.join(run_dir, layout.TENSORBOARD_DIR)
-            try:
-                files.make_folder(folder)
-                held = files.HeldFolder(folder)
-            except files.UnsafeFile as e:
-                log.warning(f"{e}: no TensorBoard events are written in this start (metrics.jsonl has every row)")
-            else:
-                self.held.append(held)
-                folder = held.path
-                # purge_step: events at or after it, written before a crash, are dropped from the view
-                purge = resumed_step + 1 if resumed_step is not None else None
-                self.tensorboard = SummaryWriter(folder, purge_step=purge)
-                self.writers.append(self._tensorboard)
-        if args.wandb:
-            import wandb
-
-            files.make_folder(os.path.join(run_dir, layout.WANDB_DIR))  # wandb writes there itself: not a link
-
-            self.wandb = wandb.init(
-                project=args.project or name, name=name, id=ids.get("wandb"), resume="allow", dir=run_dir, config=config
-            )
-            ids["wandb"] = self.wandb.id
-            self.writers.append(self._wandb)
-        if args.mlflow:
-            import mlflow
-
-            mlflow.set_experiment(args.project or name)
-            self.mlflow = mlflow.start_run(run_id=ids.get("mlflow"), run_name=None if "mlflow" in ids else name)
-            if "mlflow" not in ids:
-                mlflow.log_params(_flat_params(config))
-            ids["mlflow"] = self.mlflow.info.run_id
-            self.writers.append(self._mlflow)
-        if args.wandb or args.mlflow:
+        on = sinks_on(args)
+        for name in on:
+            sink = SINKS[name].open(run_dir, args, config, resumed_step, ids.get(name))
+            if sink is not None:
+                self.sinks.append(sink)
+                if sink.run_id is not None:
+                    ids[name] = sink.run_id
+        if any(SINKS[name].keeps_id for name in on):
             _write_ids(run_dir, ids)
 
     def log(self, row: dict) -> None:
         values = _numbers(row)
         if "step" in row and values:
-            for write in self.writers:
-                write(int(row["step"]), values)
-
-    def _tensorboard(self, step: int, values: dict) -> None:
-        for key, value in values.items():
-            self.tensorboard.add_scalar(_tag(key), value, step)
-        self.tensorboard.flush()
-
-    def _wandb(self, step: int, values: dict) -> None:
-        self.wandb.log({_tag(k): v for k, v in values.items()}, step=step)
-
-    def _mlflow(self, step: int, values: dict) -> None:
-        import mlflow
-
-        mlflow.log_metrics({_tag(k).replace("/", "_"): v for k, v in values.items()}, step=step)
+            for sink in self.sinks:
+                sink.log(int(row["step"]), values)
 
     def close(self, finished: bool = True) -> None:
-        if hasattr(self, "tensorboard"):
-            self.tensorboard.close()
-        for held in self.held:
-            held.close()
-        self.held = []
-        if hasattr(self, "wandb"):
-            self.wandb.finish(exit_code=0 if finished else 1)
-        if hasattr(self, "mlflow"):
-            import mlflow
-
-            mlflow.end_run("FINISHED" if finished else "KILLED")
+        sinks, self.sinks = self.sinks, []  # closed once
+        for sink in sinks:
+            sink.close(finished)
 
 
 def _flat_params(config: dict, prefix: str = "") -> dict[str, str]:

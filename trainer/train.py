@@ -20,6 +20,7 @@ from trainer import early_stop as early_stopping
 from trainer.config import Config, dump, to_dict
 from trainer.lease import Lease, LeaseError, LeaseLost
 from trainer.metrics import Reporter, Speed, peak_flops, start_times, timed
+from trainer.trackers import Trackers, sinks_on
 
 log = logging.getLogger("trainer")
 
@@ -513,9 +514,7 @@ def _accept_start(
         dump(cfg, os.path.join(cfg.run_dir, "config.yaml"))
         layout.write_status(cfg.run_dir, state="running", steps=cfg.train.steps, step=step)
     reporter.start(step, meta, start_times(**times))  # rows after `step` are an earlier start's: each step's row once
-    if env.is_main and (cfg.log.tensorboard or cfg.log.wandb or cfg.log.mlflow):
-        from trainer.trackers import Trackers
-
+    if env.is_main and sinks_on(cfg.log):
         reporter.trackers = Trackers(cfg.run_dir, cfg.log, to_dict(cfg), meta["step"] if meta else None)
     warning = optim.schedule_warning(cfg.optim, cfg.train.steps)
     if warning:

@@ -1,20 +1,16 @@
-"""`--version` for every entry point: the installed trainer's version (trainer.__version__, the one source)."""
+"""`--version` for every command: the installed trainer's version (trainer.__version__, the one source).
 
-from __future__ import annotations
+trainer/cli.py adds it to every command's parser. Standard library only and Python 3.6 or later, as the
+host modules that use it (tests/test_requeue.py, HOST_MODULES): no `from __future__ import annotations`.
+"""
 
 import argparse
-import os
-import sys
 
 from trainer import __version__
 
 
 def add_version(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """`parser` with a --version flag that prints `fsdp-trainer X.Y.Z` and exits 0 (before any required
-    argument is asked for), named as the user called it: an installed command by its own name
-    (`fsdp-train --help` says `usage: fsdp-train`, not the module's `python -m trainer.launch`)."""
-    command = os.path.basename(sys.argv[0] if sys.argv else "")
-    if command.startswith("fsdp-"):  # pyproject.toml's [project.scripts]
-        parser.prog = command
+    argument is asked for)."""
     parser.add_argument("--version", action="version", version=f"fsdp-trainer {__version__}")
     return parser
