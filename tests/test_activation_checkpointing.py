@@ -9,7 +9,7 @@ import collections
 import pytest
 import torch
 
-from trainer import models, parallel
+from trainer import models, parallel, parallel_ac
 from trainer.config import AC_DEPRECATED, ConfigError, load, resolve
 from trainer.torch_compat import dispatch_mode_base
 
@@ -85,7 +85,7 @@ def test_the_policy_keeps_every_other_matmul_and_the_attention():
     class Context:
         is_recompute = False
 
-    ctx, policy = Context(), parallel.selective_policy(collections.Counter())
+    ctx, policy = Context(), parallel_ac.selective_policy(collections.Counter())
     aten = torch.ops.aten
     kept = [policy(ctx, op) for op in (aten.mm.default, aten.mm.default, aten.mm.default, aten.silu.default)]
     assert kept == [CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE] + [

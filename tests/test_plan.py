@@ -157,8 +157,9 @@ def test_the_plans_checks_need_no_torch():
 
 
 def test_nothing_outside_the_plan_asks_which_strategy_runs():
-    """The loop, the memory estimate and the config check ask the plan (issue #34 item 1)."""
-    for name in ("train.py", "memory.py", "check.py", "evaluate.py", "data.py"):
+    """The loop, the memory estimate, the config check and float8 ask the plan (issue #34 item 1; float8:
+    #43 item 3, it takes the plan's fsdp_ranks)."""
+    for name in ("train.py", "memory.py", "check.py", "evaluate.py", "data.py", "float8.py"):
         source = (ROOT / "trainer" / name).read_text()
         assert ".strategy" not in source.replace("plan.strategy", ""), name
     assert parallel.Plan  # the one place that does

@@ -82,6 +82,10 @@ FLOORS: list[tuple[str, list[str]]] = [
         [
             "trainer.dist",
             "trainer.data",
+            "trainer.parallel_dims",
+            "trainer.parallel_tp",
+            "trainer.parallel_ac",
+            "trainer.parallel_fsdp",
             "trainer.parallel",
             "trainer.shard_reader",
             "trainer.load_plan",

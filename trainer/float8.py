@@ -158,10 +158,11 @@ def _plain_weight(module: nn.Module, state_dict: dict, prefix: str, _local_metad
         state_dict[key] = weight._tensor
 
 
-def precompute_scales(model: nn.Module, args: ParallelArgs) -> None:
+def precompute_scales(model: nn.Module, args: ParallelArgs, fsdp_ranks: int) -> None:
     """After each optimizer step under FSDP with tensorwise scaling: the scales of all float8 weights
-    in one all-reduce, instead of one per weight at its all-gather."""
-    if args.float8 == "tensorwise" and args.strategy == "fsdp":
+    in one all-reduce, instead of one per weight at its all-gather. `fsdp_ranks`: as `convert`'s, the
+    plan's (0: no FSDP)."""
+    if args.float8 == "tensorwise" and fsdp_ranks:
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
         precompute_float8_dynamic_scale_for_fsdp(model)

@@ -187,14 +187,14 @@ def measure(cfg, gpu: bool = False) -> Profile:
     """Build the model on the meta device and count: its parameters and FSDP units, and the
     activation memory of one sample (`_activation_peak`), without and with activation checkpointing;
     `gpu`: with the kernels a GPU runs (RMSNorm fused), else the CPU's."""
-    from trainer import models, parallel
+    from trainer import models, parallel, parallel_ac, parallel_fsdp
 
     family = models.spec(cfg.model)
     with torch.device("meta"):
         model = family.build(cfg.model)
     batchnorm = parallel.has_batchnorm(model)
     dtype = torch.float32 if batchnorm else torch_dtype(cfg.parallel.param_dtype)
-    units = parallel.wrap_units(model, cfg.parallel, family.blocks)
+    units = parallel_fsdp.wrap_units(model, cfg.parallel, family.blocks)
     in_units = {id(p) for u in units for p in u.parameters()}
     plain = _activation_peak(model.to(dtype), cfg.model, dtype, gpu)
     checkpointed = {}
@@ -202,7 +202,7 @@ def measure(cfg, gpu: bool = False) -> Profile:
         with torch.device("meta"):
             wrapped = family.build(cfg.model).to(dtype)
         args = dataclasses.replace(cfg.parallel, activation_checkpointing=mode)
-        parallel.checkpoint_units(wrapped, parallel.units_of(wrapped, args, family.blocks), args)
+        parallel_ac.checkpoint_units(wrapped, parallel.units_of(wrapped, args, family.blocks), args)
         checkpointed[mode] = _activation_peak(wrapped, cfg.model, dtype, gpu)
     blocks = family.blocks(model)
     return Profile(

@@ -16,7 +16,8 @@ Each private name: who uses it (through which function here); what happens where
 * LocalElasticAgent._start_workers, _stop_workers, _monitor_workers, _rendezvous, _shutdown,
   SimpleElasticAgent._remaining_restarts, the rendezvous handler's _state_holder (.state,
   ._cache_duration): launch.py's agent (agent_class, see AGENT and ATTRIBUTES); the launch fails.
-* algorithms._checkpoint.checkpoint_wrapper: parallel.py (checkpoint_wrapper); AC cannot be used.
+* algorithms._checkpoint.checkpoint_wrapper: parallel/activation_checkpointing.py (checkpoint_wrapper); AC
+  cannot be used.
 * distributed.tensor._utils.compute_local_shape_and_global_offset: hf.py (local_shape_and_offset);
   no HF import of a DTensor.
 * checkpoint._nested_dict.flatten_state_dict: checkpoint.py (flatten, for save_plan.describe: the
@@ -37,9 +38,10 @@ Each private name: who uses it (through which function here); what happens where
 * DTensor._local_tensor (a class annotation; torch sets it on each instance): float8.py
   (local_tensor: the very tensor, where to_local() would give a view); float8 checkpoints hold
   torchao's class.
-* ops._c10d_functional.reduce_scatter_tensor (the functional collectives' op namespace): parallel.py
-  (reduce_scatter_op: an op whose output selective activation checkpointing keeps, as torchtitan's
-  policy does); its output is recomputed, which costs a collective per block.
+* ops._c10d_functional.reduce_scatter_tensor (the functional collectives' op namespace):
+  parallel/activation_checkpointing.py (reduce_scatter_op: an op whose output selective activation
+  checkpointing keeps, as torchtitan's policy does); its output is recomputed, which costs a
+  collective per block.
 * nn.modules.batchnorm._BatchNorm: parallel.py (batch_norm_base); no BatchNorm statistics synced,
   or the trainer cannot start.
 * checkpoint.staging.DefaultStager._config (the StagingOptions it was made with): checkpoint.py

@@ -315,13 +315,21 @@ def _train(run: Run, train_set, eval_set) -> None:
             if trace:
                 trace.write(f"{step} {' '.join(map(str, index.tolist()))}\n")
             x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
-            with plan.grad_sync(model, i, accum), plan.loss_parallel():
-                with plan.autocast(compute_dtype):
-                    loss = loss_fn(model(x), y) / accum
-                # sum: the sum over the micro-batch's samples (tokens), as the tutorial's reduction="sum"
-                grad_loss = loss * (y.numel() * accum) if cfg.train.loss_reduction == "sum" else loss
-                scaler.scale(grad_loss).backward() if scaler else grad_loss.backward()
-            loss_sum += _local(loss.detach())  # under tp a replicated DTensor: each rank holds the whole
+            # forward and backward, through the plan (pipeline parallelism replaces this one call); sum: the
+            # gradient of the sum over the micro-batch's samples (tokens), as the tutorial's reduction="sum"
+            grad_scale = y.numel() * accum if cfg.train.loss_reduction == "sum" else 1
+            loss = plan.forward_backward(
+                model,
+                x,
+                y,
+                loss_fn,
+                micro=i,
+                accum=accum,
+                compute_dtype=compute_dtype,
+                scaler=scaler,
+                grad_scale=grad_scale,
+            )
+            loss_sum += _local(loss)  # under tp a replicated DTensor: each rank holds the whole
 
         # clip
         if scaler:
@@ -340,7 +348,7 @@ def _train(run: Run, train_set, eval_set) -> None:
         if cfg.parallel.float8 != "none":  # tensorwise under FSDP: the next all-gathers' scales, all at once
             from trainer import float8
 
-            float8.precompute_scales(model, cfg.parallel)
+            float8.precompute_scales(model, cfg.parallel, plan.fsdp_ranks)
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
