@@ -95,8 +95,8 @@ class Target:
 
     @classmethod
     def api(cls, nproc: int) -> Target:
-        """trainer.api.launch's `nproc` processes."""
-        return cls(API, nproc)
+        """trainer.api.launch's `nproc` processes, on this machine: one node."""
+        return cls(API, nproc, node_size=nproc)
 
 
 @dataclass(frozen=True)
