@@ -3,7 +3,8 @@
     python -m trainer.check --config configs/default.yaml [--nproc N] [--nnodes K] [key=value ...]
 
 exits 0 with a one-line summary, or 2 with one line saying what is wrong, where and what to do.
-`make run` and `make submit` call it before they launch anything; the trainer calls `validate` too.
+`make run` and `make submit` call it before they launch anything; every start checks the config
+with `validate` too, once, through the preflight (trainer/preflight/startup.py).
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@
 
 `make run`, compose, the sbatch script and the submitit task all start training through this. It
 
-* checks the config and this node's devices before anything starts, so bad input is one line;
+* checks the config and this node's devices and memory before anything starts (the preflight,
+  trainer/preflight/startup.py), so bad input is one line, and tells its ranks what it checked on
+  their command line (--memory-checked: they do not trace the model on the meta device again);
 * checks this node's health (trainer/health.py: its GPUs, the run dir's write speed, the site's
   health.command), in one line; a failing node exits 4 and, under Slurm, is excluded at the requeue;
 * says which device the ranks will use: NCCL + cuda where torch sees GPUs, else gloo + CPU, and
