@@ -8,7 +8,7 @@ import argparse
 import pytest
 import torch
 
-from conftest import DEFAULT, TINY
+from conftest import DEFAULT, TINY, python
 from trainer import check, config, dist, launch, models, startup
 from trainer.config import Config, ConfigError
 from trainer.startup import Ready, Target, preflight
@@ -138,3 +138,24 @@ def test_nothing_to_do_is_one_line_for_the_launcher_and_the_ranks():
     )
     larger = config.load(None, ["train.steps=6", "train.early_stop_patience=3", "eval.interval=2"])
     assert startup.nothing_to_do(larger, 4, stopped) is None  # the larger patience trains on
+
+
+# What a Slurm submission runs of the trainer on a login node (submit.check_config): the preflight
+# and the save's estimate; the modules it imported, printed.
+SUBMISSION = """
+import sys
+from trainer import interval, submit
+from trainer.startup import Target, preflight
+ready = preflight(Target.slurm(2, 2, planning=True), sys.argv[1], sys.argv[2:])
+print(interval.save_seconds(ready.cfg, 2, ready.cfg.run_dir)[1])
+print(sorted(m for m in sys.modules if m.startswith("trainer.")))
+"""
+
+
+def test_a_submission_plans_without_the_checkpoint_module(tmp_path):
+    """Planning (trainer/preflight/interval.py) sits beside the preflight, not in checkpoint I/O."""
+    proc = python("-c", SUBMISSION, DEFAULT, f"run_dir={tmp_path / 'run'}", *TINY, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    estimate, modules = proc.stdout.splitlines()[-2:]
+    assert estimate.startswith("estimated: ") and "parameters" in estimate
+    assert "trainer.interval" in modules and "trainer.checkpoint" not in modules, modules
