@@ -14,24 +14,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from trainer import (
-    checkpoint,
-    data,
-    files,
-    hangs,
-    health,
-    hf,
-    interval,
-    layout,
-    models,
-    optim,
-    parallel,
-    signals,
-    torch_compat,
-)
+from trainer import checkpoint, data, files, hangs, health, hf, layout, models, optim, parallel, signals, torch_compat
 from trainer import dist as distributed
 from trainer import early_stop as early_stopping
 from trainer.config import Config, dump, to_dict
+from trainer.interval import GPU_MTBF_HOURS, AutoInterval, save_seconds
 from trainer.lease import Lease, LeaseError, LeaseLost
 from trainer.metrics import Reporter, Speed, peak_flops, start_times, timed
 from trainer.startup import Ready, nothing_to_do
@@ -654,13 +641,13 @@ def next_commands(run_dir) -> str:
     )
 
 
-def _auto_interval(cfg: Config, env: distributed.Env) -> interval.AutoInterval:
+def _auto_interval(cfg: Config, env: distributed.Env) -> AutoInterval:
     """checkpoint.interval=auto's state: the job's MTBF and the save cost until one is measured (this
     run dir's last blocking save, else the state's size at the assumed write speed: trainer/preflight/interval.py)."""
-    mtbf_hours = cfg.checkpoint.mtbf_hours or interval.GPU_MTBF_HOURS / env.world_size
+    mtbf_hours = cfg.checkpoint.mtbf_hours or GPU_MTBF_HOURS / env.world_size
     nodes = max(1, env.world_size // env.local_world_size)
-    save_s, how = interval.save_seconds(cfg, nodes, cfg.run_dir)
-    return interval.AutoInterval(mtbf_hours * 3600, save_s, how.split(":")[0])
+    save_s, how = save_seconds(cfg, nodes, cfg.run_dir)
+    return AutoInterval(mtbf_hours * 3600, save_s, how.split(":")[0])
 
 
 def _agree(env: distributed.Env, loss_sum, first_bad, lease, compute_s: float) -> tuple:
