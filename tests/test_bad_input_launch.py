@@ -94,6 +94,6 @@ def test_a_rank_checks_its_nodes_memory_unless_its_launcher_did(tmp_path):
     model on the meta device again (about 0.5 s of every start and restart); other ranks do."""
     args = ["-c", RANK_CHECKS, "--config", DEFAULT, f"run_dir={tmp_path / 'run'}"]
     alone = python(*args, timeout=120)
-    launched = python(*args, timeout=120, extra_env={"TRAINER_MEMORY_CHECKED": "1"})
+    launched = python(*args, "--memory-checked", timeout=120)  # on the command line the launcher gives its ranks
     assert alone.returncode == 0 and alone.stdout.split()[-1] == "1", alone.stderr[-2000:]
     assert launched.returncode == 0 and launched.stdout.split()[-1] == "0", launched.stderr[-2000:]

@@ -330,9 +330,9 @@ def test_the_checkpoint_size_comes_from_the_memory_estimates_table(tmp_path, opt
     run dir without a measured save counts the float32 weight and the optimizer's state, the same
     bytes the memory estimate counts for them."""
     from trainer import memory
-    from trainer.checkpoint import param_count, save_seconds
+    from trainer.interval import param_count, save_seconds
 
-    cfg = load(None, [f"optim.name={optimizer}", "model.size=tiny", f"run_dir={tmp_path}"])
+    cfg = resolve(load(None, [f"optim.name={optimizer}", "model.size=tiny", f"run_dir={tmp_path}"]))
     assert memory.checkpoint_bytes(optimizer) == memory.WEIGHT_BYTES + memory.OPTIMIZER_BYTES[optimizer] == per_param
     seconds, how = save_seconds(cfg, nodes=2, run_dir=str(tmp_path))
     gb = param_count(cfg) * per_param / 1e9

@@ -131,9 +131,22 @@ def test_a_larger_patience_or_none_undoes_the_stop():
 
 @pytest.mark.parametrize("bad", [None, {"best": "x", "best_step": 2, "since": 2, "stopped": 6}, {"since": -1}])
 def test_a_saved_state_not_of_its_kind_is_refused(bad):
-    with pytest.raises(ValueError, match="meta.json's early_stop"):
-        early_stop.EarlyStop(2, 0.0).load_state_dict(bad)
+    assert early_stop.EarlyStop(2, 0.0).problem(bad) == early_stop.state_problem(bad) is not None
     assert not early_stop.stops_again(bad, 2)
+
+
+def test_a_saved_state_is_checked_once_at_a_load(monkeypatch):
+    """The checkpoint's load asks the part's problem() and then restores it (trainer/checkpoint.py):
+    one check of the state, not a second one inside load_state_dict."""
+    checks = []
+    real = early_stop.state_problem
+    monkeypatch.setattr(early_stop, "state_problem", lambda state: checks.append(state) or real(state))
+    record = {"best": 1.0, "best_step": 2, "since": 2, "stopped": 6, "reason": "patience"}
+    part = early_stop.EarlyStop(2, 0.0)
+    assert part.problem(record) is None
+    part.load_state_dict(record)
+    assert part.stopped == 6 and part.reason == "patience"
+    assert len(checks) == 1
 
 
 def test_early_stopping_without_evaluation_is_refused(capsys, tmp_path):

@@ -174,19 +174,19 @@ def test_the_local_gpus_memory_is_the_target_without_gpu_mem_gb(capsys, tmp_path
     ],
 )
 def test_young_daly_interval(save_s, mtbf_s, step_s, steps):
-    from trainer.checkpoint import young_daly_interval
+    from trainer.interval import young_daly_interval
 
     assert young_daly_interval(save_s, mtbf_s, step_s) == steps
 
 
 def test_the_default_mtbf_is_the_llama_3_rate_per_gpu():
-    from trainer.checkpoint import GPU_MTBF_HOURS
+    from trainer.interval import GPU_MTBF_HOURS
 
     assert GPU_MTBF_HOURS == pytest.approx(45566, abs=1)  # 54 days x 24 h x 16,384 GPUs / 466 interruptions
 
 
 def test_auto_interval_is_chosen_again_when_the_save_cost_changes():
-    from trainer.checkpoint import AutoInterval
+    from trainer.interval import AutoInterval
 
     auto = AutoInterval(mtbf_s=7200.0, estimated_save_s=2.0, how="estimated")
     assert auto.choose(step_s=1.0) == 170  # sqrt(2 x 2 x 7200) = 169.7

@@ -93,10 +93,11 @@ FLOORS: list[tuple[str, list[str]]] = [
             "trainer.checkpoint",
             "trainer.metrics",
             "trainer.memory",
+            "trainer.interval",
             "trainer.float8",
         ],
     ),
-    ("checks", ["trainer.check"]),
+    ("checks", ["trainer.check", "trainer.startup"]),
     ("run", ["trainer.train", "trainer.export", "trainer.evaluate", "trainer.generate"]),
     ("front doors", ["trainer.launch", "trainer.submit", "trainer.__main__", "trainer.api"]),
 ]

@@ -5,7 +5,7 @@ Plain `python -m trainer ...` is the same with one process.
 
 from __future__ import annotations
 
-import os
+import argparse
 import sys
 
 from trainer import signals
@@ -14,10 +14,10 @@ signals.install()  # before the slow imports below: a stop signal during start-u
 signals.stop_with_launcher()  # a rank whose launcher died (kill -9) saves and stops, never trains on alone
 
 from trainer import cli, launch, outcomes
-from trainer.check import check_float8, check_gpu_memory, check_gpus, validate
-from trainer.config import ConfigError, load_run, resolve
+from trainer.config import ConfigError
 from trainer.dist import exit_process, node_name, peer_gone, read_env, shutdown
 from trainer.metrics import setup_logging
+from trainer.startup import Target, preflight
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,6 +28,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the --config file is a default the user did not choose (make run without CONFIG=): a resumed "
         "run's differences from it are not worth a line",
+    )
+    parser.add_argument(
+        "--memory-checked",
+        action="store_true",
+        help=argparse.SUPPRESS,  # the launcher's: it checked this node's memory for its ranks (trainer/startup.py)
     )
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=100")
     args = parser.parse_intermixed_args(argv)  # overrides may come before --config too
@@ -42,34 +47,21 @@ def main(argv: list[str] | None = None) -> int:
             print(line, file=sys.stderr, flush=True)
         return outcome.code
 
-    try:  # all of this before any process group or file exists
-        cfg, where, notes = load_run(
-            args.config, args.overrides, not args.config_default
-        )  # a run dir's own run is the base
-        checked = os.environ.get(launch.MEMORY_CHECKED_ENV)  # the launcher checked this node's memory
-        validate(
-            cfg,
-            env.world_size,
-            where=where,
-            overrides=args.overrides,
-            ranks_per_node=None if checked else env.local_world_size,
-        )
-        cfg = resolve(cfg, where=where, world_size=env.world_size)  # as config.yaml records it
-        check_gpus(env.local_world_size)
-        check_gpu_memory(cfg, env.world_size, env.device, env.local_world_size, where=where)
-        check_float8(cfg, env.device, where=where)
+    try:  # all of this before any process group or file exists; a run dir's own run is the base
+        target = Target.rank(env, memory_checked=args.memory_checked)
+        ready = preflight(target, args.config, args.overrides, not args.config_default)
     except ConfigError as e:
         return stop(outcomes.BAD_INPUT, outcomes.RANK_ERROR.format(message=e))
     if env.rank == 0:
-        for line in notes:
+        for line in ready.notes:
             print(line, flush=True)
-        if cfg.parallel.deprecated:
-            print(f"warning: {cfg.parallel.deprecated}", flush=True)
+        if ready.cfg.parallel.deprecated:
+            print(f"warning: {ready.cfg.parallel.deprecated}", flush=True)
 
     from trainer.train import train  # torch.distributed set-up lives there
 
     try:
-        train(cfg)
+        train(ready)
     except Exception as e:  # what each means: trainer/outcomes.py; any other is raised again
         outcome = outcomes.of_exception(e)
         if outcome is not None:  # bad input, a lost lease, a failed health check, divergence, a stuck rank

@@ -82,10 +82,9 @@ def train(cfg: Config) -> None:
     Ctrl-C interrupts at once (the run continues from its last checkpoint); launch() stops gracefully."""
     import torch.distributed as dist
 
-    from trainer.check import check_float8, check_gpu_memory, check_gpus, validate
-    from trainer.config import resolve
     from trainer.dist import read_env, shutdown
     from trainer.metrics import setup_logging
+    from trainer.startup import Target, preflight
     from trainer.train import train as run
 
     if dist.is_initialized():  # not this module's: each call ends the group it starts
@@ -94,16 +93,11 @@ def train(cfg: Config) -> None:
             "call destroy_process_group() first, or use trainer.api.launch() to train in processes of its own"
         )
     env = read_env()
-    where = _where(cfg)
-    validate(cfg, env.world_size, where=where, ranks_per_node=env.local_world_size)
-    cfg = resolve(cfg, where=where, world_size=env.world_size)
-    check_gpus(env.local_world_size)
-    check_gpu_memory(cfg, env.world_size, env.device, env.local_world_size, where=where)
-    check_float8(cfg, env.device, where=where)
+    ready = preflight(Target.rank(env), cfg, where=_where(cfg))  # python -m trainer's checks, for this process
     setup_logging(env.rank)
     saved = {name: os.environ.get(name) for name in _DIST_ENV}
     try:
-        run(cfg)
+        run(ready)
     finally:
         shutdown()
         for name, value in saved.items():
@@ -130,9 +124,9 @@ def launch(cfg: Config, nproc: int | str = "auto", options: list[str] | tuple[st
     the base), the keys where `cfg` differs from it, as key=value overrides. The config is checked
     here first, so that a mistake is named as train() names it, not by that file's passing name."""
     if isinstance(nproc, int):  # "auto" is counted by the launcher, which checks it then
-        from trainer.check import validate
+        from trainer.startup import Target, preflight
 
-        validate(cfg, nproc, where=_where(cfg))
+        preflight(Target.api(nproc), cfg, where=_where(cfg))
     with tempfile.TemporaryDirectory(prefix="trainer-api-") as folder:
         path = os.path.join(folder, "config.yaml")
         dump(cfg, path)

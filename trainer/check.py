@@ -3,7 +3,8 @@
     python -m trainer.check --config configs/default.yaml [--nproc N] [--nnodes K] [key=value ...]
 
 exits 0 with a one-line summary, or 2 with one line saying what is wrong, where and what to do.
-`make run` and `make submit` call it before they launch anything; the trainer calls `validate` too.
+`make run` and `make submit` call it before they launch anything; every start checks the config
+with `validate` too, once, through the preflight (trainer/preflight/startup.py).
 """
 
 from __future__ import annotations
@@ -49,8 +50,23 @@ def validate(
     planning: bool = False,
     node_size: int | None = None,
 ) -> list[str]:
-    """Raise ConfigError for the first problem found; `where` names the config file, `overrides`
-    are the command line's key=value items: a value given there is blamed on the override. With
+    """checked()'s warnings, the resolved config left out."""
+    return checked(cfg, world_size, where, overrides, ranks_per_node, planning, node_size)[0]
+
+
+def checked(
+    cfg: Config,
+    world_size: int,
+    where: str = "config",
+    overrides: list[str] = (),
+    ranks_per_node: int | None = None,
+    planning: bool = False,
+    node_size: int | None = None,
+) -> tuple[list[str], Config]:
+    """(warnings, the config resolved for `world_size` processes: config.resolve, run once, by the
+    first check that needs the resolved shape or else at the end). Raise ConfigError for the first
+    problem found; `where` names the config file, `overrides` are the command line's key=value
+    items: a value given there is blamed on the override. With
     `ranks_per_node`, what they need must fit this machine's memory (CPU training; a GPU's memory
     is checked by each rank, check_gpu_memory: asking for it here would create a CUDA context).
     `planning`: the run is for another machine (a GPU target, a dry run from a login node), so the
@@ -78,9 +94,13 @@ def validate(
         ]
         return f"override {given[-1]!r}" if given else where
 
+    once: list[Config] = []
+
     def resolved() -> Config:
-        """The config resolved; a problem of model.init_from's folder blames where the folder was named."""
-        return resolve(cfg, source("model.init_from"))
+        """The config resolved, once; a problem of model.init_from's folder blames where the folder was named."""
+        if not once:
+            once.append(resolve(cfg, source("model.init_from"), world_size))
+        return once[0]
 
     for key, value in _floats(cfg):
         if not math.isfinite(value):
@@ -193,7 +213,7 @@ def validate(
     # memory: what the ranks of this node need, estimated on the meta device (torch)
     if ranks_per_node and not _cuda_available():
         _check_memory(cfg, world_size, ranks_per_node, fail)
-    return warnings
+    return warnings, resolved()
 
 
 def _cuda_available() -> bool:
@@ -468,8 +488,7 @@ def config_main(argv: list[str] | None = None) -> int:
         if nproc < 1 or args.nnodes < 1:
             raise ConfigError(f"--nproc {nproc} --nnodes {args.nnodes}: give 1 or more of each")
         world = nproc * args.nnodes
-        warnings = validate(cfg, world, where=where, overrides=args.overrides, planning=True, node_size=nproc)
-        cfg = resolve(cfg, where=where, world_size=world)
+        warnings, cfg = checked(cfg, world, where=where, overrides=args.overrides, planning=True, node_size=nproc)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -513,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"the number of nodes is {args.nnodes}; it must be at least 1")
         world = (args.nproc or 1) * args.nnodes
         # A GPU target (GPU_MEM_GB) is checked below; this machine's RAM only for CPU training here.
-        warnings += validate(
+        found, cfg = checked(
             cfg,
             world,
             where=where,
@@ -522,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
             planning=planning,
             node_size=args.nproc or 1,
         )
-        cfg = resolve(cfg, where=where, world_size=world)
+        warnings += found
         fit = gpu_preflight(cfg, world, args.nproc or 1, args.nnodes, args.gpu_mem_gb, where=where)
         if fit is None:  # no GPU to check against: what one CPU process of this machine needs
             fit = cpu_memory_line(cfg, world)

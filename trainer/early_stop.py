@@ -55,20 +55,18 @@ class EarlyStop:
         }
 
     def load_state_dict(self, state):
-        """Restore a saved state (from meta.json, untrusted: a value not of its kind raises ValueError
-        naming it); a stop that this run's patience no longer makes (0, or
+        """Restore a saved state that problem() accepted (the checkpoint's load asks it first: meta.json
+        is untrusted; checked once, there); a stop that this run's patience no longer makes (0, or
         larger than the evaluations counted) is undone: the run trains on."""
-        why = state_problem(state)
-        if why:
-            raise ValueError(f"meta.json's {PART}: {why}")
         self.best, self.best_step = state["best"], state["best_step"]
         self.since, self.stopped = state["since"], state["stopped"]
         self.reason = reason_of(state)
-        if not stops_again(state, self.patience):
+        if not _stays_stopped(state, self.patience):
             self.stopped = self.reason = None
 
     def problem(self, state):
-        """Why a saved `state` cannot be restored, or None (the checkpoint's load asks first)."""
+        """Why a saved `state` (meta.json's, untrusted) cannot be restored, or None: the one check of
+        it, asked by the checkpoint's load before load_state_dict."""
         return state_problem(state)
 
     def update(self, step, loss):
@@ -142,7 +140,12 @@ def stops_again(record, patience):
     """Whether a run whose newest checkpoint holds `record` (its early_stop part) stopped early and
     stays stopped under train.early_stop_patience=`patience`: the stop is kept unless early stopping
     is now off or, for a stop by patience, its patience exceeds the evaluations counted since the best."""
-    if state_problem(record) or record["stopped"] is None or not patience:
+    return state_problem(record) is None and _stays_stopped(record, patience)
+
+
+def _stays_stopped(record, patience):
+    """stops_again for a `record` already checked (state_problem)."""
+    if record["stopped"] is None or not patience:
         return False
     return reason_of(record) == NOT_FINITE or record["since"] >= patience
 

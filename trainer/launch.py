@@ -7,7 +7,9 @@
 
 `make run`, compose, the sbatch script and the submitit task all start training through this. It
 
-* checks the config and this node's devices before anything starts, so bad input is one line;
+* checks the config and this node's devices and memory before anything starts (the preflight,
+  trainer/preflight/startup.py), so bad input is one line, and tells its ranks what it checked on
+  their command line (--memory-checked: they do not trace the model on the meta device again);
 * checks this node's health (trainer/health.py: its GPUs, the run dir's write speed, the site's
   health.command), in one line; a failing node exits 4 and, under Slurm, is excluded at the requeue;
 * says which device the ranks will use: NCCL + cuda where torch sees GPUs, else gloo + CPU, and
@@ -37,7 +39,7 @@ import sys
 import tempfile
 import time
 
-from trainer import cli, early_stop, files, hangs, heartbeat, layout, outcomes, signals, torch_compat
+from trainer import cli, files, hangs, heartbeat, layout, outcomes, signals, torch_compat
 
 # A signal before torchrun's agent takes over (imports, validation, rendezvous) ends the launch
 # cleanly instead of killing it: remembered here (main() listens first thing), acted on once the
@@ -60,9 +62,6 @@ def node_name() -> str:
 NODES_ENV = "TRAINER_SLURM_NODES"
 # The rendezvous round of the ranks' start, the same on every node (set for the ranks by the agent).
 ROUND_ENV = "TRAINER_RDZV_ROUND"
-# Set for the ranks once this node's memory was checked for them (trainer/check.py validate): a
-# rank on the CPU then skips the same check, a model traced on the meta device (about 0.5 s a start).
-MEMORY_CHECKED_ENV = "TRAINER_MEMORY_CHECKED"
 # A rank that stops on an outcome that is not restarted (bad input, divergence, a lost lease, a failed
 # health check: trainer/outcomes.py, Outcome.mark) marks it in this node-local folder (named by the
 # launcher) before it exits. Under Slurm, `srun --kill-on-bad-exit=1` terminates every node's task
@@ -116,18 +115,6 @@ def _say(message: str) -> None:
     print(f"launch: {message}", file=sys.stderr, flush=True)
 
 
-def _nproc(text: str) -> int:
-    import torch
-
-    if text == "auto":
-        return torch.cuda.device_count() if torch.cuda.is_available() else 1
-    if not text.isdigit() or int(text) < 1:
-        from trainer.config import ConfigError
-
-        raise ConfigError(f"--nproc-per-node={text}: give a whole number >= 1, or auto")
-    return int(text)
-
-
 def device_line(nproc: int) -> str:
     """Which device the ranks of this node use, and why."""
     import torch
@@ -166,7 +153,11 @@ def _threads_per_rank(nproc: int) -> str:
     return str(max(1, len(os.sched_getaffinity(0)) // nproc))
 
 
-def torchrun_args(a: argparse.Namespace, nproc: int, shutdown_s: int, max_restarts: int = 0) -> list[str]:
+def torchrun_args(
+    a: argparse.Namespace, nproc: int, shutdown_s: int, max_restarts: int = 0, memory_checked: bool = False
+) -> list[str]:
+    """torchrun's command line for this node's ranks; `memory_checked`: the preflight checked this
+    node's memory for them (trainer/preflight/startup.py), which they are told on their command line."""
     args = [
         f"--nproc-per-node={nproc}",
         f"--max-restarts={max_restarts}",
@@ -189,7 +180,8 @@ def torchrun_args(a: argparse.Namespace, nproc: int, shutdown_s: int, max_restar
     if local_addr:
         args.append(f"--local-addr={local_addr}")
     default = ["--config-default"] if a.config_default else []
-    return [*args, "-m", "trainer", "--config", a.config, *default, *a.overrides]
+    checked = ["--memory-checked"] if memory_checked else []
+    return [*args, "-m", "trainer", "--config", a.config, *default, *checked, *a.overrides]
 
 
 def _supported(args: list[str]) -> list[str]:
@@ -529,47 +521,28 @@ def main(argv: list[str] | None = None) -> int:
     # Config errors are the same on every node: the first node says it. A node's own problem
     # (its devices, checked first) is said by that node, with its name.
     first = a.node_rank == 0
-    from trainer.check import check_devices, check_gpus, validate
-    from trainer.config import ConfigError, load_run
+    from trainer.config import ConfigError
+    from trainer.dist import NodeError
+    from trainer.startup import Finished, Target, preflight
 
-    try:
-        cfg, where, _ = load_run(a.config, a.overrides)  # the ranks say what differs from a saved run
-        nproc = _nproc(a.nproc_per_node)
+    try:  # the ranks say what differs from a saved run (the notes)
+        target = Target.launcher(a.nproc_per_node, a.nnodes, node_name() if a.nnodes > 1 else "")
+        ready = preflight(target, a.config, a.overrides)
+    except NodeError as e:  # this node's devices
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return outcomes.BAD_INPUT.code
     except ConfigError as e:
         if first:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return outcomes.BAD_INPUT.code
     # What the ranks would say, before any check or set-up: a run that stopped early (trainer/early_stop.py)
     # and stays stopped, or one that reached train.steps.
-    done = layout.latest_committed_step(cfg.run_dir)
-    stopped = layout.early_stop_record(cfg.run_dir, done)
-    if stopped and early_stop.stops_again(stopped[1], cfg.train.early_stop_patience):
+    if isinstance(ready, Finished):
         if first:
-            line = early_stop.nothing_to_do(stopped[0], cfg.train.early_stop_patience, early_stop.reason_of(stopped[1]))
-            print(line, flush=True)
-            layout.write_status(cfg.run_dir, state="finished")
+            print(ready.line, flush=True)
+            layout.write_status(ready.run_dir, state="finished")
         return 0
-    if done is not None and done >= cfg.train.steps:
-        if first:
-            print(
-                f"nothing to do: step {done} reached train.steps={cfg.train.steps}; raise train.steps to continue",
-                flush=True,
-            )
-            layout.write_status(cfg.run_dir, state="finished")
-        return 0
-    try:
-        crowded = check_devices(nproc, "--nproc-per-node={}")  # on the CPU: a warning, and the run goes on
-        check_gpus(nproc)
-    except ConfigError as e:
-        where = f"{node_name()}: " if a.nnodes > 1 else ""
-        print(f"error: {where}{e}", file=sys.stderr, flush=True)
-        return outcomes.BAD_INPUT.code
-    try:
-        validate(cfg, nproc * a.nnodes, where=where, overrides=a.overrides, ranks_per_node=nproc)
-    except ConfigError as e:
-        if first:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        return outcomes.BAD_INPUT.code
+    cfg, crowded, nproc = ready.cfg, ready.crowded, ready.target.ranks_per_node
     _say(device_line(nproc))
     if crowded:
         _say(f"warning: {crowded}")
@@ -595,7 +568,9 @@ def main(argv: list[str] | None = None) -> int:
     shutdown_s = signals.shutdown_budget(a.grace_seconds)
     os.environ.setdefault("OMP_NUM_THREADS", _threads_per_rank(nproc))
     try:
-        args = torchrun.parse_args(_supported(torchrun_args(a, nproc, shutdown_s, cfg.launch.max_restarts)))
+        args = torchrun.parse_args(
+            _supported(torchrun_args(a, nproc, shutdown_s, cfg.launch.max_restarts, ready.memory_checked))
+        )
     except OSError as e:
         print(f"error: {node_name()}: {e}", file=sys.stderr, flush=True)
         return outcomes.BAD_INPUT.code
@@ -618,7 +593,6 @@ def main(argv: list[str] | None = None) -> int:
     agent = _restarting_agent(cfg.run_dir, marks, outcome, monitor, beating, a.nnodes, rendezvous_poll_s(a.nnodes))
     if beating:
         beating.start()
-    os.environ[MEMORY_CHECKED_ENV] = "1"  # validate() above checked it: for the ranks only
     try:
         try:
             with _rendezvous_poll(rendezvous_poll_s(a.nnodes)), torch_compat.agent_used(agent):
@@ -672,7 +646,6 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, signal.SIG_IGN)
         if beating:
             beating.stop()
-        os.environ.pop(MEMORY_CHECKED_ENV, None)
         shutil.rmtree(marks, ignore_errors=True)
         monitor.stop()
 

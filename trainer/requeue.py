@@ -87,6 +87,9 @@ def requeue_check(run_dir, exit_code, max_attempts, job_id, max_excluded=0):
         total = steps if isinstance(steps, int) and not isinstance(steps, bool) else None
     prefix = "requeue-check: job {}:".format(job_id)
     where = "newest checkpoint: step {}".format(latest) if latest is not None else "no checkpoint yet"
+    # Not a duplicate of status.json's "finished" (which the trainer writes for an early stop too):
+    # that file is never trusted here, and without this the stopped run is requeued (its checkpoint
+    # is short of train.steps; test_early_stop's restart test then fails on the scontrol requeue).
     stopped = layout.early_stop_record(run_dir, latest)  # the newest checkpoint says the run stopped early
     if stopped and exit_code == 0:  # else (a start that trains on, killed before its first save) requeued
         print(

@@ -486,32 +486,26 @@ def check_config(job: Job, partition: Partition | None = None, planning: bool = 
     GPUs' memory (with `partition`); return the estimated seconds of one save, and refuse a warning
     too short for it. A run dir that holds a run is continued with its own config (config.load_run);
     `planning` (a dry run): data files and a run dir this machine cannot see are warnings."""
-    from trainer.check import validate
-    from trainer.config import ConfigError, load_run
+    from trainer.config import ConfigError
+    from trainer.interval import save_seconds  # the parameters counted on the meta device: torch
+    from trainer.startup import Target, preflight
 
-    world = job.nodes * job.nproc_per_node
     try:
         overrides = [f"run_dir={job.run_dir}", *job.overrides]
-        cfg, where, notes = load_run(str(job.config), overrides)
-        warnings = validate(
-            cfg, world, where=where, overrides=overrides, planning=planning, node_size=job.nproc_per_node
-        )
+        ready = preflight(Target.slurm(job.nodes, job.nproc_per_node, planning), str(job.config), overrides)
+        cfg = ready.cfg  # resolved for the job's NODES x GPUS_PER_NODE processes
         check_node_range(cfg, job)
         job.max_excluded = cfg.health.max_excluded
-        for line in [*notes, *(f"warning: {w}" for w in warnings)]:
+        for line in [*ready.notes, *(f"warning: {w}" for w in ready.warnings)]:
             print(line)
         if job.gpus_per_node and partition is not None:
             _check_gpu_memory(job, partition, cfg)
         if planning:
-            from trainer.check import plan_lines, resolve
+            from trainer.check import plan_lines
 
-            job.plan = tuple(
-                plan_lines(resolve(cfg, where=where, world_size=world), job.nproc_per_node, job.nodes, "GPUS_PER_NODE")
-            )
+            job.plan = tuple(plan_lines(cfg, job.nproc_per_node, job.nodes, "GPUS_PER_NODE"))
     except ConfigError as e:
         raise SubmitError(str(e)) from None
-    from trainer.checkpoint import save_seconds  # the parameters counted on the meta device: torch
-
     estimate, how = save_seconds(cfg, job.nodes, str(job.run_dir))
     budget = signals.shutdown_budget(job.warn_seconds)
     if budget < estimate:

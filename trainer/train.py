@@ -18,8 +18,10 @@ from trainer import checkpoint, data, files, hangs, health, hf, layout, models, 
 from trainer import dist as distributed
 from trainer import early_stop as early_stopping
 from trainer.config import Config, dump, to_dict
+from trainer.interval import GPU_MTBF_HOURS, AutoInterval, save_seconds
 from trainer.lease import Lease, LeaseError, LeaseLost
 from trainer.metrics import Reporter, Speed, peak_flops, start_times, timed
+from trainer.startup import Ready, nothing_to_do
 from trainer.trackers import Trackers, sinks_on
 
 log = logging.getLogger("trainer")
@@ -94,7 +96,9 @@ def evaluate_sources(model, cfg, env, eval_set, compute_dtype, plan: parallel.Pl
     return {"eval_loss": mean, **{f"{k}/{name}": v for name, r in results.items() for k, v in r.items()}}
 
 
-def train(cfg: Config) -> None:
+def train(ready: Ready) -> None:
+    """Train the config the preflight checked and resolved (trainer/preflight/startup.py) as this rank."""
+    cfg = ready.cfg
     times = {"imported": time.time()}  # the start's moments, for the resume row (metrics.start_times)
     env = distributed.init(timeout_s=cfg.parallel.timeout_s)
     control = distributed.cpu_group(timeout_s=cfg.parallel.timeout_s)  # stop flag, rank-0 decisions
@@ -111,7 +115,7 @@ def train(cfg: Config) -> None:
     watchdog = hangs.Watchdog(run_dir, env.rank, cfg.parallel.timeout_s, store)  # armed by the loop's first step
     plan, chosen = _plan(cfg, env, control)
     try:
-        _train(Run(cfg, env, plan, control, io_group, lease, watchdog, times, grad_sync_line=chosen), *datasets)
+        _train(Run.build(cfg, env, control, io_group, times, datasets, lease, watchdog, plan, chosen))
     except RuntimeError as e:  # torch.distributed.DistBackendError is one
         watchdog.stop()
         if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
@@ -123,26 +127,76 @@ def train(cfg: Config) -> None:
             lease.release()
 
 
-@dataclass
+@dataclass(frozen=True)
 class Run:
     """One start of training, from set-up to tear-down: what the loop's phases share, passed as one
-    object (torchtitan's Trainer holds the same). train() makes it; _train adds what it builds."""
+    object (torchtitan's Trainer holds the same). Built at once by Run.build, every part named here
+    in the order it is built; nothing is added later."""
 
-    cfg: Config
+    cfg: Config  # resolved by the preflight (trainer/preflight/startup.py)
     env: distributed.Env
-    plan: parallel.Plan  # how the model is spread: the data-parallel rank and size, wrapping, autocast
     control: object  # gloo group: the stop flag and rank-0 decisions
     io_group: object  # gloo group of the checkpoint's collectives (DCP), also from its own thread
+    times: dict  # the start's moments, for the resume row (metrics.start_times)
+    train_set: object  # the training data: a mixture's origin goes into each checkpoint (data.position)
+    eval_set: object  # the evaluation data, None without evaluation (eval.interval=0)
     lease: Lease | None  # rank 0's lease of the run dir (None on the other ranks)
     watchdog: hangs.Watchdog
-    times: dict  # the start's moments, for the resume row (metrics.start_times)
-    reporter: Reporter | None = None  # set once the model is built
-    ckpt: checkpoint.Checkpointer | None = None  # the same
-    trace: object = None  # the sample trace file (data.trace), else None
-    early: early_stopping.EarlyStop | None = None  # early stopping's state, a checkpoint part (set with ckpt)
-    best: early_stopping.Best | None = None  # the best eval loss's step, a checkpoint part (set with ckpt)
-    train_set: object = None  # the training data: a mixture's origin goes into each checkpoint (data.position)
-    grad_sync_line: str | None = None  # why parallel.grad_sync=auto chose as it did (None: nothing to choose)
+    plan: parallel.Plan  # how the model is spread: the data-parallel rank and size, wrapping, autocast
+    grad_sync_line: str | None  # why parallel.grad_sync=auto chose as it did (None: nothing to choose)
+    model: torch.nn.Module  # wrapped by the plan, with its initial weights (a checkpoint's are loaded later)
+    loss_fn: object  # the family's loss, compiled with the model where it is
+    optimizer: torch.optim.Optimizer
+    scheduler: object  # the learning rate's schedule
+    scaler: object  # fp16's loss scaler, else None
+    compute_dtype: object  # autocast's dtype, else None
+    early: early_stopping.EarlyStop  # early stopping's state, a checkpoint part
+    best: early_stopping.Best  # the best eval loss's step, a checkpoint part
+    ckpt: checkpoint.Checkpointer  # saves and loads every part above
+    reporter: Reporter  # lines and metrics rows (rank 0's), the trackers
+
+    @classmethod
+    def build(
+        cls, cfg: Config, env, control, io_group, times: dict, datasets: tuple, lease, watchdog, plan, grad_sync_line
+    ) -> Run:
+        """The run of this start: the process's parts (made by train(), which also ends them) and,
+        built here in this order, the model and what trains it, the checkpoint parts, the
+        checkpointer that saves them, the reporter. Nothing in the run dir changes yet."""
+        model = build_model(cfg, env, plan)
+        loss_fn = _loss_fn(cfg)
+        optimizer = optim.build(model.parameters(), cfg.optim, env.device)
+        scheduler = optim.scheduler(optimizer, cfg.optim, cfg.train.steps)
+        scaler = plan.scaler()
+        compute_dtype = plan.autocast_dtype(model)
+        early = early_stopping.EarlyStop(cfg.train.early_stop_patience, cfg.train.early_stop_min_delta)
+        best = early_stopping.Best()
+        parts = {"scheduler": scheduler, "scaler": scaler, early_stopping.PART: early, early_stopping.BEST: best}
+        ckpt = _checkpointer(cfg, env, io_group, lease, model, optimizer, parts)
+        reporter = Reporter(cfg.run_dir, cfg.log, cfg.train.steps, env.is_main)
+        train_set, eval_set = datasets
+        return cls(
+            cfg=cfg,
+            env=env,
+            control=control,
+            io_group=io_group,
+            times=times,
+            train_set=train_set,
+            eval_set=eval_set,
+            lease=lease,
+            watchdog=watchdog,
+            plan=plan,
+            grad_sync_line=grad_sync_line,
+            model=model,
+            loss_fn=loss_fn,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scaler=scaler,
+            compute_dtype=compute_dtype,
+            early=early,
+            best=best,
+            ckpt=ckpt,
+            reporter=reporter,
+        )
 
 
 def _plan(cfg: Config, env: distributed.Env, group) -> tuple[parallel.Plan, str | None]:
@@ -267,35 +321,28 @@ def _datasets(cfg: Config, env: distributed.Env, group) -> tuple:
     return sets
 
 
-def _train(run: Run, train_set, eval_set) -> None:
-    # set-up: the model and what trains it, the newest checkpoint (or model.init_from), the run dir
+def _train(run: Run) -> None:
+    # set-up: the run's parts (Run.build), the newest checkpoint (or model.init_from), the run dir
     cfg, env, plan, lease, watchdog = run.cfg, run.env, run.plan, run.lease, run.watchdog
+    model, loss_fn, optimizer, scheduler, scaler = run.model, run.loss_fn, run.optimizer, run.scheduler, run.scaler
+    ckpt, reporter, compute_dtype = run.ckpt, run.reporter, run.compute_dtype
+    train_set, eval_set = run.train_set, run.eval_set
     run_dir = cfg.run_dir
     micro, accum = batch_plan(cfg, plan.dp_size)
     B = cfg.train.global_batch_size
-    model = build_model(cfg, env, plan)
-    loss_fn = _loss_fn(cfg)
-    optimizer = optim.build(model.parameters(), cfg.optim, env.device)
-    scheduler = optim.scheduler(optimizer, cfg.optim, cfg.train.steps)
-    scaler = plan.scaler()
-    compute_dtype = plan.autocast_dtype(model)
-    run.ckpt = ckpt = _checkpointer(run, model, optimizer, scheduler, scaler)
-    run.reporter = reporter = Reporter(run_dir, cfg.log, cfg.train.steps, env.is_main)
     step, samples, meta = _resume(cfg, ckpt, model, scheduler, reporter, run.times)
-    run.train_set, change = train_set, data.resume(train_set, meta)  # a mixture: each source from its own position
+    change = data.resume(train_set, meta)  # a mixture: each source from its own position
     if change:
         reporter.message(change)
     if run.early.stopped is not None:  # stopped early, and this start's patience keeps it stopped: nothing written
-        _nothing_to_do(
-            cfg, env, reporter, step, early_stopping.nothing_to_do(step, run.early.patience, run.early.reason)
-        )
+        _nothing_to_do(cfg, env, reporter, nothing_to_do(cfg, step, run.early.state_dict()))
         return
     _accept_start(cfg, env, reporter, step, meta, run.times)
     if step >= cfg.train.steps:
-        _nothing_to_do(cfg, env, reporter, step)
+        _nothing_to_do(cfg, env, reporter, nothing_to_do(cfg, step))
         return
     batches = data.loader(train_set, cfg.data, cfg.train.seed, samples, B, micro, plan.dp_rank, plan.dp_size)
-    run.trace = trace = _open_trace(run_dir, env.rank) if cfg.data.trace else None
+    trace = _open_trace(run_dir, env.rank) if cfg.data.trace else None  # the sample trace file (data.trace)
     _begin_steps(run, model, step)
     # This rank's compute time since the last row: CPU seconds of this process in the step's own work
     # (data, forward, backward, clip, optimizer), so the waits for other ranks in the collectives FSDP
@@ -411,7 +458,7 @@ def _train(run: Run, train_set, eval_set) -> None:
             break
 
     # tear-down
-    _finish(run, step)
+    _finish(run, step, trace)
 
 
 def _early_stop(run: Run, step: int, eval_loss: float) -> str | None:
@@ -452,22 +499,13 @@ def _save(run: Run, model, step: int, samples: int, first_bad: torch.Tensor, sto
     run.ckpt.save_due(step, {"samples": samples, "config": to_dict(run.cfg), **data.position(run.train_set)}, stopping)
 
 
-def _checkpointer(run: Run, model, optimizer, scheduler, scaler) -> checkpoint.Checkpointer:
-    """The run's checkpoint manager and the named parts it saves beside the model and optimizer."""
-    run.early = early_stopping.EarlyStop(run.cfg.train.early_stop_patience, run.cfg.train.early_stop_min_delta)
-    run.best = early_stopping.Best()
+def _checkpointer(cfg: Config, env, io_group, lease, model, optimizer, parts: dict) -> checkpoint.Checkpointer:
+    """The run's checkpoint manager of the model, the optimizer and the named `parts` beside them."""
     ckpt = checkpoint.Checkpointer(
-        run.cfg.checkpoint,
-        run.cfg.run_dir,
-        run.env.rank,
-        run.env.world_size,
-        run.io_group,
-        model,
-        optimizer,
-        parts={"scheduler": scheduler, "scaler": scaler, early_stopping.PART: run.early, early_stopping.BEST: run.best},
+        cfg.checkpoint, cfg.run_dir, env.rank, env.world_size, io_group, model, optimizer, parts=parts
     )
-    if run.lease:  # rank 0 reads the lease again right before it commits or deletes a checkpoint
-        ckpt.still_owner = run.lease.check
+    if lease:  # rank 0 reads the lease again right before it commits or deletes a checkpoint
+        ckpt.still_owner = lease.check
     return ckpt
 
 
@@ -529,12 +567,10 @@ def _accept_start(
         reporter.message(f"warning: {warning}")
 
 
-def _nothing_to_do(cfg: Config, env: distributed.Env, reporter: Reporter, step: int, line: str | None = None) -> None:
-    """A start at or past train.steps (or of a run that stopped early: `line`): say so, mark the run
-    finished, close the trackers."""
-    reporter.message(
-        line or f"nothing to do: step {step} reached train.steps={cfg.train.steps}; raise train.steps to continue"
-    )
+def _nothing_to_do(cfg: Config, env: distributed.Env, reporter: Reporter, line: str) -> None:
+    """A start with nothing to do (trainer/preflight/startup.py's `line`: at or past train.steps, or of
+    a run that stopped early): say so, mark the run finished, close the trackers."""
+    reporter.message(line)
     if env.is_main:
         layout.write_status(cfg.run_dir, state="finished")
     if reporter.trackers:
@@ -572,11 +608,12 @@ def _begin_steps(run: Run, model, step: int) -> None:
     reporter.begin(step, speed, node_of=lambda r: store.get(f"trainer/where/{r}").decode().split(" ")[0])
 
 
-def _finish(run: Run, step: int) -> None:
+def _finish(run: Run, step: int, trace) -> None:
     """After the last step (or a stop): the watchdog, the last async save, the trackers and the trace
-    closed in this order; a lease lost at the last save raised; the status and the closing line."""
+    (`trace`, else None) closed in this order; a lease lost at the last save raised; the status and
+    the closing line."""
     cfg, env, control, lease, watchdog = run.cfg, run.env, run.control, run.lease, run.watchdog
-    ckpt, reporter, trace = run.ckpt, run.reporter, run.trace
+    ckpt, reporter = run.ckpt, run.reporter
     run_dir = cfg.run_dir
     watchdog.stop()  # what follows (the last async save's end) is not a step
     ckpt.close()
@@ -611,13 +648,13 @@ def next_commands(run_dir) -> str:
     )
 
 
-def _auto_interval(cfg: Config, env: distributed.Env) -> checkpoint.AutoInterval:
+def _auto_interval(cfg: Config, env: distributed.Env) -> AutoInterval:
     """checkpoint.interval=auto's state: the job's MTBF and the save cost until one is measured (this
-    run dir's last blocking save, else the state's size at the assumed write speed: trainer.checkpoint)."""
-    mtbf_hours = cfg.checkpoint.mtbf_hours or checkpoint.GPU_MTBF_HOURS / env.world_size
+    run dir's last blocking save, else the state's size at the assumed write speed: trainer/preflight/interval.py)."""
+    mtbf_hours = cfg.checkpoint.mtbf_hours or GPU_MTBF_HOURS / env.world_size
     nodes = max(1, env.world_size // env.local_world_size)
-    save_s, how = checkpoint.save_seconds(cfg, nodes, cfg.run_dir)
-    return checkpoint.AutoInterval(mtbf_hours * 3600, save_s, how.split(":")[0])
+    save_s, how = save_seconds(cfg, nodes, cfg.run_dir)
+    return AutoInterval(mtbf_hours * 3600, save_s, how.split(":")[0])
 
 
 def _agree(env: distributed.Env, loss_sum, first_bad, lease, compute_s: float) -> tuple:
