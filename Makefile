@@ -92,7 +92,7 @@ test-fast: venv-test ## the unit-level tests, without those marked slow (about 1
 # what the selected tests import; never the trainer's extras. The tests: FSDP2, bf16 + activation
 # checkpointing (full and selective), compile (CPU), DCP save and load 2 -> 3 ranks, the restricted
 # unpickler, the launcher (a failure, a stop signal, the rendezvous' _delay), trainer/torch_compat.py's
-# private names and the save planner that computes DCP's global plan from the layout (trainer/save_plan.py).
+# private names and the save planner that computes DCP's global plan from the layout (trainer/checkpoint/save_plan.py).
 COMPAT_VENV  := .venv-compat
 COMPAT_TORCH ?= 2.11.*
 COMPAT_TESTS := \

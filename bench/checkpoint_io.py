@@ -1,6 +1,6 @@
 """Checkpoint I/O, side by side in one run of N processes, in rounds (every round: one value of each):
 
-* the trainer's DCP save and load (`trainer.checkpoint.Checkpointer`) against the disk at the same
+* the trainer's DCP save and load (`trainer.checkpoint.manager.Checkpointer`) against the disk at the same
   concurrency: each rank writes (reads) one raw file of the bytes its own DCP shard files hold, all
   ranks at once, fsync'd, caches dropped before each; the single-stream figure beside it (rank 0
   alone writes and reads all the bytes in one file);
@@ -35,9 +35,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from bench import common, shard_bytes
-from trainer import checkpoint
 from trainer import dist as distributed
-from trainer.shard_reader import ShardReader
+from trainer.checkpoint import manager
+from trainer.checkpoint.reader import ShardReader
 
 CHUNK = 64 * 2**20  # bytes per write() or read() of the raw disk baseline
 
@@ -130,16 +130,16 @@ def main() -> None:
     common.train_step(model, optimizer, scheduler, stream, env)  # creates AdamW's state
     result["params"] = sum(p.numel() for p in model.parameters())
 
-    ckpt = checkpoint.Checkpointer(
+    ckpt = manager.Checkpointer(
         cfg.checkpoint, args.dir, rank, world, io_group, model, optimizer, parts={"scheduler": scheduler}
     )
-    stock = checkpoint.Checkpointer(
+    stock = manager.Checkpointer(
         cfg.checkpoint, args.dir, rank, world, io_group, model, optimizer, parts={"scheduler": scheduler}
     )
     stock.reader = lambda path, **_: FileSystemReader(
         path
     )  # the same load with DCP's own reader in place of the trainer's
-    unchecked = checkpoint.Checkpointer(
+    unchecked = manager.Checkpointer(
         cfg.checkpoint, args.dir, rank, world, io_group, model, optimizer, parts={"scheduler": scheduler}
     )
     unchecked.reader = lambda path, **kw: ShardReader(path, check=False, **kw)  # the same load, no checksums
@@ -158,8 +158,8 @@ def main() -> None:
     def fresh_start() -> None:
         """Empty the scratch folder and write back everything dirty."""
         if rank == 0:
-            for name in os.listdir(checkpoint.folder(args.dir)):
-                shutil.rmtree(os.path.join(checkpoint.folder(args.dir), name))
+            for name in os.listdir(manager.folder(args.dir)):
+                shutil.rmtree(os.path.join(manager.folder(args.dir), name))
             for name in os.listdir(args.dir):
                 if name.endswith((".bin", ".pt")):
                     os.remove(os.path.join(args.dir, name))
@@ -179,7 +179,7 @@ def main() -> None:
         fresh_start()
         step += 1
         r["dcp_save_s"] = common.timed(dcp_save, control)
-        folder = checkpoint.step_path(args.dir, step)
+        folder = manager.step_path(args.dir, step)
         mine = sum(os.path.getsize(p) for p in Path(folder).glob(f"__{rank}_*.distcp"))  # this rank's shard files
         r["shard_files"] = common.rank_sum(len(list(Path(folder).glob(f"__{rank}_*.distcp"))), control)
         r["shard_bytes"] = common.rank_sum(mine, control)
@@ -244,7 +244,7 @@ def main() -> None:
         small_stream = common.batches(small_cfg, env)
         for _ in range(3):
             common.train_step(*small, small_stream, env)  # warm-up
-        async_ckpt = checkpoint.Checkpointer(
+        async_ckpt = manager.Checkpointer(
             dataclasses.replace(cfg.checkpoint, async_save=True),
             args.dir,
             rank,

@@ -8,7 +8,7 @@ each event strikes once the run has logged its step since the previous recovery.
 
   crash       kill -9 of one rank: its node's launcher restarts every rank in the allocation
   hang        SIGSTOP of one rank: the others' collective times out after parallel.timeout_s, the
-              hang is written down (trainer/hangs.py), the ranks are restarted in the allocation
+              hang is written down (trainer/resilience/hangs.py), the ranks are restarted in the allocation
   preemption  an exclusive job of the `urgent` partition on the job's nodes: SIGTERM, the ranks
               save, the job is requeued (Slurm's ~120 s hold cut to 2 s, as tests/test_slurm_failures.py
               does, and left out of the wall time) and resumes
@@ -25,7 +25,7 @@ Goodput = undisturbed wall time / disturbed wall time (from the job running to i
 requeue hold left out). Steps redone: training rows logged more than once (metrics.jsonl and
 metrics.superseded.jsonl, log.interval=1). Each recovery's parts come from the times the run
 writes itself: the restart row (`time`: the launcher saw the failure) and the resume row's `start`
-(trainer/metrics.py: launcher start, ranks stopped, rendezvous, rank start, imports, process group,
+(trainer/observe/metrics.py: launcher start, ranks stopped, rendezvous, rank start, imports, process group,
 load start and end), the first training row after it, status.json, and the job's state polled here.
 """
 
@@ -44,7 +44,8 @@ from pathlib import Path
 
 from bench.nodes import kill_node, restore_node
 from bench.preemption import POLL_S, ROOT, cluster_up, job_info, wait_until
-from trainer import layout, submit
+from trainer.launchers import slurm
+from trainer.rundir import layout
 
 # Llama 3 (Dubey et al. 2024, section 3.3.4): 466 job interruptions in 54 days on 16,384 GPUs.
 LLAMA3_INTERRUPTIONS, LLAMA3_DAYS, LLAMA3_GPUS = 466, 54, 16384
@@ -234,7 +235,7 @@ def steps_redone(run_dir: Path) -> int:
 
 def at_scale(recovery_s: float, save_s: float, step_s: float, gpus: int = 1024) -> dict:
     """Expected goodput of a `gpus`-GPU job at Llama 3's interruption rate (interruptions scale with
-    the GPUs), saving at the Young-Daly interval tau = sqrt(2 C M) (trainer/checkpoint.py):
+    the GPUs), saving at the Young-Daly interval tau = sqrt(2 C M) (trainer/checkpoint/manager.py):
 
         goodput = (1 - C / tau) * (1 - (tau / 2 + R) / M)
 
@@ -412,7 +413,7 @@ def main() -> int:
         print("bench.goodput: the local Slurm cluster is not up (make slurm-up)", file=sys.stderr)
         return 3
     scratch = Path(args.scratch).resolve()
-    submit.check_shared(scratch, nodes=args.nodes)
+    slurm.check_shared(scratch, nodes=args.nodes)
     result = {"nodes": args.nodes, "steps": args.steps, "timeout_s": args.timeout_s, "rounds": []}
     for i in range(args.rounds):
         calm = run_job(scratch / f"calm-{i}", args.nodes, args.steps, args.timeout_s, [])

@@ -1,4 +1,4 @@
-"""The memory estimate (trainer.memory) against measured peaks: runs the trainer a few steps per
+"""The memory estimate (trainer.preflight.memory) against measured peaks: runs the trainer a few steps per
 configuration and writes bench/results/<date>-memory-calibration.md.
 
     python bench/memory_calibration.py                 # CPU: 2 processes, gloo, peak RSS (~3 min)
@@ -14,7 +14,7 @@ On the CPU the runs set MALLOC_MMAP_THRESHOLD_: glibc then maps every block abov
 and unmaps it when freed, so peak RSS follows what is allocated (the CPU's max_memory_allocated).
 With glibc's default, a dynamic threshold, freed blocks stay in its heap and peak RSS is 20-25%
 higher than the same run's with it (measured 2026-11-24: 2.42 against 1.95 GB): memory the
-allocator keeps, which the estimate counts in its overhead (trainer.memory.CPU_ALLOCATOR_OVERHEAD).
+allocator keeps, which the estimate counts in its overhead (trainer.preflight.memory.CPU_ALLOCATOR_OVERHEAD).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from trainer import memory
 from trainer.config import load
+from trainer.preflight import memory
 
 MMAP_THRESHOLD = 128 * 1024  # bytes: glibc's default starting threshold, fixed
 # The stated tolerance of the estimate against the measured peak (CPU: beyond the process baseline).

@@ -6,7 +6,7 @@ operator (parallel.activation_checkpointing). The trainer, unchanged, run under 
 
 Every rank writes its own peak RSS (VmHWM, the kernel's high-water mark of the process) as the
 run's final save begins (training's peak, not the save's buffers) to PEAKS.json.rank<r>; rank 0 adds
-the estimate's terms for the same config (trainer.memory on the CPU: gradients, activations, total).
+the estimate's terms for the same config (trainer.preflight.memory on the CPU: gradients, activations, total).
 bench/run.py's `memory_modes` measurement launches it for each mode, in interleaved rounds.
 
 On one GPU (`make gpu-check`'s step, the machine's own python3 and torch):
@@ -64,9 +64,9 @@ def peak_rss() -> int:
 
 
 def estimate_terms(argv: list[str], world_size: int) -> dict:
-    """The CPU estimate's terms for the config the trainer ran (trainer.memory.estimate)."""
-    from trainer import memory
+    """The CPU estimate's terms for the config the trainer ran (trainer.preflight.memory.estimate)."""
     from trainer.config import load_run, resolve
+    from trainer.preflight import memory
 
     config = argv[argv.index("--config") + 1]
     overrides = [a for a in argv if "=" in a and not a.startswith("-")]
@@ -128,8 +128,8 @@ def say(r: dict, base: dict | None) -> str:
 def gpu_comparison(out: Path) -> int:
     """Each mode once on this machine's GPU (see the module's docstring); 1 if a run failed or an
     estimate is outside TOLERANCE."""
-    from trainer import memory
     from trainer.config import load
+    from trainer.preflight import memory
 
     results, failed = [], []
     for name, overrides in MODES:
@@ -161,18 +161,18 @@ def main() -> int:
         return gpu_comparison(Path(out))
     argv = [a for i, a in enumerate(sys.argv[1:], 1) if a != "--out" and sys.argv[i - 1] != "--out"]
     import trainer.__main__ as entry
-    from trainer import checkpoint
     from trainer import dist as distributed
+    from trainer.checkpoint import manager
 
     # The training's peak: noted before the run's final save, whose buffers are no mode's (the
     # trainer is not modified: the checkpointer's save is wrapped from outside, as bench/timed_trainer.py does)
-    noted, save = {}, checkpoint.Checkpointer.save_due
+    noted, save = {}, manager.Checkpointer.save_due
 
     def save_due(self, *args, **kwargs):
         noted.setdefault("peak_rss", peak_rss())
         return save(self, *args, **kwargs)
 
-    checkpoint.Checkpointer.save_due = save_due
+    manager.Checkpointer.save_due = save_due
     env = distributed.read_env()
     rc = entry.main(argv)
     if rc:

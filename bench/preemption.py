@@ -32,7 +32,8 @@ import sys
 import time
 from pathlib import Path
 
-from trainer import layout, submit
+from trainer.launchers import slurm
+from trainer.rundir import layout
 
 ROOT = Path(__file__).resolve().parent.parent
 POLL_S = 0.02
@@ -179,7 +180,7 @@ def main() -> int:
         print("bench.preemption: the local Slurm cluster is not up (make slurm-up)", file=sys.stderr)
         return 3
     scratch = Path(args.scratch).resolve()
-    submit.check_shared(scratch, nodes=2)  # the nodes must see the run dirs
+    slurm.check_shared(scratch, nodes=2)  # the nodes must see the run dirs
     result = {"size": args.size, "nodes": 2, "rounds": []}
     for i in range(args.rounds):
         run_dir = scratch / f"round-{i}"

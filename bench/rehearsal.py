@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from bench.preemption import job_info, rows, submit_urgent, wait_preempted, wait_until
-from trainer import submit
+from trainer.launchers import slurm
 
 ROOT = Path(__file__).resolve().parent.parent
 UP = ["bash", str(ROOT / "slurm" / "local" / "up.sh")]
@@ -49,15 +49,15 @@ def training_rows(run_dir: Path) -> list[dict]:
 
 
 def submit_range(run_dir: Path, steps: int) -> str:
-    """Submit as `make submit NODES=8 MIN_NODES=6 RUN_DIR=run_dir ARGS=...` does (trainer.submit.main's
+    """Submit as `make submit NODES=8 MIN_NODES=6 RUN_DIR=run_dir ARGS=...` does (trainer.launchers.slurm.main's
     steps, with the job id back): the batch script is rendered and submitted unchanged."""
     overrides = ["train.global_batch_size=336", f"train.steps={steps}", "checkpoint.interval=0", "log.interval=1"]
     argv = ["--nodes", "8", "--min-nodes", "6", "--run-dir", str(run_dir), *overrides, "log.progress=false"]
-    args = submit._parser().parse_args(argv)
-    partition = submit.query_partition(None)
-    job = submit.parse_job(args, partition)
-    submit.check_config(job, partition, planning=False)
-    return submit.submit_sbatch(job)
+    args = slurm._parser().parse_args(argv)
+    partition = slurm.query_partition(None)
+    job = slurm.parse_job(args, partition)
+    slurm.check_config(job, partition, planning=False)
+    return slurm.submit_sbatch(job)
 
 
 def rehearse(run_dir: Path, steps: int, before: int) -> dict:
@@ -134,7 +134,7 @@ def main() -> int:
     parser.add_argument("--run-dir", default=str(ROOT / "runs" / "rehearsal"), help="a folder every node sees")
     args = parser.parse_args()
     run_dir = Path(args.run_dir).resolve()
-    submit.check_shared(run_dir, nodes=8)
+    slurm.check_shared(run_dir, nodes=8)
     subprocess.run(["rm", "-rf", str(run_dir)], check=True)
     result = {"up_8_nodes_s": timed([*UP, "8"])}
     try:

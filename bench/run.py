@@ -573,7 +573,7 @@ def memory_modes(ctx) -> tuple[dict, dict, dict]:
     last or every micro-batch, activations kept, recomputed in full or by operator), each mode in a
     fresh launch, the modes interleaved (a round: one launch of each, the order turned every round).
     A round's figure is a ratio of two modes' peaks, rank by rank (each rank's ratio is one value);
-    the estimate's terms (trainer.memory on the CPU) beside them. glibc is told to give freed blocks
+    the estimate's terms (trainer.preflight.memory on the CPU) beside them. glibc is told to give freed blocks
     back (MALLOC_MMAP_THRESHOLD_, as bench/memory_calibration.py), so the RSS follows what is allocated."""
     from bench.common import size_overrides  # imports torch: not before a measurement needs it
     from bench.memory_modes import MODES, RATIOS
@@ -964,7 +964,8 @@ def scale_tables(r: dict) -> list[str]:
     if r.get("layout"):
         lines += [
             "",
-            "The first save planned from the layout and a resume from its chunk index (trainer/save_plan.py), "
+            "The first save planned from the layout and a resume from its chunk index "
+            "(trainer/checkpoint/save_plan.py), "
             "the whole Llama-3.1-8B state (model + AdamW, FSDP2 Shard(0) over N ranks, 1164 items a rank), "
             f"planning simulated per rank (bench/scale.py); the finish (.metadata for stock DCP) on the slice x "
             f"{r['slice_to_whole']:.2f}. Seconds unless said:",
@@ -1033,7 +1034,7 @@ def _rendezvous_lines(r: dict, cell) -> list[str]:
     return lines
 
 
-# The GPU runs' micro-batch is the largest power of two whose estimated peak (trainer.memory, GPU
+# The GPU runs' micro-batch is the largest power of two whose estimated peak (trainer.preflight.memory, GPU
 # estimate, eager: the larger of the two runs) stays within this share of one GPU's memory.
 GPU_MEMORY_SHARE = 0.85
 # The least time a GPU run is started with: the start and compilation of the 1b model take about a
@@ -1057,8 +1058,8 @@ def gpu_micro_batch(total_memory: int, nproc: int) -> int:
     """The largest power-of-two micro-batch (1 to 64) whose estimated eager peak fits GPU_MEMORY_SHARE
     of `total_memory` bytes (1 if none does). Was a rule ("16 above 100 GB, else 8: 16 peaks at
     ~72 GB") that no longer held once the compiled loss kept no float32 logits (#33 item 5)."""
-    from trainer import memory
     from trainer.config import load
+    from trainer.preflight import memory
 
     profile = memory.measure(load(str(ROOT / CONFIG), gpu_overrides(1, nproc)), gpu=True)
     best = 1

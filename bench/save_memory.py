@@ -17,8 +17,8 @@ import os
 import torch.distributed as dist
 
 from bench import checkpoint_io, common
-from trainer import checkpoint
 from trainer import dist as distributed
+from trainer.checkpoint import manager
 
 
 def main() -> None:
@@ -42,7 +42,7 @@ def main() -> None:
     )
     model, optimizer, scheduler = common.build(cfg, env)
     common.train_step(model, optimizer, scheduler, common.batches(cfg, env), env)
-    ckpt = checkpoint.Checkpointer(
+    ckpt = manager.Checkpointer(
         cfg.checkpoint,
         args.dir,
         env.rank,

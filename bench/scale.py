@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.scale --out scale.json [--ranks 1024 ... 16384] [--rounds 3] [--dcp]
                                     [--rendezvous 2 4 8 16]
 
-The trainer's planning (trainer/save_plan.py), without processes, the whole Llama-3.1-8B state below
+The trainer's planning (trainer/checkpoint/save_plan.py), without processes, the whole Llama-3.1-8B state below
 at N ranks, each round in a fresh process (`layout_round`, `index_round`):
 
   first save    every rank: the layout's digest (agreed by one all-reduce), the global plan's arrays
@@ -28,17 +28,17 @@ plain tensor on every rank. The coordinator's work at a save is then done as on 
   scatter       pickle the N global plans back (dist.scatter_object_list)
   finish        unpickle the N ranks' write results, build storage_data, pickle .metadata (its bytes)
 
-with DCP's save-plan caching on, as the trainer saves (trainer/checkpoint.py `_planner`); then rank
+with DCP's save-plan caching on, as the trainer saves (trainer/checkpoint/manager.py `_planner`); then rank
 0's planning at a second save of the same layout: every rank's plan unchanged, so each sends an
 empty unusable plan (gather), the cached global plan and metadata are reused (global_plan), and N
 empty plans go back (scatter); one rank's side is comparing its new plan with its cached one. The
 finish is a save's own (the write results differ from save to save) and is not repeated here.
 
-And at a load: rank 0 unpickles .metadata with trainer.shard_reader.load_metadata (the restricted
+And at a load: rank 0 unpickles .metadata with trainer.checkpoint.reader.load_metadata (the restricted
 unpickler; pickle.loads beside it) and pickles it for the broadcast to every rank, each of which
 unpickles that (pickle.loads: the trainer reads the file once per load, not once per rank); then
 one rank's (the middle one's) local load plan of the same N against it: rank 0 indexes the
-metadata's chunks once (trainer/load_plan.py `index`, sent with the metadata) and the rank plans
+metadata's chunks once (trainer/checkpoint/load_plan.py `index`, sent with the metadata) and the rank plans
 with trainer/load_plan.Planner (`load_local_plan_s`), DCP's DefaultLoadPlanner beside it
 (`dcp_load_local_plan_s`; the two plans asserted equal). Also
 the size of our manifest.json for N ranks (3 files each: the shard file, its .xxh3 record,
@@ -212,7 +212,7 @@ def load_state(items, world: int, rank: int) -> dict:
 
 def manifest(world: int) -> bytes:
     """manifest.json of a checkpoint of `world` ranks, as trainer/checksums.write_manifest writes it."""
-    from trainer import checksums
+    from trainer.checkpoint import checksums
 
     files = {".metadata": {"size": 1, "xxh3_64": 2**63}, "meta.json": {"size": 1, "xxh3_64": 2**63}}
     for r in range(world):
@@ -234,7 +234,7 @@ def plan_round(world: int, whole: bool) -> dict:
     from torch.distributed.checkpoint.planner import SavePlan
     from torch.distributed.checkpoint.planner_helpers import _compare_save_plans
 
-    from trainer import checksums, load_plan, shard_reader
+    from trainer.checkpoint import checksums, load_plan, reader
 
     items = state_items(llama_shapes(), whole)
     mappings = mappings_of(items)
@@ -251,7 +251,7 @@ def plan_round(world: int, whole: bool) -> dict:
     r["gather_s"] = time.perf_counter() - t
     del blobs
     t = time.perf_counter()
-    coordinator = DefaultSavePlanner(enable_plan_caching=True)  # as trainer/checkpoint.py saves
+    coordinator = DefaultSavePlanner(enable_plan_caching=True)  # as trainer/checkpoint/manager.py saves
     coordinator._cached_plans_key = f"bench.scale/{world}/{os.urandom(8).hex()}"  # a cache of its own
     global_plans, metadata = coordinator.create_global_plan(plans)
     r["global_plan_s"] = time.perf_counter() - t
@@ -260,8 +260,8 @@ def plan_round(world: int, whole: bool) -> dict:
     assert _compare_save_plans(one, again)
     r["cached_local_compare_s"] = time.perf_counter() - t  # one rank at the second save: plan unchanged?
     del plans, one, again
-    # trainer/save_plan.py's global plan, from the layout alone, is DCP's: every rank's (a few at many ranks)
-    from trainer import save_plan as sp
+    # trainer/checkpoint/save_plan.py's global plan, from the layout alone, is DCP's: every rank's (a few at many ranks)
+    from trainer.checkpoint import save_plan as sp
 
     ours = sp.GlobalPlan(layout_items(items, world), world)
     for rank in range(world) if world <= 64 else (0, world // 2, world - 1):
@@ -310,7 +310,7 @@ def plan_round(world: int, whole: bool) -> dict:
         f.write(data)
         f.flush()
         t = time.perf_counter()
-        shard_reader.load_metadata(f.name)
+        reader.load_metadata(f.name)
         r["metadata_restricted_unpickle_s"] = time.perf_counter() - t
     t = time.perf_counter()
     r["metadata_broadcast_bytes"] = len(pickle.dumps(loaded))  # rank 0 pickles it once for the broadcast
@@ -331,7 +331,7 @@ def plan_round(world: int, whole: bool) -> dict:
         t = time.perf_counter()
         found[name] = planner.create_local_plan()
         r[f"{name}load_local_plan_s"] = time.perf_counter() - t
-    assert found[""].items == found["dcp_"].items  # trainer/load_plan.py's plan is DCP's
+    assert found[""].items == found["dcp_"].items  # trainer/checkpoint/load_plan.py's plan is DCP's
     planned = found[""]
     r["load_plan_bytes"] = len(pickle.dumps(planned))
     r["load_read_items"] = len(planned.items)
@@ -346,7 +346,7 @@ def plan_round(world: int, whole: bool) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------
-# The first save planned from the layout (trainer/save_plan.py)
+# The first save planned from the layout (trainer/checkpoint/save_plan.py)
 
 
 def layout_items(items, world: int) -> list:
@@ -356,7 +356,7 @@ def layout_items(items, world: int) -> list:
     from torch.distributed.checkpoint.planner import WriteItemType
     from torch.distributed.tensor import Shard
 
-    from trainer import save_plan as sp
+    from trainer.checkpoint import save_plan as sp
 
     props = TensorProperties(dtype=torch.float32)
     out = []
@@ -373,7 +373,7 @@ def written(plan, rank: int):
     """Rank `rank`'s compact write results (save_plan.Written) of its final plan, as write_results lays them out."""
     import numpy as np
 
-    from trainer import save_plan as sp
+    from trainer.checkpoint import save_plan as sp
 
     results = write_results(plan, rank)
     return sp.Written(
@@ -388,7 +388,7 @@ def written(plan, rank: int):
 
 def layout_round(world: int) -> dict:
     """The first save of the whole 8B state at `world` ranks planned from the layout, as the trainer
-    saves it (trainer/checkpoint.py `_planner` with save_plan.Planner): every rank's own work
+    saves it (trainer/checkpoint/manager.py `_planner` with save_plan.Planner): every rank's own work
     (digest, the global plan's arrays, its final plan), rank 0's (N empty plans in, N out), rank 0's
     peak memory; then the finish on the slice (x slice_to_whole): the N ranks' compact write results
     unpickled, DCP's .metadata built from the arrays and pickled (what stock DCP reads)."""
@@ -396,7 +396,7 @@ def layout_round(world: int) -> dict:
 
     from torch.distributed.checkpoint.planner import SavePlan
 
-    from trainer import save_plan as sp
+    from trainer.checkpoint import save_plan as sp
 
     storage_prefix = _storage_prefix()
     items = state_items(llama_shapes(), True)
@@ -472,7 +472,7 @@ def layout_round(world: int) -> dict:
 def synthetic_written(plan, world: int) -> list:
     """Every rank's compact write results (save_plan.Written) of the whole state: each item a rank
     writes in its one file, in plan order, 4 bytes an element and 1100 of torch.save's zip headers."""
-    from trainer import save_plan as sp
+    from trainer.checkpoint import save_plan as sp
 
     n_items = len(plan.items)
     writes = np.zeros((n_items, world), dtype=bool)
@@ -502,15 +502,15 @@ def synthetic_written(plan, world: int) -> list:
 
 def index_round(world: int) -> dict:
     """A save's chunk index and a resume from it, the whole 8B state at `world` ranks, as the trainer
-    does them (trainer/save_plan.py, trainer/checkpoint.py `_checked_metadata`, `_index_slices`):
+    does them (trainer/checkpoint/save_plan.py, trainer/checkpoint/manager.py `_checked_metadata`, `_index_slices`):
     rank 0 at the save's finish (the N ranks' compact write results unpickled, the index's arrays,
     the file written); at the resume, rank 0 (the file read, hashed, checked and parsed, the
     current layout's plan, every rank's slice, the header and slices pickled for the broadcast and
     the scatter), and one rank (its slice unpickled, DCP's metadata of it, its load plan)."""
     import xxhash
 
-    from trainer import load_plan
-    from trainer import save_plan as sp
+    from trainer.checkpoint import load_plan
+    from trainer.checkpoint import save_plan as sp
 
     items = state_items(llama_shapes(), True)
     mappings = mappings_of(items)

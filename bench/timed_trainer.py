@@ -36,12 +36,13 @@ def main() -> int:
     argv = [a for i, a in enumerate(sys.argv[1:], 1) if a != "--times" and sys.argv[i - 1] != "--times"]
     import trainer.__main__ as entry  # installs the trainer's signal handlers, as `-m trainer` does
     import trainer.train  # noqa: F401 - imported lazily by entry.main: counted with the imports here
-    from trainer import checkpoint, metrics
     from trainer import dist as distributed
+    from trainer.checkpoint import manager
+    from trainer.observe import metrics
 
     times["imported"] = time.time()
     _wrap(distributed, "init", "rendezvous_start", "rendezvous_end")
-    _wrap(checkpoint.Checkpointer, "load", "load_start", "load_end")
+    _wrap(manager.Checkpointer, "load", "load_start", "load_end")
     _wrap(metrics.Reporter, "row", "first_row", "first_row")
     rc = entry.main(argv)
     if distributed.read_env().rank == 0:

@@ -156,7 +156,7 @@ def kill_group(proc: subprocess.Popen, sig=signal.SIGKILL) -> None:
 
 
 def metrics(run_dir) -> list[dict]:
-    """The rows of metrics.jsonl but its event rows (resume, restart, node_lost: trainer/metrics.py):
+    """The rows of metrics.jsonl but its event rows (resume, restart, node_lost: trainer/observe/metrics.py):
     training and evaluation rows; none while there is no such file."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
@@ -176,7 +176,7 @@ def losses(run_dir) -> dict[int, float]:
 
 def weights(run_dir, step: int | None = None) -> dict[str, torch.Tensor]:
     """The consolidated model weights of a run's checkpoint, through the export tool's code."""
-    from trainer.export import consolidate
+    from trainer.commands.export import consolidate
 
     return consolidate(str(run_dir), step)[0]
 
@@ -257,7 +257,7 @@ def load_metadata(folder):
 def rerecord(folder) -> None:
     """Record the folder's files again, as someone who tampers with a checkpoint would: the
     checksums then agree, and only the reader's own care stands in the way."""
-    from trainer import checksums
+    from trainer.checkpoint import checksums
 
     for name in os.listdir(folder):
         if name.endswith(checksums.SUFFIX):
@@ -274,7 +274,7 @@ def point_index(folder, fqn: str, offset: int, length: int) -> None:
     its shard file, as someone who tampers with a checkpoint would (rerecord afterwards)."""
     import numpy as np
 
-    from trainer import save_plan
+    from trainer.checkpoint import save_plan
 
     path = os.path.join(folder, save_plan.INDEX)
     with np.load(path, allow_pickle=False) as z:
@@ -289,7 +289,7 @@ def point_index(folder, fqn: str, offset: int, length: int) -> None:
 def without_index(folder) -> None:
     """`folder` as DCP's own planner saves it: no chunk index (chunks.npz), so a load reads its
     .metadata (rerecorded)."""
-    from trainer import save_plan
+    from trainer.checkpoint import save_plan
 
     os.remove(os.path.join(folder, save_plan.INDEX))
     rerecord(folder)
@@ -302,7 +302,7 @@ DEFAULT = str(ROOT / "configs" / "default.yaml")  # the default config, as the b
 
 def refused(capsys, run_dir: Path, *argv: str, config: str = DEFAULT) -> str:
     """The one error line of `python -m trainer.check`; fails unless it exits 2 and wrote nothing."""
-    from trainer import check
+    from trainer.preflight import check
 
     code = check.main(["--config", config, f"run_dir={run_dir}", *argv])
     out, err = capsys.readouterr()
@@ -314,7 +314,7 @@ def refused(capsys, run_dir: Path, *argv: str, config: str = DEFAULT) -> str:
 
 
 def accepted(capsys, run_dir: Path, *argv: str, config: str = DEFAULT) -> None:
-    from trainer import check
+    from trainer.preflight import check
 
     code = check.main(["--config", config, f"run_dir={run_dir}", *argv])
     out, err = capsys.readouterr()
@@ -387,14 +387,15 @@ def runs():
     """A run dir root the nodes see and that only this user can swap: submitit refuses a run dir
     whose folders above let another user rename it (a CI clone owned by another uid than the one
     running the tests, or one in /tmp, falls back to a folder under home)."""
-    from trainer import files, submit
+    from trainer.launchers import slurm
+    from trainer.rundir import files
 
     root = ROOT / "runs" / f"test-slurm-{os.getpid()}"
     try:
-        submit.check_shared(root, nodes=4)
+        slurm.check_shared(root, nodes=4)
         root.mkdir(parents=True, exist_ok=True)
         safe = files.replaceable(root) is None
-    except (submit.SubmitError, OSError):
+    except (slurm.SubmitError, OSError):
         safe = False
     if not safe:
         shutil.rmtree(root, ignore_errors=True)

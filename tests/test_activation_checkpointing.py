@@ -9,8 +9,9 @@ import collections
 import pytest
 import torch
 
-from trainer import models, parallel, parallel_ac
+from trainer import models
 from trainer.config import AC_DEPRECATED, ConfigError, load, resolve
+from trainer.parallel import activation_checkpointing, plan
 from trainer.torch_compat import dispatch_mode_base
 
 SEQ = ["model.seq_len=32", "parallel.strategy=none"]  # the tiny transformer: 2 blocks, 7 matmuls each
@@ -34,7 +35,7 @@ def _backward_ops(*overrides: str):
     cfg = resolve(load(None, [*SEQ, *overrides]))
     family = models.spec(cfg.model)
     torch.manual_seed(0)
-    model = parallel.Plan(cfg.parallel, 1).apply(family.build(cfg.model), family)
+    model = plan.Plan(cfg.parallel, 1).apply(family.build(cfg.model), family)
     x = torch.randint(0, cfg.model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
     loss = family.loss(model(x), x)
     with _Ops() as ops:
@@ -85,7 +86,7 @@ def test_the_policy_keeps_every_other_matmul_and_the_attention():
     class Context:
         is_recompute = False
 
-    ctx, policy = Context(), parallel_ac.selective_policy(collections.Counter())
+    ctx, policy = Context(), activation_checkpointing.selective_policy(collections.Counter())
     aten = torch.ops.aten
     kept = [policy(ctx, op) for op in (aten.mm.default, aten.mm.default, aten.mm.default, aten.silu.default)]
     assert kept == [CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE] + [
@@ -116,7 +117,7 @@ def test_the_old_true_and_false_keep_working_with_one_deprecation_line(value, mo
     ],
 )
 def test_bad_values_are_one_line_naming_the_key(override, words):
-    from trainer.check import validate
+    from trainer.preflight.check import validate
 
     with pytest.raises(ConfigError, match=None) as e:
         validate(load(None, [override]), 1, overrides=[override])

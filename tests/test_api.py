@@ -15,7 +15,7 @@ import pytest
 from conftest import PYTHON, ROOT, TINY, env, metrics, one_line, python, train, wait_for
 from pages import block
 from trainer import api
-from trainer.layout import latest_committed_step
+from trainer.rundir.layout import latest_committed_step
 
 DEFAULT = str(ROOT / "configs" / "default.yaml")
 

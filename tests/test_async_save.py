@@ -1,4 +1,4 @@
-"""Saves that do not grow with the job or stall it (trainer/checkpoint.py): DCP's save-plan caching
+"""Saves that do not grow with the job or stall it (trainer/checkpoint/manager.py): DCP's save-plan caching
 (a rank whose plan is unchanged sends none; rank 0 reuses its global plan) with the checksumming
 writer, the async saves, and a layout that changes in the same processes; the async save's
 process-based path where the installed torch has it."""
@@ -16,13 +16,14 @@ from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.device_mesh import DeviceMesh
 
 from conftest import small_parts, small_step
-from trainer import checkpoint, torch_compat
+from trainer import torch_compat
+from trainer.checkpoint import manager
 from trainer.dist import exit_process
 
 UNCHANGED = "No change in the local plan"  # DCP's line when a rank's cached plan is reused
 DCP_PLANNER = "torch.distributed.checkpoint.default_planner"
 
-pytestmark = pytest.mark.skipif(not checkpoint._PLAN_CACHING, reason="this torch's DCP has no save-plan caching")
+pytestmark = pytest.mark.skipif(not manager._PLAN_CACHING, reason="this torch's DCP has no save-plan caching")
 
 
 @pytest.fixture(scope="module")
@@ -42,13 +43,13 @@ def test_a_cached_plan_saves_what_a_fresh_one_does(tmp_path, group, caplog, monk
     process too) and loads the weights it was saved with; with DCP's planner, in this process,
     the second and third saves reuse the plan (DCP says so; the save process's lines are its own)."""
     if planner == "dcp":
-        monkeypatch.setattr(checkpoint.save_plan, "describe", lambda state, world: None)
+        monkeypatch.setattr(manager.save_plan, "describe", lambda state, world: None)
     if how == "thread":  # what a Checkpointer does when DCP's save process is another layout's
-        monkeypatch.setattr(checkpoint, "_SAVER_PROCESS_FOR", (-1, -1))
+        monkeypatch.setattr(manager, "_SAVER_PROCESS_FOR", (-1, -1))
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # where the save process's process group meets
     model, optimizer, scheduler = small_parts(0)
-    args = checkpoint.CheckpointArgs(keep=0, async_save=how != "blocking")
-    ckpt = checkpoint.Checkpointer(args, str(tmp_path), 0, 1, group, model, optimizer, {"scheduler": scheduler})
+    args = manager.CheckpointArgs(keep=0, async_save=how != "blocking")
+    ckpt = manager.Checkpointer(args, str(tmp_path), 0, 1, group, model, optimizer, {"scheduler": scheduler})
     in_process = "async_checkpointer_type" in (ckpt.stager or {})
     if how == "process" and not in_process:
         pytest.skip("this torch's async_save has no process-based path")
@@ -68,11 +69,11 @@ def test_a_cached_plan_saves_what_a_fresh_one_does(tmp_path, group, caplog, monk
     assert not any(ckpt.plan_key in getattr(SavePlanner, c) for c in torch_compat.PLAN_CACHES)
 
     for step in (1, 2, 3):
-        path = checkpoint.step_path(str(tmp_path), step)
-        assert checkpoint.unusable(path) is None
+        path = manager.step_path(str(tmp_path), step)
+        assert manager.unusable(path) is None
         model, optimizer, scheduler = small_parts(1)
-        reader = checkpoint.Checkpointer(
-            checkpoint.CheckpointArgs(keep=0, resume_from=path),
+        reader = manager.Checkpointer(
+            manager.CheckpointArgs(keep=0, resume_from=path),
             str(tmp_path / f"load{step}"),
             0,
             1,
@@ -97,8 +98,8 @@ def _layouts(rank: int, world: int, root: str, out: str) -> None:
         for name, ranks, grp in (("pair", 2, pair), ("all", world, dist.group.WORLD)):
             if rank < ranks:
                 model, optimizer, scheduler = small_parts(0, DeviceMesh.from_group(grp, "cpu"))
-                ckpt = checkpoint.Checkpointer(
-                    checkpoint.CheckpointArgs(keep=0),
+                ckpt = manager.Checkpointer(
+                    manager.CheckpointArgs(keep=0),
                     os.path.join(root, name),
                     rank,
                     ranks,
@@ -115,9 +116,9 @@ def _layouts(rank: int, world: int, root: str, out: str) -> None:
             dist.barrier()
         for name in ("pair", "all"):
             model, optimizer, scheduler = small_parts(1, DeviceMesh.from_group(dist.group.WORLD, "cpu"))
-            path = checkpoint.step_path(os.path.join(root, name), 2)
-            ckpt = checkpoint.Checkpointer(
-                checkpoint.CheckpointArgs(keep=0, resume_from=path),
+            path = manager.step_path(os.path.join(root, name), 2)
+            ckpt = manager.Checkpointer(
+                manager.CheckpointArgs(keep=0, resume_from=path),
                 os.path.join(root, f"load_{name}"),
                 rank,
                 world,

@@ -20,7 +20,7 @@ from conftest import (
     python,
     refused,
 )
-from trainer import check
+from trainer.preflight import check
 
 # ---------------------------------------------------------------------------------------------------
 # The config file itself
@@ -233,8 +233,8 @@ def test_a_batch_that_cannot_fit_is_refused(capsys, tmp_path):
 
 
 def test_memory_estimate_parts():
-    from trainer import memory
     from trainer.config import load
+    from trainer.preflight import memory
 
     cfg = load(None, ["model.seq_len=32"])
     one, two = memory.estimate(cfg, 1, 4), memory.estimate(cfg, 2, 4)

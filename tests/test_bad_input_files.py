@@ -20,7 +20,7 @@ from conftest import (
     hf_folder,
     refused,
 )
-from trainer import check
+from trainer.preflight import check
 
 # ---------------------------------------------------------------------------------------------------
 # Inside the run dir
@@ -181,7 +181,7 @@ def test_resume_from_a_file(capsys, tmp_path):
 def test_metrics_rows_are_strict_json(tmp_path):
     import json
 
-    from trainer.metrics import LogArgs, Reporter
+    from trainer.observe.metrics import LogArgs, Reporter
 
     reporter = Reporter(str(tmp_path), LogArgs(progress=False), total_steps=3, is_main=True)
     reporter.write({"step": 1, "eval_loss": float("nan"), "grad_norm": float("inf"), "lr": 0.1})
@@ -195,7 +195,7 @@ def test_metrics_rows_are_strict_json(tmp_path):
 
 
 def exported(capsys, out: Path, run_dir: Path) -> str:
-    from trainer.export import main as export
+    from trainer.commands.export import main as export
 
     code = export([str(run_dir), "--out", str(out)])
     err = capsys.readouterr().err.strip().splitlines()

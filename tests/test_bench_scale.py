@@ -55,7 +55,7 @@ def test_synthetic_plan_is_dcps_plan_of_an_fsdp2_model():
 
 def test_a_planning_round_resumes_each_rank_from_its_own_chunks():
     """A round at 8 ranks of the Llama-8B slice: 48 items per rank, each read back whole by one read;
-    trainer/save_plan.py's plans of the same state are DCP's (asserted inside the round)."""
+    trainer/checkpoint/save_plan.py's plans of the same state are DCP's (asserted inside the round)."""
     r = scale.plan_round(8, whole=False)
     assert r["items_per_rank"] == 48 == r["load_read_items"]
     assert r["metadata_bytes"] > 0 and r["manifest_bytes"] > 0

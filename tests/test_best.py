@@ -15,10 +15,12 @@ import torch
 import torch.distributed as dist
 
 from conftest import TINY, command, metrics, python, run_command, train, weights
-from trainer import checkpoint, early_stop, layout
-from trainer import generate as gen
-from trainer import metrics as metrics_cli
-from trainer.export import main as export
+from trainer import early_stop
+from trainer.checkpoint import manager
+from trainer.commands import generate as gen
+from trainer.commands.export import main as export
+from trainer.observe import metrics as metrics_cli
+from trainer.rundir import layout
 
 # -- in this process: a process group of one, a real Checkpointer --------------------------------
 
@@ -37,14 +39,12 @@ def checkpointer(run_dir, group, keep: int):
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     best = early_stop.Best()
     parts = {"scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), early_stop.BEST: best}
-    ckpt = checkpoint.Checkpointer(
-        checkpoint.CheckpointArgs(keep=keep), str(run_dir), 0, 1, group, model, optimizer, parts
-    )
+    ckpt = manager.Checkpointer(manager.CheckpointArgs(keep=keep), str(run_dir), 0, 1, group, model, optimizer, parts)
     return ckpt, best
 
 
 def steps(run_dir) -> list[int]:
-    return [s for s, _ in checkpoint.complete(str(run_dir))]
+    return [s for s, _ in manager.complete(str(run_dir))]
 
 
 def test_retention_never_deletes_the_best_checkpoint(tmp_path, group):

@@ -25,7 +25,7 @@ from conftest import (
     wait_for,
     weights,
 )
-from trainer import checkpoint
+from trainer.checkpoint import manager
 from trainer.data import SyntheticLM
 
 pytestmark = pytest.mark.slow  # every test trains in real processes (save, kill, resume)
@@ -89,7 +89,7 @@ def test_stop_signal_saves_and_restart_resumes_bitwise(tmp_path):
     os.kill(job.pid, signal.SIGTERM)  # to torchrun, like `docker stop` or Slurm; it forwards it
     out = job.communicate(timeout=120)[0]
     assert "stopped by signal after step" in out, out[-3000:]
-    stopped_at = checkpoint.latest_step(str(run_dir))
+    stopped_at = manager.latest_step(str(run_dir))
     assert stopped_at is not None and 5 <= stopped_at < 40
     assert max(losses(run_dir)) == stopped_at  # no step lost: the checkpoint is the last step done
 
@@ -132,8 +132,8 @@ def test_kill_9_during_saves_never_leaves_a_usable_half_checkpoint(tmp_path, kil
     assert job.returncode != 0
     for name in os.listdir(ckpts):
         if name.startswith("step_"):
-            assert checkpoint.problem(str(ckpts / name)) is None, f"{name} is visible but incomplete"
-    killed_at = checkpoint.latest_step(str(run_dir))
+            assert manager.problem(str(ckpts / name)) is None, f"{name} is visible but incomplete"
+    killed_at = manager.latest_step(str(run_dir))
 
     out = train(run_dir, 2, *overrides).stdout
     assert (f"at step {killed_at}" in out) if killed_at else ("resumed" not in out)
@@ -182,7 +182,7 @@ def test_unreadable_shard_stops_every_rank_with_its_cause(tmp_path, reference):
     assert len(errors) == 1 and errors[0].startswith(f"error: checkpoint.resume_from={source} is unreadable: rank "), (
         proc.stderr
     )
-    # The shard file's checksum (trainer/checksums.py) catches the damage before its pickle does.
+    # The shard file's checksum (trainer/checkpoint/checksums.py) catches the damage before its pickle does.
     assert "could not read its shards (ChecksumError: __1_0.distcp is damaged" in errors[0], errors[0]
     assert {p: p.read_bytes() for p in source.rglob("*") if p.is_file()} == files
 

@@ -15,7 +15,8 @@ import tomllib
 
 from conftest import ROOT, env
 from test_requeue import SYSTEM_PYTHON
-from trainer import __version__, cli, signals
+from trainer import __version__, cli
+from trainer.resilience import signals
 
 VERSION = f"fsdp-trainer {__version__}\n"
 
@@ -72,14 +73,14 @@ def test_help_version_and_a_bad_command_line_are_one_path(name, capsys, monkeypa
 
 
 def test_an_argparse_error_says_what_in_one_line(capsys):
-    from trainer.export import main as export
+    from trainer.commands.export import main as export
 
     code, _, err = ends(export, ["run", "--best", "--step", "3", "--out", "x.pt"], capsys)
     assert (code, err) == (
         2,
         "error: argument --step: not allowed with argument --best; see python -m trainer.export --help\n",
     )
-    from trainer.check import main as check
+    from trainer.preflight.check import main as check
 
     code, _, err = ends(check, ["--config", "default", "--nproc", "two"], capsys)
     assert (code, err) == (

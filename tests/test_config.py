@@ -10,9 +10,9 @@ import pytest
 import yaml
 
 from conftest import ROOT, python
-from trainer import check
-from trainer.check import check_devices, validate
 from trainer.config import ConfigError, load, resolve
+from trainer.preflight import check
+from trainer.preflight.check import check_devices, validate
 
 
 def write(tmp_path, text: str, name: str = "c.yaml") -> str:
@@ -316,7 +316,7 @@ def test_the_config_and_its_validation_need_no_torch(tmp_path, start):
     code = (
         'import sys; sys.modules["torch"] = None  # any import of torch now raises ImportError\n'
         "from trainer.config import load_run\n"
-        "from trainer.check import validate\n"
+        "from trainer.preflight.check import validate\n"
         f"cfg, where, notes = load_run('configs/default.yaml', {overrides!r})\n"
         "print(validate(cfg, 2, where=where, ranks_per_node=None), cfg.model.name)\n"
     )
@@ -326,11 +326,11 @@ def test_the_config_and_its_validation_need_no_torch(tmp_path, start):
 
 @pytest.mark.parametrize("optimizer, per_param", [("adamw", 12), ("adam", 12), ("adadelta", 12), ("sgd", 8)])
 def test_the_checkpoint_size_comes_from_the_memory_estimates_table(tmp_path, optimizer, per_param):
-    """One table of bytes per parameter (trainer/memory.py): the save time the plan estimates for a
+    """One table of bytes per parameter (trainer/preflight/memory.py): the save time the plan estimates for a
     run dir without a measured save counts the float32 weight and the optimizer's state, the same
     bytes the memory estimate counts for them."""
-    from trainer import memory
-    from trainer.interval import param_count, save_seconds
+    from trainer.preflight import memory
+    from trainer.preflight.interval import param_count, save_seconds
 
     cfg = resolve(load(None, [f"optim.name={optimizer}", "model.size=tiny", f"run_dir={tmp_path}"]))
     assert memory.checkpoint_bytes(optimizer) == memory.WEIGHT_BYTES + memory.OPTIMIZER_BYTES[optimizer] == per_param

@@ -14,8 +14,8 @@ import pytest
 from conftest import ROOT
 from pages import text
 from trainer import config
-from trainer.check import validate
 from trainer.config import Config, ConfigError, keys, load, to_dict
+from trainer.preflight.check import validate
 
 
 def leaves(d: dict, prefix: str = "") -> list[str]:
@@ -223,7 +223,7 @@ def test_print_of_a_tensor_parallel_config_takes_the_fewest_processes_that_fit_i
 
 
 def test_the_size_s_meaning_lists_the_sizes_not_a_code_constant():
-    from trainer.models.transformer_shapes import TRANSFORMER_SIZES
+    from trainer.models.transformer.shapes import TRANSFORMER_SIZES
 
     meaning = {k: m for k, _, _, m in keys()}["model.size"]
     assert "TRANSFORMER_SIZES" not in meaning

@@ -15,9 +15,9 @@ import torch
 import yaml
 
 from conftest import ROOT, TINY, python, refused, rows, train
-from trainer import check
 from trainer.config import load, resolve
 from trainer.data import DataError, EvalSources, Indexed, Mixture, StreamOrder, build
+from trainer.preflight import check
 
 SEQ = 32
 TOKENS = ["data.name=tokens", "model.vocab_size=256", f"model.seq_len={SEQ}"]
@@ -174,7 +174,7 @@ def test_a_run_never_trains_on_its_held_out_part_and_a_resume_keeps_it(capsys, t
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["eval_loss"] == pytest.approx(evals[4], rel=1e-5)
     # another fraction is data the run trained on: refused in one line (before any process group)
-    from trainer.evaluate import main as evaluate
+    from trainer.commands.evaluate import main as evaluate
 
     assert evaluate([str(run_dir), "data.eval_fraction=0.5"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from conftest import ROOT, TORCHRUN, env, run_command
-from trainer import dist, metrics
+from trainer import dist
+from trainer.observe import metrics
 
 LAUNCHER_VARS = (
     "RANK",
@@ -87,8 +88,8 @@ def test_gpus_give_nccl_and_the_local_rank_device(clean_env):
 
 
 def test_more_processes_than_gpus_is_refused_with_what_to_do(monkeypatch):
-    from trainer.check import check_gpus
     from trainer.config import ConfigError
+    from trainer.preflight.check import check_gpus
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -205,18 +206,18 @@ def test_the_launchers_rendezvous_polls_faster_only_while_it_runs(monkeypatch):
 
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
-    from trainer import launch
+    from trainer.launchers import torchrun
 
     slept = []
     monkeypatch.setattr(time, "sleep", slept.append)
     original = dynamic_rendezvous._delay
-    with launch._rendezvous_poll(0.2):
+    with torchrun._rendezvous_poll(0.2):
         dynamic_rendezvous._delay(seconds=1)  # as torchrun calls it
         dynamic_rendezvous._delay(seconds=0.5)
     dynamic_rendezvous._delay(seconds=1)
     assert dynamic_rendezvous._delay is original and slept == [0.2, 0.5, 1]
     # 0.05 s a node from 0.2 s to torchrun's 1 s: at most 20 reads a second in all below 20 nodes
-    assert [launch.rendezvous_poll_s(n) for n in (1, 4, 10, 20, 1000)] == [0.2, 0.2, 0.5, 1.0, 1.0]
+    assert [torchrun.rendezvous_poll_s(n) for n in (1, 4, 10, 20, 1000)] == [0.2, 0.2, 0.5, 1.0, 1.0]
 
 
 PEER_SCRIPT = textwrap.dedent(

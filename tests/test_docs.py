@@ -10,7 +10,7 @@ from pathlib import Path
 from urllib.parse import unquote
 
 from pages import ROOT, anchors, links, pages, section, text
-from trainer import outcomes
+from trainer.resilience import outcomes
 
 
 def broken_links(page: Path) -> list[str]:

@@ -9,8 +9,10 @@ import os
 import pytest
 
 from conftest import TINY, assert_same_weights, launch_command, metrics, refused, rerecord, run_command, train, weights
-from trainer import early_stop, layout, requeue
-from trainer import metrics as metrics_cli
+from trainer import early_stop
+from trainer.launchers import requeue
+from trainer.observe import metrics as metrics_cli
+from trainer.rundir import layout
 
 # Evaluations at steps 2, 4, 6, ...; no evaluation is lower than the first by 100, so with patience 2
 # the run stops at step 6 whatever the losses are. Checkpoints at 5 and at the stop (all kept); the
@@ -136,7 +138,7 @@ def test_a_saved_state_not_of_its_kind_is_refused(bad):
 
 
 def test_a_saved_state_is_checked_once_at_a_load(monkeypatch):
-    """The checkpoint's load asks the part's problem() and then restores it (trainer/checkpoint.py):
+    """The checkpoint's load asks the part's problem() and then restores it (trainer/checkpoint/manager.py):
     one check of the state, not a second one inside load_state_dict."""
     checks = []
     real = early_stop.state_problem

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import TINY, metrics, python, train
-from trainer import generate as gen
+from trainer.commands import generate as gen
 
 pytestmark = pytest.mark.slow  # a module fixture trains a run
 
@@ -62,7 +62,7 @@ def test_evaluate_gives_the_training_loops_eval_loss_and_writes_one_row_only(run
 
 def test_evaluate_bad_input_is_one_line_and_writes_nothing(run, capsys):
     """In this process: bad input is refused before a process group exists."""
-    from trainer.evaluate import main
+    from trainer.commands.evaluate import main
 
     before, rows_before = snapshot(run), metrics(run)
     for args, message in [

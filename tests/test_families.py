@@ -15,8 +15,8 @@ from conftest import ROOT, TINY, python, rows, train, weights
 from tests.toy_family_net import TinyMLP
 from toy_family import FAMILY
 from trainer import models
-from trainer.check import validate
 from trainer.config import ConfigError, load
+from trainer.preflight.check import validate
 
 TOY = ["model.name=toy_mlp", "data.name=synthetic_images", "model.image_size=8", "model.num_classes=3"]
 
@@ -48,7 +48,7 @@ def test_the_family_specs_need_no_torch(tmp_path):
         'import sys; sys.modules["torch"] = None  # any import of torch now raises ImportError\n'
         "from tests.toy_family import FAMILY\n"
         "from trainer import models\n"
-        "from trainer.check import validate\n"
+        "from trainer.preflight.check import validate\n"
         "from trainer.config import load\n"
         "models.FAMILIES['toy_mlp'] = FAMILY\n"
         f"for args in ({TOY!r}, ['model.name=mnist_cnn', 'data.name=synthetic_images']):\n"

@@ -1,4 +1,4 @@
-"""trainer/files.py, the one way to touch a shared folder: against a link, a FIFO and a folder at
+"""trainer/rundir/files.py, the one way to touch a shared folder: against a link, a FIFO and a folder at
 each name, every call refuses in one line or replaces the planted thing; nothing is written through
 a link, nothing blocks."""
 
@@ -8,7 +8,7 @@ import stat
 import pytest
 
 from conftest import plant
-from trainer import files
+from trainer.rundir import files
 
 
 @pytest.mark.parametrize("kind", ["link", "fifo", "folder"])
@@ -147,7 +147,7 @@ def test_the_metadata_of_a_checkpoint_is_never_read_through_a_fifo_or_a_link(tmp
     was followed. (signal.alarm: the old code blocks forever here.)"""
     import signal
 
-    from trainer.shard_reader import load_metadata
+    from trainer.checkpoint.reader import load_metadata
 
     os.mkfifo(tmp_path / ".metadata")
     os.symlink(secret, tmp_path / "link")

@@ -1,4 +1,4 @@
-"""parallel.float8 (trainer/float8.py): torchao's float8 training, run on the CPU through its emulation
+"""parallel.float8 (trainer/parallel/float8.py): torchao's float8 training, run on the CPU through its emulation
 (parallel.float8_emulate: the float8 casts and scales as on a GPU, the matmuls in high precision).
 
 What runs: 50 steps of the tiny transformer in bf16 and in float8 (tensorwise with FSDP's float8
@@ -36,9 +36,9 @@ from conftest import (
     weights,
 )
 from trainer import config, hf
-from trainer.check import check_float8, validate
 from trainer.config import ConfigError
-from trainer.models import transformer_hf
+from trainer.models.transformer import hf as transformer_hf
+from trainer.preflight.check import check_float8, validate
 
 pytest.importorskip("torchao", reason="float8 needs torchao: pip install .[float8] (the test extra has it)")
 

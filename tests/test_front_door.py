@@ -83,7 +83,8 @@ def test_a_finished_run_started_again_says_so_before_any_set_up(tmp_path, monkey
     the process group first. The launcher now says it from the newest checkpoint's step: no health
     check, no torchrun, exit 0, and the status says finished (what the requeue check reads)."""
     from conftest import TINY
-    from trainer import launch, layout
+    from trainer.launchers import torchrun
+    from trainer.rundir import layout
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -92,10 +93,10 @@ def test_a_finished_run_started_again_says_so_before_any_set_up(tmp_path, monkey
     def started(*args, **kwargs):
         raise AssertionError("set-up began")
 
-    monkeypatch.setattr(launch, "_health_check", started)
-    monkeypatch.setattr(launch, "_supported", started)
+    monkeypatch.setattr(torchrun, "_health_check", started)
+    monkeypatch.setattr(torchrun, "_supported", started)
     args = ["--nproc-per-node=1", "--config", str(ROOT / "configs/default.yaml"), f"run_dir={run_dir}", *TINY]
-    assert launch.main(args) == 0  # TINY: train.steps=6
+    assert torchrun.main(args) == 0  # TINY: train.steps=6
     out = capsys.readouterr().out
     assert "nothing to do: step 6 reached train.steps=6; raise train.steps to continue" in out, out
     assert layout.read_status(str(run_dir))["state"] == "finished"

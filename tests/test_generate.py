@@ -17,8 +17,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 tokenizers = pytest.importorskip("tokenizers")
 
 from conftest import TINY, corpus, export_hf, python, train  # noqa: E402 - after HF_HUB_OFFLINE is set above
-from trainer import generate as gen  # noqa: E402 - after HF_HUB_OFFLINE is set above
 from trainer import models  # noqa: E402 - after HF_HUB_OFFLINE is set above
+from trainer.commands import generate as gen  # noqa: E402 - after HF_HUB_OFFLINE is set above
 
 pytestmark = pytest.mark.slow  # a module fixture trains a run
 
@@ -77,7 +77,7 @@ def generate_cli(*args) -> subprocess.CompletedProcess:
 def test_exported_files_follow_the_umask(run, tmp_path, umask, mode):
     """Defect 5: model.safetensors was 0600 (safetensors' own default) beside a 0644 config.json,
     so a serving account could not read the weights. Both formats, every file."""
-    from trainer.export import main as export
+    from trainer.commands.export import main as export
 
     run_dir, _ = run
     export_hf(run_dir, tmp_path / "hf", umask=umask)
@@ -215,7 +215,7 @@ def test_export_refuses_a_sidecar_naming_a_file_that_is_not_a_tokenizer(run, tmp
     secret_bytes = Path(secret).read_bytes()
     try:
         sidecar.write_text(json.dumps({**json.loads(original), "tokenizer": secret}))
-        from trainer.export import main as export
+        from trainer.commands.export import main as export
 
         assert export([str(run_dir), "--format", "hf", "--out", str(tmp_path / "hf")]) == 2
         err = capsys.readouterr().err

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from conftest import TINY, TORCHRUN, assert_same_losses, assert_same_weights, losses, run_command, train, weights
-from trainer import layout
+from trainer.rundir import layout
 
 pytestmark = pytest.mark.slow  # every test starts ranks
 

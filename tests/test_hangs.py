@@ -1,4 +1,4 @@
-"""Hangs and stragglers (trainer/hangs.py): the stacks of the ranks and the launcher's report when a
+"""Hangs and stragglers (trainer/resilience/hangs.py): the stacks of the ranks and the launcher's report when a
 rank stops answering (stopped with SIGSTOP, or asleep inside a step), and a rank that is slow on
 purpose named as a straggler."""
 
@@ -14,7 +14,7 @@ import pytest
 
 import conftest
 from conftest import ROOT, env, rows, wait_for
-from trainer import hangs
+from trainer.resilience import hangs
 
 TIMEOUT = ["parallel.timeout_s=10"]  # the smallest that lets a step finish on a loaded 2-core machine
 
@@ -191,7 +191,7 @@ def test_a_slow_rank_is_named_a_straggler_and_a_rank_asleep_in_a_step_writes_its
 
 
 def test_a_straggler_factor_of_1_or_less_is_one_line(capsys, tmp_path):
-    from trainer import check
+    from trainer.preflight import check
 
     for value in ("1", "0.5"):
         assert (

@@ -1,4 +1,4 @@
-"""The health check's judgements (trainer/health.py), each on its own: only the GPUs are mocked (a
+"""The health check's judgements (trainer/resilience/health.py), each on its own: only the GPUs are mocked (a
 fake device whose matmul is wrong, a node that sees fewer GPUs than assigned). The ranks' all-reduce
 is measured in real 2-process runs: test_launch.py (gloo, one node), test_slurm_failures.py (two nodes)."""
 
@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from conftest import ROOT, TINY
-from trainer import health, launch
-from trainer.health import HealthArgs, check_node
+from trainer.launchers import torchrun
+from trainer.resilience import health
+from trainer.resilience.health import HealthArgs, check_node
 
 CPU = lambda: None  # a node where torch sees no CUDA
 
@@ -158,14 +159,14 @@ def test_the_launcher_outside_slurm_is_one_line_and_exit_4_without_a_record(caps
         *TINY,
         "health.command=exit 5",
     ]
-    assert launch.main(args) == health.HEALTH_FAILED
+    assert torchrun.main(args) == health.HEALTH_FAILED
     out, err = capsys.readouterr()
     err = [line for line in err.splitlines() if not line.startswith("launch: ")]
-    assert err == [f"health: {launch.node_name()}: health.command `exit 5` exited 5 (no output)"] and out == ""
+    assert err == [f"health: {torchrun.node_name()}: health.command `exit 5` exited 5 (no output)"] and out == ""
     assert not run_dir.exists()
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     monkeypatch.setenv("SLURMD_NODENAME", "n9")
-    assert launch.main([*args, "health.max_excluded=1"]) == health.HEALTH_FAILED
+    assert torchrun.main([*args, "health.max_excluded=1"]) == health.HEALTH_FAILED
     record = run_dir / "slurm" / "health" / "77.n9.json"
     found = json.loads(record.read_text())
     assert (found["job"], found["node"], found["reason"], found["max_excluded"]) == (
@@ -184,16 +185,16 @@ def test_the_launcher_outside_slurm_is_one_line_and_exit_4_without_a_record(caps
     def start(args):
         raise Started
 
-    monkeypatch.setattr(launch, "_supported", start)
+    monkeypatch.setattr(torchrun, "_supported", start)
     with pytest.raises(Started):
-        launch.main([*args, "health.enabled=false"])
+        torchrun.main([*args, "health.enabled=false"])
     assert "health:" not in "".join(capsys.readouterr())
 
 
 def test_a_record_is_never_written_through_a_link_in_the_run_dir(tmp_path):
     """The failing node's record goes into the shared run dir: a link planted in place of the records'
     folder or at the record's own name does not make it write where the link leads (the record is
-    written under a fresh random name and renamed over it: trainer/files.py)."""
+    written under a fresh random name and renamed over it: trainer/rundir/files.py)."""
     victim = tmp_path / "victim"
     victim.mkdir()
     precious = victim / "precious.txt"
@@ -213,12 +214,12 @@ def test_a_node_stopped_for_another_nodes_failed_check_says_so(monkeypatch, tmp_
     """srun stops every node of the job once the node that failed its health check exits 4: the
     others name that node, not just the signal; a node never names itself, nor another job's."""
     health.record(str(tmp_path), "7", "n2", "health.command `x` exited 1 (no output)", 2)
-    monkeypatch.setattr(launch, "node_name", lambda: "n1")
+    monkeypatch.setattr(torchrun, "node_name", lambda: "n1")
     monkeypatch.setenv("SLURM_JOB_ID", "7")
-    assert launch._stopped_for_health(str(tmp_path), "SIGTERM") == (
+    assert torchrun._stopped_for_health(str(tmp_path), "SIGTERM") == (
         "n1: stopped by SIGTERM: node n2 of this job failed the health check (said above); nothing to save"
     )
-    monkeypatch.setattr(launch, "node_name", lambda: "n2")
-    assert launch._stopped_for_health(str(tmp_path), "SIGTERM") is None
+    monkeypatch.setattr(torchrun, "node_name", lambda: "n2")
+    assert torchrun._stopped_for_health(str(tmp_path), "SIGTERM") is None
     monkeypatch.setenv("SLURM_JOB_ID", "8")
-    assert launch._stopped_for_health(str(tmp_path), "SIGTERM") is None
+    assert torchrun._stopped_for_health(str(tmp_path), "SIGTERM") is None

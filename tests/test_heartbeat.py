@@ -1,11 +1,12 @@
-"""Which node stopped answering (trainer/heartbeat.py) and what the launcher says then: the files of
+"""Which node stopped answering (trainer/resilience/heartbeat.py) and what the launcher says then: the files of
 the shared run dir, with real beating threads, in one process (the cluster test is in test_slurm_failures.py)."""
 
 from __future__ import annotations
 
 import json
 
-from trainer import heartbeat, launch
+from trainer.launchers import torchrun
+from trainer.resilience import heartbeat
 
 
 def test_the_node_whose_heartbeat_stopped_is_named(tmp_path):
@@ -50,21 +51,21 @@ def test_the_dead_node_line_says_what_happens_next(tmp_path, monkeypatch):
     (ckpt / "meta.json").write_text(
         json.dumps({"step": 10, "samples": 0, "world_size": 4, "scheduler": {}, "shapes": {}})
     )
-    monkeypatch.setattr(launch, "node_name", lambda: "n2")
+    monkeypatch.setattr(torchrun, "node_name", lambda: "n2")
     monkeypatch.setenv("SLURM_JOB_ID", "7")
-    monkeypatch.setenv(launch.NODES_ENV, "3-4")
-    assert launch.lost_nodes_line(["n4"], 4, str(tmp_path)) == (
+    monkeypatch.setenv(torchrun.NODES_ENV, "3-4")
+    assert torchrun.lost_nodes_line(["n4"], 4, str(tmp_path)) == (
         "n2: node n4 stopped answering (no heartbeat for 10 s); the job ends, Slurm requeues it on the nodes "
         "left (--nodes=3-4) and it resumes from step 10, the newest checkpoint"
     )
-    monkeypatch.setenv(launch.NODES_ENV, "4")
-    assert launch.lost_nodes_line(["n3", "n4"], 4, str(tmp_path)) == (
+    monkeypatch.setenv(torchrun.NODES_ENV, "4")
+    assert torchrun.lost_nodes_line(["n3", "n4"], 4, str(tmp_path)) == (
         "n2: nodes n3, n4 stopped answering (no heartbeat for 10 s); the job ends, Slurm requeues it and it "
         "waits for 4 nodes (--nodes=4; MIN_NODES lets it go on with fewer), then resumes from step 10, the "
         "newest checkpoint"
     )
     monkeypatch.delenv("SLURM_JOB_ID")
-    assert launch.lost_nodes_line(["n4"], 2, str(tmp_path / "new")).endswith(
+    assert torchrun.lost_nodes_line(["n4"], 2, str(tmp_path / "new")).endswith(
         "; this launch ends; start it again on the nodes left and it resumes from the start (no checkpoint yet)"
     )
 
@@ -121,12 +122,12 @@ def test_a_stop_signal_while_the_lost_node_is_recorded_waits_for_its_row(tmp_pat
         return 5
 
     (tmp_path / "heartbeats").mkdir()
-    monkeypatch.setattr(launch, "node_name", lambda: "n2")
-    monkeypatch.setattr(launch.layout, "latest_committed_step", newest_checkpoint)
+    monkeypatch.setattr(torchrun, "node_name", lambda: "n2")
+    monkeypatch.setattr(torchrun.layout, "latest_committed_step", newest_checkpoint)
     previous = signal.signal(signal.SIGTERM, stop)
     try:
         try:
-            launch.record_lost_nodes(str(tmp_path), "n1:29500", ["n3"])
+            torchrun.record_lost_nodes(str(tmp_path), "n1:29500", ["n3"])
         except Stopped:
             pass
         else:
@@ -136,5 +137,5 @@ def test_a_stop_signal_while_the_lost_node_is_recorded_waits_for_its_row(tmp_pat
         signal.signal(signal.SIGTERM, previous)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["event"], r["step"], r["nodes"], r["node"]) for r in rows] == [("node_lost", 5, ["n3"], "n2")]
-    launch.record_lost_nodes(str(tmp_path), "n1:29500", ["n3"])  # a second survivor: no second row
+    torchrun.record_lost_nodes(str(tmp_path), "n1:29500", ["n3"])  # a second survivor: no second row
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 1

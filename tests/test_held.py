@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 from conftest import small_parts, small_step
 from neighbour import as_neighbour, needs_root, run_dir, shared_folder, tree_hashes
-from trainer import checkpoint, files, layout
+from trainer.checkpoint import manager
+from trainer.rundir import files, layout
 
 pytestmark = needs_root
 
@@ -32,11 +33,11 @@ def group():
     dist.destroy_process_group()
 
 
-def checkpointer(run, group, keep=2) -> tuple[checkpoint.Checkpointer, tuple]:
+def checkpointer(run, group, keep=2) -> tuple[manager.Checkpointer, tuple]:
     parts = small_parts(0)
     model, optimizer, scheduler = parts
-    ckpt = checkpoint.Checkpointer(
-        checkpoint.CheckpointArgs(keep=keep), str(run), 0, 1, group, model, optimizer, {"scheduler": scheduler}
+    ckpt = manager.Checkpointer(
+        manager.CheckpointArgs(keep=keep), str(run), 0, 1, group, model, optimizer, {"scheduler": scheduler}
     )
     return ckpt, parts
 
@@ -72,7 +73,7 @@ def test_checkpoints_swapped_for_a_link_stops_the_run_and_deletes_nothing(shared
     saves(ckpt, parts, (2, 4, 6))  # retention (keep=2) deletes step 2
     assert sorted(os.listdir(run / "checkpoints")) == ["step_00000004", "step_00000006"]
     as_neighbour(SWAP, str(run), "../important/checkpoints")
-    with pytest.raises(checkpoint.CheckpointError) as e:
+    with pytest.raises(manager.CheckpointError) as e:
         saves(ckpt, parts, (8,))
     assert str(e.value).startswith(
         f"{run / 'checkpoints'} was replaced by a symbolic link while this run worked in it: the run stops with "
@@ -93,7 +94,7 @@ def test_checkpoints_renamed_away_and_replaced_by_a_folder_stops_the_run(shared,
         "import os, sys; r = sys.argv[1]; os.rename(r + '/checkpoints', r + '/x'); os.mkdir(r + '/checkpoints')",
         str(run),
     )
-    with pytest.raises(checkpoint.CheckpointError, match=r"was replaced by another folder while this run worked"):
+    with pytest.raises(manager.CheckpointError, match=r"was replaced by another folder while this run worked"):
         saves(ckpt, parts, (2,))
     assert os.listdir(run / "checkpoints") == []
     assert sorted(os.listdir(run / "x")) == ["step_00000001"]
@@ -124,7 +125,7 @@ def test_a_folder_of_another_run_under_the_next_steps_name_is_never_discarded(sh
         f"{planted} was saved by another run (run id " in caplog.text
         and f"moved aside, whole, to {aside}" in caplog.text
     )
-    assert [s for s, _ in checkpoint.complete(str(run))] == [1, 2]
+    assert [s for s, _ in manager.complete(str(run))] == [1, 2]
     ckpt.close()
 
 
@@ -186,7 +187,7 @@ def test_a_skipped_checkpoint_is_said_with_its_real_cause(tmp_path, group, caplo
         os.mkfifo(path)
     elif plant == "zero":
         path.symlink_to("/dev/zero")
-    assert [s for s, _ in checkpoint.complete(str(tmp_path))] == [1]
+    assert [s for s, _ in manager.complete(str(tmp_path))] == [1]
     assert f"skipping checkpoint {tmp_path / 'checkpoints' / 'step_00000002'}: {reason}" in caplog.text
 
 
@@ -200,7 +201,7 @@ def test_checkpoints_renamed_away_refuse_a_start_from_step_0(shared, group, capl
     ckpt.close()
     as_neighbour("import os, sys; os.rename(sys.argv[1] + '/checkpoints', sys.argv[1] + '/.hidden')", str(run))
     ckpt, _ = checkpointer(run, group)
-    with pytest.raises(checkpoint.CheckpointError) as e:
+    with pytest.raises(manager.CheckpointError) as e:
         ckpt.load()
     assert str(e.value) == (
         f"no checkpoint in {run / 'checkpoints'}, but {run / 'status.json'} says step 2 was saved: its checkpoints "

@@ -21,7 +21,8 @@ from trainer.config import (
     ConfigError,
     resolve,
 )
-from trainer.models import transformer_hf, transformer_net
+from trainer.models.transformer import hf as transformer_hf
+from trainer.models.transformer import net
 
 SCALING = {
     "rope_type": "llama3",
@@ -147,7 +148,7 @@ def test_8b_is_llama_3_1_8b():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
-    torch.testing.assert_close(transformer_net.rope_frequencies(128, 500000.0, shape.rope_scaling), inv_freq.float())
+    torch.testing.assert_close(net.rope_frequencies(128, 500000.0, shape.rope_scaling), inv_freq.float())
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ import torch
 from conftest import TINY, train, weights
 from trainer import hf, models
 from trainer.config import Config, ConfigError, resolve
-from trainer.models import transformer_hf
+from trainer.models.transformer import hf as transformer_hf
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing is downloaded (set before transformers is imported)
 transformers = pytest.importorskip("transformers")
@@ -178,8 +178,8 @@ def test_a_qwen3_trains_on_2_processes_and_exports(tmp_path):
 
 
 def test_an_architecture_the_options_do_not_make_is_refused_before_the_run():
-    from trainer.check import validate
     from trainer.config import load
+    from trainer.preflight.check import validate
 
     with pytest.raises(ConfigError) as e:
         validate(load(None, ["model.hf_type=qwen2"]), 1)

@@ -26,7 +26,8 @@ from conftest import (
     wait_for,
     weights,
 )
-from trainer import checkpoint, layout, save_plan
+from trainer.checkpoint import manager, save_plan
+from trainer.rundir import layout
 
 pytestmark = pytest.mark.slow  # every test trains in real processes (damaged checkpoints, the kill -9 soak)
 
@@ -48,7 +49,7 @@ def test_leftovers_of_a_replaced_checkpoint_never_fail_a_save(tmp_path):
     leftover = tmp_path / "checkpoints" / ".trash_step_00000020"
     train(tmp_path, 2, *SAVING, "train.steps=40")
     assert not leftover.exists()
-    assert [step for step, _ in checkpoint.complete(str(tmp_path))] == [30, 35, 40]
+    assert [step for step, _ in manager.complete(str(tmp_path))] == [30, 35, 40]
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_00000030", "step_00000035", "step_00000040"]
 
 
@@ -61,7 +62,7 @@ def test_stale_resume_from_never_discards_the_runs_own_checkpoints(tmp_path):
     train(run, 2, *SAVING, "train.steps=10", start)
     out = train(run, 2, *SAVING, "train.steps=15", start).stdout
     assert "at step 10" in out and "is not used: this run dir has checkpoints of its own" in out
-    assert [step for step, _ in checkpoint.complete(str(run))] == [10, 15]
+    assert [step for step, _ in manager.complete(str(run))] == [10, 15]
     assert sorted(losses(run)) == [10, 15]  # steps 6-10 once (log every 5), then 11-15: none redone
 
 
@@ -177,7 +178,7 @@ def test_flipped_bytes_inside_a_tensor_are_caught_by_the_checksum(tmp_path):
     middle = len(data) // 2
     data[middle : middle + 16] = bytes(b ^ 0xFF for b in data[middle : middle + 16])
     shard.write_bytes(data)
-    from trainer.export import main as export
+    from trainer.commands.export import main as export
 
     assert export([str(tmp_path), "--step", "10", "--out", str(tmp_path / "m.pt")]) == 2
     assert not (tmp_path / "m.pt").exists()
@@ -278,7 +279,7 @@ def test_a_full_disk_is_one_line_and_keeps_what_was_saved(tmp_path):
         assert "failed: No space left on device (" in errors[0] and str(run_dir) in errors[0], errors[0]
         saved = layout.latest_committed_step(run_dir)
         assert saved is not None and saved < 20
-        assert checkpoint.problem(str(layout.step_path(run_dir, saved))) is None
+        assert manager.problem(str(layout.step_path(run_dir, saved))) is None
     finally:
         subprocess.run(["umount", str(disk)])
 

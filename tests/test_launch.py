@@ -17,8 +17,9 @@ import pytest
 import yaml
 
 from conftest import ROOT, TINY, launch, rows, run_command, wait_for
-from trainer import layout, signals
-from trainer.launch import interface_address
+from trainer.launchers.torchrun import interface_address
+from trainer.resilience import signals
+from trainer.rundir import layout
 
 pytestmark = pytest.mark.slow  # every test starts the launcher with 2 ranks
 

@@ -1,4 +1,4 @@
-"""One run per run dir (trainer/lease.py): who is judged alive, exactly one winner of a takeover,
+"""One run per run dir (trainer/rundir/lease.py): who is judged alive, exactly one winner of a takeover,
 a run in another PID namespace refused, and a run that loses its lease stops at once."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from conftest import PYTHON, ROOT, TINY, rows, run_command, wait_for
-from trainer import layout
-from trainer import lease as lease_module
-from trainer.lease import STALE_S, Lease, LeaseError
+from trainer.rundir import layout
+from trainer.rundir import lease as lease_module
+from trainer.rundir.lease import STALE_S, Lease, LeaseError
 
 
 def _proc_identity(pid: int | str = "self") -> dict:
@@ -202,7 +202,7 @@ def test_a_run_in_another_pid_namespace_is_refused_and_a_run_that_loses_its_leas
        every rank stops within a step or two, one line names the new owner, and the launcher exits
        with requeue.LEASE_LOST (not 0, a clean stop; not 2, bad input)."""
     from conftest import launch
-    from trainer.requeue import LEASE_LOST
+    from trainer.launchers.requeue import LEASE_LOST
 
     run_dir = tmp_path / "run"
     proc = launch(run_dir, "train.steps=100000", "checkpoint.interval=1", "checkpoint.keep=2")

@@ -1,4 +1,4 @@
-"""trainer/load_plan.py's planner looks a rank's saved chunks up in an index: its ReadItems must be
+"""trainer/checkpoint/load_plan.py's planner looks a rank's saved chunks up in an index: its ReadItems must be
 DCP's own, item for item and in DCP's order, on every layout (uneven, empty and 2D shardings,
 resharding, chunks saved out of order). No processes: layouts are built as DTensor splits them."""
 
@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from trainer import load_plan
+from trainer.checkpoint import load_plan
 
 
 def split(n: int, parts: int, i: int) -> tuple[int, int]:

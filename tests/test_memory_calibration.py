@@ -9,8 +9,8 @@ import json
 import pytest
 
 from conftest import ROOT
-from trainer import memory
 from trainer.config import load
+from trainer.preflight import memory
 
 CALIBRATION = ROOT / "bench" / "results" / "2026-11-26-h100-memory-calibration.json"
 POINTS = json.loads(CALIBRATION.read_text())

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import SECRET, plant, python
-from trainer import metrics
+from trainer.observe import metrics
 
 
 def _write(run_dir, rows, superseded=()):
@@ -203,7 +203,7 @@ def test_a_huge_metrics_file_is_streamed_not_read_whole(tmp_path, caplog):
 def test_the_plot_replaces_a_planted_file_never_writes_through_it(tmp_path, secret, kind, capsys):
     """Issue 41 item 2: `make plot` (trainer.metrics --plot RUN_DIR/loss.png) wrote through a link a
     neighbour planted there: the victim's file became a 27 KB PNG; a FIFO gave a traceback. The plot
-    is written through trainer/files.py: the link or FIFO is replaced by the PNG."""
+    is written through trainer/rundir/files.py: the link or FIFO is replaced by the PNG."""
     run = tmp_path / "run"
     _write(run, [{"step": s, "loss": 1.0 / s, "time": float(s)} for s in (1, 2, 3)])
     png = run / "loss.png"

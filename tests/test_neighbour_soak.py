@@ -1,7 +1,7 @@
 """The hostile-neighbour soak (issue 41, 'Done when'): while a real run trains and checkpoints (2
 ranks, the launcher, a few hundred steps), the neighbour (a second uid, tests/neighbour.py) runs a
 bounded, seeded loop that plants links, FIFOs and hard links and renames things at every name of the
-run dir and of its folders (trainer/layout.py's names, and the step folders and files it finds).
+run dir and of its folders (trainer/rundir/layout.py's names, and the step folders and files it finds).
 
 Afterwards: no file outside the run dir changed (a decoy home, which the links point into, hashed
 before and after), another run's checkpoints are byte-identical, and the run either finished with
@@ -25,7 +25,7 @@ import pytest
 
 from conftest import PYTHON, ROOT, TINY, assert_same_weights, env, wait_for, weights
 from neighbour import NEIGHBOUR, NEIGHBOUR_PYTHON, needs_root, run_dir, shared_folder, tree_hashes
-from trainer import layout
+from trainer.rundir import layout
 
 pytestmark = [pytest.mark.slow, needs_root]
 
@@ -35,7 +35,7 @@ SEED = int(os.environ.get("SOAK_SEED", "41"))
 ACTIONS = int(os.environ.get("SOAK_ACTIONS", "80"))
 
 # The neighbour's loop: standard library only, run with the system's python3 as uid NEIGHBOUR.
-# argv: run dir, decoy home, seed, actions, names (JSON: [name, is a folder] from trainer/layout.py).
+# argv: run dir, decoy home, seed, actions, names (JSON: [name, is a folder] from trainer/rundir/layout.py).
 LOOP = r"""
 import json, os, random, sys, time
 run, decoy, seed, actions, names = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5])

@@ -1,4 +1,4 @@
-"""trainer/outcomes.py, the one table of outcomes: each exit code means one thing, every exception the
+"""trainer/resilience/outcomes.py, the one table of outcomes: each exit code means one thing, every exception the
 trainer raises on purpose has its row, and the launcher and the requeue check act on a code alike.
 The module itself runs on Python 3.6 with the standard library (vermin: HOST_MODULES in
 tests/test_requeue.py)."""
@@ -14,31 +14,35 @@ from pathlib import Path
 import pytest
 
 from test_requeue import HOST_MODULES
-from trainer import outcomes, requeue
+from trainer.launchers import requeue
+from trainer.resilience import outcomes
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = {o.name: o for o in outcomes.OUTCOMES}
 # Exceptions the trainer defines that never end `python -m trainer` as themselves: each is caught and
 # said where it is raised (or is another entry point's), so none needs a row. Why, for each:
 NOT_AN_OUTCOME = {
-    ("trainer.checksums", "ChecksumError"): "a checkpoint that is not what was written: CheckpointError",
+    ("trainer.checkpoint.checksums", "ChecksumError"): "a checkpoint that is not what was written: CheckpointError",
     ("trainer.config", "_Refused"): "YAML refused while loading: ConfigError",
-    ("trainer.shard_reader", "Refused"): "a checkpoint's pickle refused: CheckpointError",
-    ("trainer.shard_reader", "_NotPlain"): "internal to the restricted unpickler",
-    ("trainer.save_plan", "BadIndex"): "a checkpoint's chunk index refused: the checkpoint is skipped as unreadable",
+    ("trainer.checkpoint.reader", "Refused"): "a checkpoint's pickle refused: CheckpointError",
+    ("trainer.checkpoint.reader", "_NotPlain"): "internal to the restricted unpickler",
+    (
+        "trainer.checkpoint.save_plan",
+        "BadIndex",
+    ): "a checkpoint's chunk index refused: the checkpoint is skipped as unreadable",
     ("trainer.hf", "HFError"): "a Hugging Face model refused: ConfigError or CheckpointError where raised",
     ("trainer.prepare", "PrepareError"): "python -m trainer.prepare's own: one line, exit 2 there",
-    ("trainer.submit", "SubmitError"): "make submit's own: one line, exit 2 there",
+    ("trainer.launchers.slurm", "SubmitError"): "make submit's own: one line, exit 2 there",
     ("trainer.api", "LaunchError"): "the Python API's: the launcher's exit code and line, raised to the caller",
 }
 
 
 def test_outcomes_is_a_host_module():
     """The requeue check reads the table on the login node's Python 3.6: vermin checks it there."""
-    assert "trainer/outcomes.py" in HOST_MODULES
+    assert "trainer/resilience/outcomes.py" in HOST_MODULES
     imported = {
         alias.name.split(".")[0]
-        for node in ast.walk(ast.parse((ROOT / "trainer/outcomes.py").read_text()))
+        for node in ast.walk(ast.parse((ROOT / "trainer/resilience/outcomes.py").read_text()))
         if isinstance(node, (ast.Import, ast.ImportFrom))
         for alias in node.names
     }
@@ -79,7 +83,8 @@ def test_every_exception_the_trainer_raises_on_purpose_has_its_row():
     """A new exception class is either an outcome (a row in RAISED) or said why it is not, here."""
     defined = _exception_classes()
     assert defined == set(outcomes.RAISED) | set(NOT_AN_OUTCOME), (
-        "exception classes of trainer/ without a row in trainer/outcomes.py RAISED or a reason in NOT_AN_OUTCOME: "
+        "exception classes of trainer/ without a row in trainer/resilience/outcomes.py RAISED "
+        "or a reason in NOT_AN_OUTCOME: "
         f"{sorted(defined - set(outcomes.RAISED) - set(NOT_AN_OUTCOME))}"
     )
     for (module, name), row in outcomes.RAISED.items():
@@ -101,7 +106,7 @@ def test_a_rank_that_must_not_be_restarted_marks_it_for_its_launcher(row, tmp_pa
 
 @pytest.mark.parametrize("row", sorted(set(outcomes.RAISED.values()), key=lambda o: o.name), ids=lambda o: o.name)
 def test_the_launcher_and_the_requeue_check_agree_on_a_ranks_outcome(row):
-    """Every rank exits with the row's code: the launcher's exit code (trainer/launch.py passes on the
+    """Every rank exits with the row's code: the launcher's exit code (trainer/launchers/torchrun.py passes on the
     codes of PASSED_ON, else exits 1) means the same requeue decision to the requeue check."""
     passed = outcomes.of_rank_codes({row.code, -9})  # one rank killed by srun meanwhile
     launcher_code = passed.code if passed else outcomes.FAILED.code
@@ -122,7 +127,7 @@ def _cluster(tmp_path: Path, state: str) -> tuple[Path, Path]:
     "row", [o for o in outcomes.OUTCOMES if o is not outcomes.FINISHED], ids=lambda o: o.name.replace(" ", "-")
 )
 def test_the_requeue_check_does_what_the_row_says(row, tmp_path, monkeypatch, capsys):
-    """trainer/requeue.py, given the row's exit code after a step that did not finish: not requeued
+    """trainer/launchers/requeue.py, given the row's exit code after a step that did not finish: not requeued
     with the row's line and code, requeued, requeued without the node whose record names it, or left
     to Slurm, which requeues the job itself."""
     slurm_requeues = row.requeue == outcomes.BY_SLURM
@@ -152,7 +157,9 @@ def test_the_requeue_check_does_what_the_row_says(row, tmp_path, monkeypatch, ca
         assert excluded == (row.requeue == outcomes.WITHOUT_NODES), calls.read_text()
 
 
-@pytest.mark.parametrize("module", ["trainer/__main__.py", "trainer/launch.py", "trainer/requeue.py"])
+@pytest.mark.parametrize(
+    "module", ["trainer/__main__.py", "trainer/launchers/torchrun.py", "trainer/launchers/requeue.py"]
+)
 def test_the_modules_that_read_the_table_write_no_exit_code_of_their_own(module):
     """#34 item 2: BAD_INPUT was defined twice (launch.py, requeue.py). An exit code other than 0 and
     1 (finished, and the requeue check's own failure) named, returned or compared as a number, or a 128

@@ -13,8 +13,8 @@ import torch
 
 from trainer import models, train
 from trainer.config import ConfigError, ParallelArgs, load, resolve
-from trainer.parallel import Plan
-from trainer.parallel_dims import ParallelDims
+from trainer.parallel.dims import ParallelDims
+from trainer.parallel.plan import Plan
 
 
 @pytest.mark.parametrize(

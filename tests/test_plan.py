@@ -1,4 +1,4 @@
-"""The parallel plan (trainer.parallel.Plan, issue #34 item 1): one object knows the strategy, the
+"""The parallel plan (trainer.parallel.plan.Plan, issue #34 item 1): one object knows the strategy, the
 data-parallel rank and size, and what one rank holds. Its arithmetic is checked for a world of 4 in
 this one process (no process group: the mesh is made on first use only); one 2-process gloo run
 shows training through the plan equal to plain one-process training."""
@@ -12,9 +12,11 @@ import pytest
 import torch
 
 from conftest import ROOT, TINY, assert_same_losses, assert_same_weights, env, losses, rows, train, weights
-from trainer import check, memory, models, parallel
+from trainer import models
 from trainer.config import ConfigError, load
-from trainer.parallel import Plan
+from trainer.parallel import plan as parallel
+from trainer.parallel.plan import Plan
+from trainer.preflight import check, memory
 from trainer.train import batch_plan
 
 
@@ -140,12 +142,12 @@ def test_the_scaler_and_autocast_follow_the_strategy():
 
 
 def test_the_plans_checks_need_no_torch():
-    """A login node's config check asks the plan: trainer.parallel imports without torch, and the
+    """A login node's config check asks the plan: trainer.parallel.plan imports without torch, and the
     arithmetic and checks run there."""
     code = (
         'import sys; sys.modules["torch"] = None  # any import of torch now raises ImportError\n'
         "from trainer.config import load\n"
-        "from trainer.parallel import Plan\n"
+        "from trainer.parallel.plan import Plan\n"
         "p = Plan(load(None, ['parallel.sharding=hybrid', 'parallel.shard_size=3']).parallel, 4, 1)\n"
         "print(p.dp_rank, p.dp_size, p.problems(), p.memory_factors().shards)\n"
     )
@@ -159,7 +161,14 @@ def test_the_plans_checks_need_no_torch():
 def test_nothing_outside_the_plan_asks_which_strategy_runs():
     """The loop, the memory estimate, the config check and float8 ask the plan (issue #34 item 1; float8:
     #43 item 3, it takes the plan's fsdp_ranks)."""
-    for name in ("train.py", "memory.py", "check.py", "evaluate.py", "data.py", "float8.py"):
+    for name in (
+        "train.py",
+        "preflight/memory.py",
+        "preflight/check.py",
+        "commands/evaluate.py",
+        "data.py",
+        "parallel/float8.py",
+    ):
         source = (ROOT / "trainer" / name).read_text()
         assert ".strategy" not in source.replace("plan.strategy", ""), name
     assert parallel.Plan  # the one place that does

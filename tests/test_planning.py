@@ -8,8 +8,8 @@ import subprocess
 import pytest
 
 from conftest import ROOT, python
-from trainer import check, memory
 from trainer.config import load
+from trainer.preflight import check, memory
 
 
 def run_check(*args) -> subprocess.CompletedProcess:

@@ -1,5 +1,5 @@
 """A shared run dir is hostile ground (issue 32): at every name the project writes or reads there
-(trainer/layout.py's WRITTEN_FILES and WRITTEN_FOLDERS) a link to a secret file and, separately, a
+(trainer/rundir/layout.py's WRITTEN_FILES and WRITTEN_FOLDERS) a link to a secret file and, separately, a
 FIFO are planted. Nothing is written through the link, the secret is never copied, nothing hangs,
 and one line names the file. In this process, function by function; one real start at the end."""
 
@@ -10,7 +10,7 @@ import stat
 import pytest
 
 from conftest import SECRET, TINY, command, plant, run_command
-from trainer import files, layout
+from trainer.rundir import files, layout
 
 
 def untouched(secret, run):
@@ -29,8 +29,8 @@ NAMES = [(n, False) for n in layout.WRITTEN_FILES] + [(n, True) for n in layout.
 @pytest.mark.parametrize("kind", ["link", "fifo"])
 @pytest.mark.parametrize("name,folder", NAMES, ids=[n for n, _ in NAMES])
 def test_the_start_refuses_a_planted_link_or_fifo_at_every_name_in_one_line(tmp_path, secret, kind, name, folder):
-    from trainer.check import _check_writable
     from trainer.config import ConfigError
+    from trainer.preflight.check import _check_writable
 
     run = tmp_path / "run"
     run.mkdir()
@@ -49,9 +49,10 @@ def test_the_start_refuses_a_planted_link_or_fifo_at_every_name_in_one_line(tmp_
 @pytest.mark.parametrize("kind", ["link", "fifo"])
 def test_what_reads_or_appends_refuses_a_planted_file_naming_it(tmp_path, secret, kind):
     """The readers and appenders, called as the trainer, the launcher and trainer.evaluate call them."""
-    from trainer import evaluate, lease
+    from trainer.commands import evaluate
     from trainer.config import LogArgs
-    from trainer.metrics import Reporter, read_rows
+    from trainer.observe.metrics import Reporter, read_rows
+    from trainer.rundir import lease
 
     run = tmp_path / "run"
     run.mkdir()
@@ -93,7 +94,7 @@ def test_what_reads_or_appends_refuses_a_planted_file_naming_it(tmp_path, secret
 
 
 def test_a_planted_link_at_a_folder_is_never_written_into(tmp_path, secret):
-    from trainer import hangs
+    from trainer.resilience import hangs
     from trainer.train import _open_trace
 
     run = tmp_path / "run"
@@ -118,7 +119,9 @@ def test_a_planted_link_at_a_folder_is_never_written_into(tmp_path, secret):
 def test_what_writes_whole_files_replaces_a_planted_one(tmp_path, secret, kind, caplog):
     """trackers.json, heartbeats, health records and config.yaml are written whole: a planted link or
     FIFO is replaced by a new regular file (never written through), and a reader skips it."""
-    from trainer import config, health, heartbeat, trackers
+    from trainer import config
+    from trainer.observe import trackers
+    from trainer.resilience import health, heartbeat
 
     run = tmp_path / "run"
     run.mkdir()
@@ -204,7 +207,7 @@ def test_a_planted_lease_file_never_hides_the_line_of_a_lost_lease(tmp_path, sec
     """Found by the hostile-neighbour soak (seed 3): a FIFO renamed over lease.json mid-run lost the
     lease, and releasing it then raised UnsafeFile on the moved FIFO, so the run ended without the
     lost lease's line (exit 2 naming lease.json.released-..., or exit 3 with no line at all)."""
-    from trainer import lease
+    from trainer.rundir import lease
 
     run = tmp_path / "run"
     run.mkdir()

@@ -10,8 +10,8 @@ import pytest
 
 from conftest import ROOT
 from pages import section
-from trainer import check, memory
 from trainer.config import load
+from trainer.preflight import check, memory
 
 LLAMA_8B = str(ROOT / "configs" / "llama-8b.yaml")
 SYNTHETIC = ["data.name=synthetic"]  # the 8b config points at a token file of the cluster
@@ -174,19 +174,19 @@ def test_the_local_gpus_memory_is_the_target_without_gpu_mem_gb(capsys, tmp_path
     ],
 )
 def test_young_daly_interval(save_s, mtbf_s, step_s, steps):
-    from trainer.interval import young_daly_interval
+    from trainer.preflight.interval import young_daly_interval
 
     assert young_daly_interval(save_s, mtbf_s, step_s) == steps
 
 
 def test_the_default_mtbf_is_the_llama_3_rate_per_gpu():
-    from trainer.interval import GPU_MTBF_HOURS
+    from trainer.preflight.interval import GPU_MTBF_HOURS
 
     assert GPU_MTBF_HOURS == pytest.approx(45566, abs=1)  # 54 days x 24 h x 16,384 GPUs / 466 interruptions
 
 
 def test_auto_interval_is_chosen_again_when_the_save_cost_changes():
-    from trainer.interval import AutoInterval
+    from trainer.preflight.interval import AutoInterval
 
     auto = AutoInterval(mtbf_s=7200.0, estimated_save_s=2.0, how="estimated")
     assert auto.choose(step_s=1.0) == 170  # sqrt(2 x 2 x 7200) = 169.7
@@ -269,12 +269,12 @@ def _shared_run_dir() -> Path:
     repo's runs/, else one under the home; a dry run writes nothing."""
     import os
 
-    from trainer import submit
+    from trainer.launchers import slurm
 
     run_dir = ROOT / "runs" / f"test-preflight-{os.getpid()}"
     try:
-        submit.check_shared(run_dir, nodes=4)
-    except submit.SubmitError:  # e.g. a CI clone in /tmp
+        slurm.check_shared(run_dir, nodes=4)
+    except slurm.SubmitError:  # e.g. a CI clone in /tmp
         run_dir = Path.home() / ".cache" / "fsdp-trainer-tests" / f"preflight-{os.getpid()}"
     return run_dir
 
@@ -498,7 +498,7 @@ def test_the_plans_step_time_never_reads_through_a_fifo_or_a_link(tmp_path):
     import os
     import signal
 
-    from trainer.check import logged_step_time
+    from trainer.preflight.check import logged_step_time
 
     secret = tmp_path / "secret"
     secret.write_text('{"step": 1, "step_time_s": 1.0}\n{"step": 2, "step_time_s": 2.0}\n')
@@ -549,8 +549,8 @@ def test_tp_splits_the_state_and_the_blocks_activations_but_not_their_gathered_i
 def test_the_global_batch_is_divided_over_the_data_parallel_ranks_not_the_world(tmp_path):
     """tp=2 on 4 ranks: 2 data-parallel ranks share the global batch (a tensor-parallel group's ranks read
     the same samples). A global batch of 2 was refused ('not divisible by 4 processes')."""
-    from trainer.check import plan_lines, validate
     from trainer.config import ConfigError, resolve_batch
+    from trainer.preflight.check import plan_lines, validate
 
     cfg = load(None, ["parallel.tp=2", "train.global_batch_size=2", f"run_dir={tmp_path / 'run'}"])
     validate(cfg, 4)

@@ -178,8 +178,8 @@ def test_a_folder_an_eval_split_and_the_vocabulary_from_the_sidecar(inputs, tmp_
 def test_a_tokenizer_named_by_a_sidecar_is_read_only_as_a_regular_tokenizer_file(tmp_path, kind):
     """#32 item 4: export.read_tokenizer reads no link (but the hub cache's), no FIFO (without
     blocking), and nothing that does not load as a tokenizer: one line naming the sidecar and the path."""
+    from trainer.commands.export import read_tokenizer
     from trainer.config import ConfigError
-    from trainer.export import read_tokenizer
 
     secret = tmp_path / "secret"
     secret.write_text("the victim's key\n")

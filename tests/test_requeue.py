@@ -14,10 +14,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin")
 HOST_MODULES = [
-    "trainer/requeue.py",
-    "trainer/outcomes.py",
-    "trainer/layout.py",
-    "trainer/files.py",
+    "trainer/launchers/requeue.py",
+    "trainer/resilience/outcomes.py",
+    "trainer/rundir/layout.py",
+    "trainer/rundir/files.py",
     "trainer/__init__.py",
     "trainer/cli.py",
     "trainer/version.py",
@@ -111,7 +111,7 @@ def test_host_modules_run_on_python_3_6():
 
 @pytest.mark.skipif(SYSTEM_PYTHON is None, reason="no system python3 in /usr/bin")
 def test_a_node_that_failed_the_health_check_is_excluded_up_to_max_excluded(tmp_path):
-    """The failing node's launcher left a record (trainer/health.py): the job is requeued, then the
+    """The failing node's launcher left a record (trainer/resilience/health.py): the job is requeued, then the
     node added to the job's ExcNodeList, keeping the node excluded already; status.json lists it.
     One node more than health.max_excluded over the job's life: not requeued, one line, exit 4."""
     bin_dir = tmp_path / "bin"
@@ -257,8 +257,8 @@ def test_records_and_requeue_json_are_never_followed_or_blocked_on(tmp_path):
 
 
 def _committed(run_dir: Path, step: int, meta: dict) -> Path:
-    """A step folder with the files a commit leaves (trainer/layout.py files_problem)."""
-    from trainer import layout
+    """A step folder with the files a commit leaves (trainer/rundir/layout.py files_problem)."""
+    from trainer.rundir import layout
 
     folder = Path(layout.step_path(run_dir, step))
     folder.mkdir(parents=True)
@@ -272,9 +272,9 @@ def _committed(run_dir: Path, step: int, meta: dict) -> Path:
 def test_the_standard_library_listing_skips_a_copy_under_another_step_or_another_runs_checkpoint(tmp_path):
     """What the launcher's 'nothing to do' and the requeue check read (layout.latest_committed_step)
     took a copy of step 2 planted as step_00000009, or another run's checkpoint, for the run's
-    newest: a finished-looking run that never ran its steps. It now asks what trainer/checkpoint.py
+    newest: a finished-looking run that never ran its steps. It now asks what trainer/checkpoint/manager.py
     asks: meta.json's step is the folder's, and its run id (where both have one) is this run's."""
-    from trainer import layout
+    from trainer.rundir import layout
 
     run = tmp_path / "run"
     _with_manifest(run, 2, "a" * 32, 20)
@@ -288,7 +288,7 @@ def test_the_standard_library_listing_skips_a_copy_under_another_step_or_another
 
 def _with_manifest(run_dir: Path, number: int, run_id: str, steps: int, **meta) -> Path:
     """Step folder `number` as a commit leaves it, its manifest listing each file's size (the checksums are
-    trainer/checksums.py's to check), saved under train.steps=`steps`; `meta`: more of meta.json."""
+    trainer/checkpoint/checksums.py's to check), saved under train.steps=`steps`; `meta`: more of meta.json."""
     meta = {
         "step": number,
         "run_id": run_id,
@@ -320,7 +320,8 @@ def test_one_answer_to_which_checkpoint_is_the_newest_good_one(tmp_path):
     manifest never read) for the newest: 'nothing to do: step 9 reached train.steps=6'. Now the
     listing they share with the trainer (layout.checkpoint_problem) checks the manifest: a regular
     file that parses, listing files that are there, as regular files, at their sizes."""
-    from trainer import checkpoint, layout
+    from trainer.checkpoint import manager
+    from trainer.rundir import layout
 
     run = tmp_path / "run"
     ours = "a" * 32
@@ -342,8 +343,8 @@ def test_one_answer_to_which_checkpoint_is_the_newest_good_one(tmp_path):
     assert layout.checkpoint_problem(str(forged), 9, ours).startswith("__0_0.distcp is a FIFO, not a regular file")
     assert layout.latest_committed_step(run) == 4
     # The trainer's listing gives the same answer, with its own checks after.
-    assert [step for step, _ in checkpoint.complete(str(run))] == []  # step 4's checksums (0) are not its files'
-    assert checkpoint.complete.__doc__ and layout.checkpoint_problem(str(good), 4, ours) is None
+    assert [step for step, _ in manager.complete(str(run))] == []  # step 4's checksums (0) are not its files'
+    assert manager.complete.__doc__ and layout.checkpoint_problem(str(good), 4, ours) is None
 
 
 @pytest.mark.skipif(SYSTEM_PYTHON is None, reason="no system python3 in /usr/bin")

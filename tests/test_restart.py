@@ -11,9 +11,9 @@ import signal
 import pytest
 
 from conftest import TINY, assert_same_weights, launch, rows, train, wait_for, weights
-from trainer import layout
 from trainer.dist import node_name
-from trainer.metrics import LogArgs, Reporter
+from trainer.observe.metrics import LogArgs, Reporter
+from trainer.rundir import layout
 
 pytestmark = pytest.mark.slow  # kills and restarts trainer runs
 

@@ -1,4 +1,4 @@
-"""trainer/save_plan.py plans every rank's save without a gather: each rank's final plan (items,
+"""trainer/checkpoint/save_plan.py plans every rank's save without a gather: each rank's final plan (items,
 their order and index hints) and the metadata (chunk lists in order, properties, planner_data)
 must be DCP's own global plan's, on random layouts: FSDP2's uneven Shard(0) with empty chunks, 2D
 (dp x tp, tp on dim 0 under FSDP2's _StridedShard and on dim 1), hybrid sharding (shards
@@ -24,7 +24,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from trainer import save_plan, torch_compat
+from trainer import torch_compat
+from trainer.checkpoint import save_plan
 
 DTYPES = (torch.float32, torch.bfloat16, torch.int64)
 
@@ -177,9 +178,9 @@ def _real_saves(rank: int, world: int, root: str, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from conftest import small_parts, small_step
-    from trainer import checkpoint
+    from trainer.checkpoint import manager
+    from trainer.checkpoint.reader import load_metadata
     from trainer.dist import exit_process
-    from trainer.shard_reader import load_metadata
 
     dist.init_process_group("gloo", init_method=f"file://{out}.store", rank=rank, world_size=world)
     seen: dict = {}
@@ -192,8 +193,8 @@ def _real_saves(rank: int, world: int, root: str, out: str) -> None:
             moments = {k: v["exp_avg"].full_tensor() for k, v in optimizer.state_dict()["state"].items()}
             for planner in ("layout", "dcp"):
                 run_dir = os.path.join(root, f"{name}_{planner}")
-                ckpt = checkpoint.Checkpointer(
-                    checkpoint.CheckpointArgs(keep=0),
+                ckpt = manager.Checkpointer(
+                    manager.CheckpointArgs(keep=0),
                     run_dir,
                     rank,
                     world,
@@ -203,13 +204,13 @@ def _real_saves(rank: int, world: int, root: str, out: str) -> None:
                     {"scheduler": scheduler},
                 )
                 if planner == "dcp":
-                    real, checkpoint.save_plan.describe = checkpoint.save_plan.describe, lambda state, world: None
+                    real, manager.save_plan.describe = manager.save_plan.describe, lambda state, world: None
                 ckpt.save(1, {"samples": 3}, blocking=True)
                 if planner == "dcp":
-                    checkpoint.save_plan.describe = real
+                    manager.save_plan.describe = real
                 seen[f"{name}_{planner}_planned_by"] = ckpt.planned_by
                 ckpt.close()
-            paths = {p: checkpoint.step_path(os.path.join(root, f"{name}_{p}"), 1) for p in ("layout", "dcp")}
+            paths = {p: manager.step_path(os.path.join(root, f"{name}_{p}"), 1) for p in ("layout", "dcp")}
             if rank == 0:
                 mds = {p: load_metadata(os.path.join(path, ".metadata")) for p, path in paths.items()}
                 seen[f"{name}_same_chunks"] = mds["layout"].state_dict_metadata == mds["dcp"].state_dict_metadata
@@ -218,8 +219,8 @@ def _real_saves(rank: int, world: int, root: str, out: str) -> None:
             # the trainer's load, into another seed's parts
             model2, optimizer2, scheduler2 = small_parts(1, mesh)
             small_step(model2, optimizer2, scheduler2)
-            ckpt = checkpoint.Checkpointer(
-                checkpoint.CheckpointArgs(keep=0, resume_from=paths["layout"]),
+            ckpt = manager.Checkpointer(
+                manager.CheckpointArgs(keep=0, resume_from=paths["layout"]),
                 os.path.join(root, f"{name}_load"),
                 rank,
                 world,
@@ -386,13 +387,13 @@ def test_a_chunk_index_changed_after_the_commit_makes_the_checkpoint_unreadable(
     its size kept: the checkpoint is unusable with one line naming chunks.npz, and a resume from it
     stops with that line before any rank reads a shard."""
     from conftest import small_parts, small_step
-    from trainer import checkpoint
+    from trainer.checkpoint import manager
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     model, optimizer, scheduler = small_parts(0)
     small_step(model, optimizer, scheduler)
-    ckpt = checkpoint.Checkpointer(
-        checkpoint.CheckpointArgs(keep=0),
+    ckpt = manager.Checkpointer(
+        manager.CheckpointArgs(keep=0),
         str(tmp_path),
         0,
         1,
@@ -404,17 +405,17 @@ def test_a_chunk_index_changed_after_the_commit_makes_the_checkpoint_unreadable(
     ckpt.save(1, {"samples": 3}, blocking=True)
     ckpt.close()
     assert ckpt.planned_by == "layout"
-    path = checkpoint.step_path(str(tmp_path), 1)
-    assert checkpoint.unusable(path) is None
+    path = manager.step_path(str(tmp_path), 1)
+    assert manager.unusable(path) is None
     index = os.path.join(path, save_plan.INDEX)
     data = bytearray(open(index, "rb").read())
     data[len(data) // 2] ^= 0x01
     with open(index, "wb") as f:
         f.write(data)
-    assert checkpoint.unusable(path) == "chunks.npz is damaged: it is not what the commit wrote"
+    assert manager.unusable(path) == "chunks.npz is damaged: it is not what the commit wrote"
     model2, optimizer2, scheduler2 = small_parts(1)
-    reader = checkpoint.Checkpointer(
-        checkpoint.CheckpointArgs(keep=0, resume_from=path),
+    reader = manager.Checkpointer(
+        manager.CheckpointArgs(keep=0, resume_from=path),
         str(tmp_path / "other"),
         0,
         1,
@@ -423,5 +424,5 @@ def test_a_chunk_index_changed_after_the_commit_makes_the_checkpoint_unreadable(
         optimizer2,
         {"scheduler": scheduler2},
     )
-    with pytest.raises(checkpoint.CheckpointError, match="chunks.npz is damaged"):
+    with pytest.raises(manager.CheckpointError, match="chunks.npz is damaged"):
         reader.load()

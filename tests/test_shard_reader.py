@@ -12,8 +12,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
-from trainer import checksums, shard_reader
-from trainer.shard_reader import ShardReader
+from trainer.checkpoint import checksums
+from trainer.checkpoint import reader as shard_reader
+from trainer.checkpoint.reader import ShardReader
 
 
 def saved(path) -> dict:

@@ -1,4 +1,4 @@
-"""The trackers' sink interface (trainer/trackers.py, issue #43): a new tracker is one Sink subclass and
+"""The trackers' sink interface (trainer/observe/trackers.py, issue #43): a new tracker is one Sink subclass and
 one row of SINKS; Trackers opens the configured ones in order, hands each the finite numbers of every
 row by step, keeps the run ids of those that continue their run, and closes each once. The real
 TensorBoard, W&B and MLflow runs are in tests/test_trackers.py (slow)."""
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from trainer import trackers
 from trainer.config import LogArgs
+from trainer.observe import trackers
 
 
 class Probe(trackers.Sink):

@@ -20,7 +20,7 @@ from bench.nodes import job_processes, kill_node, restore_node
 from bench.nodes import parent_pid as _ppid
 from conftest import COMMON, ROOT, cluster, job_info, log_text, make_submit, metrics, submit_job, wait_job
 from conftest import wait_for_cluster as wait_for  # polls scontrol and sinfo 5 times a second
-from trainer import layout
+from trainer.rundir import layout
 
 
 def signal_tasks(job_id: str, sig: str = "USR1") -> list[int]:

@@ -23,7 +23,7 @@ import pytest
 
 from conftest import COMMON, cluster, log_text, make_submit, metrics, submit_job, wait_job
 from conftest import ROOT as REPO
-from trainer import layout
+from trainer.rundir import layout
 
 
 def on_node(node: str, *cmd: str) -> subprocess.CompletedProcess:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT as REPO
-from trainer import submit
+from trainer.launchers import slurm
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 
@@ -28,8 +28,8 @@ GOLDEN = Path(__file__).resolve().parent / "golden"
 
 def _gpu_job(
     container: str | None, runtime: str | None = None, net_if: str | None = None, min_nodes: int | None = None
-) -> submit.Job:
-    return submit.Job(
+) -> slurm.Job:
+    return slurm.Job(
         nodes=4,
         gpus_per_node=8,
         cpus_per_node=96,
@@ -59,7 +59,7 @@ def _gpu_job(
     ],
 )
 def test_rendered_batch_script_matches_golden(name, job):
-    text = submit.render_sbatch(
+    text = slurm.render_sbatch(
         job,
         repo_dir=Path("/shared/fsdp-trainer"),
         python="/shared/fsdp-trainer/.venv/bin/python",
@@ -84,14 +84,14 @@ def test_rendered_batch_script_matches_golden(name, job):
 )
 def test_registry_images_in_each_runtimes_form(given, runtime, image):
     forced = runtime if runtime == "apptainer" else None
-    assert submit.container_image(given, forced) == (image, runtime)
+    assert slurm.container_image(given, forced) == (image, runtime)
 
 
 def test_gres_gpu_counts():
-    assert submit.gres_gpus("gpu:8") == 8
-    assert submit.gres_gpus("gpu:a100:4(S:0-1),gpu:h100:4") == 8
-    assert submit.gres_gpus("gpu:2,mps:100") == 2
-    assert submit.gres_gpus("(null)") == 0
+    assert slurm.gres_gpus("gpu:8") == 8
+    assert slurm.gres_gpus("gpu:a100:4(S:0-1),gpu:h100:4") == 8
+    assert slurm.gres_gpus("gpu:2,mps:100") == 2
+    assert slurm.gres_gpus("(null)") == 0
 
 
 # ---- the local cluster's configuration for N nodes (slurm/local/up.sh --render) -----------------
@@ -189,7 +189,7 @@ def test_rendered_script_passes_odd_paths_as_data(tmp_path):
         log + "cmd = sys.argv[1:]\nwhile cmd[0].startswith('--'):\n    cmd.pop(0)\n"
         "os.execvpe(cmd[0], cmd, {**os.environ, 'SLURM_NODEID': '0'})\n",
     )
-    job = submit.Job(
+    job = slurm.Job(
         nodes=1,
         gpus_per_node=0,
         cpus_per_node=2,
@@ -205,7 +205,7 @@ def test_rendered_script_passes_odd_paths_as_data(tmp_path):
         max_attempts=3,
     )
     script = tmp_path / "train.sbatch"
-    script.write_text(submit.render_sbatch(job, repo_dir=repo, python=str(pybin / "python")))
+    script.write_text(slurm.render_sbatch(job, repo_dir=repo, python=str(pybin / "python")))
     env = {
         **os.environ,
         "PATH": f"{bin_dir}:{os.environ['PATH']}",
@@ -246,7 +246,7 @@ def stub_cluster(tmp_path, monkeypatch):
 
 
 def _dry_run(capsys, *args: str) -> tuple[int, str, str]:
-    code = submit.main(["--dry-run", *args])
+    code = slurm.main(["--dry-run", *args])
     out = capsys.readouterr()
     return code, out.out, out.err
 
@@ -330,7 +330,7 @@ def test_a_dry_run_plans_with_data_this_machine_cannot_see(stub_cluster, capsys,
         "does not exist" in out
     )
     code, out, err = (
-        submit.main(
+        slurm.main(
             [
                 "--config",
                 str(REPO / "configs/default.yaml"),
@@ -406,8 +406,8 @@ def test_a_node_range_the_batch_cannot_divide_is_one_line(stub_cluster, capsys, 
 _needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="gives a file to another uid: needs root")
 
 
-def _local_job(run_dir: Path) -> submit.Job:
-    return submit.Job(
+def _local_job(run_dir: Path) -> slurm.Job:
+    return slurm.Job(
         nodes=1,
         gpus_per_node=0,
         cpus_per_node=1,
@@ -449,9 +449,9 @@ def test_sbatch_gets_the_script_rendered_not_a_file_planted_in_the_run_dir(tmp_p
     planted = run_dir / "slurm" / "train.sbatch"
     os.mkfifo(planted) if kind == "fifo" else planted.symlink_to(target)
     job = _local_job(run_dir)
-    assert submit.submit_sbatch(job) == "42"
+    assert slurm.submit_sbatch(job) == "42"
     argv, stdin = json.loads(stub_sbatch.read_text())
-    assert argv == ["--parsable"] and stdin == submit.render_sbatch(job)
+    assert argv == ["--parsable"] and stdin == slurm.render_sbatch(job)
     assert not planted.is_symlink() and planted.is_file() and planted.read_text() == stdin
     assert target.read_text() == "mine\n"
 
@@ -472,8 +472,8 @@ def test_a_planted_slurm_folder_is_refused_in_one_line(tmp_path, stub_sbatch, ki
             pytest.skip("gives a folder to another uid: needs root")
         (run_dir / "slurm").mkdir()
         os.chown(run_dir / "slurm", 12345, 12345)
-    for launcher in (submit.submit_sbatch, submit.submit_submitit):
-        with pytest.raises(submit.SubmitError) as e:
+    for launcher in (slurm.submit_sbatch, slurm.submit_submitit):
+        with pytest.raises(slurm.SubmitError) as e:
             launcher(_local_job(run_dir))
         assert str(e.value).startswith(f"{run_dir / 'slurm'} is ") and "\n" not in str(e.value), e.value
     assert not stub_sbatch.exists() and list(elsewhere.iterdir()) == []
@@ -485,8 +485,8 @@ def test_submitit_refuses_a_run_dir_others_can_write(tmp_path, stub_sbatch):
     run_dir = tmp_path / "run"
     run_dir.mkdir(mode=0o775)
     run_dir.chmod(0o775)
-    with pytest.raises(submit.SubmitError) as e:
-        submit.submit_submitit(_local_job(run_dir))
+    with pytest.raises(slurm.SubmitError) as e:
+        slurm.submit_submitit(_local_job(run_dir))
     assert str(e.value).startswith(f"LAUNCHER=submitit: {run_dir} (owner uid {os.geteuid()}, mode 775) lets another")
     assert not stub_sbatch.exists()
 
@@ -494,14 +494,14 @@ def test_submitit_refuses_a_run_dir_others_can_write(tmp_path, stub_sbatch):
 def test_submitit_folder_is_private_and_the_nodes_run_the_guard(tmp_path, stub_sbatch):
     """The submitit folder is 0700, its pickle 0600, and the nodes' command is the guard's."""
     run_dir = tmp_path / "run"
-    job_id = submit.submit_submitit(_local_job(run_dir))
+    job_id = slurm.submit_submitit(_local_job(run_dir))
     assert job_id == "42"
     folder = run_dir / "slurm" / "submitit"
     assert stat.S_IMODE(folder.stat().st_mode) == 0o700
     assert stat.S_IMODE((folder / "42_submitted.pkl").stat().st_mode) == 0o600
     argv, _ = json.loads(stub_sbatch.read_text())
     script = Path(argv[-1]).read_text()
-    assert f"-u -m trainer.submitit_guard -u -m submitit.core._submit {folder}" in script, script
+    assert f"-u -m trainer.launchers.submitit_guard -u -m submitit.core._submit {folder}" in script, script
 
 
 class _Marker:
@@ -515,7 +515,7 @@ class _Marker:
 
 
 def _guard(folder: Path, monkeypatch) -> int:
-    from trainer import submitit_guard
+    from trainer.launchers import submitit_guard
 
     monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
     monkeypatch.setenv("SLURM_JOB_ID", "42")

@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from conftest import PYTHON, ROOT, TINY, assert_same_losses, env, losses, rows, start, train, wait_for
-from trainer import check, checkpoint, metrics
+from trainer.checkpoint import manager
 from trainer.config import load
 from trainer.data import Indexed, Mixture, RankSlice, build, epoch_starts, epochs, passes
+from trainer.observe import metrics
+from trainer.preflight import check
 
 SEQ = 32  # model.seq_len of TINY
 
@@ -387,7 +389,7 @@ def test_a_mixture_stopped_on_2_processes_resumes_on_3_as_if_never_stopped(tmp_p
     os.kill(job.pid, signal.SIGTERM)  # to torchrun, as Slurm or docker stop; it forwards it
     out = job.communicate(timeout=120)[0]
     assert "stopped by signal after step" in out, out[-3000:]
-    stopped_at = checkpoint.latest_step(str(run_dir))
+    stopped_at = manager.latest_step(str(run_dir))
     assert stopped_at is not None and 5 <= stopped_at < 30
 
     out = train(run_dir, 3, *overrides).stdout

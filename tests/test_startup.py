@@ -1,4 +1,4 @@
-"""The one preflight (trainer/startup.py): each target gets the same answer for the same config,
+"""The one preflight (trainer/preflight/startup.py): each target gets the same answer for the same config,
 the config is resolved once, and what the launcher checked reaches its ranks on their command line."""
 
 from __future__ import annotations
@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from conftest import DEFAULT, TINY, python
-from trainer import check, config, dist, launch, models, startup
+from trainer import config, dist, models
 from trainer.config import Config, ConfigError
-from trainer.startup import Ready, Target, preflight
+from trainer.launchers import torchrun
+from trainer.preflight import check, startup
+from trainer.preflight.startup import Ready, Target, preflight
 
 WORLD = 2  # every target below runs the config on 2 processes
 
@@ -118,13 +120,13 @@ def test_the_launcher_tells_its_ranks_what_it_checked_on_their_command_line(tmp_
     a = argparse.Namespace(
         nnodes=1, rdzv_endpoint="", local_addr="", config=DEFAULT, config_default=False, overrides=["x=1"]
     )
-    args = launch.torchrun_args(a, 2, 30, 0, ready.memory_checked)
+    args = torchrun.torchrun_args(a, 2, 30, 0, ready.memory_checked)
     assert args[args.index("-m") :] == ["-m", "trainer", "--config", DEFAULT, "--memory-checked", "x=1"]
-    assert "--memory-checked" not in launch.torchrun_args(a, 2, 30, 0)
+    assert "--memory-checked" not in torchrun.torchrun_args(a, 2, 30, 0)
     env = dist.Env(0, 0, 2, 2, torch.device("cpu"))
     assert Target.rank(env, memory_checked=True).ranks_per_node is None  # validate's memory check: skipped
     assert Target.rank(env).ranks_per_node == 2
-    assert not hasattr(launch, "MEMORY_CHECKED_ENV")
+    assert not hasattr(torchrun, "MEMORY_CHECKED_ENV")
 
 
 def test_nothing_to_do_is_one_line_for_the_launcher_and_the_ranks():
@@ -144,8 +146,9 @@ def test_nothing_to_do_is_one_line_for_the_launcher_and_the_ranks():
 # and the save's estimate; the modules it imported, printed.
 SUBMISSION = """
 import sys
-from trainer import interval, submit
-from trainer.startup import Target, preflight
+from trainer.launchers import slurm  # noqa: F401 - the submission imports it
+from trainer.preflight import interval
+from trainer.preflight.startup import Target, preflight
 ready = preflight(Target.slurm(2, 2, planning=True), sys.argv[1], sys.argv[2:])
 print(interval.save_seconds(ready.cfg, 2, ready.cfg.run_dir)[1])
 print(sorted(m for m in sys.modules if m.startswith("trainer.")))
@@ -158,4 +161,4 @@ def test_a_submission_plans_without_the_checkpoint_module(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     estimate, modules = proc.stdout.splitlines()[-2:]
     assert estimate.startswith("estimated: ") and "parameters" in estimate
-    assert "trainer.interval" in modules and "trainer.checkpoint" not in modules, modules
+    assert "trainer.preflight.interval" in modules and "trainer.checkpoint.manager" not in modules, modules

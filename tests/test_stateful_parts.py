@@ -1,4 +1,4 @@
-"""A checkpoint is a set of named Stateful parts (trainer/checkpoint.py): a sharded part beyond the
+"""A checkpoint is a set of named Stateful parts (trainer/checkpoint/manager.py): a sharded part beyond the
 model and the optimizer (here EMA weights, sharded like FSDP2 shards the model) is saved through DCP
 and resharded at a load on another number of ranks; small parts stay in meta.json; a checkpoint
 saved before a part existed loads without it."""
@@ -18,9 +18,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from trainer import checkpoint, shard_reader
+from trainer.checkpoint import manager, reader
+from trainer.checkpoint.reader import load_metadata
 from trainer.dist import exit_process
-from trainer.shard_reader import load_metadata
 
 EMA_ROWS = 10  # 5 + 5 rows on 2 ranks, 4 + 4 + 2 on 3: the load reads across the saved shards' edges
 
@@ -55,8 +55,8 @@ def _worker(rank: int, world: int, run_dir: str, action: str, out: str) -> None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
         ema = EMA(mesh, _ema_full(0 if action == "save" else 1))
-        ckpt = checkpoint.Checkpointer(
-            checkpoint.CheckpointArgs(keep=0),
+        ckpt = manager.Checkpointer(
+            manager.CheckpointArgs(keep=0),
             run_dir,
             rank,
             world,
@@ -75,9 +75,9 @@ def _worker(rank: int, world: int, run_dir: str, action: str, out: str) -> None:
             # the checkpoint's metadata read by this rank (its chunk index, or .metadata unpickled where it
             # has none): rank 0 once, for every rank (checkpoint.choose)
             reads = []
-            real, real_index = shard_reader.load_metadata, checkpoint._read_index
-            checkpoint.load_metadata = shard_reader.load_metadata = lambda path: reads.append(path) or real(path)
-            checkpoint._read_index = lambda path, record: reads.append(path) or real_index(path, record)
+            real, real_index = reader.load_metadata, manager._read_index
+            manager.load_metadata = reader.load_metadata = lambda path: reads.append(path) or real(path)
+            manager._read_index = lambda path, record: reads.append(path) or real_index(path, record)
             meta = ckpt.load()
             assert meta is not None and meta["step"] == 1
             counts = [None] * world
@@ -107,7 +107,7 @@ def test_a_sharded_part_is_saved_through_dcp_and_resharded_from_2_to_3_ranks(tmp
     and the small parts; the load's .metadata is unpickled once, by rank 0, for every rank."""
     run_dir = tmp_path / "run"
     saved = _run(2, run_dir, "save", tmp_path / "saved.pt")
-    step1 = Path(checkpoint.step_path(run_dir, 1))
+    step1 = Path(manager.step_path(run_dir, 1))
     meta = json.loads((step1 / "meta.json").read_text())
     assert meta["sharded"] == ["model", "optim", "ema"] and "ema" not in meta and meta["scheduler"]["last_epoch"] == 1
     stored = {key.split(".")[0] for key in load_metadata(step1 / ".metadata").state_dict_metadata}
@@ -136,8 +136,8 @@ def _checkpointer(run_dir, group, seed: int, ema: EMA | None):
     model = torch.nn.Linear(4, 2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     parts = {"scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)}
-    args = checkpoint.CheckpointArgs(keep=0)
-    ckpt = checkpoint.Checkpointer(args, str(run_dir), 0, 1, group, model, optimizer, parts, sharded={"ema": ema})
+    args = manager.CheckpointArgs(keep=0)
+    ckpt = manager.Checkpointer(args, str(run_dir), 0, 1, group, model, optimizer, parts, sharded={"ema": ema})
     return ckpt, model
 
 
@@ -148,7 +148,7 @@ def test_a_checkpoint_saved_before_a_sharded_part_existed_loads_without_it(tmp_p
     ckpt, model = _checkpointer(tmp_path, group, 0, None)
     ckpt.save(1, {"samples": 3}, blocking=True)
     saved = {k: v.clone() for k, v in model.state_dict().items()}
-    meta_file = Path(checkpoint.step_path(tmp_path, 1)) / "meta.json"
+    meta_file = Path(manager.step_path(tmp_path, 1)) / "meta.json"
     assert json.loads(meta_file.read_text())["sharded"] == ["model", "optim"]
 
     mesh = init_device_mesh("cpu", (1,))
@@ -168,8 +168,8 @@ def test_a_sharded_part_named_like_another_part_is_refused(tmp_path, group):
         with pytest.raises(ValueError, match=rf"sharded checkpoint part names \['{name}'\] are taken by other parts"):
             torch.manual_seed(0)
             model = torch.nn.Linear(4, 2)
-            checkpoint.Checkpointer(
-                checkpoint.CheckpointArgs(),
+            manager.Checkpointer(
+                manager.CheckpointArgs(),
                 str(tmp_path),
                 0,
                 1,
@@ -178,4 +178,4 @@ def test_a_sharded_part_named_like_another_part_is_refused(tmp_path, group):
                 torch.optim.AdamW(model.parameters()),
                 sharded={name: EMA(mesh, _ema_full(0))},
             )
-    assert not os.path.exists(checkpoint.folder(str(tmp_path)))  # refused before anything is written
+    assert not os.path.exists(manager.folder(str(tmp_path)))  # refused before anything is written

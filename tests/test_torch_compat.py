@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import launch, metrics, torch_compat
+from trainer import torch_compat
+from trainer.launchers import torchrun
+from trainer.observe import metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 # Private names of the standard library the trainer uses (not torch's: Python keeps them).
@@ -129,7 +131,7 @@ def test_the_private_name_grep_sees_an_attribute_of_a_torch_object():
 
 
 def test_the_agent_seam_hands_each_hook_of_torchruns_agent_to_its_public_name(monkeypatch):
-    """trainer/launch.py's agent overrides start_workers, stop_workers, monitor_workers and rendezvous:
+    """trainer/launchers/torchrun.py's agent overrides start_workers, stop_workers, monitor_workers and rendezvous:
     torch calls the private hooks, which reach them; super() reaches torch's own."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
@@ -201,14 +203,14 @@ def test_a_torchrun_without_shutdown_timeout_is_not_said_on_every_start(monkeypa
     known = torch_compat.torchrun_options() - {"--shutdown-timeout"}
     monkeypatch.setattr(torch_compat, "torchrun_options", lambda: known)
     args = ["--nproc-per-node=2", "--shutdown-timeout=100", "--standalone", "-m", "trainer", "--config", "c.yaml"]
-    assert launch._supported(args) == [a for a in args if not a.startswith("--shutdown-timeout")]
+    assert torchrun._supported(args) == [a for a in args if not a.startswith("--shutdown-timeout")]
     assert capsys.readouterr().err == ""
 
 
 def test_a_torchrun_without_signal_forwarding_is_said(monkeypatch, capsys):
     known = torch_compat.torchrun_options() - {"--signals-to-handle"}
     monkeypatch.setattr(torch_compat, "torchrun_options", lambda: known)
-    launch._supported(["--signals-to-handle=SIGTERM,SIGUSR1", "-m", "trainer"])
+    torchrun._supported(["--signals-to-handle=SIGTERM,SIGUSR1", "-m", "trainer"])
     assert capsys.readouterr().err == (
         "launch: this torch's torchrun has no --signals-to-handle; it forwards SIGTERM/SIGINT/SIGHUP/SIGQUIT only "
         "and gives the ranks 30 s\n"

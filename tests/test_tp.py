@@ -28,11 +28,11 @@ from conftest import (
     wait_for,
     weights,
 )
-from trainer import layout
 from trainer.config import ParallelArgs
 from trainer.models import ModelArgs
-from trainer.models.transformer import resolve
-from trainer.parallel import Plan
+from trainer.models.transformer.family import resolve
+from trainer.parallel.plan import Plan
+from trainer.rundir import layout
 
 # 20 steps, a constant learning rate (the schedule does not depend on train.steps, so a run of
 # any length is the same run step by step), a checkpoint every 5 steps, all kept. A global batch of

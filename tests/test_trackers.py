@@ -158,7 +158,7 @@ def _wait_http(url: str, timeout: float = 120) -> None:
 
 
 def test_a_tracker_without_its_package_is_one_line(tmp_path, monkeypatch):
-    from trainer import trackers
+    from trainer.observe import trackers
 
     monkeypatch.setattr(trackers.SINKS["wandb"], "package", "no_such_module_for_the_test")
     assert trackers.missing_package("wandb") == (

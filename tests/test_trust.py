@@ -33,8 +33,8 @@ from conftest import (
     train,
     without_index,
 )
-from trainer import checkpoint, save_plan
-from trainer.shard_reader import ShardReader
+from trainer.checkpoint import manager, save_plan
+from trainer.checkpoint.reader import ShardReader
 
 
 class Payload:
@@ -106,8 +106,8 @@ def group():
 def saved_run(run_dir, group, steps=(1, 2), **args) -> dict[int, dict[str, torch.Tensor]]:
     """Checkpoints of `steps` in `run_dir`, saved by the trainer's Checkpointer; the model's weights by step."""
     model, optimizer, scheduler = small_parts(0)
-    ckpt = checkpoint.Checkpointer(
-        checkpoint.CheckpointArgs(keep=0, **args),
+    ckpt = manager.Checkpointer(
+        manager.CheckpointArgs(keep=0, **args),
         str(run_dir),
         0,
         1,
@@ -128,8 +128,8 @@ def saved_run(run_dir, group, steps=(1, 2), **args) -> dict[int, dict[str, torch
 def resumed(run_dir, group, **args) -> tuple[dict | None, dict]:
     """What a restart in `run_dir` loads: its meta and the model's weights."""
     model, optimizer, scheduler = small_parts(1)
-    ckpt = checkpoint.Checkpointer(
-        checkpoint.CheckpointArgs(keep=0, **args),
+    ckpt = manager.Checkpointer(
+        manager.CheckpointArgs(keep=0, **args),
         str(run_dir),
         0,
         1,
@@ -151,11 +151,11 @@ def test_a_metadata_payload_never_runs_when_listing_or_loading(tmp_path, group, 
     listed through its .metadata)."""
     marker = tmp_path / "marker"
     weights = saved_run(tmp_path / "run", group, steps=(1, 2, 3))
-    step1, step2, step3 = (checkpoint.step_path(tmp_path / "run", s) for s in (1, 2, 3))
+    step1, step2, step3 = (manager.step_path(tmp_path / "run", s) for s in (1, 2, 3))
     plant_metadata(step2, marker)
     plant_metadata(step3, marker)
     caplog.set_level(logging.INFO, "trainer")
-    checkpoint.complete(str(tmp_path / "run"))
+    manager.complete(str(tmp_path / "run"))
     assert not marker.exists(), "listing unpickled a .metadata"
     meta, state = resumed(tmp_path / "run", group)
     assert not marker.exists(), "loading through the chunk index unpickled a .metadata"
@@ -174,7 +174,7 @@ def test_a_metadata_payload_never_runs_when_listing_or_loading(tmp_path, group, 
     for step in (step2, step3):
         as_saved_before_manifests(step)
     caplog.clear()
-    assert [step for step, _ in checkpoint.complete(str(tmp_path / "run"))] == [1]
+    assert [step for step, _ in manager.complete(str(tmp_path / "run"))] == [1]
     assert not marker.exists()
     assert f"skipping checkpoint {step3}: .metadata is refused: it names io.open" in said(caplog)
 
@@ -224,7 +224,7 @@ def _rename_a_tensor(path) -> None:  # still a valid pickle of the same size
 )
 def test_any_damaged_file_makes_the_checkpoint_unreadable(tmp_path, group, caplog, name, damage, before):
     weights = saved_run(tmp_path, group)
-    newest = checkpoint.step_path(tmp_path, 2)
+    newest = manager.step_path(tmp_path, 2)
     if before:
         before(newest)
     damage(os.path.join(newest, name))
@@ -241,7 +241,7 @@ def test_a_checkpoint_whose_manifest_was_deleted_is_skipped_not_taken_for_an_old
     without the checksums of its meta.json, .metadata and rng files. meta.json says that its commit
     wrote one: the checkpoint is skipped with a line naming the file, and the one before is loaded."""
     weights = saved_run(tmp_path, group)
-    newest = checkpoint.step_path(tmp_path, 2)
+    newest = manager.step_path(tmp_path, 2)
     os.remove(os.path.join(newest, "manifest.json"))
     caplog.set_level(logging.INFO, "trainer")
     meta, state = resumed(tmp_path, group)
@@ -255,7 +255,7 @@ def test_a_checkpoint_saved_before_manifests_is_loaded_with_one_line_saying_what
     be: shards by their .xxh3 records, .metadata by the restricted unpickler, random states and the
     optimizer's groups by their types and shapes), and one line says what is not verified."""
     weights = saved_run(tmp_path, group)
-    newest = checkpoint.step_path(tmp_path, 2)
+    newest = manager.step_path(tmp_path, 2)
     as_saved_before_manifests(newest)
     caplog.set_level(logging.INFO, "trainer")
     meta, state = resumed(tmp_path, group)
@@ -290,7 +290,7 @@ def test_a_checkpoint_with_crc32_records_has_its_shards_checked_by_them(tmp_path
     import zlib
 
     weights = saved_run(tmp_path, group)
-    newest = checkpoint.step_path(tmp_path, 2)
+    newest = manager.step_path(tmp_path, 2)
     as_saved_before_manifests(newest)
     shard = os.path.join(newest, "__0_0.distcp")
     os.remove(shard + ".xxh3")
@@ -316,7 +316,7 @@ def test_a_checkpoint_with_no_checksum_records_says_its_shards_are_unchecked(tmp
     loads, as refusing it would strand every run saved by the first trainers, and the line says
     exactly that damage to its shard bytes loads unnoticed."""
     weights = saved_run(tmp_path, group)
-    newest = checkpoint.step_path(tmp_path, 2)
+    newest = manager.step_path(tmp_path, 2)
     as_saved_before_manifests(newest)
     os.remove(os.path.join(newest, "__0_0.distcp.xxh3"))
     caplog.set_level(logging.INFO, "trainer")
@@ -334,7 +334,7 @@ def test_a_truncated_rng_file_of_an_old_checkpoint_is_skipped_not_a_crash(tmp_pa
     """A checkpoint saved before manifests (no checksum of its rng files): an rng file torch.load
     cannot read makes it unreadable like a shard it cannot read."""
     saved_run(tmp_path, group)
-    newest = checkpoint.step_path(tmp_path, 2)
+    newest = manager.step_path(tmp_path, 2)
     as_saved_before_manifests(newest)
     rng = os.path.join(newest, "rng", "rank_00000.pt")
     open(rng, "r+b").truncate(os.path.getsize(rng) // 2)
@@ -358,10 +358,10 @@ def test_symbolic_links_in_checkpoints_are_never_followed(tmp_path, group, caplo
     saved_run(other, group, steps=(5,))
     for name in (".tmp_step_00000001", ".trash_step_00000009_0"):
         (ckpts / name).symlink_to(outside, target_is_directory=True)
-    (ckpts / "step_00000005").symlink_to(checkpoint.step_path(other, 5), target_is_directory=True)
+    (ckpts / "step_00000005").symlink_to(manager.step_path(other, 5), target_is_directory=True)
     model, optimizer, scheduler = small_parts(0)
-    ckpt = checkpoint.Checkpointer(
-        checkpoint.CheckpointArgs(keep=1), str(run), 0, 1, group, model, optimizer, parts={"scheduler": scheduler}
+    ckpt = manager.Checkpointer(
+        manager.CheckpointArgs(keep=1), str(run), 0, 1, group, model, optimizer, parts={"scheduler": scheduler}
     )
     assert sorted(os.listdir(ckpts)) == ["step_00000001", "step_00000005"]
     (ckpts / ".tmp_step_00000002").symlink_to(outside, target_is_directory=True)  # appears after the start
@@ -370,7 +370,7 @@ def test_symbolic_links_in_checkpoints_are_never_followed(tmp_path, group, caplo
     ckpt.save(2, {"samples": 6}, blocking=True)
     assert sorted(os.listdir(outside)) == ["keep"] and (outside / "keep").read_text() == "mine"
     assert sorted(os.listdir(ckpts)) == ["step_00000002", "step_00000005"]
-    assert (ckpts / "step_00000005").is_symlink() and os.listdir(checkpoint.step_path(other, 5))
+    assert (ckpts / "step_00000005").is_symlink() and os.listdir(manager.step_path(other, 5))
     assert f"skipping checkpoint {ckpts / 'step_00000005'}: a symbolic link" in said(caplog)
 
 
@@ -386,7 +386,7 @@ def test_what_could_not_be_removed_is_said(tmp_path, group, caplog, monkeypatch)
 
     monkeypatch.setattr(os, "rmdir", refuse)
     caplog.set_level(logging.INFO, "trainer")
-    checkpoint.Checkpointer(checkpoint.CheckpointArgs(), str(tmp_path), 0, 1, group, *small_parts(0)[:2])
+    manager.Checkpointer(manager.CheckpointArgs(), str(tmp_path), 0, 1, group, *small_parts(0)[:2])
     assert f"could not remove {ckpts / '.trash_step_00000001_0'}" in said(caplog) and "Permission denied" in said(
         caplog
     )
@@ -394,7 +394,7 @@ def test_what_could_not_be_removed_is_said(tmp_path, group, caplog, monkeypatch)
 
 def test_resuming_from_a_folder_others_can_write_warns(tmp_path, group, caplog):
     saved_run(tmp_path, group, steps=(1,))
-    step = checkpoint.step_path(tmp_path, 1)
+    step = manager.step_path(tmp_path, 1)
     os.chmod(step, 0o775)
     caplog.set_level(logging.INFO, "trainer")
     meta, _ = resumed(tmp_path, group)
@@ -487,12 +487,12 @@ def test_payloads_never_run_on_resume_resume_from_or_export(tmp_path):
     pointed at a payload in a copy of step 3 given as checkpoint.resume_from (refused)."""
     import shutil
 
-    from trainer.export import main as export
+    from trainer.commands.export import main as export
 
     marker = tmp_path / "marker"
     run = tmp_path / "run"
     train(run, 2, *SAVING, "train.steps=9")
-    step3, step6, step9 = (checkpoint.step_path(run, s) for s in (3, 6, 9))
+    step3, step6, step9 = (manager.step_path(run, s) for s in (3, 6, 9))
     source = tmp_path / "source"
     shutil.copytree(step3, source)
     plant_bytes_item(source, marker, ".lr")
@@ -524,7 +524,7 @@ def test_metadata_with_enum_members_pickled_by_name_loads_and_getattr_stays_clos
     name): the image's own checkpoints were refused. getattr may give such a member and nothing else."""
     from torch.distributed.checkpoint import metadata as dcp_metadata
 
-    from trainer.shard_reader import Refused, load_metadata
+    from trainer.checkpoint.reader import Refused, load_metadata
 
     encoding = dcp_metadata._MEM_FORMAT_ENCODING
     properties = dcp_metadata.TensorProperties(dtype=torch.float32)
@@ -617,7 +617,7 @@ def test_a_config_yaml_linked_to_a_private_file_is_never_read(tmp_path, capsys):
     to the victim's private creds.yaml, the start printed `unknown key 'aws_token'` (under Slurm into
     the group-readable slurm/<job>.out). Now the link is refused before a byte is read, and so is a
     FIFO (no stat-then-open race: the file checked is the file read)."""
-    from trainer import check
+    from trainer.preflight import check
 
     run = tmp_path / "run"
     run.mkdir()
@@ -660,7 +660,7 @@ def test_a_command_moved_into_our_own_file_in_a_shared_run_dir_is_never_run(tmp_
     which the attacker renames to config.yaml: the next start ran it. Now the line is dropped (never
     copied), and a config.yaml of ours in a run dir others can write is not trusted to run anything."""
     from trainer.config import LogArgs
-    from trainer.metrics import Reporter
+    from trainer.observe.metrics import Reporter
 
     marker = tmp_path / "ran"
     run = tmp_path / "run"
@@ -698,7 +698,7 @@ def test_metadata_that_builds_on_a_class_is_refused_and_leaves_the_class_unchang
     the process after the file was refused and every good checkpoint was misread after it."""
     from torch.distributed.checkpoint import metadata as dcp_metadata
 
-    from trainer.shard_reader import Refused, load_metadata
+    from trainer.checkpoint.reader import Refused, load_metadata
 
     before = dict(vars(dcp_metadata.Metadata))
     state = pickle.dumps((None, {"__init__": 1, "planner_data": 7}), protocol=2)[2:-1]
@@ -715,7 +715,7 @@ def test_metadata_that_copies_one_memoised_list_many_times_is_refused_with_memor
     was refused (issue 32, item 8). Now the copying is counted against the file's size."""
     import tracemalloc
 
-    from trainer.shard_reader import Refused, load_metadata
+    from trainer.checkpoint.reader import Refused, load_metadata
 
     items = 50_000
     body = b"\x80\x02ctorch\nSize\nq\x00" + b"]q\x01(" + b"K\x01" * items + b"e"  # Size, then a memoised list
@@ -738,7 +738,7 @@ def test_metadata_naming_a_torch_submodule_is_refused_before_it_is_imported(tmp_
 
     (tmp_path / ".metadata").write_bytes(b"\x80\x02ctorch\n_dynamo\n.")
     script = (
-        "import sys; from trainer.shard_reader import Refused, load_metadata\n"
+        "import sys; from trainer.checkpoint.reader import Refused, load_metadata\n"
         "assert 'torch._dynamo' not in sys.modules\n"
         f"try: load_metadata({str(tmp_path / '.metadata')!r})\n"
         "except Refused as e: print(e)\n"
@@ -765,7 +765,7 @@ def test_tensorboard_events_are_never_written_through_a_planted_link(tmp_path, c
     plants one at every name), the tracker refuses one at use with one warning, and a link swapped in
     after the tracker began changes nothing: it writes into the folder it checked and holds."""
     from trainer.config import LogArgs
-    from trainer.trackers import Trackers
+    from trainer.observe.trackers import Trackers
 
     private = tmp_path / "autostart"
     private.mkdir()

@@ -17,8 +17,8 @@ import torch
 import yaml
 
 from conftest import PYTHON, ROOT, command, env, rows
-from trainer.check import validate
 from trainer.config import ConfigError, load
+from trainer.preflight.check import validate
 
 FAMILY = "my_pkg.family"
 MINE = [
@@ -235,9 +235,9 @@ def test_a_family_of_ones_own_trains_with_fsdp_checkpointing_and_compile_and_exp
         ), args[0]
 
     # a checkpoint's meta.json that others could have written names no module that is imported
-    from trainer import checkpoint
+    from trainer.checkpoint import manager
 
-    step = Path(dict(checkpoint.complete(str(run_dir)))[2])
+    step = Path(dict(manager.complete(str(run_dir)))[2])
     step.chmod(0o777)
     before = imports(package)
     proc = run(package, str(run_dir), "--out", str(tmp_path / "again.pt"), module="trainer.export")

@@ -11,17 +11,17 @@ import pytest
 import torch
 
 from conftest import DEFAULT, HF_CONFIG, PYTHON, ROOT, TINY, env, hf_folder, refused, train
-from trainer.export import main as export
+from trainer.commands.export import main as export
 
 
 def test_an_installed_command_s_usage_names_the_command(monkeypatch, capsys):
     """`fsdp-train --help` printed `usage: python -m trainer.launch`. A console script runs main() with
     its own path as argv[0], as here."""
-    from trainer import launch
+    from trainer.launchers import torchrun
 
-    assert launch._parser().format_usage().startswith("usage: python -m trainer.launch ")  # python -m
+    assert torchrun._parser().format_usage().startswith("usage: python -m trainer.launch ")  # python -m
     monkeypatch.setattr(sys, "argv", ["/venv/bin/fsdp-train"])
-    assert launch._parser().format_usage().startswith("usage: fsdp-train ")
+    assert torchrun._parser().format_usage().startswith("usage: fsdp-train ")
     monkeypatch.setattr(sys, "argv", ["/venv/bin/fsdp-export"])
     with pytest.raises(SystemExit) as e:
         export(["--help"])

@@ -31,75 +31,52 @@ import ast
 import os
 import sys
 
-# Bottom first. A name ending in ".*" places a package's __init__ and every module under it.
+# Bottom first: the folders of trainer/ are the floors (trainer/rundir/ is one floor, trainer/launchers/
+# another), and the few modules at the top of trainer/ stand on the floor of what they are. A name
+# ending in ".*" places a package's __init__ and every module under it.
 FLOORS: list[tuple[str, list[str]]] = [
-    # The standard-library helpers every module may use; the host modules (Python 3.6) among them.
-    (
-        "base",
-        [
-            "trainer",
-            "trainer.files",
-            "trainer.ranges",
-            "trainer.torch_compat",
-            "trainer.signals",
-            "trainer.outcomes",
-            "trainer.version",
-            "trainer.cli",
-        ],
-    ),
-    # The run dir's files and what watches a run through them.
-    (
-        "run dir",
-        [
-            "trainer.layout",
-            "trainer.early_stop",
-            "trainer.checksums",
-            "trainer.requeue",
-            "trainer.submitit_guard",
-            "trainer.trackers",
-            "trainer.hangs",
-            "trainer.heartbeat",
-            "trainer.lease",
-        ],
-    ),
-    # What the config's sections are defined beside and what reads the files a config names:
-    # the model families (the Hugging Face folders with them), the optimizer, the health checks,
-    # the token files. They import no config.
-    (
-        "sections",
-        [
-            "trainer.models.*",
-            "trainer.hf",
-            "trainer.optim",
-            "trainer.health",
-            "trainer.prepare",
-        ],
-    ),
+    # The standard-library helpers every module may use.
+    ("base", ["trainer", "trainer.ranges", "trainer.torch_compat", "trainer.version"]),
+    # The run dir's files: the one safe way to open and hold them, their names, the lease. The host
+    # modules (Python 3.6, no venv) are here and in launchers/requeue.
+    ("run dir", ["trainer.rundir.*"]),
+    # What keeps a run alive or ends it clearly: signals, outcomes, hangs, heartbeats, health checks.
+    ("resilience", ["trainer.resilience.*"]),
+    # The one table of commands and the parser each builds (its errors exit as outcomes.BAD_INPUT).
+    ("command table", ["trainer.cli"]),
+    # What the config's sections are defined beside and what reads the files a config names: the model
+    # families (the Hugging Face folders with them), the optimizer, the token files, early stopping.
+    # They import no config.
+    ("sections", ["trainer.models.*", "trainer.hf", "trainer.optim", "trainer.prepare", "trainer.early_stop"]),
     ("config", ["trainer.config"]),
     # The parts of a run, each configured by its section.
     (
         "parts",
+        ["trainer.dist", "trainer.data", "trainer.parallel.*", "trainer.checkpoint.*", "trainer.observe.*"],
+    ),
+    # Before anything runs: the checks of a config against the machine, memory and interval planning.
+    ("preflight", ["trainer.preflight.*"]),
+    ("run", ["trainer.train"]),
+    # What runs on a run dir's checkpoints.
+    ("commands", ["trainer.commands.*"]),
+    # How a run is started: the launchers, the ranks' entry point, the Python API, and the
+    # `python -m trainer.X` names users type for commands that live in a folder.
+    (
+        "front doors",
         [
-            "trainer.dist",
-            "trainer.data",
-            "trainer.parallel_dims",
-            "trainer.parallel_tp",
-            "trainer.parallel_ac",
-            "trainer.parallel_fsdp",
-            "trainer.parallel",
-            "trainer.shard_reader",
-            "trainer.load_plan",
-            "trainer.save_plan",
-            "trainer.checkpoint",
+            "trainer.launchers.*",
+            "trainer.__main__",
+            "trainer.api",
+            "trainer.launch",
+            "trainer.submit",
+            "trainer.requeue",
+            "trainer.check",
+            "trainer.export",
+            "trainer.generate",
+            "trainer.evaluate",
             "trainer.metrics",
-            "trainer.memory",
-            "trainer.interval",
-            "trainer.float8",
         ],
     ),
-    ("checks", ["trainer.check", "trainer.startup"]),
-    ("run", ["trainer.train", "trainer.export", "trainer.evaluate", "trainer.generate"]),
-    ("front doors", ["trainer.launch", "trainer.submit", "trainer.__main__", "trainer.api"]),
 ]
 
 # Circles that another change owns and breaks: reported, not failed on. Each entry is the sorted

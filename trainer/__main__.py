@@ -8,16 +8,18 @@ from __future__ import annotations
 import argparse
 import sys
 
-from trainer import signals
+from trainer.resilience import signals
 
 signals.install()  # before the slow imports below: a stop signal during start-up is kept, not fatal
 signals.stop_with_launcher()  # a rank whose launcher died (kill -9) saves and stops, never trains on alone
 
-from trainer import cli, launch, outcomes
+from trainer import cli
 from trainer.config import ConfigError
 from trainer.dist import exit_process, node_name, peer_gone, read_env, shutdown
-from trainer.metrics import setup_logging
-from trainer.startup import Target, preflight
+from trainer.launchers import torchrun
+from trainer.observe.metrics import setup_logging
+from trainer.preflight.startup import Target, preflight
+from trainer.resilience import outcomes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--memory-checked",
         action="store_true",
-        help=argparse.SUPPRESS,  # the launcher's: it checked this node's memory for its ranks (trainer/startup.py)
+        help=argparse.SUPPRESS,  # the launcher checked this node's memory for its ranks (preflight/startup.py)
     )
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=100")
     args = parser.parse_intermixed_args(argv)  # overrides may come before --config too
@@ -42,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     def stop(outcome: outcomes.Outcome, line: str) -> int:
         """Mark the outcome for this node's launcher, say `line`, and return the outcome's exit code."""
         if outcome.mark:  # first: this node's launcher may be signalled as soon as another node exits
-            launch.mark(outcome.mark)
+            torchrun.mark(outcome.mark)
         if outcome.every_rank or env.rank == 0:  # else every rank finds the same problem; one says it
             print(line, file=sys.stderr, flush=True)
         return outcome.code
@@ -62,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         train(ready)
-    except Exception as e:  # what each means: trainer/outcomes.py; any other is raised again
+    except Exception as e:  # what each means: trainer/resilience/outcomes.py; any other is raised again
         outcome = outcomes.of_exception(e)
         if outcome is not None:  # bad input, a lost lease, a failed health check, divergence, a stuck rank
             return stop(outcome, outcomes.RANK_ERROR.format(message=e))

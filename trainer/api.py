@@ -83,8 +83,8 @@ def train(cfg: Config) -> None:
     import torch.distributed as dist
 
     from trainer.dist import read_env, shutdown
-    from trainer.metrics import setup_logging
-    from trainer.startup import Target, preflight
+    from trainer.observe.metrics import setup_logging
+    from trainer.preflight.startup import Target, preflight
     from trainer.train import train as run
 
     if dist.is_initialized():  # not this module's: each call ends the group it starts
@@ -124,7 +124,7 @@ def launch(cfg: Config, nproc: int | str = "auto", options: list[str] | tuple[st
     the base), the keys where `cfg` differs from it, as key=value overrides. The config is checked
     here first, so that a mistake is named as train() names it, not by that file's passing name."""
     if isinstance(nproc, int):  # "auto" is counted by the launcher, which checks it then
-        from trainer.startup import Target, preflight
+        from trainer.preflight.startup import Target, preflight
 
         preflight(Target.api(nproc), cfg, where=_where(cfg))
     with tempfile.TemporaryDirectory(prefix="trainer-api-") as folder:
@@ -171,7 +171,7 @@ def metrics(run_dir: str) -> list[dict]:
     """The rows of `run_dir`'s metrics.jsonl, oldest first (trainer.metrics' reader: a line that is
     not a row is left out with a warning; a link or FIFO there is refused): training rows have
     `step` and `loss`, evaluation rows `eval_loss`, event rows `event`."""
-    from trainer.layout import METRICS_FILE
-    from trainer.metrics import read_rows
+    from trainer.observe.metrics import read_rows
+    from trainer.rundir.layout import METRICS_FILE
 
     return read_rows(os.path.join(run_dir, METRICS_FILE))

@@ -12,9 +12,9 @@ tests/test_cli.py holds the two together). Every command's main(), and the helpe
 * `--version` prints `fsdp-trainer X.Y.Z` (trainer/version.py) and exits 0;
 * a command line argparse cannot parse is ONE line, as every other bad input (an unknown option, a
   missing --config, a word where a number goes): `error: <what>; see <command> --help`, exit 2
-  (trainer/outcomes.py's BAD_INPUT), never argparse's usage block above it.
+  (trainer/resilience/outcomes.py's BAD_INPUT), never argparse's usage block above it.
 
-The Slurm requeue check (trainer/requeue.py) parses its command line here too, in the batch shell
+The Slurm requeue check (trainer/launchers/requeue.py) parses its command line here too, in the batch shell
 with the host's python3: this module runs on Python 3.6 and later with the standard library only
 (tests/test_requeue.py, HOST_MODULES).
 
@@ -27,7 +27,7 @@ import argparse
 import os
 import sys
 
-from trainer import outcomes
+from trainer.resilience import outcomes
 from trainer.version import add_version
 
 # The commands a user types: name -> (the module whose main() runs it, one line of what it does).

@@ -36,19 +36,20 @@ from typing import Annotated, Any, Literal
 
 import yaml
 
-from trainer import cli, files, ranges
-from trainer.health import HealthArgs
-from trainer.layout import CONFIG_FILE
+from trainer import cli, ranges
 from trainer.models import ModelArgs
 from trainer.optim import OptimArgs
 from trainer.ranges import AT_LEAST_1, MAX_SEED, NOT_NEGATIVE, POSITIVE, TIMEOUT_S, Range
+from trainer.resilience.health import HealthArgs
+from trainer.rundir import files
+from trainer.rundir.layout import CONFIG_FILE
 
 
 class ConfigError(Exception):
     """A mistake in the user's configuration; the message is shown as one line."""
 
 
-# Beside each number field: the values it takes (trainer/ranges.py; trainer/check.py refuses others).
+# Beside each number field: the values it takes (trainer/ranges.py; trainer/preflight/check.py refuses others).
 _GRAD_CLIP = "give a positive norm, or null to disable clipping"
 _MTBF = "give the hours between interruptions (> 0), or null for the Llama 3 report's rate"
 
@@ -247,7 +248,7 @@ class CheckpointArgs:
     # interval sqrt(2 x blocking save seconds x mtbf), in steps, from the run's own save and step times.
     interval: Annotated[int | Literal["auto"], NOT_NEGATIVE] = 100
     # Mean time between interruptions of the whole job in hours (interval=auto); None: the Llama 3
-    # report's trainer.checkpoint.GPU_MTBF_HOURS (45,566 GPU-hours) divided by the job's processes.
+    # report's trainer.checkpoint.manager.GPU_MTBF_HOURS (45,566 GPU-hours) divided by the job's processes.
     mtbf_hours: Annotated[float | None, Range(0, low_open=True, says=_MTBF)] = None
     # newest complete checkpoints kept, older ones are deleted (never the best eval loss's); 0 keeps all
     keep: Annotated[int, NOT_NEGATIVE] = 3
@@ -264,7 +265,9 @@ class CheckpointArgs:
 class LogArgs:
     interval: Annotated[int, AT_LEAST_1] = 10  # optimizer steps between metric rows
     progress: bool = True  # live progress line on a terminal (rank 0 only)
-    tensorboard: bool = False  # also write TensorBoard event files to <run_dir>/tensorboard (trainer/trackers.py)
+    tensorboard: bool = (
+        False  # also write TensorBoard event files to <run_dir>/tensorboard (trainer/observe/trackers.py)
+    )
     wandb: bool = False  # also log to a Weights & Biases run, the same one after each restart
     mlflow: bool = False  # also log to an MLflow run at MLFLOW_TRACKING_URI, the same one after each restart
     project: str | None = None  # W&B project / MLflow experiment; None: the run dir's name
@@ -275,7 +278,7 @@ class LogArgs:
 
 @dataclass
 class LaunchArgs:
-    # Times the launcher (trainer/launch.py) restarts every rank of the job, in the same allocation,
+    # Times the launcher (trainer/launchers/torchrun.py) restarts every rank of the job, in the same allocation,
     # from the newest checkpoint after a rank failed (killed, crashed; never bad input, divergence or a
     # stop signal), counted over one launch (torchrun's --max-restarts); 0: a failure ends the launch at
     # once. The default 3 survives a few transient faults (a killed process, a lost connection) without
@@ -812,7 +815,7 @@ def keys(
         if choices:
             doc = "; ".join(filter(None, (doc.rstrip("."), f"one of {', '.join(map(str, choices))}")))
         allowed = ranges.of(extras[f.name])
-        if allowed:  # beside the field (trainer/ranges.py), as trainer/check.py checks it
+        if allowed:  # beside the field (trainer/ranges.py), as trainer/preflight/check.py checks it
             bounds = " and ".join(f"[{r.item}] {r.bounds()}" if r.item is not None else r.bounds() for r in allowed)
             doc = f"{doc.rstrip('.')}; {bounds}"
         out.append((key, value, default, doc))
@@ -886,7 +889,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(key_table())
         return 0
     # Printing what a run would take means checking the config as make check does and resolving it
-    # (trainer.check.config_main): that is a floor above this module, which imports none of it
+    # (trainer.preflight.check.config_main): that is a floor above this module, which imports none of it
     # (tools/imports.py), so the command line is handed over to it whole, as the Makefile would.
     argv = sys.argv[1:] if argv is None else argv
     sys.stdout.flush()

@@ -78,7 +78,7 @@ class TokenFile(Dataset):
 
     Every id must be below the vocabulary: one out of range would otherwise stop training in the
     middle with an IndexError, or on the GPU with a device assert. A file written by trainer.prepare
-    has a sidecar that records its token count and largest id (checked before start, trainer/check.py);
+    has a sidecar that records its token count and largest id (checked before start, trainer/preflight/check.py);
     any other file is scanned when it is opened (a few seconds per GB; the page cache serves the
     ranks of one node after the first)."""
 

@@ -20,7 +20,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from trainer import files
+from trainer.rundir import files
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def init(timeout_s: float) -> Env:
     # restart count (which differs between nodes when one restarted for another's failure).
     restart = int(os.environ.get("TRAINER_RDZV_ROUND") or os.environ.get("TORCHELASTIC_RESTART_COUNT") or "0")
     if restart:
-        # A restart inside the allocation (trainer/launch.py) talks to the same store as the attempt
+        # A restart inside the allocation (trainer/launchers/torchrun.py) talks to the same store as the attempt
         # before, whose keys are still there: a rank could read a dead rank's gloo address. Each
         # attempt gets keys of its own.
         from torch.distributed.rendezvous import rendezvous

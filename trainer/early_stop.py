@@ -9,14 +9,14 @@ evaluation improves when its loss is lower than the best so far by more than min
 Its state (the best loss, its step, the evaluations since it, the step the run stopped at and why)
 is a small checkpoint part in meta.json (`early_stop`), so a resumed run stops at the same step as
 one never interrupted, and a restart of a run that stopped early has nothing to do (the launcher
-reads the newest checkpoint's record: trainer/layout.py) and is not requeued (trainer/requeue.py).
+reads the newest checkpoint's record: trainer/rundir/layout.py) and is not requeued (trainer/launchers/requeue.py).
 A restart with train.early_stop_patience=0 trains on, as does one with a patience larger than the
 evaluations counted since the best (after a stop by patience); raising train.steps alone does not.
 
 The best checkpoint, as Lightning's ModelCheckpoint(monitor="val_loss", save_top_k=1): the
 checkpoint of the evaluation with the lowest eval loss so far (strictly lower; a NaN never is). Its
 step and loss are a checkpoint part too (`best_eval`), so the newest checkpoint names the best one
-(covered by its manifest, and read only from a checkpoint of this run: trainer/checkpoint.py);
+(covered by its manifest, and read only from a checkpoint of this run: trainer/checkpoint/manager.py);
 retention never deletes the checkpoint it names. The training loop saves a checkpoint at an
 evaluation that improves on the best when that step is not a checkpoint step already.
 
@@ -27,7 +27,7 @@ reads the best checkpoint without torch.
 import math
 import os
 
-from trainer import layout
+from trainer.rundir import layout
 
 PART = "early_stop"  # the checkpoint part's name, a key of meta.json
 KEYS = ("best", "best_step", "since", "stopped")  # its keys; `reason` too since NaN stops (older ones lack it)
@@ -246,7 +246,7 @@ def _no_best(run_dir, step, meta, why):
 def best_checkpoint(run_dir):
     """(step, eval loss, folder) of the run's best checkpoint as its newest committed checkpoint
     records it, or None where there is none (no evaluation yet, or its folder is gone): what
-    trainer.metrics' summary names, read with the standard library (trainer/layout.py's checks)."""
+    trainer.metrics' summary names, read with the standard library (trainer/rundir/layout.py's checks)."""
     newest = layout.latest_committed_step(run_dir)
     if newest is None:
         return None

@@ -1,11 +1,11 @@
 """Hugging Face model folders, read and written: the folder format, for any family that has a
 Hugging Face adapter (trainer.models.family.HFAdapter: the transformer's is
-trainer/models/transformer_hf.py, which knows Llama, Mistral, Qwen2 and Qwen3).
+trainer/models/transformer/hf.py, which knows Llama, Mistral, Qwen2 and Qwen3).
 
 A folder holds `config.json` and the weights as safetensors: one `model.safetensors`, or shards
 `model-00001-of-00003.safetensors`, ... listed in `model.safetensors.index.json`. Reading and writing
 need `safetensors` and JSON only. Every byte of a folder is untrusted: its files are read as regular
-files inside it (trainer/files.py; a hub cache's links into its blobs/ only), its config.json is
+files inside it (trainer/rundir/files.py; a hub cache's links into its blobs/ only), its config.json is
 checked key by key by the family's adapter, and weights are safetensors, which hold no code.
 
 This module imports the models package (downward); nothing there imports it: it asks the run's
@@ -20,7 +20,8 @@ import os
 import re
 from typing import TYPE_CHECKING
 
-from trainer import files, models
+from trainer import models
+from trainer.rundir import files
 
 if TYPE_CHECKING:
     import torch
@@ -67,7 +68,7 @@ def init_args(args: ModelArgs) -> ModelArgs:
 
 
 def _machine_bytes() -> int | None:
-    """This machine's memory (MemTotal, as trainer/memory.py's machine_bytes reads it: this module
+    """This machine's memory (MemTotal, as trainer/preflight/memory.py's machine_bytes reads it: this module
     is below it and imports no torch), or None where /proc/meminfo cannot be read."""
     try:
         with open("/proc/meminfo") as f:
@@ -81,7 +82,7 @@ def _machine_bytes() -> int | None:
 
 def refuse_what_cannot_fit(args: ModelArgs, where: str) -> None:
     """An HFError when config.json (at `where`) gives the model a tensor that no rank can hold: FSDP
-    all-gathers each unit whole on every rank (trainer/memory.py's "unsharded"), so each weight
+    all-gathers each unit whole on every rank (trainer/preflight/memory.py's "unsharded"), so each weight
     matrix, in float32, must fit this machine's memory, whatever the number of ranks. A neighbour's
     config.json with hidden_size or vocab_size 2**40 passed every check (the memory check reads the
     config before model.init_from's shape is applied) and crashed rank 0 allocating 32 TiB: it is

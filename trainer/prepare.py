@@ -9,7 +9,7 @@ other file is one document of plain text. The documents are tokenized in paralle
 processes and written in order as one flat array of token ids, uint16 when the vocabulary fits,
 else uint32, with the end-of-document token after each document. Beside it, `<out>.json` records
 the tokenizer, vocabulary size, dtype, token count and largest id; the trainer checks it before
-start (trainer/check.py), and takes model.vocab_size from it where the config does not set one.
+start (trainer/preflight/check.py), and takes model.vocab_size from it where the config does not set one.
 
 A folder stands for every file below it (hidden ones and those in hidden folders left out), in name
 order. `--eval-fraction F` holds out about F of the documents, chosen by a hash of each
@@ -30,7 +30,7 @@ import time
 import numpy as np
 
 from trainer import cli
-from trainer import files as shared_files  # `files` names the input files here
+from trainer.rundir import files as shared_files  # `files` names the input files here
 
 # End-of-document tokens of common tokenizers, tried in this order when neither --eos nor the
 # folder's tokenizer_config.json names one: Llama 3, GPT-2/NeoX, Llama 2/Mistral, Gemma.

@@ -2,7 +2,7 @@
 
     lr: Annotated[float, Range(0, low_open=True)] = 3e-3  # peak learning rate
 
-trainer/check.py reads every field's ranges in one walk over the config and refuses the first value
+trainer/preflight/check.py reads every field's ranges in one walk over the config and refuses the first value
 out of one with `<where>: <key>: is <value>; <Range.says>`. A field may carry several (checked in
 order), and a tuple field one per element (`item`). The config's loader strips the annotation
 (typing.get_type_hints without extras), so a field's type is what it was.

@@ -172,7 +172,7 @@ def rendezvous_poll(poll_s: float):
 @functools.cache
 def agent_class() -> type:
     """torchrun's agent (LocalElasticAgent) with its private hooks handed to public names: the one
-    seam trainer/launch.py's agent is written against. As torchelastic's own subclasses do
+    seam trainer/launchers/torchrun.py's agent is written against. As torchelastic's own subclasses do
     (LocalElasticAgent over SimpleElasticAgent), a subclass overrides a hook and calls super() for
     torch's behaviour; only its names differ, so that a torch that renames a hook breaks here, in one
     class that tests/test_torch_compat.py checks, not in the launcher's logic.

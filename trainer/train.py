@@ -14,15 +14,19 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from trainer import checkpoint, data, files, hangs, health, hf, layout, models, optim, parallel, signals, torch_compat
+from trainer import data, hf, models, optim, torch_compat
 from trainer import dist as distributed
 from trainer import early_stop as early_stopping
+from trainer.checkpoint import manager
 from trainer.config import Config, dump, to_dict
-from trainer.interval import GPU_MTBF_HOURS, AutoInterval, save_seconds
-from trainer.lease import Lease, LeaseError, LeaseLost
-from trainer.metrics import Reporter, Speed, peak_flops, start_times, timed
-from trainer.startup import Ready, nothing_to_do
-from trainer.trackers import Trackers, sinks_on
+from trainer.observe.metrics import Reporter, Speed, peak_flops, start_times, timed
+from trainer.observe.trackers import Trackers, sinks_on
+from trainer.parallel import plan as parallel
+from trainer.preflight.interval import GPU_MTBF_HOURS, AutoInterval, save_seconds
+from trainer.preflight.startup import Ready, nothing_to_do
+from trainer.resilience import hangs, health, signals
+from trainer.rundir import files, layout
+from trainer.rundir.lease import Lease, LeaseError, LeaseLost
 
 log = logging.getLogger("trainer")
 
@@ -104,7 +108,7 @@ def train(ready: Ready) -> None:
     control = distributed.cpu_group(timeout_s=cfg.parallel.timeout_s)  # stop flag, rank-0 decisions
     io_group = distributed.cpu_group(timeout_s=cfg.checkpoint.timeout_s)  # DCP, also from its own thread
     times["process_group"] = time.time()
-    if cfg.health.enabled:  # before the first step: the fabric between the nodes (trainer/health.py)
+    if cfg.health.enabled:  # before the first step: the fabric between the nodes (trainer/resilience/health.py)
         health.check_allreduce(cfg.health, env, hangs.node())
     run_dir = cfg.run_dir
     datasets = _datasets(cfg, env, control)  # bad data stops the run here, before the run dir is touched
@@ -152,7 +156,7 @@ class Run:
     compute_dtype: object  # autocast's dtype, else None
     early: early_stopping.EarlyStop  # early stopping's state, a checkpoint part
     best: early_stopping.Best  # the best eval loss's step, a checkpoint part
-    ckpt: checkpoint.Checkpointer  # saves and loads every part above
+    ckpt: manager.Checkpointer  # saves and loads every part above
     reporter: Reporter  # lines and metrics rows (rank 0's), the trackers
 
     @classmethod
@@ -203,7 +207,7 @@ def _plan(cfg: Config, env: distributed.Env, group) -> tuple[parallel.Plan, str 
     """The run's parallel plan, parallel.grad_sync=auto decided by the memory estimate against this
     rank's GPU (on the CPU: this machine's memory over its ranks), the same on every rank (one
     needing every_micro_batch makes it so for all); and the line that says why, or None."""
-    from trainer import memory
+    from trainer.preflight import memory
 
     micro, _ = batch_plan(cfg, parallel.Plan(cfg.parallel, env.world_size).dp_size)
     if env.device.type == "cuda":
@@ -232,7 +236,7 @@ def _reached(env: distributed.Env, step: int, watchdog: hangs.Watchdog) -> None:
 def _stuck_ranks(env: distributed.Env, timeout_s: int, error: Exception, run_dir: str, step: int) -> str:
     """The message for a timed-out collective: every rank that timed out says so in the store, and
     waits a little for the others to; the ranks that never do are the ones that stopped answering.
-    This rank's stacks and the silent ranks go into the hang folder (trainer/hangs.py)."""
+    This rank's stacks and the silent ranks go into the hang folder (trainer/resilience/hangs.py)."""
     first_line = (str(error).strip().splitlines() or [""])[0][:200]
     why = f"a collective timed out after {timeout_s} s (parallel.timeout_s): {first_line}"
     store = None
@@ -393,7 +397,7 @@ def _train(run: Run) -> None:
         else:
             optimizer.step()
         if cfg.parallel.float8 != "none":  # tensorwise under FSDP: the next all-gathers' scales, all at once
-            from trainer import float8
+            from trainer.parallel import float8
 
             float8.precompute_scales(model, cfg.parallel, plan.fsdp_ranks)
         lr = scheduler.get_last_lr()[0]
@@ -499,9 +503,9 @@ def _save(run: Run, model, step: int, samples: int, first_bad: torch.Tensor, sto
     run.ckpt.save_due(step, {"samples": samples, "config": to_dict(run.cfg), **data.position(run.train_set)}, stopping)
 
 
-def _checkpointer(cfg: Config, env, io_group, lease, model, optimizer, parts: dict) -> checkpoint.Checkpointer:
+def _checkpointer(cfg: Config, env, io_group, lease, model, optimizer, parts: dict) -> manager.Checkpointer:
     """The run's checkpoint manager of the model, the optimizer and the named `parts` beside them."""
-    ckpt = checkpoint.Checkpointer(
+    ckpt = manager.Checkpointer(
         cfg.checkpoint, cfg.run_dir, env.rank, env.world_size, io_group, model, optimizer, parts=parts
     )
     if lease:  # rank 0 reads the lease again right before it commits or deletes a checkpoint
@@ -509,7 +513,7 @@ def _checkpointer(cfg: Config, env, io_group, lease, model, optimizer, parts: di
     return ckpt
 
 
-def _resume(cfg: Config, ckpt: checkpoint.Checkpointer, model, scheduler, reporter: Reporter, times: dict) -> tuple:
+def _resume(cfg: Config, ckpt: manager.Checkpointer, model, scheduler, reporter: Reporter, times: dict) -> tuple:
     """(step, samples consumed, the checkpoint's meta or None): the newest checkpoint loaded, with a
     line for each change of the schedule; without one, a new run from model.init_from's weights.
     The load's start and end go into `times`."""
@@ -545,7 +549,7 @@ def _resume(cfg: Config, ckpt: checkpoint.Checkpointer, model, scheduler, report
         try:
             hf.load_weights(parallel.unwrap(model), cfg.model.init_from, cfg.model)
         except hf.HFError as e:
-            raise checkpoint.CheckpointError(f"model.init_from: {e}") from None
+            raise manager.CheckpointError(f"model.init_from: {e}") from None
         reporter.message(f"initialised from {cfg.model.init_from} in {time.perf_counter() - started:.2f}s")
     return step, samples, meta
 
@@ -689,7 +693,7 @@ class Diverged(Exception):
     """The loss or the gradient norm became NaN or infinite; the message says where and what to do."""
 
 
-def _stop_if_diverged(first_bad: torch.Tensor, ckpt: checkpoint.Checkpointer, model) -> None:
+def _stop_if_diverged(first_bad: torch.Tensor, ckpt: manager.Checkpointer, model) -> None:
     """Before a save: raise Diverged on every rank if any rank saw a non-finite loss or gradient norm
     or holds a non-finite weight. The save in flight, started from finite weights, is committed."""
     bad = first_bad.clone().float()
@@ -700,7 +704,7 @@ def _stop_if_diverged(first_bad: torch.Tensor, ckpt: checkpoint.Checkpointer, mo
         _raise_diverged(first_bad, ckpt)
 
 
-def _raise_diverged(first_bad: torch.Tensor, ckpt: checkpoint.Checkpointer) -> None:
+def _raise_diverged(first_bad: torch.Tensor, ckpt: manager.Checkpointer) -> None:
     """Raise Diverged once the ranks agree that one of them diverged (`first_bad`: this rank's step)."""
     ckpt.close()
     where = f"at step {int(first_bad.item())}" if first_bad.item() >= 0 else "on another rank"
@@ -712,7 +716,7 @@ def _raise_diverged(first_bad: torch.Tensor, ckpt: checkpoint.Checkpointer) -> N
     )
 
 
-def _raise_lease_lost(lease: Lease | None, run_dir: str, step: int, ckpt: checkpoint.Checkpointer) -> None:
+def _raise_lease_lost(lease: Lease | None, run_dir: str, step: int, ckpt: manager.Checkpointer) -> None:
     """Raise LeaseLost on every rank once they agree that rank 0 lost the run dir's lease. The save in
     flight is finished but not committed (rank 0's commit checks the lease first)."""
     ckpt.close()

@@ -17,9 +17,11 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated
 
-from trainer.models import mnist_cnn, transformer, vision
+from trainer.models import vision
 from trainer.models.family import Family, loss_fn  # noqa: F401 - loss_fn: imported from here
-from trainer.models.transformer_shapes import (  # noqa: F401 - the names bench and tests import from here
+from trainer.models.mnist_cnn import family as mnist_cnn
+from trainer.models.transformer import family as transformer
+from trainer.models.transformer.shapes import (  # noqa: F401 - the names bench and tests import from here
     SHAPE_KEYS,
     TRANSFORMER_SIZES,
     RopeScaling,

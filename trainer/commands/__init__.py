@@ -1,0 +1,1 @@
+"""The commands run on a run dir's checkpoints: export (to Hugging Face), generate, evaluate."""

@@ -1,0 +1,363 @@
+"""How the model is spread over the ranks: FSDP2 (`fully_shard`), DDP as the baseline, or nothing.
+
+`Plan` is the one object that knows: built once from `ParallelArgs` and the environment, it holds
+the run's named degrees (`dims`: dp_replicate, dp_shard, cp, tp, pp; trainer/parallel/dims.py),
+owns the device mesh built from them, says this rank's data-parallel rank and size, wraps the model
+(`apply`: the config in, the wrapped model out), runs one micro-batch's forward and backward
+(`forward_backward`: the seam pipeline parallelism replaces), and answers what differs between the
+strategies: `no_sync`, the grad scaler, autocast, the config's checks and what one rank holds
+(`memory_factors`). Nothing outside this module asks which strategy runs.
+
+Each technique is a file of its own, as torchtitan's distributed/: tensor parallelism
+(trainer/parallel/tp.py), activation checkpointing (trainer/parallel/activation_checkpointing.py),
+FSDP (trainer/parallel/fsdp.py), float8 (trainer/parallel/float8.py). `apply` composes them in one
+order, torchtitan's: tp, float8, activation checkpointing, compile, then FSDP over the wrapped units.
+
+Importing this module needs no torch (each function imports it where it runs): the config check
+reads the plan's checks on a login node, as it reads the model families' specs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from trainer.config import ConfigError, ParallelArgs
+from trainer.parallel import activation_checkpointing
+from trainer.parallel import fsdp as parallel_fsdp
+from trainer.parallel import tp as parallel_tp
+from trainer.parallel.dims import ParallelDims
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import torch
+    import torch.nn as nn
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from trainer.dist import Env
+    from trainer.models import ModelArgs
+    from trainer.models.family import Family
+    from trainer.parallel.fsdp import Blocks
+
+
+def dtype(name: str) -> torch.dtype:
+    """The torch dtype of a config's dtype name: float32, bfloat16, float16."""
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+@dataclass(frozen=True)
+class MemoryFactors:
+    """What one rank holds under the plan, for trainer.preflight.memory's estimate and the changes it offers."""
+
+    shards: int  # ranks one parameter (its gradient, its optimizer state) is split over (dp_shard x tp); 1: none
+    tp: int  # tensor-parallel degree: a rank gathers, computes and keeps 1/tp of each block (1: none)
+    gathers: bool  # units are all-gathered in the compute dtype and gradients reduce-scattered (FSDP)
+    keeps_gathered: bool  # every unit stays all-gathered from forward to backward (FSDP's grad_op)
+    bucket_copy: bool  # DDP over more than one rank: its gradient buckets are a second copy of the gradients
+    can_offload: bool  # parallel.cpu_offload would apply (FSDP)
+    node_shards: bool  # hybrid sharding over fewer ranks than the world: sharding=full would shard finer
+    finer_per_node: bool  # more ranks per node shard finer (FSDP without a fixed shard_size)
+    finer_with_nodes: bool  # more nodes shard finer (FSDP over the whole world)
+    # under accumulation FSDP reduce-scatters every micro-batch: the gradients held are the sharded ones
+    # (parallel.grad_sync=every_micro_batch); else unsharded until the last micro-batch
+    sharded_accumulation: bool = False
+
+
+@dataclass(eq=False)
+class Plan:
+    """The parallel plan of one run, built once: `Plan.of(args, env)` in the trainer, `Plan(args,
+    world_size)` for the arithmetic alone (the config check, the memory estimate, tests), which
+    needs no process group. Its degrees (`dims`) are derived once: data parallelism is
+    `dp_replicate x dp_shard` ranks: FSDP shards over dp_shard (all ranks, or hybrid's groups) and
+    replicates over dp_replicate; DDP replicates over all. `tp` (parallel.tp) ranks of one node
+    split each block's matmuls and share their samples: the data-parallel size is the world over tp."""
+
+    args: ParallelArgs
+    world_size: int
+    rank: int = 0
+    ranks_per_node: int | None = None  # hybrid's default shard group; None: LOCAL_WORLD_SIZE, else the world
+    device: Any = "cpu"  # a torch.device or its name: where the parameters live
+
+    @classmethod
+    def of(cls, args: ParallelArgs, env: Env) -> Plan:
+        return cls(args, env.world_size, env.rank, env.local_world_size, env.device)
+
+    # -- dimensions ---------------------------------------------------------------------------------
+
+    @property
+    def strategy(self) -> str:
+        """The strategy's name, for the line that says what trains."""
+        return self.args.strategy
+
+    @property
+    def fsdp(self) -> bool:
+        return self.args.strategy == "fsdp"
+
+    @property
+    def hybrid(self) -> bool:
+        return self.fsdp and self.args.sharding == "hybrid"
+
+    @functools.cached_property
+    def dims(self) -> ParallelDims:
+        """The run's named degrees (hybrid's groups: parallel.shard_size, else the ranks of one node)."""
+        return ParallelDims.of(self.args, self.world_size, self.ranks_per_node)
+
+    @property
+    def tp(self) -> int:
+        """Tensor-parallel degree: ranks that split each block's matmuls (1: none)."""
+        return self.dims.tp
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks that take different samples: the global batch is divided over them."""
+        return self.dims.dp_size
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's place among them (the tensor-parallel ranks of one group share samples)."""
+        return self.dims.dp_rank(self.rank)
+
+    @property
+    def dp_shard(self) -> int:
+        """Ranks one parameter is sharded over (1: not sharded)."""
+        return self.dims.dp_shard
+
+    @property
+    def dp_replicate(self) -> int:
+        """Copies of each shard (DDP: of the whole model)."""
+        return self.dims.dp_replicate
+
+    @property
+    def fsdp_ranks(self) -> int:
+        """Ranks FSDP shards a parameter over, 0 without FSDP: what float8 asks."""
+        return self.dp_shard if self.fsdp else 0
+
+    @functools.cached_property
+    def mesh(self) -> DeviceMesh:
+        """The device mesh of the degrees (`dims.mesh_dims`), made on first use (it needs the
+        process group): "dp_shard" under FSDP, "dp_replicate" outside it under hybrid sharding (and
+        DDP), and "tp" innermost once tp > 1, so that the tensor-parallel ranks of a group are
+        consecutive: the ranks of one node."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape, names = self.dims.mesh_dims()
+        return init_device_mesh(self._device_type, shape, mesh_dim_names=names)
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        """What FSDP shards over: the mesh's data-parallel dimensions (the mesh without "tp")."""
+        dp = self.dims.dp_dims()
+        return self.mesh if dp == self.mesh.mesh_dim_names else self.mesh[dp]
+
+    @property
+    def _device_type(self) -> str:
+        return getattr(self.device, "type", str(self.device).split(":")[0])
+
+    # -- checks -------------------------------------------------------------------------------------
+
+    def problems(self, model: ModelArgs | None = None) -> list[tuple[str, str]]:
+        """What is wrong with the parallel config for this world: (key, message), in the order the
+        config check says them (trainer.preflight.check.validate raises the first, blamed on its source).
+        `model`: the resolved model keys, for what tensor parallelism needs of the model."""
+        p, found = self.args, []
+        if p.strategy != "fsdp" and p.cpu_offload:
+            found.append(("parallel.cpu_offload", f"needs parallel.strategy=fsdp (it is {p.strategy})"))
+        if self.hybrid and self.world_size % self.dp_shard:
+            found.append(
+                (
+                    "parallel.shard_size",
+                    f"{self.dp_shard} does not divide the {self.world_size} processes; choose a divisor",
+                )
+            )
+        if p.strategy == "none" and self.world_size > 1:
+            found.append(("parallel.strategy", f"is 'none' but {self.world_size} processes run; use fsdp or ddp"))
+        if self.tp > 1:
+            node = self.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 0))  # under torchrun
+            found += parallel_tp.problems(p, self.world_size, node, model)
+        return found + self.dims.problems()
+
+    def check(self, where: str = "config", model: ModelArgs | None = None) -> None:
+        """Raise ConfigError with the first problem, one line: where, key, what to do."""
+        for key, message in self.problems(model):
+            raise ConfigError(f"{where}: {key}: {message}")
+
+    def memory_factors(self) -> MemoryFactors:
+        p = self.args
+        return MemoryFactors(
+            shards=self.dp_shard * self.tp,
+            tp=self.tp,
+            gathers=self.fsdp,
+            keeps_gathered=self.fsdp and p.sharding == "grad_op",
+            bucket_copy=p.strategy == "ddp" and self.world_size > 1,
+            can_offload=self.fsdp,
+            node_shards=self.hybrid and self.dp_shard < self.dp_size,
+            finer_per_node=self.fsdp and not p.shard_size,
+            finer_with_nodes=self.fsdp and not self.hybrid,
+            sharded_accumulation=self.fsdp and p.grad_sync == "every_micro_batch",
+        )
+
+    # -- training -----------------------------------------------------------------------------------
+
+    def autocast_dtype(self, model: nn.Module) -> torch.dtype | None:
+        """The dtype to run the forward under torch.autocast, or None.
+
+        FSDP casts its parameters itself. DDP and plain training use autocast instead, and so does
+        FSDP for models with BatchNorm: its running statistics stay float32, which the CPU kernels
+        refuse to mix with bfloat16 parameters (FSDP1 kept BatchNorm in float32 for the same reason).
+        """
+        import torch
+
+        compute = dtype(self.args.param_dtype)
+        if compute == torch.float32 or (self.fsdp and not has_batchnorm(model)):
+            return None
+        return compute
+
+    def autocast(self, compute_dtype: torch.dtype | None):
+        """Lower-precision compute where FSDP does not cast itself (`compute_dtype`: autocast_dtype's)."""
+        import torch
+
+        return torch.autocast(self._device_type, dtype=compute_dtype) if compute_dtype else contextlib.nullcontext()
+
+    def grad_sync(self, model: nn.Module, micro: int, accum: int):
+        """The gradient reduction of micro-batch `micro` of `accum`: FSDP's as parallel.grad_sync says
+        (trainer/parallel/fsdp.py); DDP's at the last micro-batch (no_sync before it)."""
+        if self.fsdp:
+            every = self.args.grad_sync == "every_micro_batch"
+            return parallel_fsdp.grad_sync(model, micro, accum, every_micro_batch=every, hybrid=self.hybrid)
+        if self.args.strategy == "ddp" and micro < accum - 1:
+            return model.no_sync()
+        return contextlib.nullcontext()
+
+    def loss_parallel(self):
+        """Where the loss and its backward run (under tp: on vocabulary-sharded logits)."""
+        return parallel_tp.loss_parallel(self.tp)
+
+    def forward_backward(
+        self,
+        model: nn.Module,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        loss_fn: Callable,
+        *,
+        micro: int,
+        accum: int,
+        compute_dtype: torch.dtype | None = None,
+        scaler=None,
+        grad_scale: float = 1.0,
+    ) -> torch.Tensor:
+        """One micro-batch (`micro` of `accum`) through the model and back: the forward under autocast
+        (`compute_dtype`: autocast_dtype's), the loss divided by `accum`, the backward of it times
+        `grad_scale` (through `scaler`, where float16 scales the loss), gradients reduced as
+        `grad_sync` says. The loss, detached (under tp a replicated DTensor). Pipeline parallelism
+        replaces this one call with its schedule's step."""
+        with self.grad_sync(model, micro, accum), self.loss_parallel():
+            with self.autocast(compute_dtype):
+                loss = loss_fn(model(x), y) / accum
+            grad_loss = loss * grad_scale if grad_scale != 1 else loss
+            scaler.scale(grad_loss).backward() if scaler else grad_loss.backward()
+        return loss.detach()
+
+    def scaler(self):
+        """Loss scaling, needed for float16 compute only (None otherwise)."""
+        import torch
+
+        if self.args.param_dtype != "float16":
+            return None
+        if self.fsdp:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            return ShardedGradScaler(self._device_type, init_scale=self.args.loss_scale)
+        return torch.amp.GradScaler(self._device_type, init_scale=self.args.loss_scale)
+
+    def apply(self, model: nn.Module, family: Family) -> nn.Module:
+        """Wrap `model` for the configured strategy; parameters end up on the plan's device. The
+        model family's repeated units (`family.blocks`) are what per-block wrapping, activation
+        checkpointing and compile take one by one."""
+        import torch
+
+        args, device = self.args, self.device
+        if self.tp > 1:  # first, as torchtitan: checkpointing, compile and FSDP see the DTensor blocks
+            parallel_tp.apply_tp(model, family, self.mesh["tp"])
+        if args.float8 != "none":  # first, as torchtitan: compile, checkpointing and FSDP see the float8 layers
+            from trainer.parallel import float8
+
+            float8.convert(model, args, family.blocks, fsdp_ranks=self.fsdp_ranks)
+        units = units_of(model, args, family.blocks)
+        if args.ac_mode != "none":
+            # The wrappers become the FSDP units (torchtitan's order): FSDP's pre-forward hook casts the
+            # block's float inputs (the RoPE tables) to param_dtype outside the checkpointed region, so
+            # the recompute sees the dtypes the forward saved. Sharded inside the wrapper, torch < 2.13
+            # skips that cast in the recompute (pytorch#150140) and raises CheckpointError at step 1.
+            units = activation_checkpointing.checkpoint_units(model, units, args)
+        if args.compile:  # after checkpointing, as torchtitan: dynamo traces the checkpoint and its policy
+            for unit in units:
+                unit.compile()
+        if args.strategy == "none":
+            return model.to_empty(device=device) if parallel_fsdp.on_meta(model) else model.to(device)
+        if args.strategy == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            model = model.to_empty(device=device) if parallel_fsdp.on_meta(model) else model.to(device)
+            return DistributedDataParallel(model, device_ids=[device.index] if self._device_type == "cuda" else None)
+        return parallel_fsdp.apply_fsdp(
+            model,
+            units,
+            self.dp_mesh,
+            param_dtype=torch.float32 if has_batchnorm(model) else dtype(args.param_dtype),  # see autocast_dtype
+            reduce_dtype=dtype(args.reduce_dtype),
+            cpu_offload=args.cpu_offload,
+            reshard_after_forward=args.sharding != "grad_op",
+            device=device,
+        )
+
+
+def has_batchnorm(model: nn.Module) -> bool:
+    from trainer.torch_compat import batch_norm_base
+
+    return any(isinstance(m, batch_norm_base()) for m in model.modules())
+
+
+def units_of(model: nn.Module, args: ParallelArgs, blocks: Blocks) -> list[nn.Module]:
+    """What activation checkpointing and torch.compile wrap one by one: the FSDP units under FSDP,
+    else the model's blocks."""
+    return parallel_fsdp.wrap_units(model, args, blocks) if args.strategy == "fsdp" else blocks(model)
+
+
+def average_batchnorm_stats(model: nn.Module) -> None:
+    """Make every BatchNorm's running mean and variance the mean over all ranks.
+
+    FSDP shards parameters, not buffers: each rank's running statistics follow its own batches and
+    drift apart (15% after 20 steps of a ResNet), so evaluation and a checkpoint (which keeps one
+    rank's copy) would depend on the rank. The trainer calls this before both. The mean of the
+    variances leaves out the spread of the ranks' means, as SyncBatchNorm's running statistics do
+    not; num_batches_tracked is the same on every rank (every rank takes every step)."""
+    import torch
+    import torch.distributed as dist
+
+    from trainer.torch_compat import batch_norm_base
+
+    stats = [
+        buffer
+        for m in model.modules()
+        if isinstance(m, batch_norm_base()) and m.running_mean is not None
+        for buffer in (m.running_mean, m.running_var)
+    ]
+    if not stats or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    with torch.no_grad():
+        flat = torch.cat([s.flatten().double() for s in stats])
+        dist.all_reduce(flat)  # gloo has no AVG
+        flat /= dist.get_world_size()
+        for s, mean in zip(stats, flat.split([s.numel() for s in stats])):
+            s.copy_(mean.view_as(s))
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's model under a DDP wrapper (FSDP2 wraps in place)."""
+    return getattr(model, "module", model) if type(model).__name__ == "DistributedDataParallel" else model
