@@ -119,7 +119,7 @@ def test_a_missing_module_or_one_without_a_family_is_one_line(package):
         validate(load(None, [*MINE, "model.family=my_pkg.net"]), 1)
     assert str(e.value) == (
         f"config: model.family: my_pkg.net ({package}/my_pkg/net.py) defines no FAMILY = "
-        f"trainer.models.family.Family(...); define one (docs/architecture.md, 'Adding a model family')"
+        f"trainer.models.family.Family(...); define one (docs/extending.md, 'Adding a model family')"
     )
     with pytest.raises(ConfigError, match=r"model.family: is '\.\./evil'; give a module's dotted name"):
         validate(load(None, [*MINE, "model.family=../evil"]), 1)

@@ -74,7 +74,7 @@ def test_a_family_of_one_s_own_exports_into_new_folders_and_is_named_when_hf_is_
         2,
         [
             f"error: {step} holds model.family tests.toy_family, which has no Hugging Face adapter; --format hf "
-            f"exports the transformer (a Llama, Mistral, Qwen2 or Qwen3) and families with one (docs/architecture.md, "
+            f"exports the transformer (a Llama, Mistral, Qwen2 or Qwen3) and families with one (docs/extending.md, "
             f'"Adding a model family"); export a file instead: --out model.pt or model.safetensors'
         ],
     )

@@ -1,4 +1,4 @@
-"""A toy model family, added as docs/architecture.md's "Adding a model family" says: this spec (no torch imported
+"""A toy model family, added as docs/extending.md's "Adding a model family" says: this spec (no torch imported
 here), its network (toy_family_net.py, imported when a model is built), and one line in
 trainer.models.FAMILIES. A test does not edit the trainer's source, so `python -m tests.toy_family
 ...` is `python -m trainer ...` with that line run first, and tests put it in with monkeypatch."""

@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(
                     f"{path} holds {what}, which has no Hugging Face adapter; --format hf exports the transformer "
                     f"(a Llama, Mistral, Qwen2 or Qwen3) and families with one "
-                    f'(docs/architecture.md, "Adding a model family"); '
+                    f'(docs/extending.md, "Adding a model family"); '
                     f"export a file instead: --out model.pt or model.safetensors"
                 )
             try:

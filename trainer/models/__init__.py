@@ -7,7 +7,7 @@ Hugging Face adapter. `spec(cfg.model)` is the run's; nothing outside this packa
 it is. The specs and this module import no torch, so the config and its checks need none; each
 family's network (an nn.Module) is a module of its own that the spec's `build` imports. Adding a
 family is a spec, its network and one line in FAMILIES; or, without touching the trainer, a spec
-module of your own package that model.family names (docs/architecture.md, "Adding a model family").
+module of your own package that model.family names (docs/extending.md, "Adding a model family").
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ FAMILIES: dict[str, Family] = {"mnist_cnn": mnist_cnn.FAMILY, "transformer": tra
 class ModelArgs:
     name: str = "transformer"  # mnist_cnn, transformer, or a torchvision classification model name
     # A module of your own package (my_pkg.my_family, found on the Python path) whose FAMILY is the
-    # model's family, in place of model.name's (docs/architecture.md, "Adding a model family").
+    # model's family, in place of model.name's (docs/extending.md, "Adding a model family").
     # Importing it runs its code: a run dir's config.yaml that others could write may not name it
     # (trainer/config.py).
     family: str | None = None
@@ -117,7 +117,7 @@ def user_family(module: str) -> Family:
     if not isinstance(family, Family):
         raise FamilyError(
             f"model.family: {module} ({found.__file__}) defines no FAMILY = trainer.models.family.Family(...); "
-            f"define one (docs/architecture.md, 'Adding a model family')"
+            f"define one (docs/extending.md, 'Adding a model family')"
         )
     return family
 
