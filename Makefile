@@ -82,11 +82,13 @@ evaluate: venv ## evaluate RUN_DIR's newest checkpoint without training (ARGS="-
 plot: venv ## summarise runs and plot their loss: make plot RUN_DIR="runs/a runs/b" [PLOT=loss.png]
 	$(PY) -m trainer.metrics $(RUN_DIR) --plot $(or $(PLOT),$(firstword $(RUN_DIR))/loss.png)
 
-test: venv-test ## run the whole test suite (what CI runs; about 30 min on 2 cores)
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+# Two tiers by folder (tests/conftest.py): tests/unit/ in this process; tests/system/ starts ranks,
+# launchers, Slurm jobs and images (its tests are also marked slow: -m "not slow" selects tests/unit/).
+test: venv-test ## run the whole test suite, unit tier first (what CI runs; about 30 min on 2 cores)
+	$(PY) -m pytest tests/unit tests/system $(PYTEST_ARGS)
 
-test-fast: venv-test ## the unit-level tests, without those marked slow (about 1 min on 2 shared cores): the edit-test loop
-	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
+test-fast: venv-test ## the unit tier, tests/unit/ (about 1 min on 2 shared cores): the edit-test loop
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
 # The oldest torch the trainer supports (pyproject.toml's torch>=2.11), in a venv of its own with only
 # what the selected tests import; never the trainer's extras. The tests: FSDP2, bf16 + activation
@@ -96,19 +98,20 @@ test-fast: venv-test ## the unit-level tests, without those marked slow (about 1
 COMPAT_VENV  := .venv-compat
 COMPAT_TORCH ?= 2.11.*
 COMPAT_TESTS := \
-	'tests/test_parallel.py::test_matches_single_process[fsdp2]' \
-	tests/test_parallel.py::test_bf16_with_activation_checkpointing_runs_and_stays_close \
-	tests/test_activation_checkpointing.py::test_checkpointing_recomputes_what_it_should_and_matches \
-	tests/test_parallel.py::test_compile_matches \
-	'tests/test_checkpoint.py::test_resume_on_other_process_counts[2-3]' \
-	tests/test_shard_reader.py \
-	tests/test_load_plan.py \
-	tests/test_torch_compat.py \
-	tests/test_launch.py::test_a_failing_rank_is_one_launcher_line_and_exit_1 \
-	tests/test_launch.py::test_signal_to_the_launcher_alone_saves_exits_0_and_resumes \
-	tests/test_dist.py::test_the_launchers_rendezvous_polls_faster_only_while_it_runs \
-	tests/test_tp.py::test_tp2_x_dp2_trains_as_dp4 \
-	tests/test_save_plan.py
+	'tests/system/test_parallel.py::test_matches_single_process[fsdp2]' \
+	tests/system/test_parallel.py::test_bf16_with_activation_checkpointing_runs_and_stays_close \
+	tests/unit/test_activation_checkpointing.py::test_checkpointing_recomputes_what_it_should_and_matches \
+	tests/system/test_parallel.py::test_compile_matches \
+	'tests/system/test_checkpoint.py::test_resume_on_other_process_counts[2-3]' \
+	tests/unit/test_shard_reader.py \
+	tests/unit/test_load_plan.py \
+	tests/unit/test_torch_compat.py \
+	tests/system/test_launch.py::test_a_failing_rank_is_one_launcher_line_and_exit_1 \
+	tests/system/test_launch.py::test_signal_to_the_launcher_alone_saves_exits_0_and_resumes \
+	tests/unit/test_dist.py::test_the_launchers_rendezvous_polls_faster_only_while_it_runs \
+	tests/system/test_tp.py::test_tp2_x_dp2_trains_as_dp4 \
+	tests/unit/test_save_plan.py \
+	tests/system/test_save_plan.py
 
 $(COMPAT_VENV)/.installed: Makefile
 	python3 -m venv $(COMPAT_VENV)
@@ -124,7 +127,7 @@ gpu-check: ## on one GPU, in at most 8 min: front door, test_gpu.py, AC bf16, me
 	PYTHONPATH=. python3 bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 test-gpu: venv-test ## the CUDA-path tests on this machine's GPU (skipped without one; CI has none)
-	$(PY) -m pytest tests/test_gpu.py $(PYTEST_ARGS)
+	$(PY) -m pytest tests/system/test_gpu.py $(PYTEST_ARGS)
 
 # What lint checks: ruff's rules and format (pyproject.toml), and that every noqa says why on its line.
 LINT_PATHS := trainer tests bench

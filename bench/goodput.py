@@ -10,7 +10,7 @@ each event strikes once the run has logged its step since the previous recovery.
   hang        SIGSTOP of one rank: the others' collective times out after parallel.timeout_s, the
               hang is written down (trainer/resilience/hangs.py), the ranks are restarted in the allocation
   preemption  an exclusive job of the `urgent` partition on the job's nodes: SIGTERM, the ranks
-              save, the job is requeued (Slurm's ~120 s hold cut to 2 s, as tests/test_slurm_failures.py
+              save, the job is requeued (Slurm's ~120 s hold cut to 2 s, as tests/system/test_slurm_failures.py
               does, and left out of the wall time) and resumes
 
   node_death  one node's slurmd and the job's processes on it killed (bench/nodes.py), as a power
@@ -155,7 +155,7 @@ GLOBAL_BATCH = 36  # samples a step: 9 a rank on 4 ranks, 12 on the 3 left
 
 
 # ---------------------------------------------------------------------------------------------------
-# Arithmetic on what the run wrote (unit-tested: tests/test_bench_goodput.py)
+# Arithmetic on what the run wrote (unit-tested: tests/unit/test_bench_goodput.py)
 
 
 def read_rows(path: Path) -> list[dict]:

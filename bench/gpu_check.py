@@ -4,7 +4,7 @@
 
 With nothing but the repository and the machine's own torch (no venv, no network), in at most
 8 minutes on one H100/H200: the front door (launch, resume, generate, evaluate, metrics),
-tests/test_gpu.py, activation checkpointing in bfloat16 compiled, the memory modes (#44: gradients
+tests/system/test_gpu.py, activation checkpointing in bfloat16 compiled, the memory modes (#44: gradients
 reduced at the last or every micro-batch, activations kept, recomputed in full or by operator, each
 in bfloat16 eager: max_memory_allocated and step time against the estimate), the memory calibration
 and the 1b MFU (compiled and eager). Each step runs in a subprocess with its own time box; a step
@@ -54,7 +54,11 @@ def plan(scratch: Path) -> list[Step]:
         ),
         Step("evaluate", (PY, "-m", "trainer.evaluate", run), 15),
         Step("metrics", (PY, "-m", "trainer.metrics", run, "--json"), 10),
-        Step("tests/test_gpu.py", (PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu.py"), 130),
+        Step(
+            "tests/system/test_gpu.py",
+            (PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/system/test_gpu.py"),
+            130,
+        ),
         Step(
             "activation checkpointing, bf16, compiled",
             (

@@ -66,7 +66,7 @@ CPU_CONFIGS = [
     ),
 ]
 # The H100 calibration's configurations (bench/results/2026-11-26-h100-memory-calibration.json, checked
-# by tests/test_memory_calibration.py), then bf16 with activation checkpointing, eager and compiled.
+# by tests/unit/test_memory_calibration.py), then bf16 with activation checkpointing, eager and compiled.
 CALIBRATION = ROOT / "bench" / "results" / "2026-11-26-h100-memory-calibration.json"
 GPU_CONFIGS = [(r["name"], r["overrides"]) for r in json.loads(CALIBRATION.read_text())["results"]] + [
     (

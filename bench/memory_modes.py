@@ -90,7 +90,7 @@ GPU_RUN = [
     "checkpoint.interval=0",
     "optim.warmup_steps=1",
 ]
-# The estimate's stated tolerance against the measured peak (tests/test_memory_calibration.py's).
+# The estimate's stated tolerance against the measured peak (tests/unit/test_memory_calibration.py's).
 TOLERANCE = 0.10
 
 

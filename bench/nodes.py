@@ -1,5 +1,5 @@
 """A node of the local Slurm cluster (slurm/local/up.sh) killed as a power loss would, and brought
-back: shared by bench/goodput.py's node death and tests/test_slurm_failures.py's."""
+back: shared by bench/goodput.py's node death and tests/system/test_slurm_failures.py's."""
 
 from __future__ import annotations
 

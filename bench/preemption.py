@@ -11,7 +11,7 @@ watches the run dir, the job's state and the metrics file every 20 ms and takes 
   committed  the preempted job's checkpoint is committed (a new step folder in the run dir)
   requeued   the job is back in the queue (PENDING, Restarts=1)
   released   Slurm's hold on a requeued job ends (BeginTime: Slurm holds it about 120 s; the bench
-             releases it 2 s after the requeue, as tests/test_slurm_failures.py does, and reports the hold apart)
+             releases it 2 s after the requeue, as tests/system/test_slurm_failures.py does, and reports the hold apart)
   running    the job runs again
   stepped    the resumed run writes its first metrics row
 

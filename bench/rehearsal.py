@@ -7,7 +7,7 @@ gres) and submits the job as `make submit NODES=8 MIN_NODES=6` does (trainer.sub
 the rendered batch script as it is: `--nodes=6-8`, which Slurm fills to 8 when they are free; the
 default config's tiny transformer, CPU and gloo, global batch 336, the one trainer.submit proposes
 so that 12, 14 and 16 ranks all divide it). It lets the job train a few steps, then submits an
-exclusive job to the `urgent` partition on 2 of its nodes, as tests/test_slurm_failures.py does: Slurm
+exclusive job to the `urgent` partition on 2 of its nodes, as tests/system/test_slurm_failures.py does: Slurm
 preempts the training job (SIGTERM, GraceTime 15 s, it saves at the step boundary, the requeue check
 requeues it). The requeued job is released from Slurm's ~120 s hold (`scontrol update jobid=J
 StartTime=now`, as the tests do; nothing else of the job is changed), starts again on the 6 nodes
