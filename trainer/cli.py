@@ -4,7 +4,7 @@
 
 Each command is typed two ways: `python -m <module>` from a checkout, and `fsdp-<name>` where the
 package is installed (pyproject.toml's [project.scripts], one entry per row of COMMANDS; the test
-tests/test_cli.py holds the two together). Every command's main(), and the helpers the commands run
+tests/unit/test_cli.py holds the two together). Every command's main(), and the helpers the commands run
 (HELPERS), build their parser with `parser()`, so that
 
 * `--help` names the command as the user typed it: `usage: fsdp-train ...` for the installed
@@ -16,7 +16,7 @@ tests/test_cli.py holds the two together). Every command's main(), and the helpe
 
 The Slurm requeue check (trainer/launchers/requeue.py) parses its command line here too, in the batch shell
 with the host's python3: this module runs on Python 3.6 and later with the standard library only
-(tests/test_requeue.py, HOST_MODULES).
+(tests/{unit,system}/test_requeue.py, HOST_MODULES).
 
 A new command: its module with a main(argv=None) -> int that builds its parser with
 `cli.parser("<name>", description)`, a row below, and `fsdp-<name> = "<module>:main"` in

@@ -846,7 +846,7 @@ def show(value: Any) -> str:
 
 def key_table() -> str:
     """docs/configuration.md's table of every key (between its `config keys` markers), from the fields' own
-    comments: tests/test_config_print.py keeps the two equal."""
+    comments: tests/unit/test_config_print.py keeps the two equal."""
     rows = ["| key | default | meaning |", "|---|---|---|"]
     rows += [f"| `{k}` | `{show(d)}` | {m.replace('|', '&#124;')} |" for k, _, d, m in keys(whole=True)]
     return "\n".join(rows) + "\n"

@@ -3,7 +3,7 @@
 torch may rename or drop a private name in any release. Nothing else in trainer/ names one: each use
 is a function here, listed in `PRIVATE` (a module's name), `AGENT` (a hook of torchrun's agent) or
 `ATTRIBUTES` (an attribute torch sets on its objects); `missing()` says which this torch lacks, and
-tests/test_torch_compat.py runs it in both test venvs (`make test`, `make test-compat`) and checks
+tests/unit/test_torch_compat.py runs it in both test venvs (`make test`, `make test-compat`) and checks
 that no other module of trainer/ reaches into torch's private names.
 
 Checked on: torch 2.11.0 (.venv-compat, the H100 machines) and 2.14.1 (.venv), 2026-11-26.
@@ -175,7 +175,7 @@ def agent_class() -> type:
     seam trainer/launchers/torchrun.py's agent is written against. As torchelastic's own subclasses do
     (LocalElasticAgent over SimpleElasticAgent), a subclass overrides a hook and calls super() for
     torch's behaviour; only its names differ, so that a torch that renames a hook breaks here, in one
-    class that tests/test_torch_compat.py checks, not in the launcher's logic.
+    class that tests/unit/test_torch_compat.py checks, not in the launcher's logic.
 
     A subclass overrides start_workers, stop_workers, monitor_workers, rendezvous (torch's
     _start_workers, ...); it reads and sets restarts_left (the restarts torchrun has left in this

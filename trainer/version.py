@@ -1,7 +1,7 @@
 """`--version` for every command: the installed trainer's version (trainer.__version__, the one source).
 
 trainer/cli.py adds it to every command's parser. Standard library only and Python 3.6 or later, as the
-host modules that use it (tests/test_requeue.py, HOST_MODULES): no `from __future__ import annotations`.
+host modules that use it (tests/{unit,system}/test_requeue.py, HOST_MODULES): no `from __future__ import annotations`.
 """
 
 import argparse

@@ -1,7 +1,7 @@
 """The documentation as the tests read it: README.md and the topic pages of docs/. A command block is
 found by its page and the heading it stands under, so that a test runs it as written wherever it moves
-(tests/test_walkthrough.py, tests/test_api.py), and a page's links and anchors are listed for
-tests/test_docs.py."""
+(tests/system/test_walkthrough.py, tests/{unit,system}/test_api.py), and a page's links and anchors are listed for
+tests/unit/test_docs.py."""
 
 from __future__ import annotations
 

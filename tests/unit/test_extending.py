@@ -8,6 +8,7 @@ is removed again (monkeypatch). Fast: one process, a process group of one."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import sys
 import types
@@ -51,7 +52,9 @@ def test_each_kind_of_addition_has_its_section_and_the_architecture_page_points_
         "Adding an optimizer",
         "Adding a failure detector",
     ):
-        assert "tests/test_" in section(PAGE, heading), heading  # each names the test that holds it
+        assert re.search(r"tests/(unit|system|{unit,system})/test_", section(PAGE, heading)), (
+            heading
+        )  # each names the test that holds it
     architecture = (ROOT / "docs/architecture.md").read_text()
     assert "(extending.md)" in architecture and "## Adding" not in architecture  # one place for each
 

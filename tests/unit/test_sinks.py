@@ -1,7 +1,7 @@
 """The trackers' sink interface (trainer/observe/trackers.py, issue #43): a new tracker is one Sink subclass and
 one row of SINKS; Trackers opens the configured ones in order, hands each the finite numbers of every
 row by step, keeps the run ids of those that continue their run, and closes each once. The real
-TensorBoard, W&B and MLflow runs are in tests/test_trackers.py (slow)."""
+TensorBoard, W&B and MLflow runs are in tests/system/test_trackers.py (slow)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ Llama-3.1-8B state in bench/scale.py). Here rank 0 indexes the metadata it read 
 the dimension its chunks are sorted by, the order, the longest chunk along it, the chunks' extent in
 every dimension; a few numbers per tensor where the chunks are in order already, as DCP saves
 them) and sends the index with the metadata; each rank's `Planner` then finds a local chunk's saved
-chunks by two binary searches. Its ReadItems are DCP's, in DCP's order (tests/test_load_plan.py
+chunks by two binary searches. Its ReadItems are DCP's, in DCP's order (tests/unit/test_load_plan.py
 compares them on random layouts): for each local chunk, by its start in DCP's sweep dimension, the
 saved chunks it overlaps, by their end in that dimension and their index. Everything else (bytes,
 plain tensors, keys the checkpoint lacks, checkpoints older than torch 2.4's keys) is DCP's own.

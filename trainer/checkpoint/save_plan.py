@@ -20,7 +20,7 @@ by every rank. So each rank plans here by itself, as DCP's coordinator would:
 Ranks agree on the layout before they plan this way, by one all-reduce of `Layout.digest` (the
 checkpointer's `_planner`); a state this module cannot describe (a ShardedTensor, a DTensor on a
 mesh that is not the whole group, a rank whose state has other keys) is planned by DCP's own
-planner. tests/test_save_plan.py compares the plans and the metadata with DCP's on random layouts:
+planner. tests/{unit,system}/test_save_plan.py compares the plans and the metadata with DCP's on random layouts:
 FSDP's uneven Shard(0), 2D (dp x tp, FSDP2's _StridedShard), hybrid sharding (replicated shards).
 """
 

@@ -237,7 +237,7 @@ def rendezvous_poll_s(nnodes: int) -> float:
     return min(1.0, max(0.2, 0.05 * nnodes))
 
 
-_rendezvous_poll = torch_compat.rendezvous_poll  # kept under its old name: tests/test_dist.py
+_rendezvous_poll = torch_compat.rendezvous_poll  # kept under its old name: tests/{unit,system}/test_dist.py
 
 
 def first_failure(failures: dict, ended: set[int] = frozenset()) -> tuple[int, object]:

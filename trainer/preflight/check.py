@@ -575,7 +575,7 @@ def check_gpu_memory(
     """Each rank, before anything is written: the estimate must fit its own GPU, `device` (ConfigError
     with what would make it fit). The ranks ask, not the launcher, because asking creates a CUDA
     context, and `make run`, compose and sbatch starts have no `make check` before them. The estimate
-    is within a few percent of measured CPU peaks and of four H100 peaks (tests/test_memory_calibration.py)."""
+    is within a few percent of measured CPU peaks and of four H100 peaks (tests/unit/test_memory_calibration.py)."""
     if device.type != "cuda":
         return
     import torch

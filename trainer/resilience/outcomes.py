@@ -8,7 +8,7 @@ row says so; under Slurm the requeue check (trainer/launchers/requeue.py) reads 
 requeues the job or not. Each of the three reads this table; none defines an exit code of its own.
 
 The requeue check runs on login nodes' and batch hosts' Python 3.6 with the standard library only:
-so does this module (tests/test_requeue.py, HOST_MODULES).
+so does this module (tests/{unit,system}/test_requeue.py, HOST_MODULES).
 """
 
 import collections
@@ -182,7 +182,7 @@ OUTCOMES = (
 )
 
 # The exceptions the trainer raises on purpose in a rank, (module, class name): their outcome in
-# `python -m trainer`. By name, as this module imports nothing that needs torch; tests/test_outcomes.py
+# `python -m trainer`. By name, as this module imports nothing that needs torch; tests/unit/test_outcomes.py
 # imports each. A peer that went away is a RuntimeError only torch's words tell (trainer.dist.peer_gone).
 RAISED = {
     ("trainer.config", "ConfigError"): BAD_INPUT,

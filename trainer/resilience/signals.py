@@ -25,7 +25,7 @@ TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 # and, under Slurm, the requeue check in the batch shell (it reads a few files, calls scontrol).
 EXIT_MARGIN_S = 20
 # Grace time when nobody says: `docker stop` / compose's stop_grace_period (compose.yaml uses this
-# value, tests/test_launch.py checks that it does), and Slurm's warning (make submit WARN=).
+# value, tests/system/test_launch.py checks that it does), and Slurm's warning (make submit WARN=).
 DEFAULT_GRACE_S = 120
 
 

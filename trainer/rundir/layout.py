@@ -20,7 +20,7 @@ The trainer (trainer/checkpoint/manager.py, trainer/train.py) and the Slurm requ
 (trainer/launchers/requeue.py) both read the layout from here. The requeue check runs in the batch shell
 on the host, often with the system's python3 and nothing else installed: this module runs on
 Python 3.6 and later (RHEL/Rocky 8 and SLES 15 ship 3.6) and imports nothing outside the standard
-library. tests/test_requeue.py checks both.
+library. tests/{unit,system}/test_requeue.py checks both.
 """
 
 import os
@@ -54,7 +54,7 @@ TENSORBOARD_DIR = "tensorboard"  # log.tensorboard's event files (trainer/observ
 WANDB_DIR = "wandb"  # log.wandb's files, written by wandb itself (trainer/observe/trackers.py)
 SLURM_DIR = "slurm"
 REQUEUE_FILE = os.path.join(SLURM_DIR, "requeue.json")
-# Every name the project writes or reads in a run dir, file or folder (tests/test_plant.py plants a
+# Every name the project writes or reads in a run dir, file or folder (tests/{unit,system}/test_plant.py plants a
 # link and a FIFO at each and checks nothing is written or read through it).
 WRITTEN_FILES = RUN_DIR_FILES + (SUPERSEDED_FILE, TRACKERS_FILE, REQUEUE_FILE, RUN_ID_FILE)
 WRITTEN_FOLDERS = (
