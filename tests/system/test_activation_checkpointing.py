@@ -1,8 +1,4 @@
-"""parallel.activation_checkpointing: none | full | selective (#44 item 2), in one process on the CPU.
-Selective by operator (torchtitan's policy) keeps the matmul and attention outputs, every other
-matmul's, and recomputes the rest; selective_ac=N checkpoints every Nth block in full. Each gives the
-same loss and gradients as no checkpointing, and the ops that run again in backward are counted
-(a dispatch mode around backward sees the recompute; what a block saved is returned without running)."""
+"""The system tier of tests/unit/test_activation_checkpointing.py, whose docstring says what both halves test."""
 
 import pytest
 import torch

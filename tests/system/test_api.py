@@ -1,6 +1,4 @@
-"""The Python API (trainer/api.py) as a user runs it: README's block as written, one-rank training
-that writes what `python -m trainer` writes, two calls in one process, the launcher's errors, and
-bad input named as the command line names it."""
+"""The system tier of tests/unit/test_api.py, whose docstring says what both halves test."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""Saves that do not grow with the job or stall it (trainer/checkpoint/manager.py): DCP's save-plan caching
-(a rank whose plan is unchanged sends none; rank 0 reuses its global plan) with the checksumming
-writer, the async saves, and a layout that changes in the same processes; the async save's
-process-based path where the installed torch has it."""
+"""The system tier of tests/unit/test_async_save.py, whose docstring says what both halves test."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""Bad input in the config's values (issue 15): the config file itself, numbers out of range, models
-and batches that cannot fit, YAML that exhausts the stack, overrides that failed in the ranks. Each case
-is refused with one line (`error: where: key: what; what to do`), exit code 2, and nothing written to
-the run dir. Most cases call the checks in this process (trainer.check's main, the same code the
-launcher and the ranks run); a few go through the real entry points in subprocesses. Files and folders
-a config names: tests/unit/test_bad_input_files.py; what the launcher and the ranks find:
-tests/system/test_bad_input_launch.py.
-"""
+"""The system tier of tests/unit/test_bad_input_config.py, whose docstring says what both halves test."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""The best checkpoint (issue 42 items 9, 3, 10): with evaluation on, the checkpoint of the lowest eval
-loss is saved at that evaluation and kept beside the newest ones (Lightning's ModelCheckpoint(
-monitor="val_loss", save_top_k=1)); the newest checkpoint names it; export, evaluate and generate
-take --best; trainer.metrics names it. A language model family of the user's own (tests/
-toy_lm_family.py) is sampled by trainer.generate; a NaN eval loss stops the run at once."""
+"""The system tier of tests/unit/test_best.py, whose docstring says what both halves test."""
 
 from __future__ import annotations
 

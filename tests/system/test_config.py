@@ -1,5 +1,4 @@
-"""Config parsing, and every kind of bad input: one line saying what, where and what to do, exit
-code 2, no traceback, nothing written."""
+"""The system tier of tests/unit/test_config.py, whose docstring says what both halves test."""
 
 import pytest
 import yaml

@@ -1,9 +1,4 @@
-"""Evaluation reads data that training never reads (issue #42 item 1). Without data.eval_path, a
-token file's evaluation read data.path from sample 0 (its first batch was the first training batch,
-element for element), a mixture's wrapped onto training samples and an image folder's was the
-training folder. Now data.eval_fraction holds a fixed part out: a token file's last sequences, every
-k-th image of a folder, the last sequences of each source of a mixture without its own eval_path;
-0.01 when a run that evaluates starts, recorded in its config.yaml so that every resume keeps it."""
+"""The system tier of tests/unit/test_data_holdout.py, whose docstring says what both halves test."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""The environment: ranks from torchrun, then Slurm, then one process; the device and backend
-follow the machine. GPUs cannot run here, so their presence is mocked and what the code would
-hand to torch.distributed is checked. How a rank that finished leaves is run for real."""
+"""The system tier of tests/unit/test_dist.py, whose docstring says what both halves test."""
 
 import re
 import subprocess

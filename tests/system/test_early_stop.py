@@ -1,5 +1,4 @@
-"""Early stopping on the eval loss (train.early_stop_patience): the stop, its record in the
-checkpoint, a resume that stops at the same step, a restart with nothing to do (trainer/early_stop.py)."""
+"""The system tier of tests/unit/test_early_stop.py, whose docstring says what both halves test."""
 
 from __future__ import annotations
 

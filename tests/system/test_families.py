@@ -1,5 +1,4 @@
-"""A model family is a spec (no torch), its network and one line in trainer.models.FAMILIES, and
-nothing outside trainer/models asks which family a run uses."""
+"""The system tier of tests/unit/test_families.py, whose docstring says what both halves test."""
 
 from __future__ import annotations
 

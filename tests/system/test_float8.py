@@ -1,15 +1,4 @@
-"""parallel.float8 (trainer/parallel/float8.py): torchao's float8 training, run on the CPU through its emulation
-(parallel.float8_emulate: the float8 casts and scales as on a GPU, the matmuls in high precision).
-
-What runs: 50 steps of the tiny transformer in bf16 and in float8 (tensorwise with FSDP's float8
-all-gather, and rowwise) on 2 gloo ranks; the float8 losses stay within FLOAT8_RTOL of bf16's. The
-tensorwise run's step-25 checkpoint resumed on 2 and on 3 ranks continues as the uninterrupted run;
-loaded with float8=none it continues too, and its export to Hugging Face holds the checkpoint's
-weights (float32, unchanged). A run stopped by a signal resumes on 3 ranks. A layer whose rows 3
-ranks do not share evenly trains too.
-The refusals: no GPU of compute capability 8.9+, no compile, a dimension not divisible by 16,
-no torchao, each one line before anything is written.
-"""
+"""The system tier of tests/unit/test_float8.py, whose docstring says what both halves test."""
 
 from __future__ import annotations
 

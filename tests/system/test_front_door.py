@@ -1,4 +1,4 @@
-"""Small front-door texts (#33 item 9): what a user reads must be right where they read it."""
+"""The system tier of tests/unit/test_front_door.py, whose docstring says what both halves test."""
 
 from __future__ import annotations
 

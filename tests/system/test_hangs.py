@@ -1,6 +1,4 @@
-"""Hangs and stragglers (trainer/resilience/hangs.py): the stacks of the ranks and the launcher's report when a
-rank stops answering (stopped with SIGSTOP, or asleep inside a step), and a rank that is slow on
-purpose named as a straggler."""
+"""The system tier of tests/unit/test_hangs.py, whose docstring says what both halves test."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""Hugging Face Llama folders both ways, checked against `transformers` itself: a tiny random Llama
-(GQA, tied and untied, Llama 3 RoPE scaling) gives the same logits in our model after
-`model.init_from`, and an export loads with `LlamaForCausalLM.from_pretrained` with the same logits."""
+"""The system tier of tests/unit/test_hf.py, whose docstring says what both halves test."""
 
 import json
 import os

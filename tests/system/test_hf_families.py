@@ -1,8 +1,4 @@
-"""The Llama-shaped Hugging Face architectures besides Llama, both ways, checked against `transformers`
-itself: a tiny random Mistral, Qwen2 (q/k/v biases) and Qwen3 (q/k norms, a head size of its own)
-gives the same logits in our transformer after `model.init_from`, and what we write back loads with
-`AutoModelForCausalLM.from_pretrained` as the same architecture with the same logits. Nothing is
-downloaded: every model is made here."""
+"""The system tier of tests/unit/test_hf_families.py, whose docstring says what both halves test."""
 
 import os
 

@@ -1,5 +1,4 @@
-"""One run per run dir (trainer/rundir/lease.py): who is judged alive, exactly one winner of a takeover,
-a run in another PID namespace refused, and a run that loses its lease stops at once."""
+"""The system tier of tests/unit/test_lease.py, whose docstring says what both halves test."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""python -m trainer.metrics: a summary per run and a plot of several runs."""
+"""The system tier of tests/unit/test_metrics_cli.py, whose docstring says what both halves test."""
 
 from __future__ import annotations
 

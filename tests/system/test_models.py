@@ -1,4 +1,4 @@
-"""Each model builds and takes a real optimizer step; the datasets read real files made here."""
+"""The system tier of tests/unit/test_models.py, whose docstring says what both halves test."""
 
 import struct
 

@@ -1,7 +1,4 @@
-"""The parallel plan (trainer.parallel.plan.Plan, issue #34 item 1): one object knows the strategy, the
-data-parallel rank and size, and what one rank holds. Its arithmetic is checked for a world of 4 in
-this one process (no process group: the mesh is made on first use only); one 2-process gloo run
-shows training through the plan equal to plain one-process training."""
+"""The system tier of tests/unit/test_plan.py, whose docstring says what both halves test."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Planning a run for a GPU cluster from a machine without one: make check with GPU_MEM_GB."""
+"""The system tier of tests/unit/test_planning.py, whose docstring says what both halves test."""
 
 from __future__ import annotations
 

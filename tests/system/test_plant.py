@@ -1,7 +1,4 @@
-"""A shared run dir is hostile ground (issue 32): at every name the project writes or reads there
-(trainer/rundir/layout.py's WRITTEN_FILES and WRITTEN_FOLDERS) a link to a secret file and, separately, a
-FIFO are planted. Nothing is written through the link, the secret is never copied, nothing hangs,
-and one line names the file. In this process, function by function; one real start at the end."""
+"""The system tier of tests/unit/test_plant.py, whose docstring says what both halves test."""
 
 import os
 import stat

@@ -1,5 +1,4 @@
-"""Issue #18: the memory preflight ("will it fit?") and checkpoint.interval=auto ("how often should it
-save?"). The GPU's memory is the one thing mocked: no GPU here."""
+"""The system tier of tests/unit/test_preflight.py, whose docstring says what both halves test."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""trainer.prepare with a real tokenizer trained here on the fly (nothing is downloaded): the token
-file holds each document's tokens and an end-of-document token, in order; the trainer learns from
-it; a sidecar that does not fit the model stops the start with one line."""
+"""The system tier of tests/unit/test_prepare.py, whose docstring says what both halves test."""
 
 import json
 

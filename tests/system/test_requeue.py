@@ -1,5 +1,4 @@
-"""The requeue check runs in the batch shell on the host: the system python3, standard library only,
-Python 3.6 or later. Run here with this machine's system Python and no site-packages at all."""
+"""The system tier of tests/unit/test_requeue.py, whose docstring says what both halves test."""
 
 from __future__ import annotations
 

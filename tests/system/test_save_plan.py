@@ -1,10 +1,4 @@
-"""trainer/checkpoint/save_plan.py plans every rank's save without a gather: each rank's final plan (items,
-their order and index hints) and the metadata (chunk lists in order, properties, planner_data)
-must be DCP's own global plan's, on random layouts: FSDP2's uneven Shard(0) with empty chunks, 2D
-(dp x tp, tp on dim 0 under FSDP2's _StridedShard and on dim 1), hybrid sharding (shards
-replicated over a replicate dimension), plain tensors and non-tensor values every rank holds.
-No processes: each rank's state is made of real DTensors on the meta device in a fake process
-group of that rank, and DCP's own local plans are made from them."""
+"""The system tier of tests/unit/test_save_plan.py, whose docstring says what both halves test."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The lr schedule across a resume that raises train.steps: said in one line, and keepable."""
+"""The system tier of tests/unit/test_schedule.py, whose docstring says what both halves test."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""Several token files mixed by weight (data.sources): the mixture's proportions, one global sample
-stream whatever the number of processes, exact resume on another number of processes, each source's
-epochs counted in rows and the live line, per-source evaluation rows, and a clear refusal for each
-bad config."""
+"""The system tier of tests/unit/test_sources.py, whose docstring says what both halves test."""
 
 import json
 import os

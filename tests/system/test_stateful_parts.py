@@ -1,7 +1,4 @@
-"""A checkpoint is a set of named Stateful parts (trainer/checkpoint/manager.py): a sharded part beyond the
-model and the optimizer (here EMA weights, sharded like FSDP2 shards the model) is saved through DCP
-and resharded at a load on another number of ranks; small parts stay in meta.json; a checkpoint
-saved before a part existed loads without it."""
+"""The system tier of tests/unit/test_stateful_parts.py, whose docstring says what both halves test."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""Tensor parallelism (parallel.tp, issue #37): the plan's refusals; on the CPU with gloo, tp=2 x dp=2
-trains as dp=4 does, its ranks of one tp group read the same samples, a kill -9 and resume at the
-same layout is bitwise, and its checkpoints load on other layouts (and export) with equal weights.
-
-One 4-rank tp=2 run (`tp_run`) is shared: its losses, its sample trace and its checkpoints."""
+"""The system tier of tests/unit/test_tp.py, whose docstring says what both halves test."""
 
 import os
 import signal

@@ -1,7 +1,4 @@
-"""Checkpoints from an untrusted place (issue 27): loading or listing one never runs code it carries,
-never writes or deletes through a symbolic link, and a damaged file of any kind makes the
-checkpoint unreadable, named, skipped for the next older one. Most of it in this process (one
-gloo process group of one); the payloads that ran on every rank before also through the trainer."""
+"""The system tier of tests/unit/test_trust.py, whose docstring says what both halves test."""
 
 import pytest
 

@@ -1,8 +1,4 @@
-"""A model family from the user's own package, without a fork: `model.family: my_pkg.family` names a
-module on the Python path that defines a FAMILY, and the run gets every feature a built-in family has
-(FSDP units, activation checkpointing, compile, the memory estimate, export). Importing it runs its
-code, so a config that names it must be the user's own: a run dir's config.yaml (or a checkpoint's
-meta.json) that someone else could have written is refused in one line, and nothing is imported."""
+"""The system tier of tests/unit/test_user_family.py, whose docstring says what both halves test."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""Wording that sent a pip user astray (issue #42 item 6): the installed commands' usage names the
-command typed, a sliding-window refusal blames the override that named the folder, an export to a
-folder not yet made makes it, and a family of one's own exported as --format hf is named as such."""
+"""The system tier of tests/unit/test_user_wording.py, whose docstring says what both halves test."""
 
 from __future__ import annotations
 
