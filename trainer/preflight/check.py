@@ -42,17 +42,9 @@ if TYPE_CHECKING:
     import torch
 
 
-def validate(
-    cfg: Config,
-    world_size: int,
-    where: str = "config",
-    overrides: list[str] = (),
-    ranks_per_node: int | None = None,
-    planning: bool = False,
-    node_size: int | None = None,
-) -> list[str]:
-    """checked()'s warnings, the resolved config left out."""
-    return checked(cfg, world_size, where, overrides, ranks_per_node, planning, node_size)[0]
+def validate(cfg: Config, world_size: int, *args, **kwargs) -> list[str]:
+    """checked()'s warnings (its arguments), the resolved config left out."""
+    return checked(cfg, world_size, *args, **kwargs)[0]
 
 
 def checked(
