@@ -13,6 +13,7 @@ the redone steps; metrics.jsonl and TensorBoard hold each step once.
 
 from __future__ import annotations
 
+import abc
 import importlib.util
 import logging
 import math
@@ -61,32 +62,31 @@ def tag(key: str) -> str:
     return f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"
 
 
-class Sink:
+class Sink(abc.ABC):
     """One tracker of a run, on rank 0: opened at the run's start, given each metrics row's numbers,
     closed at its end. A new tracker is a subclass and a row of SINKS (with its log.<name> switch in
     trainer/config.py's LogArgs); nothing else asks which trackers there are."""
 
-    package = (
-        ""  # the module it needs: log.<name>=true without it is bad input at the start (trainer/preflight/check.py)
-    )
+    # The module it needs: log.<name>=true without it is bad input at the start (trainer/preflight/check.py).
+    package = ""
     install = ""  # what to pip install for it, as the bad-input line says
     keeps_id = False  # its run continues after a restart: the run id is kept in <run_dir>/trackers.json
     run_id: str | None = None  # the tracker's own id of the run, where keeps_id
 
     @classmethod
+    @abc.abstractmethod
     def open(cls, run_dir: str, args, config: dict, resumed_step: int | None, run_id: str | None) -> Sink | None:
         """The sink of the run in `run_dir` (log.* `args`, the resolved `config` as a dict), resumed
         after `resumed_step` (None: a first start), continuing tracker run `run_id` where one is kept;
         None where it cannot start (it says why in a warning; metrics.jsonl has every row)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def log(self, step: int, values: dict[str, float]) -> None:
         """The finite numbers of one metrics row, by metrics.jsonl key (tag() names them)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def close(self, finished: bool) -> None:
         """The run's end: `finished` False where it stopped on a failure."""
-        raise NotImplementedError
 
 
 class TensorBoard(Sink):
