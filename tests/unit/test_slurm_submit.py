@@ -426,7 +426,8 @@ def _local_job(run_dir: Path) -> slurm.Job:
 
 @pytest.fixture
 def stub_sbatch(tmp_path, monkeypatch):
-    """An sbatch on PATH that records its arguments and standard input, and accepts the job as 42."""
+    """An sbatch on PATH that records its arguments and standard input, and accepts the job as 42 (and
+    an srun, for submitit's check that it is on a Slurm login node)."""
     record = tmp_path / "sbatch-calls"
     _stub(
         tmp_path / "sbatch-bin",
@@ -434,6 +435,8 @@ def stub_sbatch(tmp_path, monkeypatch):
         f"open({str(record)!r}, 'a').write(json.dumps([sys.argv[1:], sys.stdin.read()]) + '\\n')\n"
         "print('42' if '--parsable' in sys.argv else 'Submitted batch job 42')\n",
     )
+    # submitit asks for srun on PATH before it submits (a login node has one); a unit test never runs it
+    _stub(tmp_path / "sbatch-bin", "srun", "sys.exit('srun is not run by a unit test')\n")
     monkeypatch.setenv("PATH", f"{tmp_path / 'sbatch-bin'}:{os.environ['PATH']}")
     return record
 
