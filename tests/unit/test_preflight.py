@@ -21,6 +21,30 @@ def run_check(capsys, tmp_path, *argv, config=LLAMA_8B):
     return code, out, err
 
 
+def test_a_model_is_measured_once_per_process_for_the_same_keys(monkeypatch):
+    """measure() runs the model on the meta device once for the same family, model and parallel keys
+    and `gpu`; a changed key, the GPU's kernels, or another family under the same name measure again."""
+    import dataclasses
+
+    from trainer import models
+
+    measured = []
+    real = memory._measure
+    monkeypatch.setattr(memory, "_PROFILES", {})
+    monkeypatch.setattr(memory, "_measure", lambda *a: measured.append(a[1].model.seq_len) or real(*a))
+    cfg = load(None, ["model.size=tiny", "model.seq_len=32"])
+    first = memory.measure(cfg)
+    assert memory.measure(load(None, ["model.size=tiny", "model.seq_len=32"])) is first
+    assert measured == [32]
+    longer = memory.measure(load(None, ["model.size=tiny", "model.seq_len=64"]))
+    assert longer.activations > first.activations and measured == [32, 64]
+    assert memory.measure(cfg, gpu=True) is not first and len(measured) == 3
+    checkpointed = load(None, ["model.size=tiny", "model.seq_len=32", "parallel.activation_checkpointing=full"])
+    assert memory.measure(checkpointed) is not first and len(measured) == 4
+    monkeypatch.setitem(models.FAMILIES, cfg.model.name, dataclasses.replace(models.spec(cfg.model)))
+    assert memory.measure(cfg) == first and len(measured) == 5  # another family object: measured again
+
+
 def test_the_estimate_counts_each_part_by_strategy():
     cfg = load(None, ["model.seq_len=32"])
     pr = memory.measure(cfg)

@@ -183,16 +183,39 @@ class Estimate:
         return "\n".join(lines)
 
 
+# measure()'s profiles in this process, by what they depend on: a check measures the same model again
+# for each target and each change it offers, and each forward and backward on the meta device takes
+# seconds for an 8B model.
+_PROFILES: dict[tuple, tuple[object, Profile]] = {}
+_PROFILES_KEPT = 16
+
+
 def measure(cfg, gpu: bool = False) -> Profile:
     """Build the model on the meta device and count: its parameters and FSDP units, and the
     activation memory of one sample (`_activation_peak`), without and with activation checkpointing;
-    `gpu`: with the kernels a GPU runs (RMSNorm fused), else the CPU's."""
+    `gpu`: with the kernels a GPU runs (RMSNorm fused), else the CPU's. Measured once per process for
+    the same family, model keys, parallel keys and `gpu`."""
     from trainer import models
+
+    family = models.spec(cfg.model)
+    # The family by identity (a user's family may be replaced under the same name); the sections by
+    # their repr: every field, nested ones included, as they are now.
+    key = (id(family), repr(cfg.model), repr(cfg.parallel), gpu)
+    held = _PROFILES.get(key)
+    if held is not None and held[0] is family:
+        return held[1]
+    profile = _measure(family, cfg, gpu)
+    if len(_PROFILES) >= _PROFILES_KEPT:
+        _PROFILES.pop(next(iter(_PROFILES)))
+    _PROFILES[key] = (family, profile)
+    return profile
+
+
+def _measure(family, cfg, gpu: bool) -> Profile:
     from trainer.parallel import activation_checkpointing
     from trainer.parallel import fsdp as parallel_fsdp
     from trainer.parallel import plan as parallel
 
-    family = models.spec(cfg.model)
     with torch.device("meta"):
         model = family.build(cfg.model)
     batchnorm = parallel.has_batchnorm(model)

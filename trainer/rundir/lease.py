@@ -223,16 +223,15 @@ class Lease:
         """Whether this run still holds its lease, read now; if not, `lost` says what became of it."""
         if self.lost:
             return False
-        for _ in range(3):
+        for attempt in range(3):
             try:
                 raw = _read_raw(self.path)
                 break
-            except OSError as e:  # the filesystem is away for a moment: look again
-                error = e
+            except OSError as e:  # the filesystem is away for a moment: look again, but not at a planted file
+                if isinstance(e, files.UnsafeFile) or attempt == 2:
+                    self.lost = f": its lease file cannot be read ({e})"
+                    return False
                 time.sleep(1)
-        else:
-            self.lost = f": its lease file cannot be read ({error})"
-            return False
         owner = _parse(raw)
         if owner.get("token") == self.me["token"]:
             return True
