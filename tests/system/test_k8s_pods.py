@@ -5,13 +5,17 @@ containers: the image's two containers on a Docker engine are a later session's 
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 
 import pytest
+import yaml
 
 from tests.helpers.outputs import rows
+from tests.helpers.pages import block
 from tests.helpers.run import PYTHON, ROOT, TINY, env, wait_for
+from tests.unit.test_k8s import _kubectl, problems
 from trainer.dist import free_port
 from trainer.resilience import outcomes
 from trainer.rundir import layout
@@ -78,3 +82,26 @@ def test_two_pods_rendezvous_a_sigterm_to_one_saves_exits_143_and_the_set_starte
     assert [pod.returncode for pod in pods] == [0, 0], [err[-2000:] for _, err in ended]
     assert [r["step"] for r in rows(run_dir) if "loss" in r] == list(range(1, stopped + 4))
     assert layout.read_status(run_dir)["state"] == "finished"
+
+
+@pytest.mark.slow  # make submit-k8s twice, each a preflight of the default config (about 10 s each)
+def test_the_pages_commands_render_and_apply_as_written(tmp_path):
+    """docs/kubernetes.md's commands, the README's among them, run as written: the first prints a
+    TrainJob, the second hands a JobSet to kubectl (here one that records what it gets)."""
+    lines = block("docs/kubernetes.md", "Submitting").splitlines()
+    assert block("README.md", "Installing", index=3).splitlines() == lines[:1]
+    path = _kubectl(tmp_path / "bin")
+    done = [
+        subprocess.run(["bash", "-c", line], cwd=ROOT, env={**os.environ, "PATH": path}, capture_output=True, text=True)
+        for line in lines
+    ]
+    assert [d.returncode for d in done] == [0, 0], [d.stderr for d in done]
+    (trainjob,) = yaml.safe_load_all(done[0].stdout)
+    (jobset,) = yaml.safe_load_all((tmp_path / "bin" / "stdin").read_text())
+    assert (tmp_path / "bin" / "args").read_text() == "apply -f -\n"
+    assert problems(trainjob) == [] and problems(jobset) == []
+    assert (trainjob["kind"], trainjob["spec"]["trainer"]["numNodes"]) == ("TrainJob", 4)
+    assert trainjob["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    pod = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]
+    assert (jobset["kind"], pod["completions"]) == ("JobSet", 4)
+    assert pod["template"]["spec"]["containers"][0]["image"] == "registry.example.com/ml/fsdp-trainer:1.4.0"
