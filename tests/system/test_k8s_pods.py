@@ -84,10 +84,11 @@ def test_two_pods_rendezvous_a_sigterm_to_one_saves_exits_143_and_the_set_starte
     assert layout.read_status(run_dir)["state"] == "finished"
 
 
-@pytest.mark.slow  # make submit-k8s twice, each a preflight of the default config (about 10 s each)
+@pytest.mark.slow  # make submit-k8s four times, three a preflight of the default config (about 25 s)
 def test_the_pages_commands_render_and_apply_as_written(tmp_path):
     """docs/kubernetes.md's commands, the README's among them, run as written: the first prints a
-    TrainJob, the second hands a JobSet to kubectl (here one that records what it gets)."""
+    TrainJob, the second hands a JobSet to kubectl (here one that records what it gets); then the
+    runtime for TrainJobs is applied and a TrainJob names it."""
     lines = block("docs/kubernetes.md", "Submitting").splitlines()
     assert block("README.md", "Installing", index=3).splitlines() == lines[:1]
     path = _kubectl(tmp_path / "bin")
@@ -105,3 +106,15 @@ def test_the_pages_commands_render_and_apply_as_written(tmp_path):
     pod = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]
     assert (jobset["kind"], pod["completions"]) == ("JobSet", 4)
     assert pod["template"]["spec"]["containers"][0]["image"] == "registry.example.com/ml/fsdp-trainer:1.4.0"
+    # The runtime for TrainJobs, applied once, and a TrainJob that names it.
+    lines = block("docs/kubernetes.md", "Stops, preemption and restarts").splitlines()
+    done = [
+        subprocess.run(["bash", "-c", line], cwd=ROOT, env={**os.environ, "PATH": path}, capture_output=True, text=True)
+        for line in lines
+    ]
+    assert [d.returncode for d in done] == [0, 0], [d.stderr for d in done]
+    (runtime,) = yaml.safe_load_all((tmp_path / "bin" / "stdin").read_text())
+    (trainjob,) = yaml.safe_load_all(done[1].stdout)
+    assert problems(runtime) == [] and problems(trainjob) == []
+    assert runtime["metadata"]["name"] == trainjob["spec"]["runtimeRef"]["name"] == "fsdp-trainer"
+    assert runtime["spec"]["template"]["spec"]["failurePolicy"] == jobset["spec"]["failurePolicy"]

@@ -31,6 +31,7 @@ SCHEMA_OF = {
     ("trainer.kubeflow.org/v1alpha1", "TrainJob"): "trainjob-v1alpha1.json",
     ("jobset.x-k8s.io/v1alpha2", "JobSet"): "jobset-v1alpha2.json",
     ("scheduling.volcano.sh/v1beta1", "PodGroup"): "podgroup-v1beta1.json",
+    ("trainer.kubeflow.org/v1alpha1", "ClusterTrainingRuntime"): "clustertrainingruntime-v1alpha1.json",
 }
 IMAGE = "registry.example.com/ml/fsdp-trainer:1.4.0"
 
@@ -106,6 +107,38 @@ def test_rendered_manifest_matches_golden_and_its_crd_schema(name, job):
     assert [d["kind"] for d in docs] == (
         ["JobSet", "PodGroup"] if job.kind == k8s.KIND_JOBSET and job.gang == "volcano" else [docs[0]["kind"]]
     )
+
+
+def test_the_runtime_for_trainjobs_restarts_them_as_the_jobset_does_and_matches_golden_and_its_schema():
+    """KIND=runtime: the ClusterTrainingRuntime whose JobSet template carries the failure policy a TrainJob
+    cannot set; its policies are the JobSet's own (render_jobset), its names those Kubeflow's torch plugin
+    looks for (the replicated job and container "node", the trainer ancestor label)."""
+    text = k8s.render_runtime("fsdp-trainer", IMAGE, 5)
+    if os.environ.get("UPDATE_GOLDEN"):
+        (GOLDEN / "clustertrainingruntime.yaml").write_text(text)
+    assert text == (GOLDEN / "clustertrainingruntime.yaml").read_text()
+    (runtime,) = yaml.safe_load_all(text)
+    assert problems(runtime) == []
+    (jobset,) = yaml.safe_load_all(k8s.render(_job(kind=k8s.KIND_JOBSET)))
+    assert runtime["spec"]["template"]["spec"]["failurePolicy"] == jobset["spec"]["failurePolicy"]
+    (rjob,) = runtime["spec"]["template"]["spec"]["replicatedJobs"]
+    policy = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["podFailurePolicy"]
+    assert (rjob["name"], rjob["template"]["spec"]["podFailurePolicy"]) == ("node", policy)
+    assert rjob["template"]["metadata"]["labels"] == {"trainer.kubeflow.org/trainjob-ancestor-step": "trainer"}
+    assert runtime["spec"]["mlPolicy"] == {"numNodes": 1, "torch": {}}
+
+
+def test_make_submit_k8s_kind_runtime_takes_a_name_an_image_and_max_restarts_only(tmp_path, capsys):
+    out = tmp_path / "runtime.yaml"
+    argv = ["--kind", "runtime", "--image", IMAGE, "--max-restarts", "5", "--out", str(out)]
+    assert k8s.main(argv) == 0
+    assert out.read_text() == (GOLDEN / "clustertrainingruntime.yaml").read_text()
+    out.unlink()
+    assert k8s.main([*argv, "--namespace", "ml"]) == outcomes.BAD_INPUT.code
+    assert capsys.readouterr().err.endswith(
+        "submit-k8s: error: NAMESPACE=ml: a ClusterTrainingRuntime belongs to no namespace; leave it out\n"
+    )
+    assert not out.exists()
 
 
 def test_the_schema_check_finds_a_misspelt_field_a_wrong_type_and_a_value_out_of_its_enum():
@@ -353,7 +386,7 @@ def test_submit_renders_what_the_preflight_checked_and_writes_it(tmp_path, capsy
         ({"pvc": "shared_runs"}, "PVC='shared_runs': not a DNS-1123 label of at most 63 characters"),
         ({"pvc": ""}, "PVC is empty: give the ReadWriteMany PersistentVolumeClaim that holds the run dirs"),
         ({"name": "a" * 56}, f"NAME='{'a' * 56}': not a DNS-1123 label of at most 54 characters"),
-        ({"kind": "pytorchjob"}, "KIND='pytorchjob': give trainjob (Kubeflow Trainer v2) or jobset (a plain JobSet)"),
+        ({"kind": "pytorchjob"}, "KIND='pytorchjob': give trainjob (Kubeflow Trainer v2), jobset (a plain JobSet) or "),
         ({"run_dir": "/data/x"}, "RUN_DIR=/data/x: the run dir must be a folder under /runs/, where every pod"),
         ({"run_dir": "/runs/../etc"}, "RUN_DIR=/runs/../etc: the run dir must be a folder under /runs/"),
         ({"grace_seconds": "10"}, "GRACE='10': expected a whole number >= 21"),

@@ -59,7 +59,8 @@ CONTAINER = "node"  # the training container's name, and its replicated job's: K
 MOUNT = "/runs"  # where the PersistentVolumeClaim holding the run dirs is mounted in every pod
 VOLUME = "runs"
 SHM_VOLUME = "dshm"  # /dev/shm in memory: NCCL and the data loaders need more than a container's 64 MB
-KIND_TRAINJOB, KIND_JOBSET = "trainjob", "jobset"
+KIND_TRAINJOB, KIND_JOBSET, KIND_RUNTIME = "trainjob", "jobset", "runtime"
+RUNTIME_NAME = "fsdp-trainer"  # the ClusterTrainingRuntime KIND=runtime renders, unless NAME= says otherwise
 TRAINJOB_API = "trainer.kubeflow.org/v1alpha1"
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 PODGROUP_API = "scheduling.volcano.sh/v1beta1"
@@ -175,7 +176,10 @@ def parse_job(args: argparse.Namespace) -> tuple[Job, Path]:
     gpus = _number("GPUS_PER_NODE", args.gpus_per_node, 0)
     kind = args.kind
     if kind not in (KIND_TRAINJOB, KIND_JOBSET):
-        raise K8sError(f"KIND={kind!r}: give {KIND_TRAINJOB} (Kubeflow Trainer v2) or {KIND_JOBSET} (a plain JobSet)")
+        raise K8sError(
+            f"KIND={kind!r}: give {KIND_TRAINJOB} (Kubeflow Trainer v2), {KIND_JOBSET} (a plain JobSet) or "
+            f"{KIND_RUNTIME} (a ClusterTrainingRuntime for the TrainJobs)"
+        )
     if not args.image:
         raise K8sError("IMAGE is empty: give the image every pod runs, as the cluster pulls it (REGISTRY/NAME:TAG)")
     if not IMAGE_REF.fullmatch(args.image):
@@ -355,6 +359,19 @@ def render_trainjob(job: Job) -> list[dict]:
     ]
 
 
+def _pod_failure_policy() -> dict:
+    """The Job's: a pod that exits with a code of fail_job_codes() fails its Job at once (FailJob)."""
+    on_codes = {"containerName": CONTAINER, "operator": "In", "values": fail_job_codes()}
+    return {"rules": [{"action": "FailJob", "onExitCodes": on_codes}]}
+
+
+def _failure_policy(max_restarts: int) -> dict:
+    """The JobSet's: a Job failed by _pod_failure_policy fails the set; any other failure recreates every
+    pod (RestartJobSet, the default), at most `max_restarts` times."""
+    rule = {"name": "notRestartable", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]}
+    return {"maxRestarts": max_restarts, "rules": [rule]}
+
+
 def render_jobset(job: Job) -> list[dict]:
     """A JobSet of one Indexed Job of job.nodes pods (the Job's completion index is the node rank), its
     headless service naming pod 0; a failed pod fails its Job (backoffLimit 0), and the JobSet recreates
@@ -392,21 +409,11 @@ def render_jobset(job: Job) -> list[dict]:
         "completions": job.nodes,
         "parallelism": job.nodes,
         "backoffLimit": 0,
-        "podFailurePolicy": {
-            "rules": [
-                {
-                    "action": "FailJob",
-                    "onExitCodes": {"containerName": CONTAINER, "operator": "In", "values": fail_job_codes()},
-                }
-            ]
-        },
+        "podFailurePolicy": _pod_failure_policy(),
         "template": pod,
     }
     spec = {
-        "failurePolicy": {
-            "maxRestarts": job.max_restarts,
-            "rules": [{"name": "notRestartable", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]}],
-        },
+        "failurePolicy": _failure_policy(job.max_restarts),
         "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
         "replicatedJobs": [{"name": CONTAINER, "replicas": 1, "template": {"spec": job_spec}}],
     }
@@ -438,7 +445,12 @@ def _parser() -> argparse.ArgumentParser:
     p = cli.parser("submit-k8s", "Render, and apply, a Kubernetes TrainJob or JobSet that trains from the image.")
     p.add_argument("--nodes", default="1", help="pods, one per node")
     p.add_argument("--gpus-per-node", default="8", help="nvidia.com/gpu of each pod; 0: one CPU process per pod")
-    p.add_argument("--kind", default=KIND_TRAINJOB, help=f"{KIND_TRAINJOB} (Kubeflow Trainer v2) or {KIND_JOBSET}")
+    p.add_argument(
+        "--kind",
+        default=KIND_TRAINJOB,
+        help=f"{KIND_TRAINJOB} (Kubeflow Trainer v2), {KIND_JOBSET}, or {KIND_RUNTIME}: a ClusterTrainingRuntime "
+        f"for the TrainJobs (--name, --image, --max-restarts only)",
+    )
     p.add_argument("--image", default="", help="the image every pod runs (make image; pushed where the cluster pulls)")
     p.add_argument("--pvc", default="", help=f"ReadWriteMany PersistentVolumeClaim of the run dirs, mounted at {MOUNT}")
     p.add_argument("--name", default="", help="the job's name (DNS-1123 label); empty: train-<config>")
@@ -457,26 +469,79 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+NO_KUBECTL = "APPLY=1 but kubectl is not on PATH: install it, or leave APPLY out and apply OUT= by hand"
+
+
+def parse_runtime(args: argparse.Namespace) -> tuple[str, str, int]:
+    """(name, image, maxRestarts) of KIND=runtime's ClusterTrainingRuntime, checked (K8sError)."""
+    if args.namespace:
+        raise K8sError(f"NAMESPACE={args.namespace}: a ClusterTrainingRuntime belongs to no namespace; leave it out")
+    if not args.image or not IMAGE_REF.fullmatch(args.image):
+        raise K8sError(f"IMAGE={args.image!r}: not an image reference (REGISTRY/NAME:TAG or NAME@sha256:DIGEST)")
+    name = _label("NAME", args.name) if args.name else RUNTIME_NAME
+    return name, args.image, _number("MAX_RESTARTS", args.max_restarts, 0)
+
+
+def render_runtime(name: str, image: str, max_restarts: int) -> str:
+    """A ClusterTrainingRuntime for this trainer's TrainJobs (RUNTIME=name), applied once by the cluster's
+    admins: Kubeflow Trainer's torch runtime (PET_*) with the failure policy render_jobset gives a JobSet,
+    which a TrainJob cannot set itself. Its image and command are the defaults each TrainJob replaces."""
+    pod = {
+        "restartPolicy": "Never",
+        "containers": [
+            {"name": CONTAINER, "image": image, "command": ENTRYPOINT, "args": ["python3", "-m", "trainer.launch"]}
+        ],
+    }
+    job_spec = {"backoffLimit": 0, "podFailurePolicy": _pod_failure_policy(), "template": {"spec": pod}}
+    replicated = {
+        "name": CONTAINER,
+        "template": {
+            "metadata": {"labels": {"trainer.kubeflow.org/trainjob-ancestor-step": "trainer"}},
+            "spec": job_spec,
+        },
+    }
+    doc = {
+        "apiVersion": TRAINJOB_API,
+        "kind": "ClusterTrainingRuntime",
+        "metadata": {
+            "name": name,
+            "labels": {"trainer.kubeflow.org/framework": "torch", "app.kubernetes.io/name": "fsdp-trainer"},
+        },
+        "spec": {
+            "mlPolicy": {"numNodes": 1, "torch": {}},
+            "template": {"spec": {"failurePolicy": _failure_policy(max_restarts), "replicatedJobs": [replicated]}},
+        },
+    }
+    head = (
+        f"# ClusterTrainingRuntime {name}: whole-set restarts (at most {max_restarts}) that resume from the newest\n"
+        f"# checkpoint, for TrainJobs of make submit-k8s RUNTIME={name}; rendered by trainer/launchers/k8s.py.\n"
+    )
+    return head + yaml.safe_dump(doc, sort_keys=False, default_flow_style=False, width=1000)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    notes = []
     try:
-        job, config = parse_job(args)
         kubectl = shutil.which("kubectl") if args.apply else None
         if args.apply and kubectl is None:
-            raise K8sError("APPLY=1 but kubectl is not on PATH: install it, or leave APPLY out and apply OUT= by hand")
-        check(job, config, args.gpu_mem_gb)
-        text = render(job)
+            raise K8sError(NO_KUBECTL)
+        if args.kind == KIND_RUNTIME:
+            text = render_runtime(*parse_runtime(args))
+        else:
+            job, config = parse_job(args)
+            check(job, config, args.gpu_mem_gb)
+            text, notes = render(job), job.notes
+            if job.kind == KIND_TRAINJOB:
+                notes.append(
+                    f"restarts of the whole set are ClusterTrainingRuntime {job.runtime}'s (its JobSet failurePolicy); "
+                    f"KIND=runtime renders one that restarts it and resumes (RUNTIME={RUNTIME_NAME})"
+                )
     except K8sError as e:
         print(f"submit-k8s: error: {e}", file=sys.stderr)
         return outcomes.BAD_INPUT.code
-    for line in job.notes:
+    for line in notes:
         print(f"submit-k8s: {line}", file=sys.stderr)
-    if job.kind == KIND_TRAINJOB:
-        print(
-            f"submit-k8s: restarts of the whole set are ClusterTrainingRuntime {job.runtime}'s (its JobSet "
-            f"failurePolicy); see docs/kubernetes.md",
-            file=sys.stderr,
-        )
     if args.out:
         files.write_text(Path(args.out), text)
         print(f"submit-k8s: wrote {args.out}", file=sys.stderr)
