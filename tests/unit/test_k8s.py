@@ -392,6 +392,12 @@ def test_submit_renders_what_the_preflight_checked_and_writes_it(tmp_path, capsy
         ({"grace_seconds": "10"}, "GRACE='10': expected a whole number >= 21"),
         ({"queue": "Team A"}, "QUEUE='Team A': not a DNS-1123 label"),
         ({"gang": "slurm"}, "GANG='slurm': give kueue or volcano"),
+        ({"out": "/no/such/folder/job.yaml"}, "OUT=/no/such/folder/job.yaml: no folder /no/such/folder to write it in"),
+        (
+            {"gpus_per_node": "1", "gpu_mem_gb": "eighty"},
+            "GPU_MEM_GB='eighty': give the memory of one GPU in GB, e.g. 80",
+        ),
+        ({"gpus_per_node": "1", "gpu_mem_gb": "0.001"}, "memory: one GPU needs about "),
     ],
 )
 def test_bad_input_is_one_line_and_nothing_is_written(tmp_path, capsys, options, line):

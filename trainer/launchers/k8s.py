@@ -526,6 +526,8 @@ def main(argv: list[str] | None = None) -> int:
         kubectl = shutil.which("kubectl") if args.apply else None
         if args.apply and kubectl is None:
             raise K8sError(NO_KUBECTL)
+        if args.out and not Path(args.out).parent.is_dir():
+            raise K8sError(f"OUT={args.out}: no folder {Path(args.out).parent} to write it in")
         if args.kind == KIND_RUNTIME:
             text = render_runtime(*parse_runtime(args))
         else:
@@ -543,7 +545,11 @@ def main(argv: list[str] | None = None) -> int:
     for line in notes:
         print(f"submit-k8s: {line}", file=sys.stderr)
     if args.out:
-        files.write_text(Path(args.out), text)
+        try:
+            files.write_text(Path(args.out), text)
+        except OSError as e:  # a folder there, no permission: nothing was written (files.write_bytes)
+            print(f"submit-k8s: error: OUT={args.out}: {e.strerror or e}", file=sys.stderr)
+            return outcomes.BAD_INPUT.code
         print(f"submit-k8s: wrote {args.out}", file=sys.stderr)
     elif not args.apply:
         print(text, end="")
