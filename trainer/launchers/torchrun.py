@@ -302,7 +302,9 @@ def lost_nodes_line(lost: list[str], nnodes: int, run_dir: str) -> str:
     what = f"node {names} stopped answering" if len(lost) == 1 else f"nodes {names} stopped answering"
     resume = _resume_point(run_dir)
     asked = os.environ.get(NODES_ENV, "")  # the job's --nodes (the batch script, the submitit task)
-    if not os.environ.get("SLURM_JOB_ID"):
+    if under_operator(os.environ):
+        after = f"this pod fails and the JobSet starts every pod again (its failurePolicy); they resume from {resume}"
+    elif not os.environ.get("SLURM_JOB_ID"):
         after = f"this launch ends; start it again on the nodes left and it resumes from {resume}"
     elif "-" in asked and nnodes - len(lost) >= int(asked.split("-")[0]):
         after = f"the job ends, Slurm requeues it on the nodes left (--nodes={asked}) and it resumes from {resume}"
@@ -568,6 +570,11 @@ def _whole(environ, name: str, minimum: int) -> int:
     if not text.isdigit() or int(text) < minimum:
         raise OperatorEnvError(f"{name}={text!r}: expected a whole number >= {minimum} (set by the job's operator)")
     return int(text)
+
+
+def under_operator(environ) -> bool:
+    """Whether this is a pod of a Kubernetes job whose operator set its rendezvous (Kubeflow Trainer, a JobSet)."""
+    return any(name in environ for name in KUBEFLOW_ENV) or all(name in environ for name in JOBSET_ENV)
 
 
 def operator_rendezvous(environ, nnodes: int | None) -> Rendezvous | None:
