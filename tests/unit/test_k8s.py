@@ -186,6 +186,23 @@ def test_the_image_entrypoint_and_configs_are_the_dockerfiles():
     assert f"cp -r /src/configs {k8s.IMAGE_CONFIGS}" in dockerfile
 
 
+def test_the_grace_period_follows_the_last_measured_save_and_a_grace_too_short_for_it_is_refused(tmp_path):
+    """A run dir whose last blocking save took 250 s (status.json's save_s): 250 + 60 + 20 s; GRACE=200
+    leaves the ranks 180 s, less than that save."""
+    layout.write_status(tmp_path, state="stopped", step=40, save_s=250.0)
+    config = ROOT / "configs" / "default.yaml"
+    job = _job(nodes=2, gpus_per_node=0, run_dir=str(tmp_path), overrides=TINY, grace_seconds=0)
+    k8s.check(job, config)
+    assert job.grace_seconds == 250 + k8s.STEP_MARGIN_S + signals.EXIT_MARGIN_S
+    assert job.notes[-1].endswith(f"one save: about 250.0 s (measured by the last save in {tmp_path})")
+    with pytest.raises(k8s.K8sError) as e:
+        k8s.check(_job(nodes=2, gpus_per_node=0, run_dir=str(tmp_path), overrides=TINY, grace_seconds=200), config)
+    assert str(e.value) == (
+        f"GRACE=200 leaves the ranks 180 s to save after a SIGTERM, but one save takes about 250 s (measured by the "
+        f"last save in {tmp_path}); use GRACE=330 or more, or leave it empty"
+    )
+
+
 def test_grace_period_covers_a_save_the_step_in_progress_and_the_launchers_exit():
     assert k8s.grace_for(0.0) == signals.DEFAULT_GRACE_S
     assert k8s.grace_for(300.2) == 301 + k8s.STEP_MARGIN_S + signals.EXIT_MARGIN_S
