@@ -402,7 +402,7 @@ def test_submit_renders_what_the_preflight_checked_and_writes_it(tmp_path, capsy
         ({"image": "Registry/Trainer"}, "IMAGE='Registry/Trainer': not an image reference (REGISTRY/NAME:TAG or "),
         ({"pvc": "shared_runs"}, "PVC='shared_runs': not a DNS-1123 label of at most 63 characters"),
         ({"pvc": ""}, "PVC is empty: give the ReadWriteMany PersistentVolumeClaim that holds the run dirs"),
-        ({"name": "a" * 56}, f"NAME='{'a' * 56}': not a DNS-1123 label of at most 54 characters"),
+        ({"name": "a" * 56}, f"JOB_NAME='{'a' * 56}': not a DNS-1123 label of at most 54 characters"),
         ({"kind": "pytorchjob"}, "KIND='pytorchjob': give trainjob (Kubeflow Trainer v2), jobset (a plain JobSet) or "),
         ({"run_dir": "/data/x"}, "RUN_DIR=/data/x: the run dir must be a folder under /runs/, where every pod"),
         ({"run_dir": "/runs/../etc"}, "RUN_DIR=/runs/../etc: the run dir must be a folder under /runs/"),

@@ -60,7 +60,7 @@ MOUNT = "/runs"  # where the PersistentVolumeClaim holding the run dirs is mount
 VOLUME = "runs"
 SHM_VOLUME = "dshm"  # /dev/shm in memory: NCCL and the data loaders need more than a container's 64 MB
 KIND_TRAINJOB, KIND_JOBSET, KIND_RUNTIME = "trainjob", "jobset", "runtime"
-RUNTIME_NAME = "fsdp-trainer"  # the ClusterTrainingRuntime KIND=runtime renders, unless NAME= says otherwise
+RUNTIME_NAME = "fsdp-trainer"  # the ClusterTrainingRuntime KIND=runtime renders, unless JOB_NAME= says otherwise
 TRAINJOB_API = "trainer.kubeflow.org/v1alpha1"
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 PODGROUP_API = "scheduling.volcano.sh/v1beta1"
@@ -197,7 +197,7 @@ def parse_job(args: argparse.Namespace) -> tuple[Job, Path]:
     if not config.is_file():
         raise K8sError(f"CONFIG={args.config}: no such file")
     in_image = pod_config(config)
-    name = _label("NAME", args.name, longest_name(nodes)) if args.name else default_name(config, nodes)
+    name = _label("JOB_NAME", args.name, longest_name(nodes)) if args.name else default_name(config, nodes)
     overrides, run_dirs = [], [args.run_dir] if args.run_dir else []
     for item in args.overrides:
         key, sep, value = item.partition("=")
@@ -478,7 +478,7 @@ def parse_runtime(args: argparse.Namespace) -> tuple[str, str, int]:
         raise K8sError(f"NAMESPACE={args.namespace}: a ClusterTrainingRuntime belongs to no namespace; leave it out")
     if not args.image or not IMAGE_REF.fullmatch(args.image):
         raise K8sError(f"IMAGE={args.image!r}: not an image reference (REGISTRY/NAME:TAG or NAME@sha256:DIGEST)")
-    name = _label("NAME", args.name) if args.name else RUNTIME_NAME
+    name = _label("JOB_NAME", args.name) if args.name else RUNTIME_NAME
     return name, args.image, _number("MAX_RESTARTS", args.max_restarts, 0)
 
 
