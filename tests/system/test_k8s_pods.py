@@ -50,7 +50,7 @@ def _pods(run_dir, steps: int) -> list[subprocess.Popen]:
     return pods
 
 
-@pytest.mark.slow  # two launchers with a rank each, twice (about 40 s on 2 cores)
+@pytest.mark.slow  # two launchers with a rank each, twice (30 to 44 s on 2 cores, 2026-11-29)
 def test_two_pods_rendezvous_a_sigterm_to_one_saves_exits_143_and_the_set_started_again_resumes(tmp_path):
     run_dir = tmp_path / "run"
     pods = _pods(run_dir, 100000)
@@ -84,7 +84,7 @@ def test_two_pods_rendezvous_a_sigterm_to_one_saves_exits_143_and_the_set_starte
     assert layout.read_status(run_dir)["state"] == "finished"
 
 
-@pytest.mark.slow  # make submit-k8s four times, three a preflight of the default config (about 25 s)
+@pytest.mark.slow  # make submit-k8s four times, three a preflight of the default config (15 to 36 s)
 def test_the_pages_commands_render_and_apply_as_written(tmp_path):
     """docs/kubernetes.md's commands, the README's among them, run as written: the first prints a
     TrainJob, the second hands a JobSet to kubectl (here one that records what it gets); then the
