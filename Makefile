@@ -39,11 +39,26 @@ NET_IF        ?=
 WARN          ?= 120
 LAUNCHER      ?= sbatch
 DRY_RUN       ?=
+# Kubernetes (make submit-k8s; docs/kubernetes.md): NODES, GPUS_PER_NODE (empty: 8), IMAGE, CONFIG, RUN_DIR (in
+# the pods, under /runs: empty, /runs/JOB_NAME) and GPU_MEM_GB as above; PVC: the ReadWriteMany claim of the run
+# dirs; QUEUE: a Kueue LocalQueue (GANG=volcano: a Volcano queue); OUT: the manifest's file (empty: stdout);
+# APPLY=1: kubectl apply -f it.
+KIND          ?= trainjob
+PVC           ?=
+JOB_NAME      ?=
+NAMESPACE     ?=
+QUEUE         ?=
+GANG          ?= kueue
+RUNTIME       ?= torch-distributed
+GRACE         ?=
+MAX_RESTARTS  ?= 5
+OUT           ?=
+APPLY         ?=
 # Memory of one GPU in GB for the memory preflight (make check, make submit); empty: the local GPUs
 # (check), the partition's GPU type from gres (submit).
 GPU_MEM_GB    ?=
 
-.PHONY: help venv venv-test config run check evaluate plot test test-fast test-compat test-gpu gpu-check lint format bench image up docker-engine submit slurm-up slurm-down clean
+.PHONY: help venv venv-test config run check evaluate plot test test-fast test-compat test-gpu gpu-check lint format bench image up docker-engine submit submit-k8s slurm-up slurm-down clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^[^:]*:([a-z-]+):.*## /\1\t/; s/^([a-z-]+):.*## /\1\t/'
@@ -164,6 +179,12 @@ submit: venv ## submit to Slurm: NODES=4 [MIN_NODES=3 GPU_MEM_GB= GPUS_PER_NODE=
 	    --container "$(CONTAINER)" --net-if "$(NET_IF)" --warn-seconds "$(WARN)" --launcher "$(LAUNCHER)" \
 	    --gpu-mem-gb "$(GPU_MEM_GB)" \
 	    $(if $(filter 1,$(DRY_RUN)),--dry-run) -- $(ARGS)
+
+submit-k8s: venv ## a Kubernetes job from the image: NODES=4 PVC=claim IMAGE=reg/img:tag [KIND=trainjob|jobset|runtime GPUS_PER_NODE=8 QUEUE= GANG=kueue|volcano JOB_NAME= NAMESPACE= RUN_DIR=/runs/x RUNTIME= GRACE= MAX_RESTARTS= GPU_MEM_GB= OUT=file APPLY=1 CONFIG= ARGS=]
+	@$(PY) -m trainer.launchers.k8s --nodes "$(NODES)" --gpus-per-node "$(or $(GPUS_PER_NODE),8)" --kind "$(KIND)" \
+	    --image "$(IMAGE)" --pvc "$(PVC)" --name "$(JOB_NAME)" --namespace "$(NAMESPACE)" --config "$(CONFIG)" \
+	    --run-dir "$(RUN_DIR)" --queue "$(QUEUE)" --gang "$(GANG)" --runtime "$(RUNTIME)" --grace-seconds "$(GRACE)" \
+	    --max-restarts "$(MAX_RESTARTS)" --gpu-mem-gb "$(GPU_MEM_GB)" --out "$(OUT)" $(if $(filter 1,$(APPLY)),--apply) -- $(ARGS)
 
 # NODES for slurm-up only when given (make slurm-up NODES=8): its default is 4 nodes, not submit's 1.
 slurm-up: ## start the local Slurm cluster, 4 nodes (NODES=8: 8; again without NODES: back to 4) for jobs and tests (root)

@@ -37,6 +37,10 @@ COMMANDS = {
     "check": ("trainer.check", "check a config against itself and this machine before anything starts"),
     "config": ("trainer.config", "print every key of a config: its value, its default and its meaning"),
     "submit": ("trainer.submit", "submit training to Slurm (sbatch or submitit) from a login node"),
+    "submit-k8s": (
+        "trainer.launchers.k8s",
+        "a Kubernetes TrainJob or JobSet training from the image: rendered, applied",
+    ),
     "evaluate": ("trainer.evaluate", "evaluate a checkpoint: one eval row in the run's metrics.jsonl"),
     "export": ("trainer.export", "a checkpoint's weights as one .pt or .safetensors file, or a Hugging Face folder"),
     "generate": ("trainer.generate", "the continuation of a prompt from a checkpoint: greedy or sampled"),

@@ -64,6 +64,7 @@ import functools
 import importlib
 import inspect
 import signal
+import time
 
 # DCP's save-plan caches: class-level dicts of SavePlanner, keyed by a planner's _cached_plans_key.
 PLAN_CACHES = (
@@ -91,14 +92,21 @@ PRIVATE = [
     ("torch.nn.modules.batchnorm", "_BatchNorm"),
     ("torch._inductor.config", "emulate_precision_casts"),
     ("torch", "ops._c10d_functional.reduce_scatter_tensor"),
+    ("torch.distributed.elastic.utils.store", "_barrier_nonblocking"),
+    ("torch.distributed.elastic.agent.server.api", "_TERMINAL_STATE_SYNC_ID"),
     *(("torch.distributed.checkpoint.planner", f"SavePlanner.{name}") for name in PLAN_CACHES),
 ]
+# Seconds between a node's looks at torchrun's exit barrier (Agent.exit_barrier).
+EXIT_BARRIER_POLL_S = 0.1
 # The hooks of torchrun's agent (a LocalElasticAgent) that Agent below hands to public names.
-AGENT = ["_start_workers", "_stop_workers", "_monitor_workers", "_rendezvous", "_shutdown"]
+AGENT = ["_start_workers", "_stop_workers", "_monitor_workers", "_rendezvous", "_shutdown", "_exit_barrier"]
 # (module, class, attribute) that torch sets on its objects (`self.<attribute> =` in the class's source):
 # read or set by Agent below and by set_last_lr.
 ATTRIBUTES = [
     ("torch.distributed.elastic.agent.server.api", "SimpleElasticAgent", "_remaining_restarts"),
+    ("torch.distributed.elastic.agent.server.api", "SimpleElasticAgent", "_exit_barrier_timeout"),
+    ("torch.distributed.elastic.agent.server.api", "SimpleElasticAgent", "_store"),
+    ("torch.distributed.elastic.agent.server.api", "SimpleElasticAgent", "_worker_group"),
     ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "DynamicRendezvousHandler", "_state_holder"),
     ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_BackendRendezvousStateHolder", "_cache_duration"),
     ("torch.optim.lr_scheduler", "LRScheduler", "_last_lr"),
@@ -180,7 +188,8 @@ def agent_class() -> type:
     A subclass overrides start_workers, stop_workers, monitor_workers, rendezvous (torch's
     _start_workers, ...); it reads and sets restarts_left (the restarts torchrun has left in this
     launch), and calls kill_workers() (every rank at once, SIGKILL), rendezvous_round() and
-    cap_rendezvous_cache(). Built once, on first use: importing this module does not import torch."""
+    cap_rendezvous_cache(). torch's exit barrier is replaced by one that a stop signal interrupts
+    (exit_barrier). Built once, on first use: importing this module does not import torch."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     class Agent(LocalElasticAgent):
@@ -197,6 +206,9 @@ def agent_class() -> type:
         def _rendezvous(self, worker_group):
             return self.rendezvous(worker_group)
 
+        def _exit_barrier(self):
+            return self.exit_barrier()
+
         # torch's own behaviour, what a subclass's super() call reaches
         def start_workers(self, worker_group):
             return LocalElasticAgent._start_workers(self, worker_group)
@@ -209,6 +221,24 @@ def agent_class() -> type:
 
         def rendezvous(self, worker_group):
             return LocalElasticAgent._rendezvous(self, worker_group)
+
+        def exit_barrier(self) -> None:
+            """torch's exit barrier, polled: this node's agent, its ranks ended, waits for every node's
+            (node 0's hosts the rendezvous store the others still read) up to torch's exit barrier
+            timeout (300 s). torch waits in C++, where a stop signal is not acted on until the wait
+            ends: a Kubernetes pod whose peer stopped first (a drained node) and that the JobSet then
+            deletes would ignore its SIGTERM for 300 s. Here the wait is a Python loop: the signal
+            raises at once. As torch's, a store that went away (node 0 ended) ends the wait."""
+            from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
+            from torch.distributed.elastic.utils.store import _barrier_nonblocking
+
+            deadline = time.monotonic() + self._exit_barrier_timeout
+            try:
+                key = _barrier_nonblocking(self._store, self._worker_group.group_world_size, _TERMINAL_STATE_SYNC_ID)
+                while not self._store.check([key]) and time.monotonic() < deadline:
+                    time.sleep(EXIT_BARRIER_POLL_S)
+            except (RuntimeError, OSError):  # the store's host ended (torch's DistStoreError is a RuntimeError)
+                return
 
         def kill_workers(self) -> None:
             """Every rank of this node killed at once (SIGKILL), as torch's shutdown does it."""

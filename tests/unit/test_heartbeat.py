@@ -44,7 +44,8 @@ def test_a_failure_is_in_the_heartbeat_of_its_round(tmp_path):
 
 def test_the_dead_node_line_says_what_happens_next(tmp_path, monkeypatch):
     """Under Slurm with a node range the job is requeued on the nodes left; without one it waits
-    for all of them; outside Slurm the user starts it again. Each resumes from the newest checkpoint."""
+    for all of them; on a Kubernetes pod the JobSet starts the set again; elsewhere the user starts it
+    again. Each resumes from the newest checkpoint."""
     ckpt = tmp_path / "checkpoints" / "step_00000010"
     ckpt.mkdir(parents=True)
     (ckpt / ".metadata").write_text("")
@@ -67,6 +68,11 @@ def test_the_dead_node_line_says_what_happens_next(tmp_path, monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID")
     assert torchrun.lost_nodes_line(["n4"], 2, str(tmp_path / "new")).endswith(
         "; this launch ends; start it again on the nodes left and it resumes from the start (no checkpoint yet)"
+    )
+    monkeypatch.setenv("PET_NNODES", "2")  # a TrainJob's pod: the JobSet under it starts the set again
+    assert torchrun.lost_nodes_line(["n4"], 2, str(tmp_path)).endswith(
+        "; this pod fails and the JobSet starts every pod again (its failurePolicy); they resume from step 10, "
+        "the newest checkpoint"
     )
 
 

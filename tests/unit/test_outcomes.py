@@ -33,6 +33,11 @@ NOT_AN_OUTCOME = {
     ("trainer.hf", "HFError"): "a Hugging Face model refused: ConfigError or CheckpointError where raised",
     ("trainer.prepare", "PrepareError"): "python -m trainer.prepare's own: one line, exit 2 there",
     ("trainer.launchers.slurm", "SubmitError"): "make submit's own: one line, exit 2 there",
+    ("trainer.launchers.k8s", "K8sError"): "make submit-k8s's own: one line, exit 2 there",
+    (
+        "trainer.launchers.torchrun",
+        "OperatorEnvError",
+    ): "a pod's operator variables refused by trainer.launch: one line, exit 2 there",
     ("trainer.api", "LaunchError"): "the Python API's: the launcher's exit code and line, raised to the caller",
 }
 
@@ -158,7 +163,13 @@ def test_the_requeue_check_does_what_the_row_says(row, tmp_path, monkeypatch, ca
 
 
 @pytest.mark.parametrize(
-    "module", ["trainer/__main__.py", "trainer/launchers/torchrun.py", "trainer/launchers/requeue.py"]
+    "module",
+    [
+        "trainer/__main__.py",
+        "trainer/launchers/torchrun.py",
+        "trainer/launchers/requeue.py",
+        "trainer/launchers/k8s.py",
+    ],
 )
 def test_the_modules_that_read_the_table_write_no_exit_code_of_their_own(module):
     """#34 item 2: BAD_INPUT was defined twice (launch.py, requeue.py). An exit code other than 0 and

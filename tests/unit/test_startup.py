@@ -20,11 +20,12 @@ WORLD = 2  # every target below runs the config on 2 processes
 
 
 def targets() -> dict[str, Target]:
-    """The four targets, each for 2 processes on one node of this machine (a CPU one)."""
+    """The five targets, each for 2 processes on one node of this machine (a CPU one)."""
     return {
         "rank": Target.rank(dist.Env(0, 0, WORLD, WORLD, torch.device("cpu"))),
         "launch": Target.launcher(str(WORLD), 1),
         "slurm": Target.slurm(1, WORLD),
+        "k8s": Target.k8s(1, WORLD),
         "api": Target.api(WORLD),
     }
 
@@ -76,7 +77,7 @@ def test_each_target_gives_the_same_line_for_the_same_bad_config(tmp_path, bad):
     assert not (tmp_path / "run").exists()  # nothing written
 
 
-@pytest.mark.parametrize("name", ["rank", "launch", "slurm", "api"])
+@pytest.mark.parametrize("name", ["rank", "launch", "slurm", "k8s", "api"])
 @pytest.mark.parametrize("layout", [[], ["parallel.tp=2", "train.global_batch_size=12"]], ids=["fsdp", "tp2"])
 def test_the_config_is_resolved_once_for_each_target(tmp_path, resolves, name, layout):
     """validate's checks ask the resolved shape up to four times (the family, the tokens' sidecars,

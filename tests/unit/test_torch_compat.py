@@ -185,6 +185,38 @@ def test_the_agent_seam_reads_torchruns_rendezvous_state():
     assert agent_class.rendezvous_round(SimpleNamespace(spec=SimpleNamespace(rdzv_handler=object()))) is None
 
 
+def test_the_exit_barrier_ends_when_every_node_arrived_or_a_stop_signal_comes():
+    """Agent.exit_barrier on a real store: torch's barrier keys (the other node arrived first: it ends
+    at once), and a SIGTERM while it waits raises where torch's C++ wait would hold it for 300 s (a
+    pod deleted while its peers stop: tests/system/test_k8s_pods.py)."""
+    from types import SimpleNamespace
+
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
+    from torch.distributed.elastic.utils.store import _barrier_nonblocking
+
+    class Stopped(Exception):
+        pass
+
+    def stop(signum, frame):
+        raise Stopped
+
+    agent = object.__new__(torch_compat.agent_class())
+    agent._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    agent._worker_group, agent._exit_barrier_timeout = SimpleNamespace(group_world_size=2), 300
+    _barrier_nonblocking(agent._store, 2, _TERMINAL_STATE_SYNC_ID)  # the other node's agent, there first
+    agent._exit_barrier()  # returns: both arrived
+    agent._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # a new launch: alone
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, 0.3)  # a stop signal while it waits for a node that never comes
+    try:
+        with pytest.raises(Stopped):
+            agent._exit_barrier()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def test_the_small_helpers_do_what_torch_does():
     model = torch.nn.Linear(2, 2)
     a, b = model.weight.untyped_storage(), model.bias.untyped_storage()

@@ -5,7 +5,8 @@
                               [--local-addr ADDR]]
                              --config configs/X.yaml [key=value ...]
 
-`make run`, compose, the sbatch script and the submitit task all start training through this. It
+`make run`, compose, the sbatch script, the submitit task and the pods of a Kubernetes job
+(trainer/launchers/k8s.py) all start training through this. It
 
 * checks the config and this node's devices and memory before anything starts (the preflight,
   trainer/preflight/startup.py), so bad input is one line, and tells its ranks what it checked on
@@ -21,6 +22,9 @@
   crashed), up to `launch.max_restarts` times, without going back to the queue: torchrun's own
   restarts, each said in one line and a metrics.jsonl row. Bad input, divergence and stop signals
   never restart;
+* on a pod of a Kubernetes job, takes the rendezvous from what its operator set (Kubeflow Trainer's
+  PET_* variables, a JobSet's JOB_COMPLETION_INDEX: apply_rendezvous) where the command line gives none,
+  and exits as a SIGTERM'd process when it stopped cleanly before the run finished (operator_exit);
 * maps the outcome to exit codes, as trainer/resilience/outcomes.py's table says: 0 finished or stopped cleanly
   (the checkpoint is saved), 2 bad input (the rank's one line is above), 3 the run dir's lease was
   lost to another run (not requeued), 4 a failed health check (trainer/resilience/health.py: this node's, or
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -88,10 +93,19 @@ TORCHRUN_DEFAULT_SHUTDOWN_S = 30
 def _parser() -> argparse.ArgumentParser:
     p = cli.parser("train", __doc__.split("\n\n")[0])
     p.add_argument(
-        "--nproc-per-node", default="auto", help="ranks on this node: a number, or auto (one per visible GPU, else 1)"
+        "--nproc-per-node",
+        default=None,
+        help="ranks on this node: a number, or auto (one per visible GPU, else 1); default: Kubeflow Trainer's "
+        "PET_NPROC_PER_NODE, else auto",
     )
-    p.add_argument("--nnodes", type=int, default=1, help="nodes of the job (more than 1 needs the rdzv options)")
-    p.add_argument("--node-rank", type=int, default=0, help="this node's index, 0..nnodes-1")
+    p.add_argument(
+        "--nnodes",
+        type=int,
+        default=None,
+        help="nodes of the job (more than 1 needs the rdzv options); default: what a Kubernetes operator set "
+        "(operator_rendezvous), else 1",
+    )
+    p.add_argument("--node-rank", type=int, default=None, help="this node's index, 0..nnodes-1")
     p.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of the rendezvous on the first node")
     p.add_argument("--rdzv-id", default="", help="an id shared by the nodes of one job (the Slurm job id)")
     p.add_argument("--local-addr", default="", help="this node's address for the rendezvous (multi-homed nodes)")
@@ -175,6 +189,8 @@ def torchrun_args(
             f"--rdzv-endpoint={a.rdzv_endpoint}",
             f"--rdzv-id={a.rdzv_id or 'fsdp-trainer'}",
         ]
+        if getattr(a, "rdzv_conf", ""):  # set by operator_rendezvous: which pod hosts the store, how long to wait
+            args.append(f"--rdzv-conf={a.rdzv_conf}")
     # On nodes with several networks, the rendezvous and gloo use the address of the interface the
     # site chose (GLOO_SOCKET_IFNAME, set with NCCL's by make submit NET_IF=), not the hostname's.
     interface = os.environ.get("GLOO_SOCKET_IFNAME", "")
@@ -286,7 +302,9 @@ def lost_nodes_line(lost: list[str], nnodes: int, run_dir: str) -> str:
     what = f"node {names} stopped answering" if len(lost) == 1 else f"nodes {names} stopped answering"
     resume = _resume_point(run_dir)
     asked = os.environ.get(NODES_ENV, "")  # the job's --nodes (the batch script, the submitit task)
-    if not os.environ.get("SLURM_JOB_ID"):
+    if under_operator(os.environ):
+        after = f"this pod fails and the JobSet starts every pod again (its failurePolicy); they resume from {resume}"
+    elif not os.environ.get("SLURM_JOB_ID"):
         after = f"this launch ends; start it again on the nodes left and it resumes from {resume}"
     elif "-" in asked and nnodes - len(lost) >= int(asked.split("-")[0]):
         after = f"the job ends, Slurm requeues it on the nodes left (--nodes={asked}) and it resumes from {resume}"
@@ -513,10 +531,144 @@ def _quiet_cpp_warnings() -> None:
     del os.environ["TORCH_CPP_LOG_LEVEL"]
 
 
+# ---- Kubernetes: the rendezvous from what the operators set on each pod -------------------------
+
+# Kubeflow Trainer v2's torch runtime sets torchrun's own variables on every pod of a TrainJob
+# (pkg/runtime/framework/plugins/torch of kubeflow/trainer): the node count, this pod's rank (its
+# Job's completion index), the first pod's address and port, and the ranks per node.
+KUBEFLOW_ENV = ("PET_NNODES", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT")
+KUBEFLOW_NPROC_ENV = "PET_NPROC_PER_NODE"
+# A plain JobSet's pod: the Job controller sets its completion index (an Indexed Job), and the pod's
+# own labels give the JobSet's and the replicated job's names (the downward API lines of the manifest
+# trainer/launchers/k8s.py renders), from which its headless service names the first pod.
+JOBSET_ENV = ("JOB_COMPLETION_INDEX", "JOBSET_NAME", "REPLICATED_JOB_NAME")
+# The rendezvous port on a JobSet's first pod: Kubeflow Trainer's (its ContainerTrainerPort).
+JOBSET_RDZV_PORT = 29500
+# Seconds a pod waits for the first pod's rendezvous store (torchrun's c10d read_timeout, 60 s by
+# default): the pods of a job start minutes apart where their nodes pull the image one by one.
+OPERATOR_STORE_TIMEOUT_S = 600
+
+
+class OperatorEnvError(Exception):
+    """What a Kubernetes operator set on this pod cannot be a rendezvous: one line."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rendezvous:
+    """This pod's place in a multi-node launch, as a Kubernetes operator said it."""
+
+    source: str  # which operator, as said to the user: "Kubeflow Trainer (PET_*)", "JobSet (...)"
+    nnodes: int
+    node_rank: int
+    endpoint: str  # HOST:PORT of the first pod, where the rendezvous store is
+    rdzv_id: str  # the same on every pod of the job: the first pod's host name
+    nproc: str | None  # ranks per node the operator asked for (Kubeflow's PET_NPROC_PER_NODE), else None
+
+
+def _whole(environ, name: str, minimum: int) -> int:
+    text = environ.get(name, "")
+    if not text.isdigit() or int(text) < minimum:
+        raise OperatorEnvError(f"{name}={text!r}: expected a whole number >= {minimum} (set by the job's operator)")
+    return int(text)
+
+
+def under_operator(environ) -> bool:
+    """Whether this is a pod of a Kubernetes job whose operator set its rendezvous (Kubeflow Trainer, a JobSet)."""
+    return any(name in environ for name in KUBEFLOW_ENV) or all(name in environ for name in JOBSET_ENV)
+
+
+def operator_rendezvous(environ, nnodes: int | None) -> Rendezvous | None:
+    """The rendezvous a Kubernetes operator set up for this pod (None where none did): Kubeflow
+    Trainer's PET_* variables, else a JobSet's (JOB_COMPLETION_INDEX and the JobSet's names;
+    `nnodes`, from the command line, counts its nodes). OperatorEnvError for values that are none."""
+    if any(name in environ for name in KUBEFLOW_ENV):
+        missing = [name for name in KUBEFLOW_ENV if not environ.get(name)]
+        if missing:
+            raise OperatorEnvError(
+                f"{', '.join(missing)} not set while {', '.join(n for n in KUBEFLOW_ENV if n not in missing)} "
+                f"are: not a Kubeflow Trainer torch runtime's pod; set all of them, or none"
+            )
+        count = _whole(environ, "PET_NNODES", 1)
+        rank = _whole(environ, "PET_NODE_RANK", 0)
+        port = _whole(environ, "PET_MASTER_PORT", 1)
+        host = environ["PET_MASTER_ADDR"]
+        nproc = environ.get(KUBEFLOW_NPROC_ENV) or None
+        source = "Kubeflow Trainer (PET_*)"
+    elif "JOB_COMPLETION_INDEX" in environ and "JOBSET_NAME" in environ:
+        missing = [name for name in JOBSET_ENV if not environ.get(name)]
+        if missing:
+            raise OperatorEnvError(f"{', '.join(missing)} not set: a JobSet's pod needs {', '.join(JOBSET_ENV)}")
+        if nnodes is None:
+            raise OperatorEnvError(
+                "JOB_COMPLETION_INDEX and JOBSET_NAME are set (a JobSet's pod) but --nnodes is not: give the "
+                "number of pods of the replicated job (its Job's completions)"
+            )
+        count, rank, port = nnodes, _whole(environ, "JOB_COMPLETION_INDEX", 0), JOBSET_RDZV_PORT
+        jobset, job = environ["JOBSET_NAME"], environ["REPLICATED_JOB_NAME"]
+        host = f"{jobset}-{job}-0-0.{jobset}"  # pod 0 of job 0, under the JobSet's headless service
+        nproc, source = None, "JobSet (JOB_COMPLETION_INDEX)"
+    else:
+        return None
+    if nnodes is not None and nnodes != count:
+        raise OperatorEnvError(f"--nnodes={nnodes} but {source} says {count} node(s); give one of them")
+    if rank >= count:
+        raise OperatorEnvError(f"{source}: node rank {rank} is not below its {count} node(s)")
+    return Rendezvous(source, count, rank, f"{host}:{port}", host, nproc)
+
+
+def apply_rendezvous(a: argparse.Namespace, environ) -> Rendezvous | None:
+    """Fill the launcher's rendezvous options from a Kubernetes operator's variables where the
+    command line gives no rendezvous (--rdzv-endpoint): what is given is never overwritten. Of several
+    nodes, the first pod hosts the store (its address may not resolve yet when it starts), and every pod waits for it
+    OPERATOR_STORE_TIMEOUT_S. The defaults of what stays unset: one node, rank 0, auto."""
+    rdzv = None if a.rdzv_endpoint else operator_rendezvous(environ, a.nnodes)
+    if rdzv is not None:
+        if a.node_rank is not None and a.node_rank != rdzv.node_rank:
+            raise OperatorEnvError(f"--node-rank={a.node_rank} but {rdzv.source} says {rdzv.node_rank}; give one")
+        a.nnodes, a.node_rank = rdzv.nnodes, rdzv.node_rank
+        a.nproc_per_node = a.nproc_per_node or rdzv.nproc
+        if rdzv.nnodes > 1:  # one node: torchrun's standalone rendezvous, on the pod alone
+            a.rdzv_endpoint, a.rdzv_id = rdzv.endpoint, a.rdzv_id or rdzv.rdzv_id
+            host = "true" if rdzv.node_rank == 0 else "false"
+            a.rdzv_conf = f"is_host={host},read_timeout={OPERATOR_STORE_TIMEOUT_S}"
+    a.nnodes = 1 if a.nnodes is None else a.nnodes
+    a.node_rank = 0 if a.node_rank is None else a.node_rank
+    a.nproc_per_node = a.nproc_per_node or "auto"
+    return rdzv
+
+
+def operator_exit(rdzv: Rendezvous, code: int, run_dir: str | None, finished: bool = False) -> int:
+    """The pod's exit code under a Kubernetes operator: a launch that ended cleanly (0) before the run
+    finished (a stop signal: a drained node, an evicted pod) exits as a SIGTERM'd process does, so that
+    the Job fails and the JobSet's failure policy restarts the whole set, which resumes from the
+    checkpoint just saved; exit 0 would count this pod's part as done. Every other code is the table's.
+    `finished`: the launch found the run finished before it started anything (startup.finished)."""
+    if code != 0 or run_dir is None or finished or layout.read_status(run_dir).get("state") == "finished":
+        return code
+    stopped = outcomes.signal_code(signal.SIGTERM)
+    _say(
+        f"stopped before the end of training under {rdzv.source}: exit code {stopped}, so that the whole set is "
+        f"restarted (the JobSet's failurePolicy) and resumes from {_resume_point(run_dir)}"
+    )
+    return stopped
+
+
 def main(argv: list[str] | None = None) -> int:
     for sig in signals.STOP_SIGNALS:
         signal.signal(sig, _remember)
     a = _parser().parse_intermixed_args(argv)  # overrides may come before --config too
+    try:
+        rdzv = apply_rendezvous(a, os.environ)
+    except OperatorEnvError as e:
+        print(f"error: {node_name()}: {e}", file=sys.stderr, flush=True)
+        return outcomes.BAD_INPUT.code
+    ran: dict = {}
+    code = _launch(a, ran)
+    return operator_exit(rdzv, code, ran.get("run_dir"), ran.get("finished", False)) if rdzv else code
+
+
+def _launch(a: argparse.Namespace, ran: dict) -> int:
+    """The launch of main(), with its options resolved; ran["run_dir"]: the run's, once known."""
     if a.nnodes > 1:
         _quiet_cpp_warnings()
     started = time.time()
@@ -539,6 +691,8 @@ def main(argv: list[str] | None = None) -> int:
         return outcomes.BAD_INPUT.code
     # What the ranks would say, before any check or set-up: a run that stopped early (trainer/early_stop.py)
     # and stays stopped, or one that reached train.steps.
+    ran["run_dir"] = ready.run_dir if isinstance(ready, Finished) else ready.cfg.run_dir
+    ran["finished"] = isinstance(ready, Finished)
     if isinstance(ready, Finished):
         if first:
             print(ready.line, flush=True)

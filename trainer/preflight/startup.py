@@ -4,10 +4,11 @@
     train(ready)                  # ready.cfg: the resolved config; ready.notes, ready.warnings: what to say
 
 Every start goes through preflight(): the trainer's ranks (`python -m trainer`), the launcher of
-this node (`python -m trainer.launch`), a Slurm submission (`python -m trainer.submit`) and the
-Python API (trainer.api). The Target says where the run goes, and so what this machine can check
-for it: this node's devices and memory (the launcher), a rank's own GPU (a rank), or nothing of
-this machine (a submission plans for a cluster's nodes). The same config gets the same answer from
+this node (`python -m trainer.launch`), a Slurm submission (`python -m trainer.submit`), a
+Kubernetes job's manifest (`python -m trainer.launchers.k8s`) and the Python API (trainer.api).
+The Target says where the run goes, and so what this machine can check for it: this node's devices
+and memory (the launcher), a rank's own GPU (a rank), or nothing of this machine (a submission plans
+for a cluster's nodes). The same config gets the same answer from
 each: the config's checks are trainer/preflight/check.py's validate, run once; the config is
 resolved once (the batch of the target's processes, the model's shape: config.resolve) and handed
 on as Ready, a type of its own, so that a caller can tell a resolved config from a raw one.
@@ -33,6 +34,7 @@ from trainer.rundir import layout
 RANK = "rank"  # one rank of a run, in this process: its own GPU too
 LAUNCH = "launch"  # the launcher of this node's ranks: its devices, its memory
 SLURM = "slurm"  # a submission from a login node: the job's shape, no device of this machine
+K8S = "k8s"  # a Kubernetes job rendered here: its shape, no device of this machine, no file of its volume
 API = "api"  # trainer.api.launch: the shape only (the launcher it starts checks this machine)
 
 
@@ -40,7 +42,7 @@ API = "api"  # trainer.api.launch: the shape only (the launcher it starts checks
 class Target:
     """Where a config is to run: what preflight() checks it against."""
 
-    kind: str  # RANK, LAUNCH, SLURM or API
+    kind: str  # RANK, LAUNCH, SLURM, K8S or API
     world_size: int  # the run's processes, all nodes
     ranks_per_node: int | None = None  # this node's ranks whose (CPU) memory is checked here; None: not here
     node_size: int | None = None  # the ranks of one node of the target, where no memory is checked here
@@ -93,6 +95,12 @@ class Target:
     def slurm(cls, nodes: int, per_node: int, planning: bool = False) -> Target:
         """A Slurm job of `nodes` x `per_node` ranks; `planning`: a dry run."""
         return cls(SLURM, nodes * per_node, node_size=per_node, planning=planning)
+
+    @classmethod
+    def k8s(cls, nodes: int, per_node: int) -> Target:
+        """A Kubernetes job of `nodes` pods x `per_node` ranks (trainer/launchers/k8s.py), planned here:
+        its run dir is on a volume this machine does not see, its data in the image or on the volume."""
+        return cls(K8S, nodes * per_node, node_size=per_node, planning=True)
 
     @classmethod
     def api(cls, nproc: int) -> Target:
