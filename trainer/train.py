@@ -181,7 +181,7 @@ class Run:
         early = early_stopping.EarlyStop(cfg.train.early_stop_patience, cfg.train.early_stop_min_delta)
         best = early_stopping.Best()
         parts = {"scheduler": scheduler, "scaler": scaler, early_stopping.PART: early, early_stopping.BEST: best}
-        ckpt = _checkpointer(cfg, env, io_group, lease, model, optimizer, parts)
+        ckpt = _checkpointer(cfg, env, io_group, lease, model, optimizer, parts, plan)
         reporter = Reporter(cfg.run_dir, cfg.log, cfg.train.steps, env.is_main)
         train_set, eval_set = datasets
         return cls(
@@ -510,10 +510,14 @@ def _save(run: Run, model, step: int, samples: int, first_bad: torch.Tensor, sto
     run.ckpt.save_due(step, {"samples": samples, "config": to_dict(run.cfg), **data.position(run.train_set)}, stopping)
 
 
-def _checkpointer(cfg: Config, env, io_group, lease, model, optimizer, parts: dict) -> manager.Checkpointer:
-    """The run's checkpoint manager of the model, the optimizer and the named `parts` beside them."""
+def _checkpointer(
+    cfg: Config, env, io_group, lease, model, optimizer, parts: dict, plan: parallel.Plan
+) -> manager.Checkpointer:
+    """The run's checkpoint manager of the model, the optimizer and the named `parts` beside them (a
+    pipeline's stages each save their own, under the whole model's names)."""
+    stages = plan.mesh["pp"].get_group() if plan.pp > 1 else None
     ckpt = manager.Checkpointer(
-        cfg.checkpoint, cfg.run_dir, env.rank, env.world_size, io_group, model, optimizer, parts=parts
+        cfg.checkpoint, cfg.run_dir, env.rank, env.world_size, io_group, model, optimizer, parts=parts, stages=stages
     )
     if lease:  # rank 0 reads the lease again right before it commits or deletes a checkpoint
         ckpt.still_owner = lease.check
