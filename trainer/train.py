@@ -215,7 +215,8 @@ def _plan(cfg: Config, env: distributed.Env, group) -> tuple[parallel.Plan, str 
     needing every_micro_batch makes it so for all); and the line that says why, or None."""
     from trainer.preflight import memory
 
-    micro, _ = batch_plan(cfg, parallel.Plan(cfg.parallel, env.world_size).dp_size)
+    forward, _ = batch_plan(cfg, parallel.Plan(cfg.parallel, env.world_size).dp_size)
+    micro = forward // pipeline.microbatches(cfg.parallel)  # the estimate's: one micro-batch of a stage
     if env.device.type == "cuda":
         have = torch.cuda.get_device_properties(env.device).total_memory
     else:

@@ -182,3 +182,30 @@ def test_stages_keep_the_whole_model_s_names_and_chain_to_its_output_to_the_bit(
     with torch.no_grad():
         assert torch.equal(stages[1](stages[0](tokens)), whole(tokens))
     assert stages[0].flops_per_token() == whole.flops_per_token()  # the whole model's, on any stage
+
+
+def test_the_memory_estimate_is_one_stage_s_with_the_schedule_s_micro_batches_in_flight():
+    """A stage holds 1/pp of the blocks' parameters and the root's whole (embedding, norm, head: counted
+    on every stage), the state sharded over its data-parallel ranks; its activations are 1/pp of a
+    sample's, for the micro-batches its first stage holds at once: pp under 1F1B, all under GPipe."""
+    from trainer.preflight import memory
+
+    base = ["model.seq_len=16", "train.global_batch_size=16"]
+    cfg = resolve(load(None, base))
+    profile = memory.measure(cfg)
+    whole = memory.estimate(cfg, 2, 4, profile=profile)  # 2 data-parallel ranks, micro-batches of 4
+    stage = (profile.params - profile.root_params) // 2 + profile.root_params
+    for schedule, m, held in (("1f1b", 4, 2), ("gpipe", 4, 4), ("1f1b", 2, 2)):
+        staged = resolve(load(None, [*base, "parallel.pp=2", f"parallel.pp_schedule={schedule}"]))
+        staged = dataclasses.replace(staged, parallel=dataclasses.replace(staged.parallel, pp_microbatches=m))
+        e = memory.estimate(staged, 4, 2, profile=profile)  # 2 stages x 2 data-parallel ranks, micro-batches of 2
+        assert e.parameters == memory.WEIGHT_BYTES * stage // 2
+        assert e.optimizer == memory.OPTIMIZER_BYTES["adamw"] * stage // 2
+        assert e.activations == profile.activations // 2 * 2 * held
+        assert f"{held} micro-batches in flight x 2 sample(s)" in e.notes["activations"]
+        assert e.parameters < whole.parameters
+    line = plan_lines(resolve(load(None, [*base, "parallel.pp=2", "parallel.pp_microbatches=6"])), 4, 1)[1]
+    assert line == (
+        "pipeline: 2 stages, schedule 1f1b: bubble (pp-1)/(m+pp-1) = 1/7 = 14% of each forward/backward idle; the "
+        "first stage holds 2 micro-batch(es) of activations at once"
+    )

@@ -70,6 +70,10 @@ class MemoryFactors:
     # under accumulation FSDP reduce-scatters every micro-batch: the gradients held are the sharded ones
     # (parallel.grad_sync=every_micro_batch); else unsharded until the last micro-batch
     sharded_accumulation: bool = False
+    # pipeline parallelism: a rank holds one of `pp` stages (1/pp of the blocks, and the root's parameters
+    # at most), and its first stage the activations of `in_flight` micro-batches at once
+    pp: int = 1
+    in_flight: int = 1
 
 
 @dataclass(eq=False)
@@ -222,7 +226,10 @@ class Plan:
             node_shards=self.hybrid and self.dp_shard < self.dp_size,
             finer_per_node=self.fsdp and not p.shard_size,
             finer_with_nodes=self.fsdp and not self.hybrid,
-            sharded_accumulation=self.fsdp and p.grad_sync == "every_micro_batch",
+            # under a pipeline the stage's schedule reduce-scatters at the end of each of its steps
+            sharded_accumulation=self.fsdp and (p.grad_sync == "every_micro_batch" or self.pp > 1),
+            pp=self.pp,
+            in_flight=parallel_pp.in_flight(p) if self.pp > 1 else 1,
         )
 
     # -- training -----------------------------------------------------------------------------------

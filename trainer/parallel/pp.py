@@ -36,6 +36,26 @@ def microbatches(args: ParallelArgs) -> int:
     return (args.pp_microbatches or args.pp) if args.pp > 1 else 1
 
 
+def micro_batch(args: ParallelArgs, per_rank: int, micro_batch_size: int | None) -> int:
+    """Samples of one micro-batch (what a stage runs at once): train.micro_batch_size, else the
+    `per_rank` samples of a data-parallel rank over the pipeline's micro-batches (all of them without
+    a pipeline)."""
+    return micro_batch_size or per_rank // microbatches(args)
+
+
+def in_flight(args: ParallelArgs) -> int:
+    """Micro-batches whose activations the first stage holds at once, its peak: GPipe runs every
+    forward before any backward (all of them); 1F1B at most one a stage ahead (pp, or fewer micro-batches)."""
+    m = microbatches(args)
+    return m if args.pp_schedule == "gpipe" else min(args.pp, m)
+
+
+def bubble(args: ParallelArgs) -> float:
+    """The share of a step each stage idles, filling and draining the pipeline: (pp - 1) / (m + pp - 1)
+    for GPipe and 1F1B alike (m: the micro-batches)."""
+    return (args.pp - 1) / (microbatches(args) + args.pp - 1)
+
+
 def problems(args: ParallelArgs, world_size: int, model: ModelArgs | None) -> list[tuple[str, str]]:
     """What pipeline parallelism (pp > 1) cannot run with: the layout, the schedule against the
     micro-batches, the options it does not compose with (not built), and, given the resolved model

@@ -240,7 +240,7 @@ def _check_memory(cfg: Config, world_size: int, ranks_per_node: int, fail) -> No
 
     have = memory.machine_bytes()
     per_rank = cfg.train.global_batch_size // memory.dp_size(cfg, world_size)
-    micro = cfg.train.micro_batch_size or per_rank
+    micro = pipeline.micro_batch(cfg.parallel, per_rank, cfg.train.micro_batch_size)
     profile = memory.measure(cfg)
     need = memory.estimate(cfg, world_size, micro, profile=profile)
     if have is None or need.total * ranks_per_node <= have:
@@ -601,7 +601,7 @@ def cpu_memory_line(cfg: Config, world: int) -> str:
     from trainer.preflight import memory
 
     per_rank = cfg.train.global_batch_size // memory.dp_size(cfg, world)
-    need = memory.estimate(cfg, world, cfg.train.micro_batch_size or per_rank)
+    need = memory.estimate(cfg, world, pipeline.micro_batch(cfg.parallel, per_rank, cfg.train.micro_batch_size))
     have = memory.machine_bytes()
     of = f", of the {memory.gb(have)} of this machine" if have else ""
     return (
@@ -661,7 +661,7 @@ def plan_lines(cfg: Config, nproc: int, nnodes: int, per_node: str = "NPROC") ->
     plan = Plan(cfg.parallel, world)
     dp, m = plan.dp_size, plan.pp_microbatches
     per_rank = cfg.train.global_batch_size // dp
-    micro = cfg.train.micro_batch_size or per_rank // m
+    micro = pipeline.micro_batch(cfg.parallel, per_rank, cfg.train.micro_batch_size)
     family = models.spec(cfg.model)
     tokens = family.input_shape(cfg.model)[0] if family.kind == "lm" else None
     per_step = (
@@ -672,11 +672,15 @@ def plan_lines(cfg: Config, nproc: int, nnodes: int, per_node: str = "NPROC") ->
     shape = f"{per_node}={nproc} x NODES={nnodes}"
     split = " x ".join(f"parallel.{name}={n}" for name, n in (("tp", plan.tp), ("pp", plan.pp)) if n > 1)
     ranks = f"{world} ranks ({shape})" if dp == world else f"{dp} data-parallel ranks ({shape} / {split})"
-    if plan.pp > 1:  # global / dp ranks = pipeline micro-batches x micro-batch x accumulation
+    if plan.pp > 1:  # global / dp ranks = pipeline micro-batches x micro-batch x accumulation; the bubble
+        p = cfg.parallel
         lines = [
             f"batch: global {cfg.train.global_batch_size} / {ranks} = {m} pipeline micro-batches "
             f"(parallel.pp_microbatches) x micro-batch {micro} x {per_rank // (m * micro)} accumulation step(s); "
-            f"{per_step}"
+            f"{per_step}",
+            f"pipeline: {p.pp} stages, schedule {p.pp_schedule}: bubble (pp-1)/(m+pp-1) = {p.pp - 1}/{m + p.pp - 1} "
+            f"= {pipeline.bubble(p):.0%} of each forward/backward idle; the first stage holds "
+            f"{pipeline.in_flight(p)} micro-batch(es) of activations at once",
         ]
     else:
         lines = [
