@@ -209,3 +209,19 @@ def test_the_memory_estimate_is_one_stage_s_with_the_schedule_s_micro_batches_in
         "pipeline: 2 stages, schedule 1f1b: bubble (pp-1)/(m+pp-1) = 1/7 = 14% of each forward/backward idle; the "
         "first stage holds 2 micro-batch(es) of activations at once"
     )
+
+
+def test_a_refusal_offers_no_change_that_pp_does_not_compose_with():
+    """Where one node's GPUs are too small, more nodes are offered (each stage sharded finer), not
+    activation checkpointing, CPU offload or tensor parallelism, which pp refuses."""
+    from trainer.preflight import memory
+
+    cfg = resolve(load(None, ["model.size=small", "model.seq_len=16", "train.global_batch_size=16", "parallel.pp=2"]))
+    profile = memory.measure(cfg, gpu=True)
+    two_nodes = memory.estimate(cfg, 8, 2, 4, gpu=True, profile=profile).total
+    assert memory.estimate(cfg, 4, 4, 4, gpu=True, profile=profile).total > two_nodes
+    offloaded = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, cpu_offload=True))
+    assert memory.estimate(offloaded, 4, 4, 4, gpu=True, profile=profile).total <= two_nodes  # would fit: not offered
+    fixes = memory.changes_that_fit(cfg, 4, 4, two_nodes, profile=profile)
+    assert fixes and fixes[0].startswith("--nnodes 2 ("), fixes
+    assert not [f for f in fixes if f.startswith(("parallel.activation", "parallel.cpu_offload", "parallel.tp"))]
