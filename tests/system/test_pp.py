@@ -53,13 +53,15 @@ def test_pp2_gives_pp1_s_losses_gradient_norms_evaluations_and_weights(runs):
 @pytest.mark.slow
 def test_checkpoints_load_between_pp2_and_pp1_with_equal_weights(tmp_path, runs):
     """pp=2 x dp=2's step-2 checkpoint resumed with pp=1 on 3 ranks, and pp=1's with pp=2 x dp=1 (1F1B,
-    bfloat16 compute): each takes one step that changes nothing (FROZEN) and saves: its weights are
-    exactly the source's (FSDP keeps them float32), and its step-3 loss and gradient norm are the
-    source run's, computed on the same weights (within 1e-5; bfloat16's within 1e-2)."""
+    bfloat16 compute, full activation checkpointing): each takes one step that changes nothing
+    (FROZEN) and saves: its weights are exactly the source's (FSDP keeps them float32), and its step-3
+    loss and gradient norm are the source run's, computed on the same weights (within 1e-5;
+    bfloat16's within 1e-2)."""
     ref, _, onef1b = runs
+    pp2 = ["parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.param_dtype=bfloat16"]
     for source, name, nproc, layout, rtol in (
         (onef1b, "to_pp1", 3, [], 1e-5),
-        (ref, "to_pp2", 2, ["parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.param_dtype=bfloat16"], 1e-2),
+        (ref, "to_pp2", 2, [*pp2, "parallel.activation_checkpointing=full"], 1e-2),
     ):
         run = tmp_path / name
         at = f"checkpoint.resume_from={source}/checkpoints/step_00000002"

@@ -53,10 +53,10 @@ def model(**keys) -> ModelArgs:
         (dict(strategy="ddp"), 4, model(), "parallel.pp: is 2 but needs parallel.strategy=fsdp (it is ddp); set pp=1"),
         (dict(tp=2), 4, model(), "parallel.tp: does not compose with parallel.pp=2 (not built); use one of them"),
         (
-            dict(activation_checkpointing="full"),
+            dict(compile=True),
             4,
             model(),
-            "parallel.activation_checkpointing: does not compose with parallel.pp=2 (not built); use one of them",
+            "parallel.compile: does not compose with parallel.pp=2 (not built); use one of them",
         ),
         (
             dict(param_dtype="float16"),
@@ -71,7 +71,7 @@ def model(**keys) -> ModelArgs:
             "model.tie_embeddings: does not compose with parallel.pp=2 (not built); use one of them",
         ),
     ],
-    ids=["no-split", "layers", "1f1b-fill", "world", "ddp", "tp", "ac", "fp16", "tied"],
+    ids=["no-split", "layers", "1f1b-fill", "world", "ddp", "tp", "compile", "fp16", "tied"],
 )
 def test_plan_refuses_what_pp_cannot_run_with(parallel, world, model_args, line):
     found = Plan(ParallelArgs(pp=2, **parallel), world).problems(model_args)
@@ -212,8 +212,8 @@ def test_the_memory_estimate_is_one_stage_s_with_the_schedule_s_micro_batches_in
 
 
 def test_a_refusal_offers_no_change_that_pp_does_not_compose_with():
-    """Where one node's GPUs are too small, more nodes are offered (each stage sharded finer), not
-    activation checkpointing, CPU offload or tensor parallelism, which pp refuses."""
+    """Where one node's GPUs are too small, more nodes are offered (each stage sharded finer), not CPU
+    offload or tensor parallelism, which pp refuses."""
     from trainer.preflight import memory
 
     cfg = resolve(load(None, ["model.size=small", "model.seq_len=16", "train.global_batch_size=16", "parallel.pp=2"]))
@@ -224,4 +224,4 @@ def test_a_refusal_offers_no_change_that_pp_does_not_compose_with():
     assert memory.estimate(offloaded, 4, 4, 4, gpu=True, profile=profile).total <= two_nodes  # would fit: not offered
     fixes = memory.changes_that_fit(cfg, 4, 4, two_nodes, profile=profile)
     assert fixes and fixes[0].startswith("--nnodes 2 ("), fixes
-    assert not [f for f in fixes if f.startswith(("parallel.activation", "parallel.cpu_offload", "parallel.tp"))]
+    assert not [f for f in fixes if f.startswith(("parallel.cpu_offload", "parallel.tp"))]

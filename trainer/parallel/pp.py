@@ -79,7 +79,6 @@ def problems(args: ParallelArgs, world_size: int, model: ModelArgs | None) -> li
         ("tp", args.tp > 1),
         ("sharding", args.sharding == "hybrid"),
         ("cpu_offload", args.cpu_offload),
-        ("activation_checkpointing", args.ac_mode != "none"),
         ("compile", args.compile),
         ("float8", args.float8 != "none"),
         ("param_dtype", args.param_dtype == "float16"),  # loss scaling over the stages

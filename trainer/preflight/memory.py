@@ -653,7 +653,7 @@ def changes_that_fit(
         if total:
             fixes.append(f"parallel.grad_sync=every_micro_batch ({gb(total)}, a reduce-scatter each micro-batch)")
     # selective first: torchtitan's default for its large models, full recompute costs about a third more compute
-    for mode in {"none": ("selective", "full"), "selective": ("full",)}.get(p.ac_mode, ()) if not staged else ():
+    for mode in {"none": ("selective", "full"), "selective": ("full",)}.get(p.ac_mode, ()):
         total = fits(_with(cfg, parallel={"activation_checkpointing": mode}))
         if total:
             fixes.append(f"parallel.activation_checkpointing={mode} ({gb(total)})")
