@@ -38,8 +38,8 @@ def batch_plan(cfg: Config, dp_size: int) -> tuple[int, int]:
     parallelism one forward/backward is parallel.pp_microbatches micro-batches of train.micro_batch_size
     (default: the rank's samples over them)."""
     per_rank = cfg.train.global_batch_size // dp_size
-    m = pipeline.microbatches(cfg.parallel)
-    micro = (cfg.train.micro_batch_size or per_rank // m) * m
+    p = cfg.parallel
+    micro = pipeline.micro_batch(p, per_rank, cfg.train.micro_batch_size) * pipeline.microbatches(p)
     return micro, per_rank // micro
 
 
