@@ -218,6 +218,16 @@ class ParallelArgs:
     # Tensor-parallel degree: each transformer block's matmuls split over `tp` ranks of one node (a 2D mesh,
     # dp x tp, as torchtitan's); FSDP shards over the data-parallel ranks. Must divide the ranks of a node.
     tp: Annotated[int, AT_LEAST_1] = 1
+    # Pipeline-parallel degree (torch.distributed.pipelining): the model's blocks split into `pp` stages of
+    # consecutive blocks (the embedding on the first, the norm and head on the last), outermost in the mesh
+    # (pp x dp x tp, torchtitan's order); FSDP shards each stage over its data-parallel ranks.
+    pp: Annotated[int, AT_LEAST_1] = 1
+    # The pipeline's schedule: gpipe (every micro-batch's forward, then every backward: all of them in
+    # flight) or 1f1b (one forward, one backward in the steady state: at most pp in flight; needs
+    # pp_microbatches >= pp).
+    pp_schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    # Pipeline micro-batches per forward/backward of a rank (each train.micro_batch_size samples); None: pp.
+    pp_microbatches: Annotated[int | None, AT_LEAST_1] = None
     # Seconds a collective of the training process group waits for a rank that does not answer;
     # then the run stops with an error naming the step (exit code 1), so that Slurm can requeue it.
     timeout_s: Annotated[int, TIMEOUT_S] = 600
@@ -303,13 +313,14 @@ class Config:
 
 def resolve_batch(cfg: Config, world_size: int) -> Config:
     """train.global_batch_size made train.rank_batch_size x data-parallel ranks where that is set: the
-    processes over parallel.tp (a tensor-parallel group's ranks share their samples; a tp that does not
-    divide them is refused by the plan's check)."""
+    processes over parallel.tp x parallel.pp (a tensor-parallel group's ranks and a pipeline's stages
+    share their samples; degrees that do not divide them are refused by the plan's check)."""
     if cfg.train.rank_batch_size is None:
         return cfg
-    tp = cfg.parallel.tp if world_size % cfg.parallel.tp == 0 else 1
+    split = cfg.parallel.tp * cfg.parallel.pp  # a pipeline's stages share their samples too
+    split = split if world_size % split == 0 else 1
     return dataclasses.replace(
-        cfg, train=dataclasses.replace(cfg.train, global_batch_size=cfg.train.rank_batch_size * (world_size // tp))
+        cfg, train=dataclasses.replace(cfg.train, global_batch_size=cfg.train.rank_batch_size * (world_size // split))
     )
 
 

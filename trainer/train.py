@@ -22,6 +22,7 @@ from trainer.config import Config, dump, to_dict
 from trainer.observe.metrics import Reporter, Speed, peak_flops, start_times, timed
 from trainer.observe.trackers import Trackers, sinks_on
 from trainer.parallel import plan as parallel
+from trainer.parallel import pp as pipeline
 from trainer.preflight.interval import GPU_MTBF_HOURS, AutoInterval, save_seconds
 from trainer.preflight.startup import Ready, nothing_to_do
 from trainer.resilience import hangs, health, signals
@@ -32,10 +33,13 @@ log = logging.getLogger("trainer")
 
 
 def batch_plan(cfg: Config, dp_size: int) -> tuple[int, int]:
-    """(micro-batch size, accumulation steps) per rank, the global batch divided over the `dp_size`
-    data-parallel ranks (the plan's); the config check guarantees they divide."""
+    """(samples per forward/backward, accumulation steps) per rank, the global batch divided over the
+    `dp_size` data-parallel ranks (the plan's); the config check guarantees they divide. Under pipeline
+    parallelism one forward/backward is parallel.pp_microbatches micro-batches of train.micro_batch_size
+    (default: the rank's samples over them)."""
     per_rank = cfg.train.global_batch_size // dp_size
-    micro = cfg.train.micro_batch_size or per_rank
+    p = cfg.parallel
+    micro = pipeline.micro_batch(p, per_rank, cfg.train.micro_batch_size) * pipeline.microbatches(p)
     return micro, per_rank // micro
 
 
@@ -75,7 +79,9 @@ def evaluate(
         x, y, _ = next(batches)
         x, y = x.to(env.device), y.to(env.device)
         with plan.autocast(compute_dtype), plan.loss_parallel():  # under tp the logits stay vocabulary-sharded
-            logits = model(x)
+            logits = plan.forward(model, x, y)  # None on a pipeline stage before the last
+            if logits is None:
+                continue
             totals[0] += _local(family.loss(logits, y)).double() * y.numel()
         if family.kind == "classifier":
             totals[1] += (logits.argmax(-1) == y).sum()
@@ -175,7 +181,7 @@ class Run:
         early = early_stopping.EarlyStop(cfg.train.early_stop_patience, cfg.train.early_stop_min_delta)
         best = early_stopping.Best()
         parts = {"scheduler": scheduler, "scaler": scaler, early_stopping.PART: early, early_stopping.BEST: best}
-        ckpt = _checkpointer(cfg, env, io_group, lease, model, optimizer, parts)
+        ckpt = _checkpointer(cfg, env, io_group, lease, model, optimizer, parts, plan)
         reporter = Reporter(cfg.run_dir, cfg.log, cfg.train.steps, env.is_main)
         train_set, eval_set = datasets
         return cls(
@@ -209,7 +215,8 @@ def _plan(cfg: Config, env: distributed.Env, group) -> tuple[parallel.Plan, str 
     needing every_micro_batch makes it so for all); and the line that says why, or None."""
     from trainer.preflight import memory
 
-    micro, _ = batch_plan(cfg, parallel.Plan(cfg.parallel, env.world_size).dp_size)
+    forward, _ = batch_plan(cfg, parallel.Plan(cfg.parallel, env.world_size).dp_size)
+    micro = forward // pipeline.microbatches(cfg.parallel)  # the estimate's: one micro-batch of a stage
     if env.device.type == "cuda":
         have = torch.cuda.get_device_properties(env.device).total_memory
     else:
@@ -387,7 +394,7 @@ def _train(run: Run) -> None:
             scaler.unscale_(optimizer)
         grad_norm = None
         if cfg.train.grad_clip is not None:
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+            grad_norm = plan.clip_grad_norm(model, cfg.train.grad_clip)  # over every pipeline stage
 
         # step (an async save in flight must have copied the weights first)
         ckpt.wait_staged()
@@ -421,8 +428,9 @@ def _train(run: Run) -> None:
             if diverged:
                 _raise_diverged(first_bad, ckpt)
             stopping = stops > 0
-            # the ranks of one tp group hold the same loss: the mean over all is the data-parallel mean
-            values = {"loss": loss_total / env.world_size, "lr": lr, **data.epochs(train_set, samples)}
+            # the ranks of one tp group hold the same loss: the mean over all is the data-parallel mean;
+            # of a pipeline's stages only the last holds it (plan.loss_ranks: the ranks that do)
+            values = {"loss": loss_total / plan.loss_ranks, "lr": lr, **data.epochs(train_set, samples)}
             if grad_norm is not None:
                 values["grad_norm"] = _full(grad_norm).item()
             if scaler:
@@ -503,10 +511,14 @@ def _save(run: Run, model, step: int, samples: int, first_bad: torch.Tensor, sto
     run.ckpt.save_due(step, {"samples": samples, "config": to_dict(run.cfg), **data.position(run.train_set)}, stopping)
 
 
-def _checkpointer(cfg: Config, env, io_group, lease, model, optimizer, parts: dict) -> manager.Checkpointer:
-    """The run's checkpoint manager of the model, the optimizer and the named `parts` beside them."""
+def _checkpointer(
+    cfg: Config, env, io_group, lease, model, optimizer, parts: dict, plan: parallel.Plan
+) -> manager.Checkpointer:
+    """The run's checkpoint manager of the model, the optimizer and the named `parts` beside them (a
+    pipeline's stages each save their own, under the whole model's names)."""
+    stages = plan.mesh["pp"].get_group() if plan.pp > 1 else None
     ckpt = manager.Checkpointer(
-        cfg.checkpoint, cfg.run_dir, env.rank, env.world_size, io_group, model, optimizer, parts=parts
+        cfg.checkpoint, cfg.run_dir, env.rank, env.world_size, io_group, model, optimizer, parts=parts, stages=stages
     )
     if lease:  # rank 0 reads the lease again right before it commits or deletes a checkpoint
         ckpt.still_owner = lease.check
@@ -587,9 +599,13 @@ def _begin_steps(run: Run, model, step: int) -> None:
     cfg, env, plan, ckpt, reporter = run.cfg, run.env, run.plan, run.ckpt, run.reporter
     micro, accum = batch_plan(cfg, plan.dp_size)
     n_params = sum(p.numel() for p in model.parameters())  # sharded: numel() is the global size
+    m = plan.pp_microbatches
+    params = f"{n_params / 1e6:.2f}M params" + (f" on stage 0 of {plan.pp}" if plan.pp > 1 else "")  # rank 0's
+    stages = f", pipeline schedule {cfg.parallel.pp_schedule}" if plan.pp > 1 else ""
+    samples = f"{micro // m} samples x {m} pipeline micro-batches" if plan.pp > 1 else f"{micro} samples"
     reporter.message(
-        f"training {cfg.model.name} ({n_params / 1e6:.2f}M params) on {env.world_size} x {env.device.type}, "
-        f"strategy {plan.strategy}, {micro} samples x {accum} micro-batches per rank, steps "
+        f"training {cfg.model.name} ({params}) on {env.world_size} x {env.device.type}, "
+        f"strategy {plan.strategy}{stages}, {samples} x {accum} micro-batches per rank, steps "
         f"{step}->{cfg.train.steps}"
     )
     if run.grad_sync_line:

@@ -182,8 +182,8 @@ def test_the_example_degrees_come_out_of_parallel_dims():
     assert (pp.mesh_shape, pp.mesh_names) == ((4, 2, 2), ("pp", "dp_shard", "tp"))
     assert pp.dims.dp_size == 2 and pp.dims.non_data_parallel_size == 8
     assert pp.samples_of == [0, 0, 1, 1] * 4
-    assert pp.problems(pp.dims, 8) == []
-    assert pp.problems(pp.dims, 6) == [
-        ("parallel.pp", "is 4 but the model's 6 blocks do not split into as many stages")
+    assert pp.stage_of == [s for s in range(4) for _ in range(4)]
+    assert pp.found == [
+        ("parallel.pp", "4 stages do not split the model's 6 blocks (model.n_layers) evenly; choose a divisor of 6")
     ]
-    assert ("parallel.pp", "is 4 but pipeline parallelism is not built; set pp=1") in pp.dims.problems()
+    assert pp.dims.problems() == []

@@ -34,16 +34,32 @@ from trainer.parallel.plan import Plan
         # tensor parallelism innermost: a tp group's ranks are consecutive
         (ParallelArgs(tp=2), 8, 8, (1, 4, 1, 2, 1), (4, 2), ("dp_shard", "tp")),
         (ParallelArgs(tp=4), 4, 4, (1, 1, 1, 4, 1), (1, 4), ("dp_shard", "tp")),
+        # pipeline stages outermost: pp x dp_shard
+        (ParallelArgs(pp=2), 4, None, (1, 2, 1, 1, 2), (2, 2), ("pp", "dp_shard")),
+        (ParallelArgs(pp=2), 2, None, (1, 1, 1, 1, 2), (2, 1), ("pp", "dp_shard")),
     ],
-    ids=["fsdp4", "fsdp1", "grad_op3", "hybrid2x2", "hybrid-node", "hybrid-one-group", "ddp2", "none1", "tp2x4", "tp4"],
+    ids=[
+        "fsdp4",
+        "fsdp1",
+        "grad_op3",
+        "hybrid2x2",
+        "hybrid-node",
+        "hybrid-one-group",
+        "ddp2",
+        "none1",
+        "tp2x4",
+        "tp4",
+        "pp2x2",
+        "pp2",
+    ],
 )
 def test_each_config_gives_its_degrees_and_mesh(args, world, per_node, degrees, shape, names):
     dims = ParallelDims.of(args, world, per_node)
     assert (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp, dims.pp) == degrees
     assert dims.dp_replicate * dims.dp_shard * dims.cp * dims.tp * dims.pp == world
     assert dims.mesh_dims() == (shape, names)
-    assert dims.dp_dims() == tuple(n for n in names if n != "tp")
-    assert dims.dp_size == world // args.tp
+    assert dims.dp_dims() == tuple(n for n in names if n not in ("tp", "pp"))
+    assert dims.dp_size == world // args.tp // args.pp
     plan = Plan(args, world, ranks_per_node=per_node)
     assert plan.dims == dims  # the plan's degrees are these, derived once
     assert (plan.dp_replicate, plan.dp_shard, plan.tp, plan.dp_size) == (*degrees[:2], degrees[3], dims.dp_size)
@@ -67,24 +83,17 @@ def test_a_data_parallel_rank_skips_the_tensor_parallel_ranks():
     assert staged.dp_size == 2 and staged.mesh_dims() == ((2, 2, 2), ("pp", "dp_shard", "cp"))
 
 
-@pytest.mark.parametrize(
-    "dims, line",
-    [
-        (ParallelDims(4, dp_shard=2, cp=2), "parallel.cp: is 2 but context parallelism is not built; set cp=1"),
-        (ParallelDims(4, dp_shard=2, pp=2), "parallel.pp: is 2 but pipeline parallelism is not built; set pp=1"),
-    ],
-    ids=["cp", "pp"],
-)
-def test_context_and_pipeline_degrees_over_1_are_refused_with_one_line_each(dims, line):
-    assert [f"{key}: {message}" for key, message in dims.problems()] == [line]
+def test_a_context_degree_over_1_is_refused_with_one_line_and_pipeline_stages_are_built():
+    line = "parallel.cp: is 2 but context parallelism is not built; set cp=1"
+    assert [f"{key}: {message}" for key, message in ParallelDims(4, dp_shard=2, cp=2).problems()] == [line]
     assert ParallelDims.of(ParallelArgs(), 4).problems() == []
+    assert ParallelDims(4, dp_shard=2, pp=2).problems() == []  # parallel.pp: tests/unit/test_pp.py
 
 
-@pytest.mark.parametrize("key", ["parallel.cp", "parallel.pp"])
-def test_no_config_key_sets_them_yet(key):
-    """The config has no cp or pp key (1 always): asking for one is the unknown-key line."""
-    with pytest.raises(ConfigError, match=rf"^override '{key}=2': unknown key '{key}'; known keys here: "):
-        load(None, [f"{key}=2"])
+def test_no_config_key_sets_cp_yet():
+    """The config has no cp key (1 always): asking for one is the unknown-key line."""
+    with pytest.raises(ConfigError, match=r"^override 'parallel.cp=2': unknown key 'parallel.cp'; known keys here: "):
+        load(None, ["parallel.cp=2"])
 
 
 def test_the_plans_refusals_are_unchanged_and_the_degrees_add_none_to_a_good_config():

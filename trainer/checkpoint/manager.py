@@ -394,18 +394,36 @@ class ModelState:
 class OptimizerState:
     """The optimizer's state, a sharded part, keyed by parameter name. `problem` names what makes a
     state read from a checkpoint unfit before anything is set: its param_groups, which DCP reads as
-    they were pickled, against those of the state_dict() the read was made into."""
+    they were pickled, against those of the state_dict() the read was made into.
 
-    def __init__(self, model, optimizer):
-        self.model, self.optimizer = model, optimizer
+    Under pipeline parallelism (`stages`: the pipeline's process group) each stage's optimizer holds
+    its own parameters, but DCP keeps one copy of the param_groups (one rank's): they name every
+    stage's parameters, so that a checkpoint of any number of stages loads into any other; a stage
+    loads its own of them."""
+
+    def __init__(self, model, optimizer, stages: dist.ProcessGroup | None = None):
+        self.model, self.optimizer, self.stages = model, optimizer, stages
         self.groups: list[dict] = []  # the param_groups of the last state_dict(), as this run has them
+        self.every_stage: list[list] | None = None  # each group's parameters on every stage, in stage order
+        self.own: set[str] = set()  # this stage's parameters (`stages`)
 
     def state_dict(self) -> dict:
         state = get_optimizer_state_dict(self.model, self.optimizer)
+        if self.stages is not None:
+            groups = state.get("param_groups", [])
+            self.own = {p for g in groups for p in g["params"]}
+            if self.every_stage is None:  # gathered once: the stages' parameters do not change
+                every: list = [None] * dist.get_world_size(self.stages)
+                dist.all_gather_object(every, [list(g["params"]) for g in groups], group=self.stages)
+                self.every_stage = [[p for stage in every for p in stage[i]] for i in range(len(groups))]
+            state["param_groups"] = [{**g, "params": list(p)} for g, p in zip(groups, self.every_stage)]
         self.groups = [dict(g) for g in state.get("param_groups", [])]
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        if self.stages is not None:  # this stage's parameters of each group
+            groups = [{**g, "params": [p for p in g["params"] if p in self.own]} for g in state["param_groups"]]
+            state = {**state, "param_groups": groups}
         set_optimizer_state_dict(self.model, self.optimizer, state)
 
     def problem(self, state: dict) -> str | None:
@@ -605,19 +623,26 @@ class Checkpointer:
         optimizer,
         parts: dict[str, Stateful] | None = None,
         sharded: dict[str, Stateful] | None = None,
+        stages: dist.ProcessGroup | None = None,
     ):
         """What a checkpoint holds, each part a `Stateful` saved under its name: `model` and `optimizer`
         (the sharded parts "model" and "optim") and `sharded`, more states of (D)tensors that DCP saves
         and reshards like them (EMA weights, a second optimizer); each rank's random states ("rng");
         and `parts`, states small enough for meta.json (the scheduler, the loss scaler, ...). A new
-        part is one more entry; a checkpoint saved before it existed loads without it."""
+        part is one more entry; a checkpoint saved before it existed loads without it. `stages`: the
+        process group of a pipeline's stages (parallel.pp), whose ranks hold different parameters of
+        one model (each under its whole-model name): meta.json's shapes are all of theirs."""
         self.args, self.run_dir, self.rank, self.world_size, self.group = args, run_dir, rank, world_size, group
-        self.model, self.optimizer = model, optimizer
+        self.model, self.optimizer, self.stages = model, optimizer, stages
+        self.whole_shapes: dict[str, list[int]] | None = None  # every stage's parameters' shapes (`_shapes`)
         self.parts = {name: part for name, part in (parts or {}).items() if part is not None}
         taken = set(self.parts) & set(OWN_KEYS)
         if taken:
             raise ValueError(f"checkpoint part names {sorted(taken)} are meta.json's own keys; choose other names")
-        self.sharded: dict[str, Stateful] = {"model": ModelState(model), "optim": OptimizerState(model, optimizer)}
+        self.sharded: dict[str, Stateful] = {
+            "model": ModelState(model),
+            "optim": OptimizerState(model, optimizer, stages),
+        }
         self.per_rank: dict[str, Stateful] = {"rng": RandomStates()}
         extra = {name: part for name, part in (sharded or {}).items() if part is not None}
         taken = set(extra) & (set(self.sharded) | set(self.per_rank) | set(self.parts))
@@ -824,6 +849,17 @@ class Checkpointer:
         self.metadata = save_plan.metadata_of(*common[0], own[0], now, self.rank)
         self.chunk_index = None
 
+    def _shapes(self, model_state: dict) -> dict[str, list[int]]:
+        """The whole model's parameter shapes: this rank's, and under pipeline parallelism (`stages`)
+        every stage's, gathered once over the pipeline's group (they do not change during a run)."""
+        if self.stages is None:
+            return shapes(model_state)
+        if self.whole_shapes is None:
+            every: list = [None] * dist.get_world_size(self.stages)
+            dist.all_gather_object(every, shapes(model_state), group=self.stages)
+            self.whole_shapes = {key: shape for stage in every for key, shape in stage.items()}
+        return self.whole_shapes
+
     def load(self) -> dict | None:
         """Restore every part from the newest usable checkpoint: the sharded ones (model, optimizer,
         ...), the small ones from meta.json, and the per-rank ones (random states) where as many ranks
@@ -840,7 +876,7 @@ class Checkpointer:
             state = {name: part.state_dict() for name, part in self.sharded.items() if name in names}
             if self.metadata == "indexed":
                 self._index_slices(state)
-            check_compatible(path, meta["shapes"], shapes(state["model"]))
+            check_compatible(path, meta["shapes"], self._shapes(state["model"]))
             saved_optimizer = meta.get("optimizer", type(optimizer).__name__)
             if saved_optimizer != type(optimizer).__name__:
                 raise CheckpointError(
@@ -963,7 +999,7 @@ class Checkpointer:
             **{name: part.state_dict() for name, part in self.parts.items()},
             "sharded": list(state),
             "optimizer": type(self.optimizer).__name__,
-            "shapes": shapes(state["model"]),
+            "shapes": self._shapes(state["model"]),
             "torch": torch.__version__,
             "trainer": __version__,  # the trainer that saved it (trainer/__init__.py)
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

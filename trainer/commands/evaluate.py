@@ -61,12 +61,12 @@ def config(run_dir: str, path: str, overrides: list[str]):
         )
     if cfg.eval.batches < 1:
         raise ConfigError(f"eval.batches is {cfg.eval.batches}; give 1 or more micro-batches per rank")
-    # How the weights are spread does not change the numbers; a hybrid mesh of the training's
-    # shape may not fit this number of processes. Mixed precision (the numbers) stays.
+    # How the weights are spread does not change the numbers; a hybrid mesh or a pipeline of the
+    # training's shape may not fit this number of processes. Mixed precision (the numbers) stays.
     return dataclasses.replace(
         cfg,
         parallel=dataclasses.replace(
-            cfg.parallel, sharding="full", shard_size=None, activation_checkpointing=False, cpu_offload=False
+            cfg.parallel, sharding="full", shard_size=None, activation_checkpointing=False, cpu_offload=False, pp=1
         ),
     )
 

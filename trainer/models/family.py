@@ -90,3 +90,11 @@ class Family:
     # embeddings and head) over the 1D "tp" mesh, as torchtitan's parallelize_llama does. None: the
     # family refuses parallel.tp > 1.
     tp_plan: Callable[[nn.Module, DeviceMesh], None] | None = None
+    # Its pipeline split, pp_split(model, stage, stages): cut the unwrapped model in place down to stage
+    # `stage` of `stages` (consecutive blocks; the embedding on the first stage, the norm and head on the
+    # last), keeping each kept parameter under its whole-model name, as torchtitan's pipeline_llm does.
+    # A stage's forward takes the previous stage's output. None: the family refuses parallel.pp > 1.
+    pp_split: Callable[[nn.Module, int, int], None] | None = None
+    # With pp_split: the number of blocks the pipeline splits, from the resolved model keys (torch-free:
+    # the config check refuses a pp that does not divide them).
+    pp_blocks: Callable[[ModelArgs], int] | None = None

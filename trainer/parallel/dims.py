@@ -5,7 +5,7 @@ dimension of the device mesh spans, derived once from the config's parallel sect
     dp_shard      ranks one parameter is sharded over (FSDP: all data-parallel ranks, hybrid: a group)
     cp            context parallelism: ranks that split each sequence (not built: 1)
     tp            tensor parallelism: ranks of one node that split each block's matmuls (parallel.tp)
-    pp            pipeline parallelism: stages that hold consecutive blocks (not built: 1)
+    pp            pipeline parallelism: stages that hold consecutive blocks (parallel.pp)
 
 Their product is the world. The mesh's dimensions go outer to inner in torchtitan's order, pp,
 dp_replicate, dp_shard, cp, tp: tp innermost, so that the ranks of a tensor-parallel group are
@@ -48,14 +48,14 @@ class ParallelDims:
         """The degrees of the parallel section `args` on `world_size` ranks. Hybrid sharding's groups
         are parallel.shard_size ranks, else one node's (`ranks_per_node`; else torchrun's
         LOCAL_WORLD_SIZE; else the world)."""
-        tp = args.tp
-        dp = world_size // tp
+        tp, pp = args.tp, args.pp
+        dp = world_size // (tp * pp)
         if args.strategy != "fsdp":  # DDP, or one plain process: every rank holds the whole model
-            return cls(world_size, dp_replicate=dp, tp=tp, named=("dp_replicate",))
+            return cls(world_size, dp_replicate=dp, tp=tp, pp=pp, named=("dp_replicate",))
         if args.sharding == "hybrid":
             shard = args.shard_size or ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-            return cls(world_size, dp_replicate=dp // shard, dp_shard=shard, tp=tp, named=DATA_PARALLEL)
-        return cls(world_size, dp_shard=dp, tp=tp, named=("dp_shard",))
+            return cls(world_size, dp_replicate=dp // shard, dp_shard=shard, tp=tp, pp=pp, named=DATA_PARALLEL)
+        return cls(world_size, dp_shard=dp, tp=tp, pp=pp, named=("dp_shard",))
 
     @property
     def non_data_parallel_size(self) -> int:
@@ -72,6 +72,10 @@ class ParallelDims:
         pipeline stage (outermost) holds every data-parallel rank once."""
         return rank % (self.world_size // self.pp) // (self.cp * self.tp)
 
+    def pp_rank(self, rank: int) -> int:
+        """Rank `rank`'s pipeline stage: the mesh's outermost coordinate."""
+        return rank // (self.world_size // self.pp)
+
     def mesh_dims(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
         """The mesh's shape and dimension names, outer to inner."""
         dims = [(getattr(self, name), name) for name in ORDER if getattr(self, name) > 1 or name in self.named]
@@ -83,11 +87,7 @@ class ParallelDims:
 
     def problems(self) -> list[tuple[str, str]]:
         """What is not built: (key, message), as the plan's checks say them. Context parallelism
-        needs NCCL's ring attention on GPUs (gloo cannot run it); pipeline parallelism comes with
-        its schedule (the plan's `forward_backward` is where it goes)."""
-        found = []
+        needs NCCL's ring attention on GPUs (gloo cannot run it)."""
         if self.cp > 1:
-            found.append(("parallel.cp", f"is {self.cp} but context parallelism is not built; set cp=1"))
-        if self.pp > 1:
-            found.append(("parallel.pp", f"is {self.pp} but pipeline parallelism is not built; set pp=1"))
-        return found
+            return [("parallel.cp", f"is {self.cp} but context parallelism is not built; set cp=1")]
+        return []

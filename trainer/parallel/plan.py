@@ -4,14 +4,16 @@
 the run's named degrees (`dims`: dp_replicate, dp_shard, cp, tp, pp; trainer/parallel/dims.py),
 owns the device mesh built from them, says this rank's data-parallel rank and size, wraps the model
 (`apply`: the config in, the wrapped model out), runs one micro-batch's forward and backward
-(`forward_backward`: the seam pipeline parallelism replaces), and answers what differs between the
+(`forward_backward`: a pipeline schedule's step under pipeline parallelism), and answers what differs between the
 strategies: `no_sync`, the grad scaler, autocast, the config's checks and what one rank holds
 (`memory_factors`). Nothing outside this module asks which strategy runs.
 
-Each technique is a file of its own, as torchtitan's distributed/: tensor parallelism
-(trainer/parallel/tp.py), activation checkpointing (trainer/parallel/activation_checkpointing.py),
-FSDP (trainer/parallel/fsdp.py), float8 (trainer/parallel/float8.py). `apply` composes them in one
-order, torchtitan's: tp, float8, activation checkpointing, compile, then FSDP over the wrapped units.
+Each technique is a file of its own, as torchtitan's distributed/: pipeline parallelism
+(trainer/parallel/pp.py), tensor parallelism (trainer/parallel/tp.py), activation checkpointing
+(trainer/parallel/activation_checkpointing.py), FSDP (trainer/parallel/fsdp.py), float8
+(trainer/parallel/float8.py). `apply` composes them in one order, torchtitan's: the pipeline stage cut,
+tp, float8, activation checkpointing, compile, then FSDP over the wrapped units (then the stage's
+schedule).
 
 Importing this module needs no torch (each function imports it where it runs): the config check
 reads the plan's checks on a login node, as it reads the model families' specs.
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from trainer.config import ConfigError, ParallelArgs
 from trainer.parallel import activation_checkpointing
 from trainer.parallel import fsdp as parallel_fsdp
+from trainer.parallel import pp as parallel_pp
 from trainer.parallel import tp as parallel_tp
 from trainer.parallel.dims import ParallelDims
 
@@ -67,6 +70,10 @@ class MemoryFactors:
     # under accumulation FSDP reduce-scatters every micro-batch: the gradients held are the sharded ones
     # (parallel.grad_sync=every_micro_batch); else unsharded until the last micro-batch
     sharded_accumulation: bool = False
+    # pipeline parallelism: a rank holds one of `pp` stages (1/pp of the blocks, and the root's parameters
+    # at most), and its first stage the activations of `in_flight` micro-batches at once
+    pp: int = 1
+    in_flight: int = 1
 
 
 @dataclass(eq=False)
@@ -83,6 +90,8 @@ class Plan:
     rank: int = 0
     ranks_per_node: int | None = None  # hybrid's default shard group; None: LOCAL_WORLD_SIZE, else the world
     device: Any = "cpu"  # a torch.device or its name: where the parameters live
+    # this rank's pipeline stage and its schedule, set by `apply` under pipeline parallelism (pp > 1)
+    pipeline: parallel_pp.Pipeline | None = None
 
     @classmethod
     def of(cls, args: ParallelArgs, env: Env) -> Plan:
@@ -112,6 +121,22 @@ class Plan:
     def tp(self) -> int:
         """Tensor-parallel degree: ranks that split each block's matmuls (1: none)."""
         return self.dims.tp
+
+    @property
+    def pp(self) -> int:
+        """Pipeline-parallel degree: stages of consecutive blocks (1: none)."""
+        return self.dims.pp
+
+    @property
+    def pp_microbatches(self) -> int:
+        """Pipeline micro-batches per forward/backward (1 without a pipeline)."""
+        return parallel_pp.microbatches(self.args)
+
+    @property
+    def loss_ranks(self) -> int:
+        """Ranks that hold a loss, whose sum over the world the logged mean divides: every rank, or
+        the last pipeline stage's (the world over pp)."""
+        return self.world_size // self.pp
 
     @property
     def dp_size(self) -> int:
@@ -164,7 +189,7 @@ class Plan:
     def problems(self, model: ModelArgs | None = None) -> list[tuple[str, str]]:
         """What is wrong with the parallel config for this world: (key, message), in the order the
         config check says them (trainer.preflight.check.validate raises the first, blamed on its source).
-        `model`: the resolved model keys, for what tensor parallelism needs of the model."""
+        `model`: the resolved model keys, for what tensor and pipeline parallelism need of the model."""
         p, found = self.args, []
         if p.strategy != "fsdp" and p.cpu_offload:
             found.append(("parallel.cpu_offload", f"needs parallel.strategy=fsdp (it is {p.strategy})"))
@@ -180,6 +205,8 @@ class Plan:
         if self.tp > 1:
             node = self.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 0))  # under torchrun
             found += parallel_tp.problems(p, self.world_size, node, model)
+        if self.pp > 1:
+            found += parallel_pp.problems(p, self.world_size, model)
         return found + self.dims.problems()
 
     def check(self, where: str = "config", model: ModelArgs | None = None) -> None:
@@ -199,7 +226,10 @@ class Plan:
             node_shards=self.hybrid and self.dp_shard < self.dp_size,
             finer_per_node=self.fsdp and not p.shard_size,
             finer_with_nodes=self.fsdp and not self.hybrid,
-            sharded_accumulation=self.fsdp and p.grad_sync == "every_micro_batch",
+            # under a pipeline the stage's schedule reduce-scatters at the end of each of its steps
+            sharded_accumulation=self.fsdp and (p.grad_sync == "every_micro_batch" or self.pp > 1),
+            pp=self.pp,
+            in_flight=parallel_pp.in_flight(p) if self.pp > 1 else 1,
         )
 
     # -- training -----------------------------------------------------------------------------------
@@ -254,14 +284,53 @@ class Plan:
         """One micro-batch (`micro` of `accum`) through the model and back: the forward under autocast
         (`compute_dtype`: autocast_dtype's), the loss divided by `accum`, the backward of it times
         `grad_scale` (through `scaler`, where float16 scales the loss), gradients reduced as
-        `grad_sync` says. The loss, detached (under tp a replicated DTensor). Pipeline parallelism
-        replaces this one call with its schedule's step."""
+        `grad_sync` says. The loss, detached (under tp a replicated DTensor).
+
+        Under pipeline parallelism `x` and `y` are pp_microbatches micro-batches, which the stage's
+        schedule runs through the stages (`forward_backward_pipeline`)."""
+        if self.pipeline is not None:
+            return self.forward_backward_pipeline(x, y, loss_fn, accum, compute_dtype, grad_scale)
         with self.grad_sync(model, micro, accum), self.loss_parallel():
             with self.autocast(compute_dtype):
                 loss = loss_fn(model(x), y) / accum
             grad_loss = loss * grad_scale if grad_scale != 1 else loss
             scaler.scale(grad_loss).backward() if scaler else grad_loss.backward()
         return loss.detach()
+
+    def forward_backward_pipeline(self, x, y, loss_fn, accum, compute_dtype, grad_scale) -> torch.Tensor:
+        """forward_backward through the pipeline: the schedule's step over its m micro-batches, each
+        micro-batch's loss divided by accum x m (so the gradients are those of the mean over the batch,
+        as without a pipeline) and multiplied by `grad_scale`. FSDP reduce-scatters the stage's gradients
+        at the end of the step (the schedule's), accumulating over the steps of one optimizer step. The
+        loss, detached: the batch's mean / accum on the last stage, 0 on the others (`loss_ranks`)."""
+        import torch
+
+        def loss(output, target):
+            value = loss_fn(output, target) / (accum * self.pipeline.n_microbatches)
+            return value * grad_scale if grad_scale != 1 else value
+
+        with self.autocast(compute_dtype):
+            losses = self.pipeline.step(x, y, loss)
+        if not losses:
+            return torch.zeros((), device=x.device)
+        total = torch.stack(losses).sum().detach()
+        return total / grad_scale if grad_scale != 1 else total
+
+    def forward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        """The model's output for `x`, forward only (evaluation): through the pipeline's stages under
+        pipeline parallelism, where only the last stage has it (None on the others)."""
+        if self.pipeline is not None:
+            return self.pipeline.forward(x, y)
+        return model(x)
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip the gradients to the global norm `max_norm`: over every parameter of the model, every
+        pipeline stage's too. The norm (a DTensor under FSDP without a pipeline)."""
+        import torch
+
+        if self.pipeline is None:
+            return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        return parallel_pp.clip_grad_norm(list(model.parameters()), max_norm, self.mesh["pp"].get_group())
 
     def scaler(self):
         """Loss scaling, needed for float16 compute only (None otherwise)."""
@@ -282,7 +351,12 @@ class Plan:
         import torch
 
         args, device = self.args, self.device
-        if self.tp > 1:  # first, as torchtitan: checkpointing, compile and FSDP see the DTensor blocks
+        stage = self.dims.pp_rank(self.rank)
+        if self.pp > 1:  # first, as torchtitan: every technique below sees this rank's stage only
+            if family.pp_split is None:
+                raise ConfigError(f"parallel.pp: is {self.pp} but this model has no pipeline split; set pp=1")
+            family.pp_split(model, stage, self.pp)
+        if self.tp > 1:  # as torchtitan: checkpointing, compile and FSDP see the DTensor blocks
             parallel_tp.apply_tp(model, family, self.mesh["tp"])
         if args.float8 != "none":  # first, as torchtitan: compile, checkpointing and FSDP see the float8 layers
             from trainer.parallel import float8
@@ -305,7 +379,7 @@ class Plan:
 
             model = model.to_empty(device=device) if parallel_fsdp.on_meta(model) else model.to(device)
             return DistributedDataParallel(model, device_ids=[device.index] if self._device_type == "cuda" else None)
-        return parallel_fsdp.apply_fsdp(
+        model = parallel_fsdp.apply_fsdp(
             model,
             units,
             self.dp_mesh,
@@ -315,6 +389,9 @@ class Plan:
             reshard_after_forward=args.sharding != "grad_op",
             device=device,
         )
+        if self.pp > 1:
+            self.pipeline = parallel_pp.Pipeline(model, stage, self.pp, args, device, self.mesh["pp"].get_group())
+        return model
 
 
 def has_batchnorm(model: nn.Module) -> bool:

@@ -33,6 +33,7 @@ from trainer.config import (
 from trainer.models import FamilyError, family_of
 from trainer.models import choices as model_choices
 from trainer.optim import schedule_warning
+from trainer.parallel import pp as pipeline
 from trainer.parallel.plan import Plan
 from trainer.prepare import token_file_problem
 from trainer.rundir import files
@@ -150,15 +151,16 @@ def checked(
             fail(f"log.{name}", problem)
 
     # batch arithmetic: the global batch is divided over the data-parallel ranks, the world over
-    # parallel.tp (the ranks of one tensor-parallel group share their samples); a tp that does not
-    # divide the world is the plan's to refuse, below
+    # parallel.tp x parallel.pp (the ranks of one tensor-parallel group and a pipeline's stages share
+    # their samples); degrees that do not divide the world are the plan's to refuse, below
     plan = Plan(cfg.parallel, world_size, ranks_per_node=node_size or ranks_per_node)
-    if world_size % plan.tp == 0:
+    if world_size % (plan.tp * plan.pp) == 0:
         t, dp = resolve_batch(cfg, world_size).train, plan.dp_size
+        split = " x ".join(f"{name} {n}" for name, n in (("tp", plan.tp), ("pp", plan.pp)) if n > 1)
         ranks = (
             f"{world_size} processes"
-            if plan.tp == 1
-            else f"{dp} data-parallel ranks (dp_size: {world_size} / tp {plan.tp})"
+            if dp == world_size
+            else f"{dp} data-parallel ranks (dp_size: {world_size} / {split})"
         )
         if t.global_batch_size % dp:
             fail(
@@ -171,10 +173,13 @@ def checked(
                 f"{t.micro_batch_size} does not divide the {per_rank} samples per rank "
                 f"(global_batch_size {t.global_batch_size} / {ranks}); use a divisor of {per_rank}",
             )
+        problem = plan.pp > 1 and pipeline.batch_problem(cfg.parallel, per_rank, t.micro_batch_size, ranks)
+        if problem:
+            fail("train.micro_batch_size" if t.micro_batch_size else "train.global_batch_size", problem)
 
     # parallelism: the plan's own checks (trainer.parallel.plan, imported without torch)
-    tp_model = resolved().model if cfg.parallel.tp > 1 else None  # what tensor parallelism splits
-    for key, message in plan.problems(tp_model):
+    split_model = resolved().model if cfg.parallel.tp > 1 or cfg.parallel.pp > 1 else None  # what tp and pp split
+    for key, message in plan.problems(split_model):
         fail(key, message)
     if cfg.parallel.float8 != "none":  # torchao, compile, the blocks' dimensions; the GPU is each rank's check_float8
         from trainer.parallel.float8 import config_problem
@@ -235,7 +240,7 @@ def _check_memory(cfg: Config, world_size: int, ranks_per_node: int, fail) -> No
 
     have = memory.machine_bytes()
     per_rank = cfg.train.global_batch_size // memory.dp_size(cfg, world_size)
-    micro = cfg.train.micro_batch_size or per_rank
+    micro = pipeline.micro_batch(cfg.parallel, per_rank, cfg.train.micro_batch_size)
     profile = memory.measure(cfg)
     need = memory.estimate(cfg, world_size, micro, profile=profile)
     if have is None or need.total * ranks_per_node <= have:
@@ -596,7 +601,7 @@ def cpu_memory_line(cfg: Config, world: int) -> str:
     from trainer.preflight import memory
 
     per_rank = cfg.train.global_batch_size // memory.dp_size(cfg, world)
-    need = memory.estimate(cfg, world, cfg.train.micro_batch_size or per_rank)
+    need = memory.estimate(cfg, world, pipeline.micro_batch(cfg.parallel, per_rank, cfg.train.micro_batch_size))
     have = memory.machine_bytes()
     of = f", of the {memory.gb(have)} of this machine" if have else ""
     return (
@@ -653,9 +658,10 @@ def plan_lines(cfg: Config, nproc: int, nnodes: int, per_node: str = "NPROC") ->
     from trainer import models
 
     world = nproc * nnodes
-    dp = Plan(cfg.parallel, world).dp_size
+    plan = Plan(cfg.parallel, world)
+    dp, m = plan.dp_size, plan.pp_microbatches
     per_rank = cfg.train.global_batch_size // dp
-    micro = cfg.train.micro_batch_size or per_rank
+    micro = pipeline.micro_batch(cfg.parallel, per_rank, cfg.train.micro_batch_size)
     family = models.spec(cfg.model)
     tokens = family.input_shape(cfg.model)[0] if family.kind == "lm" else None
     per_step = (
@@ -664,13 +670,23 @@ def plan_lines(cfg: Config, nproc: int, nnodes: int, per_node: str = "NPROC") ->
         else f"{cfg.train.global_batch_size:,} samples per step"
     )
     shape = f"{per_node}={nproc} x NODES={nnodes}"
-    ranks = (
-        f"{world} ranks ({shape})" if dp == world else f"{dp} data-parallel ranks ({shape} / parallel.tp={world // dp})"
-    )
-    lines = [
-        f"batch: global {cfg.train.global_batch_size} / {ranks} / "
-        f"micro-batch {micro} = {per_rank // micro} accumulation step(s); {per_step}"
-    ]
+    split = " x ".join(f"parallel.{name}={n}" for name, n in (("tp", plan.tp), ("pp", plan.pp)) if n > 1)
+    ranks = f"{world} ranks ({shape})" if dp == world else f"{dp} data-parallel ranks ({shape} / {split})"
+    if plan.pp > 1:  # global / dp ranks = pipeline micro-batches x micro-batch x accumulation; the bubble
+        p = cfg.parallel
+        lines = [
+            f"batch: global {cfg.train.global_batch_size} / {ranks} = {m} pipeline micro-batches "
+            f"(parallel.pp_microbatches) x micro-batch {micro} x {per_rank // (m * micro)} accumulation step(s); "
+            f"{per_step}",
+            f"pipeline: {p.pp} stages, schedule {p.pp_schedule}: bubble (pp-1)/(m+pp-1) = {p.pp - 1}/{m + p.pp - 1} "
+            f"= {pipeline.bubble(p):.0%} of each forward/backward idle; the first stage holds "
+            f"{pipeline.in_flight(p)} micro-batch(es) of activations at once",
+        ]
+    else:
+        lines = [
+            f"batch: global {cfg.train.global_batch_size} / {ranks} / "
+            f"micro-batch {micro} = {per_rank // micro} accumulation step(s); {per_step}"
+        ]
     interval = cfg.checkpoint.interval
     if interval == "auto":
         lines.append("checkpoint: interval auto (Young-Daly, chosen by the run from its measured step and save times)")

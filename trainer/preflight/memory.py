@@ -33,6 +33,10 @@ The estimate of one rank's peak, by part (`estimate`):
   all-gathered before the attention's and the MLP's column-wise projections, which they keep for
   backward, two block inputs (`Profile.block_input`) per block: every block's without activation
   checkpointing, the one block being recomputed with it. Those count whole.
+* pipeline parallelism (parallel.pp > 1): a rank holds one stage: 1/pp of the blocks' parameters and,
+  counted on every stage, the root's (the first stage's embedding, the last's norm and head); of the
+  activations 1/pp of one sample's (the blocks' share), for as many micro-batches as the first stage
+  holds at once (1F1B: pp, GPipe: all of them). Approximate: the last stage's logits are not split.
 * gradients at the peak: the peak is at the start of backward. Without gradient accumulation none
   exist then (set to None after each step; backward makes them as it frees the activations), so
   they count only where they outgrow the activations. With accumulation the earlier micro-batches'
@@ -59,6 +63,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer import torch_compat
+from trainer.parallel import pp as pipeline
 from trainer.parallel.plan import Plan
 from trainer.parallel.plan import dtype as torch_dtype
 
@@ -437,13 +442,16 @@ def estimate(
     fsdp, s, tp = factors.gathers, factors.shards, factors.tp
     # What one rank computes with: under tensor parallelism 1/tp of every parameter (the norms' few
     # weights, replicated over tp, are left out), so 1/tp of what is gathered, reduced and accumulated.
-    p, n, full = cfg.parallel, pr.params // tp, pr.params
+    pp = factors.pp
+    stage = (pr.params - pr.root_params) // pp + pr.root_params  # a stage's parameters (the root's counted whole)
+    p, n, full = cfg.parallel, stage // tp, stage
     root_params, largest_unit = pr.root_params // tp, pr.largest_unit // tp
     b = pr.compute_dtype.itemsize
     state = OPTIMIZER_BYTES[cfg.optim.name] if cfg.optim.name != "sgd" or cfg.optim.momentum else 0
     notes = {}
     over = f"{s // tp} x tp {tp}" if tp > 1 else f"{s}"
-    what = f"1/{s} of {full / 1e6:,.1f}M (sharded over {over} ranks)" if s > 1 else f"all {full / 1e6:,.1f}M"
+    of = f"{full / 1e6:,.1f}M" + (f" (one of {pp} stages)" if pp > 1 else "")
+    what = f"1/{s} of {of} (sharded over {over} ranks)" if s > 1 else f"all {of}"
     parameters, gradients, optimizer = WEIGHT_BYTES * full // s, GRADIENT_BYTES * full // s, state * full // s
     notes["parameters"] = f"float32, {what}"
     notes["gradients"] = f"float32, {what}, held through the next micro-batch's backward (accumulation)"
@@ -477,7 +485,8 @@ def estimate(
     per_sample = tp_activations(pr.per_sample(p.ac_mode), pr, tp, p)
     if p.compile:
         per_sample = int(per_sample * COMPILED_ACTIVATIONS)
-    activations = per_sample * micro_batch
+    per_sample //= pp  # a stage's blocks (1 without a pipeline)
+    activations = per_sample * micro_batch * factors.in_flight
     offloaded = gpu and factors.can_offload and p.cpu_offload
     accumulating = accumulation(cfg, plan.dp_size, micro_batch) > 1
     if not accumulating and not offloaded:  # see the module's docstring: gradients at the peak
@@ -486,8 +495,9 @@ def estimate(
             f"float32, {what}: made in backward as the activations are freed (no accumulation), "
             f"counted only beyond them"
         )
+    flight = f"{factors.in_flight} micro-batches in flight x " if pp > 1 else ""
     notes["activations"] = (
-        f"{micro_batch} sample(s) x {gb(per_sample)}, {ac_words(p)}"
+        f"{flight}{micro_batch} sample(s) x {gb(per_sample)}{f' (1/{pp}: a stage)' if pp > 1 else ''}, {ac_words(p)}"
         f"{f', tp {tp} (the gathered block inputs whole, the rest 1/{tp})' if tp > 1 else ''}"
         f"{f', compiled ({COMPILED_ACTIVATIONS:.0%} of eager)' if p.compile else ''}"
     )
@@ -552,14 +562,15 @@ def choose_grad_sync(
     decided). auto: last_micro_batch (one reduce-scatter a step) where its estimate fits `have`
     bytes, else every_micro_batch (1/N of the gradients held, a reduce-scatter each micro-batch).
     Only FSDP with accumulation has a choice; elsewhere auto means last_micro_batch, which is then
-    what happens (no accumulation: one reduction a step either way; DDP: no_sync)."""
+    what happens (no accumulation: one reduction a step either way; DDP: no_sync), or is not asked (a
+    pipeline's stages reduce-scatter at the end of each schedule step)."""
     p = cfg.parallel
     if p.grad_sync != "auto":
         return cfg, None
     last = _with(cfg, parallel={"grad_sync": "last_micro_batch"})
     plan = Plan(p, world_size, ranks_per_node=ranks_per_node)
-    if not plan.fsdp or accumulation(cfg, plan.dp_size, micro_batch) == 1 or not have:
-        return last, None
+    if not plan.fsdp or plan.pp > 1 or accumulation(cfg, plan.dp_size, micro_batch) == 1 or not have:
+        return last, None  # a pipeline's stage reduce-scatters at the end of each of its schedule's steps
     need = estimate(last, world_size, micro_batch, ranks_per_node, gpu=gpu, profile=profile).total
     if need <= have:
         return last, (
@@ -574,9 +585,11 @@ def choose_grad_sync(
 
 
 def accumulation(cfg, dp_size: int, micro_batch: int) -> int:
-    """Micro-batches per step on each rank (1: no gradient accumulation), the global batch divided
-    over the `dp_size` data-parallel ranks (the world over parallel.tp)."""
-    return max(1, cfg.train.global_batch_size // dp_size // max(1, micro_batch))
+    """Forward/backward passes per step on each rank (1: no gradient accumulation), the global batch
+    divided over the `dp_size` data-parallel ranks (the world over parallel.tp x parallel.pp), each
+    of the pipeline's micro-batches (1 without one) of `micro_batch` samples."""
+    per_pass = max(1, micro_batch) * pipeline.microbatches(cfg.parallel)
+    return max(1, cfg.train.global_batch_size // dp_size // per_pass)
 
 
 def dp_size(cfg, world_size: int) -> int:
@@ -601,7 +614,9 @@ def preflight(
     from trainer.config import ConfigError
 
     pr = measure(cfg, gpu=True)
-    micro = cfg.train.micro_batch_size or cfg.train.global_batch_size // dp_size(cfg, world_size)
+    micro = pipeline.micro_batch(
+        cfg.parallel, cfg.train.global_batch_size // dp_size(cfg, world_size), cfg.train.micro_batch_size
+    )
     cfg, chosen = choose_grad_sync(cfg, world_size, micro, ranks_per_node, have, True, pr)
     need = estimate(cfg, world_size, micro, ranks_per_node, gpu=True, profile=pr)
     if chosen:
@@ -645,7 +660,8 @@ def changes_that_fit(
     pr = profile or measure(cfg, gpu=True)
     tp, batch = cfg.parallel.tp, cfg.train.global_batch_size
     per_rank = batch // dp_size(cfg, world_size)
-    micro = cfg.train.micro_batch_size or per_rank
+    micro = pipeline.micro_batch(cfg.parallel, per_rank, cfg.train.micro_batch_size)
+    staged = cfg.parallel.pp > 1  # what pipeline parallelism does not compose with is not offered
     fixes = []
 
     def fits(changed, world: int = world_size, mb: int = micro, rpn: int = ranks_per_node) -> int | None:
@@ -664,10 +680,11 @@ def changes_that_fit(
         total = fits(_with(cfg, parallel={"activation_checkpointing": mode}))
         if total:
             fixes.append(f"parallel.activation_checkpointing={mode} ({gb(total)})")
-    smaller = [m for m in range(micro - 1, 0, -1) if per_rank % m == 0 and fits(cfg, mb=m)]
+    per_micro = pipeline.microbatches(p)  # a micro-batch divides the rank's samples with the pipeline's others
+    smaller = [m for m in range(micro - 1, 0, -1) if per_rank % (m * per_micro) == 0 and fits(cfg, mb=m)]
     if smaller:
         fixes.append(f"train.micro_batch_size={smaller[0]} ({gb(fits(cfg, mb=smaller[0]))})")
-    if factors.can_offload and not p.cpu_offload:
+    if factors.can_offload and not p.cpu_offload and not staged:
         total = fits(_with(cfg, parallel={"cpu_offload": True}))
         if total:
             fixes.append(f"parallel.cpu_offload=true ({gb(total)}, slower)")
@@ -675,7 +692,7 @@ def changes_that_fit(
         total = fits(_with(cfg, parallel={"sharding": "full"}))
         if total:
             fixes.append(f"parallel.sharding=full ({gb(total)})")
-    if models.spec(cfg.model).tp_plan is not None:  # tensor parallelism inside a node, where the family has a plan
+    if models.spec(cfg.model).tp_plan is not None and not staged:  # tp inside a node, where the family has a plan
         for more in (2, 4, 8):
             if more <= tp or ranks_per_node % more or batch % (world_size // more):
                 continue
@@ -686,21 +703,26 @@ def changes_that_fit(
             if total:
                 fixes.append(f"parallel.tp={more} ({gb(total)})")
                 break
+    split = tp * p.pp  # ranks that share one data-parallel rank's samples
+
+    def dp_of(world: int) -> int:  # its data-parallel ranks, 0 where the degrees do not divide it
+        return world // split if world % split == 0 else 0
+
     if ranks_option and factors.finer_per_node:
         for rpn in (2, 4, 8):
             world = rpn * nodes
-            if rpn <= ranks_per_node or rpn % tp or batch % (world // tp):
+            if rpn <= ranks_per_node or rpn % tp or not dp_of(world) or batch % dp_of(world):
                 continue
-            total = fits(cfg, world, min(micro, batch // (world // tp)), rpn)
+            total = fits(cfg, world, min(micro, batch // dp_of(world) // pipeline.microbatches(p)), rpn)
             if total:
                 fixes.append(f"{ranks_option.format(rpn)} ({gb(total)})")
                 break
     if factors.finer_with_nodes:
         for more in range(nodes + 1, 16 * nodes + 1):
             world = more * ranks_per_node
-            if batch % (world // tp):
+            if not dp_of(world) or batch % dp_of(world):
                 continue
-            total = fits(cfg, world, min(micro, batch // (world // tp)))
+            total = fits(cfg, world, min(micro, batch // dp_of(world) // pipeline.microbatches(p)))
             if total:
                 fixes.append(f"{nodes_option.format(more)} ({gb(total)})")
                 break

@@ -88,6 +88,11 @@ def tp_plan(model: Transformer, mesh) -> None:
     parallelize(model, mesh)
 
 
+def pp_split(model: Transformer, stage: int, stages: int) -> None:
+    """Its pipeline split (Transformer.pipeline_stage): n_layers / stages blocks a stage."""
+    model.pipeline_stage(stage, stages)
+
+
 FAMILY = Family(
     build=build,
     blocks=lambda model: model.blocks(),
@@ -99,4 +104,6 @@ FAMILY = Family(
     flops_per_token=lambda model: model.flops_per_token(),
     hf=hf.ADAPTER,
     tp_plan=tp_plan,
+    pp_split=pp_split,
+    pp_blocks=lambda args: transformer_shape(args).n_layers,
 )

@@ -112,14 +112,19 @@ class Transformer(nn.Module):
         # Tied: the head reads the embedding matrix itself. Sharing one Parameter between two modules
         # would not survive to_empty (the meta-device start) outside FSDP.
         self.output = None if shape.tie_embeddings else nn.Linear(shape.dim, shape.vocab_size, bias=False)
+        # the whole model's parameters and the embedding's, counted before a pipeline stage drops any
+        self.param_counts = sum(p.numel() for p in self.parameters()), self.tok_embeddings.weight.numel()
         cos, sin = self._rope_tables()
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
+        # a pipeline stage after the first takes the previous stage's activations (pipeline_stage)
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.blocks():
             h = layer(h, self.rope_cos, self.rope_sin)
+        if self.norm is None:  # a pipeline stage before the last: its activations go to the next
+            return h
         h = self.norm(h)
         return self.output(h) if self.output is not None else F.linear(h, self.tok_embeddings.weight)
 
@@ -128,7 +133,22 @@ class Transformer(nn.Module):
         return rope_tables(head_size(s), self.seq_len, s.rope_theta, s.rope_scaling)
 
     def blocks(self) -> list[nn.Module]:
-        return list(self.layers)
+        layers = self.layers
+        return list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
+
+    def pipeline_stage(self, stage: int, stages: int) -> None:
+        """Cut this model down to pipeline stage `stage` of `stages` in place (torchtitan's
+        pipeline_llm): its n_layers / stages consecutive blocks, kept in a ModuleDict under their own
+        indices so that every parameter keeps its whole-model name (a checkpoint of any number of
+        stages loads into any other: DCP matches by name); the embedding on the first stage, the norm
+        and the head on the last. The caller checks that `stages` divides n_layers and that the
+        embedding is not tied to the head (they would sit on different stages)."""
+        per = len(self.layers) // stages
+        self.layers = nn.ModuleDict({str(i): self.layers[i] for i in range(stage * per, (stage + 1) * per)})
+        if stage > 0:
+            self.tok_embeddings = None
+        if stage < stages - 1:
+            self.norm, self.output = None, None
 
     def init_weights(self, seed: int) -> None:
         """Deterministic initialisation that does not depend on how the parameters are sharded.
@@ -155,8 +175,9 @@ class Transformer(nn.Module):
             _copy_full_into(param, full)
 
     def num_params(self, exclude_embedding: bool = True) -> int:
-        n = sum(p.numel() for p in self.parameters())
-        return n - self.tok_embeddings.weight.numel() if exclude_embedding else n
+        """The whole model's parameters (a pipeline stage's too), without the embedding's by default."""
+        n, embedding = self.param_counts
+        return n - embedding if exclude_embedding else n
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token: 6·N (forward+backward matmuls) plus the attention scores term.

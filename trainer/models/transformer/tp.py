@@ -40,7 +40,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh) -> None:
             "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
         },
     )
-    for block in model.layers:
+    for block in model.blocks():
         parallelize_module(
             block,
             mesh,
