@@ -732,32 +732,44 @@ def slices(header: dict, arrays: dict, now: GlobalPlan | Chunks | None, world: i
         by_rank[:, j, 0] = arrays[f"f{t}"][chunks]
         by_rank[:, j, 1] = arrays[f"p{t}"][chunks]
         by_rank[:, j, 2] = arrays[f"l{t}"][chunks]
-    overlapped = _overlapping(items, arrays, now, overlapping, world, columns, records)
+    overlapped = _overlapping(items, arrays, now, overlapping, world, columns)
     return shared, np.asarray(own, dtype=np.int64), list(zip(by_rank, overlapped))
 
 
-def _overlapping(items: list, arrays: dict, now, pairs: list, world: int, columns: int, records) -> list[Slice]:
+def _overlapping(items: list, arrays: dict, now, pairs: list, world: int, columns: int) -> list[Slice]:
     """Each rank's Slice of the saved chunks of items `pairs` ((saved item, `now`'s item)) that
     overlap its own chunk of each, items in order; one array of every rank's rows, rank by rank
-    (each rank's Slice a view of its part): nothing sorted or copied but the rows."""
-    found, counts = [], np.zeros((len(pairs), world), dtype=np.int64)
+    (each rank's Slice a view of its part): nothing sorted or copied but the rows. The overlaps are
+    found once per (saved chunk table, current layout): the items of one shape share them."""
+    ndim = (columns - 3) // 2
+    known: dict = {}  # key -> (every rank's saved chunks, rank by rank; how many a rank; its position; offsets, sizes)
+    keys, counts = [], np.zeros((len(pairs), world), dtype=np.int64)
     for i, (t, c) in enumerate(pairs):
         table = items[t]["chunks"]
-        chunk, saved = overlaps(arrays[f"o{table}"], arrays[f"s{table}"], now.offsets[c], now.sizes[c])
-        bounds = np.searchsorted(chunk, np.arange(len(now.offsets[c]) + 1))  # each current chunk's pairs
-        counts[i] = np.diff(bounds)[now.chunk_of[c]]
-        found.append((saved, bounds))
+        key = (table, id(now.offsets[c]), id(now.chunk_of[c]))  # `now` holds them: their ids stay theirs
+        if key not in known:
+            saved_o, saved_s = arrays[f"o{table}"], arrays[f"s{table}"]
+            chunk, saved = overlaps(saved_o, saved_s, now.offsets[c], now.sizes[c])
+            bounds = np.searchsorted(chunk, np.arange(len(now.offsets[c]) + 1))  # each current chunk's pairs
+            n = np.diff(bounds)[now.chunk_of[c]]
+            within = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+            take = saved[within + np.repeat(bounds[now.chunk_of[c]], n)]
+            shape = np.zeros((len(take), 2 * ndim), dtype=np.int64)
+            d = saved_o.shape[1]
+            shape[:, :d], shape[:, ndim : ndim + d] = saved_o[take], saved_s[take]
+            known[key] = (take, n, within, shape)
+        keys.append(key)
+        counts[i] = known[key][1]
     ends = np.cumsum(counts.T.reshape(-1)).reshape(world, len(pairs))  # rank-major: rank r's items in order
     starts = ends - counts.T
     rows = np.empty((int(ends[-1, -1]) if len(pairs) and world else 0, columns), dtype=np.int64)
     item = np.empty(len(rows), dtype=np.int64)
-    for i, (t, c) in enumerate(pairs):
-        saved, bounds = found[i]
-        n = counts[i]
-        chunk_start = bounds[now.chunk_of[c]]
-        take = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n - chunk_start, n)  # each rank's pairs in turn
-        where = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n - starts[:, i], n)
-        rows[where] = records(t, saved[take])
+    for i, (t, _) in enumerate(pairs):
+        take, n, within, shape = known[keys[i]]
+        where = np.repeat(starts[:, i], n) + within
+        rows[where, : 2 * ndim] = shape
+        for column, name in enumerate("fpl"):
+            rows[where, 2 * ndim + column] = arrays[f"{name}{t}"][take]
         item[where] = t
     first = starts[:, 0] if len(pairs) else np.zeros(world, np.int64)
     last = ends[:, -1] if len(pairs) else np.zeros(world, np.int64)
