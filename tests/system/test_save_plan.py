@@ -112,6 +112,7 @@ def _deferred(rank: int, world: int, root: str, seen: dict) -> None:
 
     from tests.helpers.checkpoints import small_parts, small_step
     from trainer.checkpoint import manager, save_plan
+    from trainer.checkpoint.reader import load_metadata
 
     before = save_plan.METADATA_BEFORE_COMMIT
     save_plan.METADATA_BEFORE_COMMIT = 0
@@ -147,6 +148,10 @@ def _deferred(rank: int, world: int, root: str, seen: dict) -> None:
     moved = os.path.join(root, "deferred.metadata")
     if rank == 0:
         os.rename(os.path.join(path, ".metadata"), moved)
+        try:  # what a reader of .metadata is told meanwhile
+            load_metadata(os.path.join(path, ".metadata"))
+        except FileNotFoundError as e:
+            seen["deferred_missing"] = str(e)
     dist.barrier()
     model2, optimizer2, scheduler2 = small_parts(1, mesh)
     small_step(model2, optimizer2, scheduler2)
@@ -210,3 +215,7 @@ def test_a_real_4_rank_save_planned_from_the_layout_is_dcps_and_loads_exactly(tm
     assert code == 0 and said.startswith(f"wrote {path}/.metadata: ") and not errors, seen["deferred_command"]
     assert seen["deferred_same_bytes"], "the command writes what the background process wrote"
     assert seen["deferred_command_again"] == (0, f"{path} has its .metadata already")
+    assert seen["deferred_missing"] == (
+        f"{path}/.metadata is not written (yet): the checkpoint committed without it, its chunks.npz stands for "
+        f"it; `python -m trainer.checkpoint.stock {path}` writes it"
+    )
