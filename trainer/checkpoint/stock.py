@@ -1,6 +1,6 @@
 """`.metadata` for stock DCP, written after the commit from the checkpoint's chunk index.
 
-    python -m trainer.checkpoint.stock CHECKPOINT     # writes CHECKPOINT/.metadata where it is missing
+    python -m trainer.checkpoint.stock CHECKPOINT     # or fsdp-dcp-metadata: CHECKPOINT/.metadata where missing
 
 The trainer's loads read chunks.npz (trainer/checkpoint/save_plan.py), `torch.distributed.checkpoint.load`
 reads `.metadata`: DCP's Metadata pickled, a ChunkStorageMetadata, MetadataIndex and _StorageInfo per
@@ -36,6 +36,7 @@ import time
 
 from torch.distributed.checkpoint.metadata import StorageMeta
 
+from trainer import cli
 from trainer.checkpoint import checksums, save_plan
 from trainer.rundir import files
 
@@ -169,10 +170,10 @@ def _start(held: files.HeldFolder, name: str) -> subprocess.Popen:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m trainer.checkpoint.stock",
-        description=f"Write a checkpoint's {METADATA} (for stock torch.distributed.checkpoint.load) from its "
-        f"{save_plan.INDEX}, where it is missing",
+    parser = cli.parser(
+        "dcp-metadata",
+        f"Write a checkpoint's {METADATA} (for stock torch.distributed.checkpoint.load) from its "
+        f"{save_plan.INDEX}, where it is missing.",
     )
     parser.add_argument("checkpoint", help="a checkpoint folder, e.g. RUN_DIR/checkpoints/step_00001000")
     parser.add_argument("--fd", type=int, help=argparse.SUPPRESS)  # the folder, open: the trainer's background writer
