@@ -130,7 +130,14 @@ class Writer:
                 log.warning("%s's %s was not written (exit %d); %s", path, METADATA, process.returncode, _how(path))
         if self.running is None and self.waiting:
             name, self.waiting = self.waiting, None
+            self._start(name)
+
+    def _start(self, name: str) -> None:
+        try:
             self.running = (name, _start(self.held, name))
+        except OSError as e:  # the checkpoint is committed all the same: only stock DCP's file is missing
+            path = os.path.join(self.held.name, name)
+            log.warning("%s's %s is not written: its writer did not start (%s); %s", path, METADATA, e, _how(path))
 
     def stop(self, name: str) -> None:
         """Before the checkpoint folder `name` is deleted: end its writer, or forget it waiting."""
@@ -146,8 +153,8 @@ class Writer:
     def close(self) -> None:
         self.poll()
         if self.waiting:
-            self.running = (self.waiting, _start(self.held, self.waiting))
-            self.waiting = None
+            name, self.waiting = self.waiting, None
+            self._start(name)
 
 
 def _start(held: files.HeldFolder, name: str) -> subprocess.Popen:
