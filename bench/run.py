@@ -995,13 +995,14 @@ def scale_tables(r: dict) -> list[str]:
             "",
             "| ranks | commit delay with .metadata | without (chunk index only) "
             "| background .metadata after the commit "
-            "| its .metadata MB |",
-            "|---|---|---|---|---|",
+            "| its .metadata MB | the process holds GB |",
+            "|---|---|---|---|---|---|",
         ]
         for n, p in sorted(r["layout"].items(), key=lambda kv: int(kv[0])):
             lines.append(
                 f"| {n} | {cell(p['commit_delay_with_metadata_s'])} | {cell(p['commit_delay_s'])} | "
-                f"{cell(p['layout_stock_s'])} | {cell(p['layout_stock_bytes'], 1e6)} |"
+                f"{cell(p['layout_stock_s'])} | {cell(p['layout_stock_bytes'], 1e6)} | "
+                + (f"{cell(p['layout_stock_held_bytes'], 1e9)} |" if "layout_stock_held_bytes" in p else "- |")
             )
     if r.get("reshard"):
         lines += [

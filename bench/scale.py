@@ -480,6 +480,7 @@ def layout_round(world: int) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         sp.write_index(folder, plan, part_mappings, files, rows)
         del rows, results
+        before = vm("VmRSS")
         t = time.perf_counter()
         with open(os.path.join(folder, sp.INDEX), "rb") as f:
             header, arrays = sp.read_index(f.read())
@@ -487,6 +488,7 @@ def layout_round(world: int) -> dict:
         with open(os.path.join(folder, ".metadata"), "wb") as f:
             pickle.dump(metadata, f)
         r["layout_stock_s"] = time.perf_counter() - t
+        r["layout_stock_held_bytes"] = vm("VmRSS") - before  # what the process holds for it, once built
         r["layout_stock_bytes"] = os.path.getsize(os.path.join(folder, ".metadata"))
     return r
 
@@ -848,11 +850,12 @@ LAYOUT_KEYS = (
     "index_rank_s",
     "layout_stock_s",
     "layout_stock_bytes",
+    "layout_stock_held_bytes",
     "commit_delay_with_metadata_s",
     "commit_delay_s",
 )
 LAYOUT_SLICED = {"layout_results_bytes", "layout_results_gather_s", "layout_finish_s", "layout_metadata_bytes"}
-LAYOUT_SLICED |= {"layout_stock_s", "layout_stock_bytes"}
+LAYOUT_SLICED |= {"layout_stock_s", "layout_stock_bytes", "layout_stock_held_bytes"}
 RESHARD_KEYS = (
     "reshard_read_s",
     "reshard_slices_s",

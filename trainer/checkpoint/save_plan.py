@@ -816,13 +816,18 @@ def metadata_of(
     ndim = (shared.rows.shape[1] - 3) // 2
     storage: dict = {}
 
+    chunks: dict = {}  # (offsets, sizes) -> its one ChunkStorageMetadata: the items of a shape share them
+
     def record(t: int, offsets: list, sizes: list, where: list) -> None:
         it = items[t]
         if it["kind"] == "bytes":
             key = MetadataIndex(it["fqn"])
         else:
             d = len(it["size"])
-            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets[:d]), sizes=torch.Size(sizes[:d]))
+            shape = (tuple(offsets[:d]), tuple(sizes[:d]))
+            chunk = chunks.get(shape)
+            if chunk is None:
+                chunk = chunks[shape] = ChunkStorageMetadata(offsets=torch.Size(shape[0]), sizes=torch.Size(shape[1]))
             md[it["fqn"]].chunks.append(chunk)
             key = MetadataIndex(it["fqn"], chunk.offsets)
         storage[key] = info(files[where[0]], where[1], where[2])
