@@ -984,6 +984,46 @@ def scale_tables(r: dict) -> list[str]:
                 f"{cell(p['index_bytes'], 1e6)} | {cell(p['index_rank0_s'])} | {cell(p['index_rank_s'])} | "
                 f"{cell(p['index_resume_peak_bytes'], 1e6)} | {cell(p['index_slice_bytes'], 1e3)} |"
             )
+    if r.get("layout") and "commit_delay_s" in next(iter(r["layout"].values())):
+        lines += [
+            "",
+            "The commit's delay after the last byte is written (trainer/checkpoint/save_plan.py's finish on rank 0), "
+            "with .metadata built and pickled before the commit (DCP's way, what a save of at most "
+            "save_plan.METADATA_BEFORE_COMMIT chunk records still does) and without it (past that: .metadata "
+            "written after the commit from chunks.npz by a background process, trainer/checkpoint/stock.py, "
+            f"measured on the slice x {r['slice_to_whole']:.2f}). Seconds unless said:",
+            "",
+            "| ranks | commit delay with .metadata | without (chunk index only) "
+            "| background .metadata after the commit "
+            "| its .metadata MB | the process holds GB |",
+            "|---|---|---|---|---|---|",
+        ]
+        for n, p in sorted(r["layout"].items(), key=lambda kv: int(kv[0])):
+            lines.append(
+                f"| {n} | {cell(p['commit_delay_with_metadata_s'])} | {cell(p['commit_delay_s'])} | "
+                f"{cell(p['layout_stock_s'])} | {cell(p['layout_stock_bytes'], 1e6)} | "
+                + (f"{cell(p['layout_stock_held_bytes'], 1e9)} |" if "layout_stock_held_bytes" in p else "- |")
+            )
+    if r.get("reshard"):
+        lines += [
+            "",
+            "A resume on another number of ranks (the whole state saved by SAVED ranks, FSDP2 Shard(0), resumed "
+            "on NOW): rank 0 reads, hashes, checks and parses chunks.npz, makes every rank's part (the saved "
+            "chunks overlapping its own, save_plan.slices) and pickles them; a rank (the middle one) unpickles "
+            "its part, makes DCP's metadata of it and its load plan. Seconds unless said:",
+            "",
+            "| saved -> now | rank 0 | of it: the slices | a rank | rank 0 peak MB | a rank's slice KB "
+            "| the largest slice KB | records in a rank's slice | its read items | common part KB |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for pair, p in r["reshard"].items():
+            lines.append(
+                f"| {pair.replace(':', ' -> ')} | {cell(p['reshard_rank0_s'])} | {cell(p['reshard_slices_s'])} | "
+                f"{cell(p['reshard_rank_s'])} | {cell(p['reshard_rank0_peak_bytes'], 1e6)} | "
+                f"{cell(p['reshard_slice_bytes'], 1e3)} | {cell(p['reshard_slice_max_bytes'], 1e3)} | "
+                f"{number(p['reshard_slice_records']['median'])} | {number(p['reshard_rank_read_items']['median'])} | "
+                f"{cell(p['reshard_header_bytes'], 1e3)} |"
+            )
     if not r.get("planning"):
         return lines + _rendezvous_lines(r, cell)
     lines += [

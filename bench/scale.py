@@ -1,7 +1,7 @@
 """How a checkpoint's planning, its metadata and the rendezvous grow with the number of ranks.
 
     .venv/bin/python -m bench.scale --out scale.json [--ranks 1024 ... 16384] [--rounds 3] [--dcp]
-                                    [--rendezvous 2 4 8 16]
+                                    [--rendezvous 2 4 8 16] [--reshard 16384:8192 16384:12000]
 
 The trainer's planning (trainer/checkpoint/save_plan.py), without processes, the whole Llama-3.1-8B state below
 at N ranks, each round in a fresh process (`layout_round`, `index_round`):
@@ -15,6 +15,12 @@ at N ranks, each round in a fresh process (`layout_round`, `index_round`):
   resume        rank 0: chunks.npz read, hashed, checked and parsed, every rank's slice, the common
                 part and the N slices pickled (broadcast, scatter); one rank: its slice unpickled, DCP's
                 metadata of it, its load plan (trainer/load_plan.Planner)
+  commit delay  what the commit waits for after the last write: the chunk index, with or without
+                .metadata built and pickled before it (past save_plan.METADATA_BEFORE_COMMIT, without);
+                and the background process's .metadata from chunks.npz after the commit (stock.py, on
+                the slice x 1164/48)
+  reshard       (--reshard SAVED:NOW) a resume on NOW ranks of a checkpoint saved by SAVED: rank 0 as
+                at a resume, each rank's slice the saved chunks overlapping its own; one rank as above
 
 With --dcp, DCP's own planning too (minutes a round at 16k ranks; bench/results/2026-11-27-vm.md):
 each rank's SavePlan is built as DCP builds it for the trainer's
@@ -466,6 +472,24 @@ def layout_round(world: int) -> dict:
     data = pickle.dumps(metadata)
     r["layout_finish_s"] = r["layout_results_gather_s"] + time.perf_counter() - t
     r["layout_metadata_bytes"] = len(data)
+    del metadata, storage, data
+
+    # .metadata after the commit (trainer/checkpoint/stock.py's background process), on the slice:
+    # the chunk index read and parsed, DCP's Metadata built from it and pickled to a file
+    files, rows = sp.storage_rows(plan, results)
+    with tempfile.TemporaryDirectory() as folder:
+        sp.write_index(folder, plan, part_mappings, files, rows)
+        del rows, results
+        before = vm("VmRSS")
+        t = time.perf_counter()
+        with open(os.path.join(folder, sp.INDEX), "rb") as f:
+            header, arrays = sp.read_index(f.read())
+        metadata = sp.full_metadata(header, arrays)
+        with open(os.path.join(folder, ".metadata"), "wb") as f:
+            pickle.dump(metadata, f)
+        r["layout_stock_s"] = time.perf_counter() - t
+        r["layout_stock_held_bytes"] = vm("VmRSS") - before  # what the process holds for it, once built
+        r["layout_stock_bytes"] = os.path.getsize(os.path.join(folder, ".metadata"))
     return r
 
 
@@ -570,6 +594,71 @@ def index_round(world: int) -> dict:
     r["index_rank_s"] = time.perf_counter() - t
     r["index_rank_read_items"] = len(planned.items)
     assert len(planned.items) <= len(items)  # each item read from its one saved chunk (none where the chunk is empty)
+    return r
+
+
+def reshard_round(saved: int, world: int) -> dict:
+    """A resume on `world` ranks from a checkpoint of the whole 8B state saved by `saved` ranks, as
+    the trainer does it (trainer/checkpoint/manager.py `_checked_metadata`, `_index_slices`): rank 0
+    reads, hashes, checks and parses chunks.npz, describes the current layout (save_plan.Chunks),
+    makes every rank's part of the index (save_plan.slices: of each tensor the saved chunks that
+    overlap the rank's own chunk) and pickles the common part and the N parts (the broadcast and
+    the scatter); one rank (the middle one) unpickles its part, makes DCP's Metadata of it and its
+    load plan (trainer/load_plan.Planner)."""
+    import xxhash
+
+    from trainer.checkpoint import load_plan
+    from trainer.checkpoint import save_plan as sp
+
+    items = state_items(llama_shapes(), True)
+    r: dict = {"saved": saved, "world": world}
+    plan = sp.GlobalPlan(layout_items(items, saved), saved)
+    files, rows = sp.storage_rows(plan, synthetic_written(plan, saved))
+    with tempfile.TemporaryDirectory() as folder:
+        sp.write_index(folder, plan, mappings_of(items), files, rows)
+        del rows, plan
+        path = os.path.join(folder, sp.INDEX)
+        digest = xxhash.xxh3_64_intdigest(Path(path).read_bytes())  # the manifest's record, at the commit
+        base = vm("VmRSS")
+        t = time.perf_counter()
+        with open(path, "rb") as f:
+            data = f.read()
+        assert xxhash.xxh3_64_intdigest(data) == digest
+        header, arrays = sp.read_index(data)
+        del data
+        r["reshard_read_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    now = sp.Chunks(layout_items(items, world), world)
+    shared, own_items, parts = sp.slices(header, arrays, now, world)
+    r["reshard_slices_s"] = time.perf_counter() - t
+    del arrays, now
+    t = time.perf_counter()
+    header_blob = pickle.dumps((header, shared, own_items))
+    sent = [pickle.dumps(p) for p in parts]
+    r["reshard_send_s"] = time.perf_counter() - t
+    r["reshard_header_bytes"] = len(header_blob)
+    rank = world // 2
+    sizes = [len(b) for b in sent]
+    r["reshard_slice_bytes"], r["reshard_slice_max_bytes"] = sizes[rank], max(sizes)
+    r["reshard_slice_records"] = len(parts[rank][1].item)
+    r["reshard_rank0_s"] = r["reshard_read_s"] + r["reshard_slices_s"] + r["reshard_send_s"]
+    r["reshard_rank0_peak_bytes"] = vm("VmHWM") - base
+    del parts
+
+    # one rank
+    state = load_state(items, world, rank)
+    layout = layout_items(items, world)
+    t = time.perf_counter()
+    mine = sp.metadata_of(*pickle.loads(header_blob), pickle.loads(sent[rank]), sp.Chunks(layout, world), rank)
+    planner = load_plan.Planner(None)
+    planner.set_up_planner({}, mine, is_coordinator=False)
+    planner.original_state_dict = state
+    planner.state_dict, planner.mappings = _flatten(state)
+    planned = planner.create_local_plan()
+    r["reshard_rank_s"] = time.perf_counter() - t
+    r["reshard_rank_read_items"] = len(planned.items)
+    # each sharded item read from the 1 or 2 saved chunks its rows overlap (at most 3 at 16,384 -> 12,000)
+    assert len(planned.items) <= 3 * len(items), len(planned.items)
     return r
 
 
@@ -759,8 +848,27 @@ LAYOUT_KEYS = (
     "index_rank0_s",
     "index_resume_peak_bytes",
     "index_rank_s",
+    "layout_stock_s",
+    "layout_stock_bytes",
+    "layout_stock_held_bytes",
+    "commit_delay_with_metadata_s",
+    "commit_delay_s",
 )
 LAYOUT_SLICED = {"layout_results_bytes", "layout_results_gather_s", "layout_finish_s", "layout_metadata_bytes"}
+LAYOUT_SLICED |= {"layout_stock_s", "layout_stock_bytes", "layout_stock_held_bytes"}
+RESHARD_KEYS = (
+    "reshard_read_s",
+    "reshard_slices_s",
+    "reshard_send_s",
+    "reshard_header_bytes",
+    "reshard_slice_bytes",
+    "reshard_slice_max_bytes",
+    "reshard_slice_records",
+    "reshard_rank0_s",
+    "reshard_rank0_peak_bytes",
+    "reshard_rank_s",
+    "reshard_rank_read_items",
+)
 
 
 def summary(rounds: list[dict], keys, factor: float = 1.0) -> dict:
@@ -783,6 +891,10 @@ def main() -> int:
     parser.add_argument("--dcp", action="store_true", help="also DCP's own planning (minutes a round at 16k ranks)")
     parser.add_argument("--plan-round", type=int, help=argparse.SUPPRESS)  # one round, in a fresh process
     parser.add_argument("--layout-round", type=int, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--reshard", nargs="*", default=["16384:8192", "16384:12000"], help="resumes SAVED:NOW ranks to measure"
+    )
+    parser.add_argument("--reshard-round", help=argparse.SUPPRESS)  # SAVED:NOW, one round in a fresh process
     parser.add_argument("--plan-whole", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rendezvous-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -793,15 +905,27 @@ def main() -> int:
         print(json.dumps(plan_round(args.plan_round, args.plan_whole)))
         return 0
     if args.layout_round:
-        print(json.dumps({**layout_round(args.layout_round), **index_round(args.layout_round)}))
+        r = {**layout_round(args.layout_round), **index_round(args.layout_round)}
+        factor = len(state_items(llama_shapes(), True)) / len(state_items(llama_shapes(), False))
+        # what the commit waits for after the last byte is written: the chunk index, and .metadata
+        # where it is written before the commit (DCP's way; past METADATA_BEFORE_COMMIT, not)
+        r["commit_delay_with_metadata_s"] = r["index_finish_s"] + r["layout_finish_s"] * factor
+        r["commit_delay_s"] = r["index_finish_s"]
+        print(json.dumps(r))
+        return 0
+    if args.reshard_round:
+        saved, world = map(int, args.reshard_round.split(":"))
+        print(json.dumps(reshard_round(saved, world)))
         return 0
     if not args.out:
         parser.error("--out is required")
 
     factor = len(state_items(llama_shapes(), True)) / len(state_items(llama_shapes(), False))
     result: dict = {"slice_to_whole": factor, "layout": {}, "planning": {}, "whole": {}, "rendezvous": {}, "store": {}}
+    result["reshard"] = {}
     raw: dict = {
         "layout": {n: [] for n in args.ranks},
+        "reshard": {pair: [] for pair in args.reshard},
         "planning": {n: [] for n in args.ranks},
         "rendezvous": {n: [] for n in args.rendezvous},
         "store": {n: [] for n in args.store_clients},
@@ -816,6 +940,9 @@ def main() -> int:
                     "rounds": rs,
                     **{k: stats.figure([x[k] * (factor if k in LAYOUT_SLICED else 1) for x in rs]) for k in keys},
                 }
+        for pair, rs in raw["reshard"].items():
+            if rs:
+                result["reshard"][pair] = {"rounds": rs, **{k: stats.figure([x[k] for x in rs]) for k in RESHARD_KEYS}}
         for n, rs in raw["planning"].items():
             if rs:
                 result["planning"][n] = {"rounds": rs, **summary(rs, PLAN_KEYS, factor)}
@@ -835,6 +962,10 @@ def main() -> int:
                 continue
             raw["planning"][n].append(fresh(["--plan-round", str(n)], 1800))
             print(f"bench.scale: round {i + 1}, {n} ranks: {raw['planning'][n][-1]}", flush=True)
+            write()
+        for pair in args.reshard:
+            raw["reshard"][pair].append(fresh(["--reshard-round", pair], 1800))
+            print(f"bench.scale: round {i + 1}, a resume {pair} ranks: {raw['reshard'][pair][-1]}", flush=True)
             write()
         for n in args.rendezvous if i % 2 == 0 else args.rendezvous[::-1]:
             raw["rendezvous"][n].append(rendezvous_round(n, scratch))

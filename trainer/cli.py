@@ -47,6 +47,7 @@ COMMANDS = {
     "prepare": ("trainer.prepare", "text and .jsonl files into a token file, with a Hugging Face tokenizer"),
     "metrics": ("trainer.metrics", "summarise runs from their metrics.jsonl, and plot them"),
     "requeue": ("trainer.requeue", "after a Slurm job's step: requeue the job or not (its batch script runs it)"),
+    "dcp-metadata": ("trainer.checkpoint.stock", "write a checkpoint's .metadata for stock DCP where it is missing"),
 }
 # Run by the commands above rather than typed, each with a parser of its own here too: module -> what it is.
 HELPERS = {

@@ -58,6 +58,12 @@ def _worker(rank: int, world: int, run_dir: str, action: str, out: str) -> None:
             counts = [None] * world
             dist.all_gather_object(counts, len(reads))
             assert counts == [1] + [0] * (world - 1), counts
+            # each rank got the saved chunks its own rows overlap (rows 0-4, 4-8, 8-10 of 5 + 5), no other
+            held = [None] * world
+            dist.all_gather_object(
+                held, [list(c.offsets) for c in ckpt.metadata.state_dict_metadata["ema.weight"].chunks]
+            )
+            assert held == [[[0, 0]], [[0, 0], [5, 0]], [[5, 0]]], held
         held = {"ema": ema.weight.full_tensor(), **{k: v.full_tensor() for k, v in model.state_dict().items()}}
         held["last_epoch"] = torch.tensor(scheduler.last_epoch)
         if rank == 0:
@@ -79,7 +85,8 @@ def _run(world: int, run_dir, action: str, out) -> dict:
 @pytest.mark.slow
 def test_a_sharded_part_is_saved_through_dcp_and_resharded_from_2_to_3_ranks(tmp_path):
     """EMA weights of 10 rows saved by 2 ranks (5 + 5) load on 3 (4 + 4 + 2) equal, with the model
-    and the small parts; the load's .metadata is unpickled once, by rank 0, for every rank."""
+    and the small parts; the load's metadata (its chunk index) is read once, by rank 0, and each rank
+    gets the records of the saved chunks its own rows overlap."""
     run_dir = tmp_path / "run"
     saved = _run(2, run_dir, "save", tmp_path / "saved.pt")
     step1 = Path(manager.step_path(run_dir, 1))

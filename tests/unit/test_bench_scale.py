@@ -79,3 +79,15 @@ def test_a_layout_round_plans_without_a_gather_and_resumes_from_the_index():
     assert 873 <= r["layout_own_items"] < 1164  # its 873 shards, and of the 291 steps (plain tensors) a few
     assert r["index_rank_read_items"] == 1164
     assert r["index_slice_bytes"] < r["index_bytes"] / 8
+    assert r["layout_stock_bytes"] > 0  # .metadata built from the index, as stock.py writes it after the commit
+
+
+def test_a_reshard_round_sends_each_rank_the_saved_chunks_its_own_overlap():
+    """The whole 8B state saved by 16 ranks, resumed on 12: every sharded tensor's saved chunks
+    differ from the new ones, and each rank's part of the index holds only the saved chunks its own
+    overlap (2 of 16 for most, 1 or 2 for the smallest tensors), far from every record; the rank's
+    load plan reads each of them once (its 0-d steps from its own record)."""
+    r = scale.reshard_round(16, 12)
+    assert 873 <= r["reshard_slice_records"] <= 2 * 873
+    assert r["reshard_rank_read_items"] == r["reshard_slice_records"] + 291
+    assert r["reshard_slice_records"] < 873 * 16 / 4  # every record: 16 a tensor

@@ -158,3 +158,37 @@ def test_the_metadata_of_a_checkpoint_is_never_read_through_a_fifo_or_a_link(tmp
                 load_metadata(tmp_path / name)
     finally:
         signal.alarm(0)
+
+
+@pytest.mark.parametrize("kind", ["link", "fifo"])
+def test_a_held_folders_replace_puts_a_new_file_in_the_folder_held_never_through_a_link(tmp_path, secret, kind):
+    """HeldFolder.replace (stock.py's .metadata): a link or FIFO planted at the name is replaced,
+    never written through; the file is written in the folder held, by its descriptor, after its
+    name was swapped for a link; a write that fails leaves nothing behind. `adopt` of a descriptor
+    handed down holds that folder, and refuses one that is no folder."""
+    (tmp_path / "held").mkdir()
+    held = files.HeldFolder(tmp_path / "held")
+    plant(kind, tmp_path / "held" / ".metadata", secret)
+    os.rename(tmp_path / "held", tmp_path / "moved")
+    os.symlink(secret.parent, tmp_path / "held")
+    held.replace(".metadata", lambda f: f.write(b"metadata"))
+    assert (tmp_path / "moved" / ".metadata").read_bytes() == b"metadata"
+    assert stat.S_ISREG(os.lstat(tmp_path / "moved" / ".metadata").st_mode)
+    assert secret.read_text() == "the victim's own file\n"
+
+    def fails(f):
+        f.write(b"half")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space"):
+        held.replace("other", fails)
+    assert sorted(os.listdir(tmp_path / "moved")) == [".metadata"]
+    fd = os.open(tmp_path / "moved", os.O_RDONLY)
+    adopted = files.HeldFolder.adopt(fd, "the checkpoint")
+    assert adopted.listdir() == [".metadata"] and adopted.identity == held.identity
+    adopted.close()
+    fd = os.open(tmp_path / "moved" / ".metadata", os.O_RDONLY)
+    with pytest.raises(files.UnsafeFile, match="^the checkpoint is not a folder$"):
+        files.HeldFolder.adopt(fd, "the checkpoint")
+    os.close(fd)
+    held.close()

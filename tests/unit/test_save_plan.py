@@ -205,6 +205,7 @@ def test_each_ranks_slice_of_the_index_plans_dcps_reads(seed, tmp_path):
         shared, own_items, parts = save_plan.slices(header, arrays, now, world)
         for rank in range(world):
             mine = save_plan.metadata_of(header, shared, own_items, parts[rank], now, rank)
+            assert len(parts[rank][1].item) == 0, "the layout unchanged: no tensor's saved chunks sent whole"
             if now is None:
                 assert mine.state_dict_metadata == full.state_dict_metadata or _same_chunk_sets(mine, full)
                 assert mine.storage_data == full.storage_data
@@ -213,6 +214,80 @@ def test_each_ranks_slice_of_the_index_plans_dcps_reads(seed, tmp_path):
             assert _without_hints(ours) == _without_hints(theirs), rank
             for item in ours:
                 assert mine.storage_data[item.storage_index] == full.storage_data[item.storage_index]
+
+
+def resharded(rng: random.Random, recipe: list[tuple], world: int) -> list[tuple]:
+    """`recipe`'s state (the same keys, shapes and dtypes) laid out over `world` ranks anew: each
+    DTensor on a random layout of that world (FSDP2 x TP's _StridedShard only where it splits evenly)."""
+    out = []
+    for key, kind, shape, dtype, mesh_shape, placements in recipe:
+        if kind == "dtensor":
+            even = shape[0] % world == 0
+            kinds = [k for k in layouts(rng, world) if even or not any(isinstance(p, _StridedShard) for p in k[1])]
+            mesh_shape, placements, _ = rng.choice(kinds)
+        out.append((key, kind, shape, dtype, mesh_shape, placements))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_each_ranks_slice_at_another_world_size_holds_the_saved_chunks_its_reads_need(seed, tmp_path):
+    """A resume on another number of ranks, or another layout (FSDP's 4 -> 3, 6 -> 4, into 2D or
+    hybrid sharding and back): each rank's part of the chunk index (save_plan.slices with the new
+    layout) holds exactly the saved chunks its reads overlap, no other, and plans DCP's reads
+    from the whole .metadata (the same ReadItems, index hints aside, naming the same records)."""
+    world, _, plan, full, data = _indexed(seed, tmp_path)
+    rng = random.Random(1000 + seed)
+    again = random.Random(seed)  # the recipe `_indexed` saved
+    assert again.choice([2, 3, 4, 6]) == world
+    recipe = random_state(again, world)
+    header, arrays = save_plan.read_index(data)
+    new_world = rng.choice([w for w in (1, 2, 3, 4, 6, 8) if w != world])
+    new = resharded(rng, recipe, new_world)
+    states = [rank_state(new, rank, new_world) for rank in range(new_world)]
+    now = save_plan.Chunks(save_plan.describe(states[0], new_world), new_world)
+    shared, own_items, parts = save_plan.slices(header, arrays, now, new_world)
+    assert len(shared.item) == sum(i["kind"] == "bytes" for i in header["items"]), "only values go to every rank"
+    for rank in range(new_world):
+        mine = save_plan.metadata_of(header, shared, own_items, parts[rank], now, rank)
+        ours, theirs = (_load_plan(states[rank], md) for md in (mine, full))
+        assert _without_hints(ours) == _without_hints(theirs), rank
+        for item in ours:
+            assert mine.storage_data[item.storage_index] == full.storage_data[item.storage_index]
+        read = {
+            (i.storage_index.fqn, tuple(i.storage_index.offset)) for i in theirs if i.storage_index.offset is not None
+        }
+        held = {
+            (fqn, tuple(c.offsets)) for fqn, md in mine.state_dict_metadata.items() for c in getattr(md, "chunks", [])
+        }
+        empty = {(fqn, tuple(c.offsets)) for fqn, md in mine.state_dict_metadata.items()
+                 for c in getattr(md, "chunks", []) if 0 in c.sizes}  # fmt: skip
+        assert read <= held and held - read <= empty, f"rank {rank} holds the chunks it reads and no other"
+
+
+def test_overlaps_are_dcps_pairs_on_random_chunks():
+    """save_plan.overlaps finds every pair of chunks DCP's overlap test passes, and only those, on
+    random chunk tables of 1 to 3 dimensions, empty chunks and duplicates included."""
+    import numpy as np
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.resharding import _check_shard_metadata_pair_overlap
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        ndim = int(rng.integers(0, 4))
+        saved_o, saved_s, o, s = (rng.integers(0, 6, (int(rng.integers(0, 8)), ndim)) for _ in range(4))
+        saved_s = saved_s[: len(saved_o)] if len(saved_s) >= len(saved_o) else rng.integers(0, 6, saved_o.shape)
+        s = s[: len(o)] if len(s) >= len(o) else rng.integers(0, 6, o.shape)
+        chunk, saved = save_plan.overlaps(saved_o, saved_s, o, s)
+        want = [
+            (i, j)
+            for i in range(len(o))
+            for j in range(len(saved_o))
+            if _check_shard_metadata_pair_overlap(
+                ChunkStorageMetadata(torch.Size(o[i]), torch.Size(s[i])),
+                ChunkStorageMetadata(torch.Size(saved_o[j]), torch.Size(saved_s[j])),
+            )
+        ]
+        assert list(zip(chunk.tolist(), saved.tolist())) == want
 
 
 def _same_chunk_sets(a, b) -> bool:
@@ -279,12 +354,15 @@ def test_an_index_that_could_carry_code_or_points_outside_is_refused(tmp_path):
         assert what
 
 
-def test_a_chunk_index_changed_after_the_commit_makes_the_checkpoint_unreadable(tmp_path):
-    """One rank saves (planned from the layout: chunks.npz written); a byte of chunks.npz changed,
-    its size kept: the checkpoint is unusable with one line naming chunks.npz, and a resume from it
-    stops with that line before any rank reads a shard."""
+def test_a_chunk_index_changed_after_the_commit_makes_the_checkpoint_unreadable(tmp_path, capsys):
+    """One rank saves (planned from the layout: chunks.npz written, and .metadata before the commit:
+    `python -m trainer.checkpoint.stock` does not write it again where it is lost). A byte of
+    chunks.npz changed, its size kept:
+    the checkpoint is unusable with one line naming chunks.npz, the command refuses to write
+    .metadata from it in one line, and a resume from it stops with that line before any rank reads
+    a shard (it reads chunks.npz, not .metadata)."""
     from tests.helpers.checkpoints import small_parts, small_step
-    from trainer.checkpoint import manager
+    from trainer.checkpoint import manager, stock
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     model, optimizer, scheduler = small_parts(0)
@@ -304,12 +382,32 @@ def test_a_chunk_index_changed_after_the_commit_makes_the_checkpoint_unreadable(
     assert ckpt.planned_by == "layout"
     path = manager.step_path(str(tmp_path), 1)
     assert manager.unusable(path) is None
+    # .metadata written before the commit (a small save), then lost: not written again (its manifest records it)
+    metadata = os.path.join(path, ".metadata")
+    kept = open(metadata, "rb").read()
+    os.unlink(metadata)
+    assert stock.main([path]) == 1
+    assert capsys.readouterr().err == (
+        f"trainer.checkpoint.stock: {path}: its .metadata was written at its commit (its manifest lists it) and is "
+        "missing: restore it from a copy of the checkpoint\n"
+    )
+    with open(metadata, "wb") as f:
+        f.write(kept)
     index = os.path.join(path, save_plan.INDEX)
     data = bytearray(open(index, "rb").read())
     data[len(data) // 2] ^= 0x01
     with open(index, "wb") as f:
         f.write(data)
     assert manager.unusable(path) == "chunks.npz is damaged: it is not what the commit wrote"
+    os.unlink(metadata)
+    assert stock.main([path]) == 1
+    assert capsys.readouterr().err == (
+        f"trainer.checkpoint.stock: {path}: chunks.npz is damaged: it is not what the commit wrote; its .metadata "
+        "cannot be written from it\n"
+    )
+    assert not os.path.exists(metadata)
+    with open(metadata, "wb") as f:
+        f.write(kept)
     model2, optimizer2, scheduler2 = small_parts(1)
     reader = manager.Checkpointer(
         manager.CheckpointArgs(keep=0, resume_from=path),

@@ -153,11 +153,24 @@ def write_manifest(folder: str, run_id: str | None = None) -> None:
         os.fsync(f.fileno())
 
 
-def manifest_problem(folder: str, deep: bool = False, unread: tuple[str, ...] = ()) -> str | None:
+def listed(folder: str, name: str) -> dict | None:
+    """The manifest's record ({"size", "xxh3_64"}) of file `name` of checkpoint `folder`, or None
+    (not listed, no manifest, an unreadable one: `manifest_problem` says which)."""
+    try:
+        record = files.read_json(os.path.join(folder, MANIFEST), MANIFEST_BYTES)["files"].get(name)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def manifest_problem(
+    folder: str, deep: bool = False, unread: tuple[str, ...] = (), absent: tuple[str, ...] = ()
+) -> str | None:
     """Why the files of checkpoint `folder` are not those its manifest.json lists, or None (also
     without a manifest: a checkpoint saved before them). Sizes only, unless `deep`: then the
     checksum of every file that is not a shard with its own record (those are checked as read),
-    nor named in `unread` (files the caller does not read, or checks as it reads them)."""
+    nor named in `unread` (files the caller does not read, or checks as it reads them). A file
+    named in `absent` may be missing (the one the caller writes)."""
     try:
         manifest = files.read_json(os.path.join(folder, MANIFEST), MANIFEST_BYTES)
         listed = manifest["files"]
@@ -183,6 +196,8 @@ def manifest_problem(folder: str, deep: bool = False, unread: tuple[str, ...] = 
             size = None
         if name.endswith(".distcp") and (size is None or size < want["size"]):
             return f"shard file {name} missing or truncated"  # the words of a check older than manifests
+        if size is None and name in absent:
+            continue
         if size is None:
             return f"{name} is missing"
         if size != want["size"]:

@@ -4,7 +4,8 @@ Layout of `<run_dir>/checkpoints/`:
 
     step_00000100/        a complete checkpoint: it only ever appears by an atomic rename
         .metadata, *.distcp   DCP: the sharded parts (model, optim, ...), each rank writing its own shards
-        chunks.npz        the same metadata as arrays (trainer/checkpoint/save_plan.py), which a load reads instead
+        chunks.npz        the same metadata as arrays (trainer/checkpoint/save_plan.py), which a load reads instead;
+                          past 100,000 chunk records .metadata follows the commit (trainer/checkpoint/stock.py)
         meta.json         step, samples consumed, world size, parameter shapes, the small parts (scheduler, ...)
         rng/rank_00000.pt the per-rank parts: each rank's random number generator states
         manifest.json     size and checksum of every file above (trainer/checkpoint/checksums.py)
@@ -48,7 +49,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import xxhash
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import (
@@ -60,7 +60,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from trainer import __version__, torch_compat
-from trainer.checkpoint import checksums, load_plan, save_plan
+from trainer.checkpoint import checksums, load_plan, save_plan, stock
 from trainer.checkpoint.checksums import ChecksumWriter
 from trainer.checkpoint.reader import Refused, ShardReader, load_metadata
 from trainer.config import CheckpointArgs
@@ -122,7 +122,7 @@ def _checked_metadata(path: str) -> tuple[str | None, dcp.metadata.Metadata | In
     arrays, checked against the manifest as read) where the save wrote one, and then its
     `.metadata` (1.2 GB at 16k ranks) is neither hashed nor read; else `.metadata` by the
     restricted unpickler."""
-    indexed = _listed(path, save_plan.INDEX)
+    indexed = checksums.listed(path, save_plan.INDEX)
     unread = (".metadata", save_plan.INDEX) if indexed else ()
     why = problem(path) or checksums.manifest_problem(path, deep=True, unread=unread)
     if why:
@@ -144,25 +144,21 @@ class Indexed:
         self.header, self.arrays = header, arrays
 
 
-def _listed(path: str, name: str) -> dict | None:
-    """The manifest's record (size, xxh3_64) of file `name` of the checkpoint at `path`, or None."""
-    try:
-        record = files.read_json(os.path.join(path, checksums.MANIFEST), checksums.MANIFEST_BYTES)["files"].get(name)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
-    return record if isinstance(record, dict) else None
-
-
 def _read_index(path: str, record: dict) -> Indexed:
     """The chunk index of the checkpoint at `path`, its bytes read once and checked against the
-    manifest's `record` before anything is made of them."""
-    name = os.path.join(path, save_plan.INDEX)
-    with files.open_regular(name) as f:
-        data = f.read()
-    digest = xxhash.xxh3_64_intdigest(data)
-    if (len(data), digest) != (record.get("size"), record.get("xxh3_64")):
-        raise save_plan.BadIndex(f"{save_plan.INDEX} is damaged: it is not what the commit wrote")
-    return Indexed(*save_plan.read_index(data))
+    manifest's `record` before anything is made of them (save_plan.read_checked_index)."""
+    return Indexed(*save_plan.read_checked_index(path, record))
+
+
+def checked_metadata(path: str) -> tuple[str | None, dcp.metadata.Metadata | None]:
+    """(`unusable`'s answer, the whole DCP metadata of the checkpoint at `path`), for a reader in one
+    process (trainer.export): built from its chunk index where it has one (its `.metadata`, which
+    may be written after the commit for stock DCP, is then not read), else its `.metadata` by the
+    restricted unpickler; every byte of either checked against the manifest."""
+    why, metadata = _checked_metadata(path)
+    if isinstance(metadata, Indexed):
+        metadata = save_plan.full_metadata(metadata.header, metadata.arrays)
+    return why, metadata
 
 
 _RUN_ID = re.compile(r"[0-9a-f]{32}")  # what run_id holds: 128 random bits in hex
@@ -666,10 +662,13 @@ class Checkpointer:
         # its descriptor, so that a neighbour who renames it and puts a link or a folder of theirs
         # under its name redirects nothing; rank 0 stops the run when it sees that (`_held`).
         self.held: files.HeldFolder | None = None
+        # rank 0: the background writer of .metadata for stock DCP, after a commit without it (stock.py)
+        self.stock: stock.Writer | None = None
         if rank == 0:
             os.makedirs(run_dir, exist_ok=True)
             files.make_folder(folder(run_dir), 0o777)  # as os.makedirs: the umask decides; a link is refused
             self.held = files.HeldFolder(folder(run_dir))
+            self.stock = stock.Writer(self.held)
             for name in self.held.listdir():
                 # leftovers of a killed save or delete
                 if name.startswith((".tmp_", ".trash_")) and self._remove(name):
@@ -756,11 +755,12 @@ class Checkpointer:
                 unreadable += (path,)
             # Checkpoints damaged after their commit (DCP's .metadata is there, a shard is not whole),
             # found out when listed or when read: with none readable left the run does not silently
-            # start over in their place. A step folder without .metadata was never a checkpoint.
+            # start over in their place. A step folder without .metadata or chunks.npz was never a checkpoint.
             unreadable += tuple(
                 path
                 for step, path in layout.step_folders(self.run_dir)
-                if (step, path) not in listed and os.path.isfile(os.path.join(path, ".metadata"))
+                if (step, path) not in listed
+                and any(os.path.isfile(os.path.join(path, n)) for n in (".metadata", save_plan.INDEX))
             )
             if found:  # the run's own checkpoints win: resume_from is only where a new run starts
                 choice = [found[-1][1]]
@@ -1061,9 +1061,11 @@ class Checkpointer:
             self.staging = None
 
     def poll(self) -> None:
-        """Commit a finished async save (cheap; call once per step)."""
+        """Commit a finished async save, start a waiting .metadata writer (cheap; call once per step)."""
         if self.pending and self.pending[0].done():
             self.wait()
+        if self.stock:
+            self.stock.poll()
 
     def wait(self) -> None:
         """Block until the save in flight is written, then commit it."""
@@ -1078,6 +1080,8 @@ class Checkpointer:
     def close(self) -> None:
         """Finish and commit the save in flight and release the stager's buffers and cached plans."""
         self.wait()
+        if self.stock:
+            self.stock.close()
         if self.stager:
             self.stager["async_stager"].close()
         torch_compat.drop_cached_plans(self.plan_key)
@@ -1110,8 +1114,9 @@ class Checkpointer:
         self._remove(trash)
 
     def _commit(self, step: int, tmp: str, meta: dict) -> None:
-        # DCP's save returns on a rank only after the coordinator wrote .metadata, which it does only
-        # after every rank reported its shards (and its rng file, written before) as done.
+        # DCP's save returns on a rank only after the coordinator wrote .metadata (or chunks.npz, with
+        # .metadata after the commit: stock.py), which it does only after every rank reported its
+        # shards (and its rng file, written before) as done.
         if self.rank != 0 or (self.still_owner and not self.still_owner()):
             return
         self._held()
@@ -1139,6 +1144,7 @@ class Checkpointer:
         self.held.rename(os.path.basename(tmp), name)
         self.held.fsync()
         log.info("saved checkpoint %s", final)
+        self.stock.committed(name)  # .metadata for stock DCP, where the save left it for after the commit
         layout.write_status(self.run_dir, saved=step)  # a later start that finds none says so (earlier_save)
         self._retain(meta)
 
@@ -1159,4 +1165,5 @@ class Checkpointer:
                 continue
             if self.still_owner and not self.still_owner():
                 return
+            self.stock.stop(os.path.basename(step_path(self.run_dir, step)))  # its .metadata writer, if running
             self._discard(os.path.basename(step_path(self.run_dir, step)))

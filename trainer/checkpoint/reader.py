@@ -289,8 +289,19 @@ class _MetadataPickle(pickle._Unpickler):  # the Python one: BUILD and calls are
 
 def load_metadata(path: str | os.PathLike) -> dcp_metadata.Metadata:
     """DCP's metadata from the file at `path` (a checkpoint's `.metadata`), unpickled with nothing
-    but the classes it is made of. Refused (one line naming the file) if it names anything else."""
-    with files.open_regular(path) as f:  # never a link, never blocking on a FIFO
+    but the classes it is made of. Refused (one line naming the file) if it names anything else;
+    FileNotFoundError saying how to write it where the checkpoint committed without it."""
+    try:
+        opened = files.open_regular(path)  # never a link, never blocking on a FIFO
+    except FileNotFoundError:
+        folder = os.path.dirname(os.fspath(path))
+        if os.path.lexists(os.path.join(folder, "chunks.npz")) and not checksums.listed(folder, ".metadata"):
+            raise FileNotFoundError(
+                f"{path} is not written (yet): the checkpoint committed without it, its chunks.npz stands for it; "
+                f"`python -m trainer.checkpoint.stock {folder}` writes it"
+            ) from None
+        raise
+    with opened as f:
         try:
             metadata = _MetadataPickle(f, _WORK_FLOOR + _WORK_PER_BYTE * os.fstat(f.fileno()).st_size).load()
         except Refused as e:

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import xxhash
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -53,7 +54,7 @@ from torch.distributed.tensor import DTensor
 
 from trainer import torch_compat
 from trainer.checkpoint.checksums import ChecksumWriter
-from trainer.rundir.files import write_bytes
+from trainer.rundir.files import open_regular, write_bytes
 
 
 @dataclass(frozen=True)
@@ -310,6 +311,10 @@ class GlobalPlan:
             )
         return cache[key]
 
+    def chunk_count(self) -> int:
+        """The records of the plan's metadata: every item's distinct chunks (a value: one)."""
+        return sum(len(o) for o in self.offsets)
+
     def chunk_order(self, t: int) -> np.ndarray:
         """Item `t`'s chunks in the metadata's order (by their writer's rank)."""
         return np.argsort(self.writer[t], kind="stable")
@@ -437,6 +442,9 @@ class IndexWriter(ChecksumWriter):
         if all(isinstance(r, Written) for r in results):
             files, rows = storage_rows(plan, results)
             write_index(self.path, plan, layout.mappings, files, rows)
+            if plan.chunk_count() > METADATA_BEFORE_COMMIT:  # .metadata after the commit (stock.py)
+                metadata.planner_data = None
+                return
         full = layout.metadata()
         super().finish(full, [layout.write_results(rank, r) for rank, r in enumerate(results)])
         metadata.planner_data = None  # DCP hands what finish had to every rank: not the plan's arrays
@@ -468,6 +476,13 @@ def _write_results(plan: GlobalPlan, rank: int, written) -> list:
 # The chunk index: DCP's metadata as arrays, beside .metadata
 
 INDEX = "chunks.npz"  # in the checkpoint folder, listed in its manifest like every file
+# The most chunk records (GlobalPlan.chunk_count) whose .metadata a save writes before its commit, as
+# DCP does: about 1.5 s of building and pickling DCP's objects on the project's 2-core VM (15 us a
+# record; the Llama-3.1-8B state has 1164 records a rank: up to 85 ranks). A larger save commits
+# with chunks.npz alone, which the trainer's loads read, and .metadata, which stock DCP reads, is
+# written after the commit from chunks.npz by a background process (trainer/checkpoint/stock.py):
+# at 16,384 ranks its 19M records took about 291 s, which delayed every commit by as much.
+METADATA_BEFORE_COMMIT = 100_000
 INDEX_VERSION = 1
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64,
            torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}  # fmt: skip
@@ -634,21 +649,60 @@ class Chunks:
         self.sizes = [f[2] for f in found]
 
 
+def overlaps(saved_offsets, saved_sizes, offsets, sizes) -> tuple[np.ndarray, np.ndarray]:
+    """(chunk, saved chunk) of every pair of a chunk of (`offsets`, `sizes`) [k, ndim] and a saved
+    chunk of (`saved_offsets`, `saved_sizes`) [m, ndim] that overlap by DCP's test (resharding's
+    _check_shard_metadata_pair_overlap: in every dimension each starts before the other ends), by
+    chunk, then saved chunk. Found as load_plan.py finds them: by binary search along the dimension
+    of the most distinct saved starts, a saved chunk overlapping [a, b) starting in (a - longest, b);
+    then the test in every dimension. A 0-d tensor's chunks all overlap, as DCP's sweep has it."""
+    m, ndim = saved_offsets.shape
+    k = len(offsets)
+    if ndim == 0 or m == 0 or k == 0:
+        return np.repeat(np.arange(k), m), np.tile(np.arange(m), k)
+    dim = int(np.argmax([len(np.unique(saved_offsets[:, d])) for d in range(ndim)]))
+    order = np.argsort(saved_offsets[:, dim], kind="stable")
+    starts = saved_offsets[order, dim]
+    longest = int(saved_sizes[:, dim].max())
+    first = np.searchsorted(starts, offsets[:, dim] - longest, side="right")
+    count = np.maximum(np.searchsorted(starts, offsets[:, dim] + sizes[:, dim], side="left") - first, 0)
+    chunk = np.repeat(np.arange(k), count)
+    saved = order[np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count - first, count)]
+    hit = (
+        (offsets[chunk] < saved_offsets[saved] + saved_sizes[saved])
+        & (saved_offsets[saved] < offsets[chunk] + sizes[chunk])
+    ).all(axis=1)
+    chunk, saved = chunk[hit], saved[hit]
+    by = np.lexsort((saved, chunk))
+    return chunk[by], saved[by]
+
+
 def slices(header: dict, arrays: dict, now: GlobalPlan | Chunks | None, world: int) -> tuple[Slice, np.ndarray, list]:
-    """(what every rank gets, the items each rank gets one record of, each rank's records of
-    those) of a chunk index: of an item whose saved chunks are the chunks of `now` (the current
-    layout's plan, every rank's the same: the same world, shapes and placements), the record of
-    the rank's own chunk; of any other item (another world size, a layout that changed, a state
-    `now` does not describe) every record, to every rank, as DCP's metadata would give them.
-    The per-rank part is one int64 array per rank, [own items, 3]: file, offset and length of its
-    chunk of each (its offsets and sizes it knows: `metadata_of` takes them from `now`)."""
+    """(what every rank gets, the items each rank gets one record of, each rank's own part) of a
+    chunk index, each rank getting the records it plans its reads from and no others:
+
+      - an item whose saved chunks are `now`'s (the current layout's, every rank's the same: the
+        same world, shapes and placements): the record of the rank's own chunk, as file, offset
+        and length (its offsets and sizes it knows: `metadata_of` takes them from `now`);
+      - a tensor of `now` (by its name, of the same size) whose saved chunks differ (another world
+        size, a layout that changed): the records of the saved chunks that overlap the rank's own
+        chunk (`overlaps`), what DCP's load plan reads for it from the whole .metadata;
+      - anything else (a value; a state `now` does not describe, or no `now`): every record, to
+        every rank, as DCP's metadata would give them.
+
+    Each rank's part is (an int64 array [own items, 3]: file, offset and length of its chunk of
+    each; a Slice of its overlapping saved chunks)."""
     items = header["items"]
     ndim = max([len(i.get("size", ())) for i in items] + [1])
     columns = 2 * ndim + 3
-    own, everyone = [], []
+    position = {item.fqn: t for t, item in enumerate(now.items)} if now is not None else {}
+    own, overlapping, everyone = [], [], []
     for t, item in enumerate(items):
-        if now is not None and t < len(now.items) and _same_chunks(item, arrays, now, t):
+        current = position.get(item["fqn"])
+        if current is not None and current == t and _same_chunks(item, arrays, now, t):
             own.append(t)
+        elif current is not None and _same_tensor(item, now.items[current]):
+            overlapping.append((t, current))
         else:
             everyone.append(t)
 
@@ -678,7 +732,53 @@ def slices(header: dict, arrays: dict, now: GlobalPlan | Chunks | None, world: i
         by_rank[:, j, 0] = arrays[f"f{t}"][chunks]
         by_rank[:, j, 1] = arrays[f"p{t}"][chunks]
         by_rank[:, j, 2] = arrays[f"l{t}"][chunks]
-    return shared, np.asarray(own, dtype=np.int64), list(by_rank)
+    overlapped = _overlapping(items, arrays, now, overlapping, world, columns)
+    return shared, np.asarray(own, dtype=np.int64), list(zip(by_rank, overlapped))
+
+
+def _overlapping(items: list, arrays: dict, now, pairs: list, world: int, columns: int) -> list[Slice]:
+    """Each rank's Slice of the saved chunks of items `pairs` ((saved item, `now`'s item)) that
+    overlap its own chunk of each, items in order; one array of every rank's rows, rank by rank
+    (each rank's Slice a view of its part): nothing sorted or copied but the rows. The overlaps are
+    found once per (saved chunk table, current layout): the items of one shape share them."""
+    ndim = (columns - 3) // 2
+    known: dict = {}  # key -> (every rank's saved chunks, rank by rank; how many a rank; its position; offsets, sizes)
+    keys, counts = [], np.zeros((len(pairs), world), dtype=np.int64)
+    for i, (t, c) in enumerate(pairs):
+        table = items[t]["chunks"]
+        key = (table, id(now.offsets[c]), id(now.chunk_of[c]))  # `now` holds them: their ids stay theirs
+        if key not in known:
+            saved_o, saved_s = arrays[f"o{table}"], arrays[f"s{table}"]
+            chunk, saved = overlaps(saved_o, saved_s, now.offsets[c], now.sizes[c])
+            bounds = np.searchsorted(chunk, np.arange(len(now.offsets[c]) + 1))  # each current chunk's pairs
+            n = np.diff(bounds)[now.chunk_of[c]]
+            within = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+            take = saved[within + np.repeat(bounds[now.chunk_of[c]], n)]
+            shape = np.zeros((len(take), 2 * ndim), dtype=np.int64)
+            d = saved_o.shape[1]
+            shape[:, :d], shape[:, ndim : ndim + d] = saved_o[take], saved_s[take]
+            known[key] = (take, n, within, shape)
+        keys.append(key)
+        counts[i] = known[key][1]
+    ends = np.cumsum(counts.T.reshape(-1)).reshape(world, len(pairs))  # rank-major: rank r's items in order
+    starts = ends - counts.T
+    rows = np.empty((int(ends[-1, -1]) if len(pairs) and world else 0, columns), dtype=np.int64)
+    item = np.empty(len(rows), dtype=np.int64)
+    for i, (t, _) in enumerate(pairs):
+        take, n, within, shape = known[keys[i]]
+        where = np.repeat(starts[:, i], n) + within
+        rows[where, : 2 * ndim] = shape
+        for column, name in enumerate("fpl"):
+            rows[where, 2 * ndim + column] = arrays[f"{name}{t}"][take]
+        item[where] = t
+    first = starts[:, 0] if len(pairs) else np.zeros(world, np.int64)
+    last = ends[:, -1] if len(pairs) else np.zeros(world, np.int64)
+    return [Slice(item[a:b], rows[a:b]) for a, b in zip(first.tolist(), last.tolist())]
+
+
+def _same_tensor(item: dict, current: Item) -> bool:
+    """Whether saved item `item` is the tensor `current` (a size the same, a value neither)."""
+    return item["kind"] == "tensor" and current.kind != WriteItemType.BYTE_IO and list(current.size) == item["size"]
 
 
 def _same_chunks(item: dict, arrays: dict, now: GlobalPlan | Chunks, t: int) -> bool:
@@ -697,13 +797,15 @@ def _same_chunks(item: dict, arrays: dict, now: GlobalPlan | Chunks, t: int) -> 
 
 
 def metadata_of(
-    header: dict, shared: Slice, own_items: np.ndarray, own_rows: np.ndarray, now: Chunks | None, rank: int
+    header: dict, shared: Slice, own_items: np.ndarray, own: tuple, now: Chunks | None, rank: int
 ) -> Metadata:
-    """DCP's Metadata holding a rank's records of a chunk index (`slices`: those every rank gets,
-    and those of its own chunks, whose offsets and sizes are `now`'s of `rank`) and where each
-    chunk lies: what the rank's load plans its reads from, as from the whole .metadata."""
+    """DCP's Metadata holding a rank's records of a chunk index (`slices`: those every rank gets;
+    `own`, the rank's part: the records of its own chunks, whose offsets and sizes are `now`'s of
+    `rank`, and those of the saved chunks overlapping its chunks) and where each chunk lies: what
+    the rank's load plans its reads from, as from the whole .metadata."""
     info = torch_compat.storage_info_class()
     files, items = header["files"], header["items"]
+    own_rows, overlapping = own
     md: dict = {}
     for it in items:
         if it["kind"] == "bytes":
@@ -714,21 +816,48 @@ def metadata_of(
     ndim = (shared.rows.shape[1] - 3) // 2
     storage: dict = {}
 
+    chunks: dict = {}  # (offsets, sizes) -> its one ChunkStorageMetadata: the items of a shape share them
+
     def record(t: int, offsets: list, sizes: list, where: list) -> None:
         it = items[t]
         if it["kind"] == "bytes":
             key = MetadataIndex(it["fqn"])
         else:
             d = len(it["size"])
-            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets[:d]), sizes=torch.Size(sizes[:d]))
+            shape = (tuple(offsets[:d]), tuple(sizes[:d]))
+            chunk = chunks.get(shape)
+            if chunk is None:
+                chunk = chunks[shape] = ChunkStorageMetadata(offsets=torch.Size(shape[0]), sizes=torch.Size(shape[1]))
             md[it["fqn"]].chunks.append(chunk)
             key = MetadataIndex(it["fqn"], chunk.offsets)
         storage[key] = info(files[where[0]], where[1], where[2])
 
-    for t, row in zip(shared.item.tolist(), shared.rows.tolist()):
-        record(t, row[:ndim], row[ndim : 2 * ndim], row[2 * ndim :])
+    for part in (shared, overlapping):
+        for t, row in zip(part.item.tolist(), part.rows.tolist()):
+            record(t, row[:ndim], row[ndim : 2 * ndim], row[2 * ndim :])
     for t, where in zip(own_items.tolist(), own_rows.tolist()):
         c = int(now.chunk_of[t][rank])
         record(t, now.offsets[t][c].tolist(), now.sizes[t][c].tolist(), where)
     mappings = {k: tuple(v) for k, v in header["mappings"].items()}
     return Metadata(state_dict_metadata=md, planner_data=mappings, storage_data=storage)
+
+
+def full_metadata(header: dict, arrays: dict) -> Metadata:
+    """DCP's whole Metadata of a chunk index (every record, chunks in the index's numbering): what
+    `.metadata` holds for stock DCP (trainer/checkpoint/stock.py), and what a one-process reader
+    (trainer.export) plans from where the checkpoint has an index."""
+    shared, own_items, parts = slices(header, arrays, None, 1)
+    return metadata_of(header, shared, own_items, parts[0], None, 0)
+
+
+def read_checked_index(path: str, record: dict | None) -> tuple[dict, dict[str, np.ndarray]]:
+    """(header, arrays) of the chunk index of the checkpoint folder `path` (a path that leads to it
+    without following a link we did not make), its bytes read once and checked against the
+    manifest's `record` ({"size", "xxh3_64"}) before anything is made of them: BadIndex otherwise."""
+    if not isinstance(record, dict):
+        raise BadIndex(f"{INDEX} is not listed in the checkpoint's manifest")
+    with open_regular(os.path.join(path, INDEX)) as f:  # never a link, never blocking on a FIFO
+        data = f.read()
+    if (len(data), xxhash.xxh3_64_intdigest(data)) != (record.get("size"), record.get("xxh3_64")):
+        raise BadIndex(f"{INDEX} is damaged: it is not what the commit wrote")
+    return read_index(data)

@@ -66,7 +66,9 @@ def consolidate(run_dir: str, step: int | None = None, best: bool = False) -> tu
     if step not in found:
         raise ConfigError(f"{run_dir} has no complete checkpoint for step {step}; it has steps {sorted(found)}")
     path = found[step]
-    why = manager.unusable(path)  # every file as written, and nothing in it that would run code
+    # every file as written, nothing in it that would run code; the metadata from the chunk index where
+    # the checkpoint has one (its .metadata, for stock DCP, may be written after the commit, and is not read)
+    why, metadata = manager.checked_metadata(path)
     if why:
         raise manager.CheckpointError(f"checkpoint {path} is unusable: {why}; export an older one with --step")
     why = manager.unverified(path)
@@ -81,7 +83,9 @@ def consolidate(run_dir: str, step: int | None = None, best: bool = False) -> tu
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         try:  # ShardReader checks the shard files' checksums (trainer/checkpoint/checksums.py)
-            dcp.load({"model": state}, storage_reader=ShardReader(path))
+            reader = ShardReader(path)
+            reader.metadata = metadata
+            dcp.load({"model": state}, storage_reader=reader)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - any unreadable file: one line
             cause = e.failures[min(e.failures)][0] if isinstance(e, CheckpointException) and e.failures else e
             raise manager.CheckpointError(

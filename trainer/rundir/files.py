@@ -383,6 +383,52 @@ class HeldFolder(object):
         proc = "/proc/{}/fd/{}".format(os.getpid(), self.fd)
         self.path = proc if os.path.isdir(proc) else self.name
 
+    @classmethod
+    def adopt(cls, fd, name):
+        """The folder open as `fd` (handed down by the process that opened it: a folder it held
+        open already), called `name` in lines; UnsafeFile if `fd` is not a folder."""
+        st = os.fstat(fd)
+        if not stat.S_ISDIR(st.st_mode):
+            raise UnsafeFile(name, "is not a folder")
+        held = cls.__new__(cls)
+        held.name, held.fd, held.identity = str(name), fd, (st.st_dev, st.st_ino)
+        proc = "/proc/{}/fd/{}".format(os.getpid(), fd)
+        held.path = proc if os.path.isdir(proc) else held.name
+        return held
+
+    def open_folder(self, name):
+        """A descriptor of the folder `name` in the held folder (never through a link): for
+        `adopt` in a process it is handed to."""
+        return os.open(name, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_DIRECTORY", 0), dir_fd=self.fd)
+
+    def replace(self, name, write, mode=0o644):
+        """Put the file `name` in the held folder atomically: `write(f)` fills a fresh temporary
+        file (created exclusively under a random name in the folder, never through a link), which
+        is fsynced and renamed to `name`, all by the folder's descriptor: a link or FIFO planted at
+        `name` is replaced, never written through, and a reader never sees half a file. The
+        temporary file is removed where anything fails (a kill leaves it: .NAME.tmp-*)."""
+        for _ in range(16):
+            tmp = ".{}.tmp-{}".format(name.lstrip("."), binascii.hexlify(os.urandom(8)).decode())
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode, dir_fd=self.fd)
+                break
+            except FileExistsError:  # 64 random bits: only a planted name collides
+                continue
+        else:
+            raise UnsafeFile(os.path.join(self.name, name), "could not get a fresh temporary name beside it")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.rename(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+        except BaseException:
+            try:
+                os.unlink(tmp, dir_fd=self.fd)
+            except OSError:
+                pass
+            raise
+
     def join(self, *names):
         """A path of something inside the held folder, as `path` gives it."""
         return os.path.join(self.path, *names)

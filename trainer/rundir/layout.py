@@ -119,12 +119,18 @@ def _regular_problem(path, name):
 def files_problem(path):
     """Why the folder at `path` is not a committed checkpoint by its files alone, or None.
 
-    A commit writes meta.json last, after DCP's .metadata and every shard: both present and a
-    meta.json with every key is what a commit leaves. trainer/checkpoint/manager.py checks the shards too."""
+    A commit writes meta.json last, after DCP's .metadata (or the chunk index that stands for it,
+    chunks.npz, where .metadata follows the commit: trainer/checkpoint/stock.py) and every shard:
+    both present and a meta.json with every key is what a commit leaves.
+    trainer/checkpoint/manager.py checks the shards too."""
     why = _regular_problem(path, ".metadata")
     if why == "missing":
-        return "no DCP .metadata"
-    if why:
+        why = _regular_problem(path, "chunks.npz")
+        if why == "missing":
+            return "no DCP .metadata"
+        if why:
+            return "its chunks.npz is {}".format(why)
+    elif why:
         return "its .metadata is {}".format(why)
     why = _regular_problem(path, "meta.json")
     if why == "missing":
