@@ -35,6 +35,10 @@ NOT_AN_OUTCOME = {
     ("trainer.launchers.slurm", "SubmitError"): "make submit's own: one line, exit 2 there",
     ("trainer.launchers.k8s", "K8sError"): "make submit-k8s's own: one line, exit 2 there",
     (
+        "trainer.checkpoint.stock",
+        "Missing",
+    ): "python -m trainer.checkpoint.stock's own (a checkpoint it cannot write .metadata for): one line, exit 2 there",
+    (
         "trainer.launchers.torchrun",
         "OperatorEnvError",
     ): "a pod's operator variables refused by trainer.launch: one line, exit 2 there",

@@ -386,7 +386,7 @@ def test_a_chunk_index_changed_after_the_commit_makes_the_checkpoint_unreadable(
     metadata = os.path.join(path, ".metadata")
     kept = open(metadata, "rb").read()
     os.unlink(metadata)
-    assert stock.main([path]) == 1
+    assert stock.main([path]) == 2
     assert capsys.readouterr().err == (
         f"trainer.checkpoint.stock: {path}: its .metadata was written at its commit (its manifest lists it) and is "
         "missing: restore it from a copy of the checkpoint\n"
@@ -400,7 +400,7 @@ def test_a_chunk_index_changed_after_the_commit_makes_the_checkpoint_unreadable(
         f.write(data)
     assert manager.unusable(path) == "chunks.npz is damaged: it is not what the commit wrote"
     os.unlink(metadata)
-    assert stock.main([path]) == 1
+    assert stock.main([path]) == 2
     assert capsys.readouterr().err == (
         f"trainer.checkpoint.stock: {path}: chunks.npz is damaged: it is not what the commit wrote; its .metadata "
         "cannot be written from it\n"

@@ -196,9 +196,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{args.checkpoint} has its {METADATA} already")
             return 0
         records, size = write(folder)
-    except (Missing, files.UnsafeFile) as e:
+    except (Missing, files.UnsafeFile) as e:  # the checkpoint is not one it can be written for: bad input
         print(f"trainer.checkpoint.stock: {e}", file=sys.stderr)
-        return 1
+        return 2
     except OSError as e:
         gone = "; the checkpoint was deleted before it was written" if isinstance(e, FileNotFoundError) else ""
         print(f"trainer.checkpoint.stock: {args.checkpoint}: {e.strerror or e}{gone}", file=sys.stderr)
