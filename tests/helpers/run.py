@@ -35,6 +35,10 @@ def env(gpu: bool = False) -> dict:
         e["CUDA_VISIBLE_DEVICES"] = ""
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         e.pop(name, None)
+    # A command typed at a shell, not inside make test's make: a make it starts would print
+    # "make[1]: Entering directory ..." into what the command prints (a manifest, a config)
+    for name in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS"):
+        e.pop(name, None)
     return e
 
 

@@ -5,7 +5,6 @@ containers: the image's two containers on a Docker engine are a later session's 
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 
@@ -93,7 +92,7 @@ def test_the_pages_commands_render_and_apply_as_written(tmp_path):
     assert block("README.md", "Installing", index=3).splitlines() == lines[:1]
     path = _kubectl(tmp_path / "bin")
     done = [
-        subprocess.run(["bash", "-c", line], cwd=ROOT, env={**os.environ, "PATH": path}, capture_output=True, text=True)
+        subprocess.run(["bash", "-c", line], cwd=ROOT, env={**env(), "PATH": path}, capture_output=True, text=True)
         for line in lines
     ]
     assert [d.returncode for d in done] == [0, 0], [d.stderr for d in done]
@@ -109,7 +108,7 @@ def test_the_pages_commands_render_and_apply_as_written(tmp_path):
     # The runtime for TrainJobs, applied once, and a TrainJob that names it.
     lines = block("docs/kubernetes.md", "Stops, preemption and restarts").splitlines()
     done = [
-        subprocess.run(["bash", "-c", line], cwd=ROOT, env={**os.environ, "PATH": path}, capture_output=True, text=True)
+        subprocess.run(["bash", "-c", line], cwd=ROOT, env={**env(), "PATH": path}, capture_output=True, text=True)
         for line in lines
     ]
     assert [d.returncode for d in done] == [0, 0], [d.stderr for d in done]
