@@ -533,7 +533,6 @@ def index_round(world: int) -> dict:
     the scatter), and one rank (its slice unpickled, DCP's metadata of it, its load plan)."""
     import xxhash
 
-    from trainer.checkpoint import load_plan
     from trainer.checkpoint import save_plan as sp
 
     items = state_items(llama_shapes(), True)
@@ -582,18 +581,9 @@ def index_round(world: int) -> dict:
 
     # The resume: one rank
     rank = world // 2
-    state = load_state(items, world, rank)
-    layout = layout_items(items, world)
-    t = time.perf_counter()
-    mine = sp.metadata_of(*pickle.loads(header_blob), pickle.loads(sent[rank]), sp.Chunks(layout, world), rank)
-    planner = load_plan.Planner(None)
-    planner.set_up_planner({}, mine, is_coordinator=False)
-    planner.original_state_dict = state
-    planner.state_dict, planner.mappings = _flatten(state)
-    planned = planner.create_local_plan()
-    r["index_rank_s"] = time.perf_counter() - t
-    r["index_rank_read_items"] = len(planned.items)
-    assert len(planned.items) <= len(items)  # each item read from its one saved chunk (none where the chunk is empty)
+    r["index_rank_s"], r["index_rank_read_items"] = _rank_load_plan(items, world, rank, header_blob, sent[rank])
+    # each item read from its one saved chunk (none where the chunk is empty)
+    assert r["index_rank_read_items"] <= len(items)
     return r
 
 
@@ -607,7 +597,6 @@ def reshard_round(saved: int, world: int) -> dict:
     load plan (trainer/load_plan.Planner)."""
     import xxhash
 
-    from trainer.checkpoint import load_plan
     from trainer.checkpoint import save_plan as sp
 
     items = state_items(llama_shapes(), True)
@@ -646,20 +635,28 @@ def reshard_round(saved: int, world: int) -> dict:
     del parts
 
     # one rank
+    r["reshard_rank_s"], r["reshard_rank_read_items"] = _rank_load_plan(items, world, rank, header_blob, sent[rank])
+    # each sharded item read from the 1 or 2 saved chunks its rows overlap (at most 3 at 16,384 -> 12,000)
+    assert r["reshard_rank_read_items"] <= 3 * len(items), r["reshard_rank_read_items"]
+    return r
+
+
+def _rank_load_plan(items, world: int, rank: int, header_blob: bytes, mine_blob: bytes) -> tuple[float, int]:
+    """One rank's part of a resume from the chunk index: its slice unpickled, DCP's metadata of it,
+    trainer/checkpoint/load_plan.py's plan; (seconds, read items). Its state is made before the clock starts."""
+    from trainer.checkpoint import load_plan
+    from trainer.checkpoint import save_plan as sp
+
     state = load_state(items, world, rank)
     layout = layout_items(items, world)
     t = time.perf_counter()
-    mine = sp.metadata_of(*pickle.loads(header_blob), pickle.loads(sent[rank]), sp.Chunks(layout, world), rank)
+    mine = sp.metadata_of(*pickle.loads(header_blob), pickle.loads(mine_blob), sp.Chunks(layout, world), rank)
     planner = load_plan.Planner(None)
     planner.set_up_planner({}, mine, is_coordinator=False)
     planner.original_state_dict = state
     planner.state_dict, planner.mappings = _flatten(state)
     planned = planner.create_local_plan()
-    r["reshard_rank_s"] = time.perf_counter() - t
-    r["reshard_rank_read_items"] = len(planned.items)
-    # each sharded item read from the 1 or 2 saved chunks its rows overlap (at most 3 at 16,384 -> 12,000)
-    assert len(planned.items) <= 3 * len(items), len(planned.items)
-    return r
+    return time.perf_counter() - t, len(planned.items)
 
 
 def _flatten(state):
