@@ -58,6 +58,19 @@ def secret(tmp_path):
     return path
 
 
+@pytest.fixture
+def handlers():
+    """The test process's own signal handlers back after a main() that installs its own (trainer.launch)."""
+    import signal
+
+    from trainer.resilience import signals
+
+    saved = {sig: signal.getsignal(sig) for sig in signals.STOP_SIGNALS}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
 @pytest.fixture(scope="module")
 def group():
     """A gloo process group of one in this process (a HashStore, no port): for a test file's

@@ -6,7 +6,6 @@ usage block and `prog: error: ...` before, a second style beside the bad-input l
 from __future__ import annotations
 
 import importlib
-import signal
 import subprocess
 import sys
 
@@ -16,18 +15,8 @@ import tomllib
 from tests.helpers.run import ROOT, env
 from tests.unit.test_requeue import SYSTEM_PYTHON
 from trainer import __version__, cli
-from trainer.resilience import signals
 
 VERSION = f"fsdp-trainer {__version__}\n"
-
-
-@pytest.fixture
-def handlers():
-    """The test process's own signal handlers back after a main() that installs its own (trainer.launch)."""
-    saved = {sig: signal.getsignal(sig) for sig in signals.STOP_SIGNALS}
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
 
 
 def ends(main, argv: list[str], capsys) -> tuple[int, str, str]:

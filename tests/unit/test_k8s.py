@@ -336,15 +336,6 @@ def test_operator_variables_that_are_no_rendezvous_are_one_line(env, argv, line)
     assert str(e.value) == line
 
 
-@pytest.fixture
-def handlers():
-    """The test process's signal handlers back after trainer.launch's main() installed its own."""
-    saved = {sig: signal.getsignal(sig) for sig in signals.STOP_SIGNALS}
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
-
-
 def test_the_launcher_refuses_a_pods_bad_variables_with_exit_2_before_anything(monkeypatch, capsys, handlers, tmp_path):
     for name, value in {**KUBEFLOW, "PET_NODE_RANK": "-1"}.items():
         monkeypatch.setenv(name, value)
