@@ -99,7 +99,7 @@ plot: venv ## summarise runs and plot their loss: make plot RUN_DIR="runs/a runs
 
 # Two tiers by folder (tests/conftest.py): tests/unit/ in this process; tests/system/ starts ranks,
 # launchers, Slurm jobs and images (its tests are also marked slow: -m "not slow" selects tests/unit/).
-test: venv-test ## run the whole test suite, unit tier first (what CI runs; 47 min on 2 cores, 2026-11-28)
+test: venv-test ## run the whole test suite, unit tier first (what CI runs; 50 min on 2 cores, 2026-11-29)
 	$(PY) -m pytest tests/unit tests/system $(PYTEST_ARGS)
 
 test-fast: venv-test ## the unit tier, tests/unit/ (1 min 40 s on an idle 2-core machine, 2026-11-29): the edit-test loop
