@@ -12,7 +12,7 @@ import sys
 import pytest
 import tomllib
 
-from tests.helpers.run import ROOT, env
+from tests.helpers.run import ROOT
 from tests.unit.test_requeue import SYSTEM_PYTHON
 from trainer import __version__, cli
 
@@ -78,7 +78,7 @@ def test_an_argparse_error_says_what_in_one_line(capsys):
     )
 
 
-def test_the_helpers_parse_through_the_table_too(capsys):
+def test_the_helpers_parse_through_the_table_too(capsys, handlers):
     from trainer.data import main as data
 
     assert ends(data, ["--version"], capsys) == (0, VERSION, "")
@@ -87,15 +87,11 @@ def test_the_helpers_parse_through_the_table_too(capsys):
         "",
         "error: the following arguments are required: root; see python -m trainer.data fake-mnist --help\n",
     )
-    # One rank, `python -m trainer`: its module installs signal handlers as it is imported, so in a process of its own.
-    proc = subprocess.run(
-        [sys.executable, "-m", "trainer", "--version"], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300
-    )
-    assert (proc.returncode, proc.stdout) == (0, VERSION), proc.stderr
-    proc = subprocess.run(
-        [sys.executable, "-m", "trainer", "train.steps=3"], cwd=ROOT, env=env(), capture_output=True, text=True
-    )
-    assert (proc.returncode, proc.stdout, proc.stderr) == (
+    # One rank, `python -m trainer`: its module installs signal handlers as it is imported (handlers puts
+    # the test process's back)
+    rank = importlib.import_module("trainer.__main__").main
+    assert ends(rank, ["--version"], capsys) == (0, VERSION, "")
+    assert ends(rank, ["train.steps=3"], capsys) == (
         2,
         "",
         "error: the following arguments are required: --config; see python -m trainer --help\n",
