@@ -86,7 +86,8 @@ def test_the_example_family_checks_and_builds_from_families_and_as_model_family(
     (package / "__init__.py").write_text("")
     (package / "my_family.py").write_text(block(PAGE, "Adding a model family", "python"))
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "my_pkg.my_family", raising=False)
+    for name in ("my_pkg", "my_pkg.my_family"):  # another test's my_pkg, imported before, is not this one
+        monkeypatch.delitem(sys.modules, name, raising=False)
     try:
         found = models.user_family("my_pkg.my_family")
         assert found.kind == "classifier" and found.input_shape(args.model) == (3, 8, 8)
