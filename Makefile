@@ -61,7 +61,7 @@ GPU_MEM_GB    ?=
 .PHONY: help venv venv-test config run check evaluate plot test test-fast test-compat test-gpu gpu-check lint format bench image up docker-engine submit submit-k8s slurm-up slurm-down clean
 
 help: ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^[^:]*:([a-z-]+):.*## /\1\t/; s/^([a-z-]+):.*## /\1\t/'
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^[^:]*:([a-z0-9-]+):.*## /\1\t/; s/^([a-z0-9-]+):.*## /\1\t/'
 
 # The venv is rebuilt when pyproject.toml changes. torch is asked for with a range, never ==2.13.0
 # (see README, "Installing"). Two stamps: what running needs (the trainer and its dependencies: make

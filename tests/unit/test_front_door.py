@@ -83,3 +83,16 @@ def test_a_finished_run_started_again_says_so_before_any_set_up(tmp_path, monkey
     out = capsys.readouterr().out
     assert "nothing to do: step 6 reached train.steps=6; raise train.steps to continue" in out, out
     assert layout.read_status(str(run_dir))["state"] == "finished"
+
+
+def test_make_help_lists_every_target_that_says_what_it_does():
+    """Every Makefile target with a `## what it does` comment is a line of `make help` (submit-k8s was
+    missing: the pattern took only letters and dashes for a target's name)."""
+    import re
+
+    from tests.helpers.run import env
+
+    documented = re.findall(r"^([a-z0-9-]+):.*## ", (ROOT / "Makefile").read_text(), re.M)
+    out = subprocess.run(["make", "-s", "help"], cwd=ROOT, env=env(), capture_output=True, text=True, check=True)
+    listed = [line.split("\t")[0] for line in out.stdout.splitlines()]
+    assert listed == documented and "submit-k8s" in listed
