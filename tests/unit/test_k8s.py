@@ -515,6 +515,17 @@ def test_a_config_of_your_own_goes_to_the_pods_as_a_configmap_of_the_file_the_pr
     assert err[-1] == f"submit-k8s: wrote {tmp_path / 'job.yaml'}"
 
 
+def test_a_config_of_your_own_changed_after_it_was_read_is_refused(tmp_path):
+    """What parse_job read for the ConfigMap is no longer the file the preflight checks: refused, one line."""
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(MY_CONFIG)
+    job = _job(**CPU, **MINE, overrides=TINY)
+    job.config_text = MY_CONFIG.replace("6", "7")
+    with pytest.raises(k8s.K8sError) as e:
+        k8s.check(job, mine)
+    assert str(e.value) == f"CONFIG={mine}: the file changed while it was checked; run make submit-k8s again"
+
+
 @pytest.mark.parametrize(
     "text, line",
     [
