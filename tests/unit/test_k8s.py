@@ -515,6 +515,20 @@ def test_a_config_of_your_own_goes_to_the_pods_as_a_configmap_of_the_file_the_pr
     assert err[-1] == f"submit-k8s: wrote {tmp_path / 'job.yaml'}"
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "model:\n  dim: 64\n",
+        "model:   \n\tdim: 64",  # trailing blanks, a tab, no final line break: quoted, not a block
+        "model:\r\n  dim: 64\r\n# größer, 更大\r\n",
+        "\n\nmodel: {dim: 64}\n\n\n",
+    ],
+)
+def test_the_configmap_holds_the_file_exactly_as_written(text):
+    config_map, _ = yaml.safe_load_all(k8s.render(_job(**{**MINE, "config_text": text})))
+    assert config_map["data"] == {k8s.CONFIG_KEY: text}
+
+
 def test_a_config_of_your_own_changed_after_it_was_read_is_refused(tmp_path):
     """What parse_job read for the ConfigMap is no longer the file the preflight checks: refused, one line."""
     mine = tmp_path / "mine.yaml"
