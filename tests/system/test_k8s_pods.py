@@ -1,7 +1,8 @@
 """The system tier of tests/unit/test_k8s.py, whose docstring says what both halves test: two pods of a
 TrainJob as two launchers on this machine, each with the variables Kubeflow Trainer's torch runtime sets
-on its pod (the first pod's address is 127.0.0.1 here, its headless service name on a cluster). Not in
-containers: the image's two containers on a Docker engine are a later session's test."""
+on its pod (the first pod's address is 127.0.0.1 here, its headless service name on a cluster), where no
+Docker engine answers: where one does, tests/system/test_k8s_containers.py runs the same two pods, the
+same stop and resume, as two containers of the image (and this run would only add its time to CI's)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import subprocess
 import pytest
 import yaml
 
+from tests.helpers.docker import engine_problem
 from tests.helpers.outputs import rows
 from tests.helpers.pages import block
 from tests.helpers.run import PYTHON, ROOT, TINY, env, wait_for
@@ -50,6 +52,10 @@ def _pods(run_dir, steps: int) -> list[subprocess.Popen]:
 
 
 @pytest.mark.slow  # two launchers with a rank each, twice (30 to 44 s on 2 cores, 2026-11-29)
+@pytest.mark.skipif(
+    engine_problem() is None,
+    reason="a Docker engine answers: tests/system/test_k8s_containers.py runs these pods as containers of the image",
+)
 def test_two_pods_rendezvous_a_sigterm_to_one_saves_exits_143_and_the_set_started_again_resumes(tmp_path):
     run_dir = tmp_path / "run"
     pods = _pods(run_dir, 100000)

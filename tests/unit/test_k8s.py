@@ -2,8 +2,9 @@
 (trainer/launchers/torchrun.py: apply_rendezvous, operator_exit): the rendered TrainJob, JobSet and
 PodGroup against the vendored CRD schemas (tests/schemas/) and golden files (tests/golden/*.yaml), the
 rendezvous each operator's variables give the launcher in every pod, and bad input refused in one line
-before anything is written. The image's two containers rendezvousing on a Docker engine are not
-tested here (a later session's)."""
+before anything is written. The ConfigMap of a config of the user's own is core v1, whose schema is not
+vendored: its shape is checked here plainly (config_map_problems). The image's two containers on a
+Docker engine: tests/system/test_k8s_containers.py."""
 
 from __future__ import annotations
 
@@ -56,9 +57,42 @@ def validator(file: str) -> jsonschema.Draft7Validator:
 
 
 def problems(doc: dict) -> list[str]:
-    """What the vendored CRD schema of doc's kind says is wrong with it: 'path: message' each."""
+    """What the vendored CRD schema of doc's kind says is wrong with it: 'path: message' each (a
+    ConfigMap: config_map_problems)."""
+    if (doc.get("apiVersion"), doc.get("kind")) == ("v1", "ConfigMap"):
+        return config_map_problems(doc)
     found = validator(SCHEMA_OF[doc["apiVersion"], doc["kind"]]).iter_errors(doc)
     return sorted(f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in found)
+
+
+DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+CONFIG_MAP_KEY = re.compile(r"[-._a-zA-Z0-9]+")
+
+
+def config_map_problems(doc: dict) -> list[str]:
+    """What the API server's validation of a core v1 ConfigMap (k8s.io/kubernetes pkg/apis/core/validation,
+    ValidateConfigMap) would refuse in the fields make submit-k8s renders: the name a DNS-1123
+    subdomain, keys of letters, digits, '-', '_' and '.' (not '.' or '..'), text values, at most 1 MiB
+    of data; and no field that is not a ConfigMap's."""
+    found = [
+        f"{key}: not a field of a ConfigMap" for key in doc if key not in ("apiVersion", "kind", "metadata", "data")
+    ]
+    meta = doc.get("metadata", {})
+    found += [f"metadata.{key}: not rendered here" for key in meta if key not in ("name", "namespace", "labels")]
+    name = meta.get("name", "")
+    if not (DNS_SUBDOMAIN.fullmatch(name) and len(name) <= 253):
+        found.append(f"metadata.name: {name!r} is not a DNS-1123 subdomain")
+    data = doc.get("data")
+    if not isinstance(data, dict) or not data:
+        return [*found, "data: expected a mapping of file names to their text"]
+    for key, value in data.items():
+        if not (isinstance(key, str) and CONFIG_MAP_KEY.fullmatch(key) and key not in (".", "..")):
+            found.append(f"data: {key!r} is not a valid ConfigMap key")
+        if not isinstance(value, str):
+            found.append(f"data.{key}: {type(value).__name__} is not text")
+    if sum(len(k.encode()) + len(str(v).encode()) for k, v in data.items()) > 1 << 20:
+        found.append("data: more than 1 MiB")
+    return sorted(found)
 
 
 def _job(**changes) -> k8s.Job:
@@ -85,6 +119,11 @@ def _job(**changes) -> k8s.Job:
 
 
 CPU = {"nodes": 2, "gpus_per_node": 0, "namespace": None, "name": "mnist", "run_dir": "/runs/mnist/a"}
+# A config of the user's own: a ConfigMap, the file as it is (comments and all).
+MINE = {
+    "config": f"{k8s.CONFIG_MOUNT}/{k8s.CONFIG_KEY}",
+    "config_text": "# my model\nmodel:\n  dim: 64   # wider\ntrain:\n  steps: 20\n",
+}
 
 
 @pytest.mark.parametrize(
@@ -95,6 +134,8 @@ CPU = {"nodes": 2, "gpus_per_node": 0, "namespace": None, "name": "mnist", "run_
         ("jobset-8x4-kueue.yaml", _job(kind=k8s.KIND_JOBSET)),
         ("jobset-8x4-volcano.yaml", _job(kind=k8s.KIND_JOBSET, queue="research", gang="volcano")),
         ("jobset-cpu-2.yaml", _job(kind=k8s.KIND_JOBSET, **CPU, queue=None)),
+        ("trainjob-cpu-2-configmap.yaml", _job(**CPU, **MINE, queue=None)),
+        ("jobset-8x4-configmap-volcano.yaml", _job(kind=k8s.KIND_JOBSET, **MINE, queue="research", gang="volcano")),
     ],
 )
 def test_rendered_manifest_matches_golden_and_its_crd_schema(name, job):
@@ -104,9 +145,25 @@ def test_rendered_manifest_matches_golden_and_its_crd_schema(name, job):
     assert text == (GOLDEN / name).read_text(), f"rendered manifest differs from tests/golden/{name}"
     docs = list(yaml.safe_load_all(text))
     assert [problems(doc) for doc in docs] == [[] for _ in docs]
-    assert [d["kind"] for d in docs] == (
-        ["JobSet", "PodGroup"] if job.kind == k8s.KIND_JOBSET and job.gang == "volcano" else [docs[0]["kind"]]
-    )
+    kinds = ["JobSet", "PodGroup"] if job.kind == k8s.KIND_JOBSET and job.gang == "volcano" else [docs[-1]["kind"]]
+    assert [d["kind"] for d in docs] == (["ConfigMap"] if job.config_text else []) + kinds
+    if job.config_text:  # the pods mount the ConfigMap the manifest holds, which is the file as it was
+        assert docs[0]["data"] == {k8s.CONFIG_KEY: job.config_text}
+        assert _mounted_config(docs[1]) == (docs[0]["metadata"]["name"], k8s.CONFIG_MOUNT)
+
+
+def _mounted_config(doc: dict) -> tuple[str, str]:
+    """(the ConfigMap, where the container mounts it, read-only) of a TrainJob's runtime patch or a JobSet."""
+    if doc["kind"] == "TrainJob":
+        (patch,) = doc["spec"]["runtimePatches"]
+        (rjob,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    else:
+        (rjob,) = doc["spec"]["replicatedJobs"]
+    pod = rjob["template"]["spec"]["template"]["spec"]
+    ((volume,),) = [[v for v in pod["volumes"] if "configMap" in v]]
+    ((mount,),) = [[m for m in pod["containers"][0]["volumeMounts"] if m["name"] == volume["name"]]]
+    assert mount["readOnly"] is True
+    return volume["configMap"]["name"], mount["mountPath"]
 
 
 def test_the_runtime_for_trainjobs_restarts_them_as_the_jobset_does_and_matches_golden_and_its_schema():
@@ -159,6 +216,20 @@ def test_the_schema_check_finds_a_misspelt_field_a_wrong_type_and_a_value_out_of
     (trainjob,) = yaml.safe_load_all(k8s.render(_job()))
     del trainjob["spec"]["runtimeRef"]
     assert problems(trainjob) == ["spec: 'runtimeRef' is a required property"]
+    config_map, _ = yaml.safe_load_all(k8s.render(_job(**MINE)))
+    config_map["metadata"]["name"] = "Llama_8B-config"
+    config_map["data"] = {"my config.yaml": "model: {}\n", "..": 7}
+    config_map["binaryDate"] = {}
+    assert problems(config_map) == [
+        "binaryDate: not a field of a ConfigMap",
+        "data...: int is not text",
+        "data: '..' is not a valid ConfigMap key",
+        "data: 'my config.yaml' is not a valid ConfigMap key",
+        "metadata.name: 'Llama_8B-config' is not a DNS-1123 subdomain",
+    ]
+    config_map["metadata"]["name"] = "llama-8b-config.team-a"
+    config_map["data"] = {"config.yaml": "x" * (1 << 20)}
+    assert problems(config_map) == ["binaryDate: not a field of a ConfigMap", "data: more than 1 MiB"]
 
 
 def test_the_jobset_fails_at_once_on_the_codes_a_restart_cannot_help_and_restarts_the_set_on_the_rest():
@@ -422,14 +493,69 @@ def test_a_config_the_preflight_refuses_is_its_one_line_and_nothing_is_written(t
     assert not (tmp_path / "job.yaml").exists()
 
 
-def test_a_config_the_image_does_not_hold_is_refused(tmp_path, capsys):
+MY_CONFIG = "# mine: a small model\nmodel:\n  seq_len: 32\ntrain:\n  global_batch_size: 12\n  steps: 6\n"
+
+
+@pytest.mark.parametrize("kind", [k8s.KIND_TRAINJOB, k8s.KIND_JOBSET])
+def test_a_config_of_your_own_goes_to_the_pods_as_a_configmap_of_the_file_the_preflight_checked(tmp_path, capsys, kind):
     mine = tmp_path / "mine.yaml"
-    mine.write_text((ROOT / "configs" / "default.yaml").read_text())
+    mine.write_text(MY_CONFIG)
+    assert k8s.main(_argv(tmp_path, "train.steps=8", config=str(mine), kind=kind)) == 0
+    config_map, job = yaml.safe_load_all((tmp_path / "job.yaml").read_text())
+    assert problems(config_map) == [] and problems(job) == []
+    assert config_map["metadata"]["name"] == "tiny-config" and config_map["data"] == {"config.yaml": MY_CONFIG}
+    assert _mounted_config(job) == ("tiny-config", "/etc/fsdp-trainer")
+    _, args = _pod_env(job, 1)
+    assert args[args.index("--config") :][:3] == ["--config", "/etc/fsdp-trainer/config.yaml", "run_dir=/runs/tiny"]
+    err = capsys.readouterr().err.splitlines()
+    assert (
+        f"submit-k8s: config: {mine} as ConfigMap tiny-config, /etc/fsdp-trainer/config.yaml in the pods (mounted "
+        "read-only)"
+    ) in err
+    assert err[-1] == f"submit-k8s: wrote {tmp_path / 'job.yaml'}"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "model:\n  dim: 64\n",
+        "model:   \n\tdim: 64",  # trailing blanks, a tab, no final line break: quoted, not a block
+        "model:\r\n  dim: 64\r\n# größer, 更大\r\n",
+        "\n\nmodel: {dim: 64}\n\n\n",
+    ],
+)
+def test_the_configmap_holds_the_file_exactly_as_written(text):
+    config_map, _ = yaml.safe_load_all(k8s.render(_job(**{**MINE, "config_text": text})))
+    assert config_map["data"] == {k8s.CONFIG_KEY: text}
+
+
+def test_a_config_of_your_own_changed_after_it_was_read_is_refused(tmp_path):
+    """What parse_job read for the ConfigMap is no longer the file the preflight checks: refused, one line."""
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(MY_CONFIG)
+    job = _job(**CPU, **MINE, overrides=TINY)
+    job.config_text = MY_CONFIG.replace("6", "7")
+    with pytest.raises(k8s.K8sError) as e:
+        k8s.check(job, mine)
+    assert str(e.value) == f"CONFIG={mine}: the file changed while it was checked; run make submit-k8s again"
+
+
+@pytest.mark.parametrize(
+    "text, line",
+    [
+        ("model:\n  sise: 7\n", "{mine}: unknown key 'model.sise'"),
+        (b"model:\n  dim: 6\xff4\n", "{mine}:2: not UTF-8 text (byte 0xff at offset 15); save the file as UTF-8"),
+    ],
+)
+def test_a_config_of_your_own_the_preflight_refuses_is_its_one_line_and_nothing_is_written(
+    tmp_path, capsys, text, line
+):
+    mine = tmp_path / "mine.yaml"
+    mine.write_bytes(text if isinstance(text, bytes) else text.encode())
     assert k8s.main(_argv(tmp_path, config=str(mine))) == outcomes.BAD_INPUT.code
-    assert capsys.readouterr().err == (
-        f"submit-k8s: error: CONFIG={mine}: the image holds this checkout's configs/ only (/app/configs); copy the "
-        f"config into configs/ and build the image again (make image), then give CONFIG=configs/mine.yaml\n"
-    )
+    err = capsys.readouterr().err
+    assert err.startswith(f"submit-k8s: error: {line.format(mine=mine)}") and err.count("\n") == 1, err
+    assert not (tmp_path / "job.yaml").exists()
 
 
 def _kubectl(folder: Path, code: int = 0) -> str:

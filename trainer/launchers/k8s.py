@@ -26,6 +26,9 @@ What the rendered job does:
   they resume from the newest checkpoint; the exit codes that would fail again (bad input, a lost
   lease: trainer/resilience/outcomes.py) fail the JobSet instead (podFailurePolicy FailJob).
 * the run dir on a ReadWriteMany PersistentVolumeClaim (--pvc) mounted at /runs in every pod;
+* the config: a file of the image's configs/ by its path there, or any other file (the user's own) as a
+  ConfigMap, the manifest's first document, mounted read-only at /etc/fsdp-trainer in every pod: the
+  pods run the very bytes the preflight checked here;
 * gang scheduling where asked: Kueue's queue label, or Volcano's queue (and, for a JobSet, a PodGroup
   of --nodes pods).
 
@@ -55,6 +58,10 @@ REPO_DIR = Path(__file__).resolve().parents[2]  # trainer/launchers/k8s.py: the 
 # The image (Dockerfile): its entrypoint, and where it holds the checkout's configs/.
 ENTRYPOINT = ["/usr/bin/tini", "--"]
 IMAGE_CONFIGS = "/app/configs"
+# A config of the user's own (not in the image): a ConfigMap NAME-config of one key, mounted read-only here.
+CONFIG_MOUNT = "/etc/fsdp-trainer"
+CONFIG_KEY = "config.yaml"
+CONFIG_VOLUME = "config"
 CONTAINER = "node"  # the training container's name, and its replicated job's: Kubeflow Trainer's "node"
 MOUNT = "/runs"  # where the PersistentVolumeClaim holding the run dirs is mounted in every pod
 VOLUME = "runs"
@@ -95,13 +102,14 @@ class Job:
     image: str
     pvc: str  # the ReadWriteMany PersistentVolumeClaim holding the run dirs, mounted at MOUNT
     run_dir: str  # in the pods, under MOUNT
-    config: str  # the config's path in the image (IMAGE_CONFIGS/...)
+    config: str  # the config's path in the pods: in the image (IMAGE_CONFIGS/...) or the ConfigMap's
     overrides: list[str]
     queue: str | None  # the Kueue LocalQueue or Volcano queue; None: no gang scheduling asked
     gang: str  # "kueue" or "volcano" (with a queue)
     runtime: str  # the ClusterTrainingRuntime of a TrainJob
     grace_seconds: int  # terminationGracePeriodSeconds, and the launcher's --grace-seconds
     max_restarts: int  # the JobSet's failurePolicy.maxRestarts
+    config_text: str | None = None  # a config the image does not hold: the ConfigMap's file; None: the image's
     notes: list[str] = dataclasses.field(default_factory=list)  # said before the manifest: why each value
 
     @property
@@ -139,18 +147,29 @@ def default_name(config: Path, nodes: int) -> str:
     return f"train-{stem}"[: longest_name(nodes)].rstrip("-")
 
 
-def pod_config(config: Path) -> str:
-    """The config's path in the image: the image holds the checkout's configs/ (Dockerfile), and only it
-    (an installed trainer ships the same files as trainer/configs/: config.SHIPPED_CONFIGS)."""
+def image_config(config: Path) -> str | None:
+    """The config's path in the image, which holds the checkout's configs/ (Dockerfile; an installed
+    trainer ships the same files as trainer/configs/: config.SHIPPED_CONFIGS); None for any other file."""
     from trainer.config import SHIPPED_CONFIGS
 
     for folder in SHIPPED_CONFIGS:
         if config.resolve().is_relative_to(folder.resolve()):
             return f"{IMAGE_CONFIGS}/{config.resolve().relative_to(folder.resolve()).as_posix()}"
-    raise K8sError(
-        f"CONFIG={config}: the image holds this checkout's configs/ only ({IMAGE_CONFIGS}); copy the config "
-        f"into configs/ and build the image again (make image), then give CONFIG=configs/{config.name}"
-    )
+    return None
+
+
+def read_config(config: Path) -> str:
+    """The text of a config file of the user's own, for its ConfigMap (K8sError: unreadable). Bytes that
+    are not UTF-8 are kept as they are (surrogateescape): the preflight says what is wrong with them.
+    At most CONFIG_FILE_BYTES, which is also a ConfigMap's limit (1 MiB)."""
+    from trainer.config import CONFIG_FILE_BYTES
+
+    try:
+        return files.read_named(config, CONFIG_FILE_BYTES).decode("utf-8", "surrogateescape")
+    except files.UnsafeFile as e:
+        raise K8sError(f"CONFIG={config}: {e.why}; give a YAML file") from None
+    except OSError as e:
+        raise K8sError(f"CONFIG={config}: cannot read it ({e.strerror or e}); check its permissions") from None
 
 
 def pod_run_dir(given: list[str], name: str) -> str:
@@ -196,7 +215,8 @@ def parse_job(args: argparse.Namespace) -> tuple[Job, Path]:
     config = Path(find_config(args.config))
     if not config.is_file():
         raise K8sError(f"CONFIG={args.config}: no such file")
-    in_image = pod_config(config)
+    in_image = image_config(config)
+    text = None if in_image else read_config(config)
     name = _label("JOB_NAME", args.name, longest_name(nodes)) if args.name else default_name(config, nodes)
     overrides, run_dirs = [], [args.run_dir] if args.run_dir else []
     for item in args.overrides:
@@ -216,8 +236,8 @@ def parse_job(args: argparse.Namespace) -> tuple[Job, Path]:
     max_restarts = _number("MAX_RESTARTS", args.max_restarts, 0)
     grace = _number("GRACE", args.grace_seconds, signals.EXIT_MARGIN_S + 1) if args.grace_seconds else 0
     job = Job(
-        kind, name, namespace, nodes, gpus, args.image, pvc, run_dir, in_image, overrides, queue, gang, runtime,
-        grace, max_restarts,
+        kind, name, namespace, nodes, gpus, args.image, pvc, run_dir, in_image or f"{CONFIG_MOUNT}/{CONFIG_KEY}",
+        overrides, queue, gang, runtime, grace, max_restarts, text,
     )  # fmt: skip
     return job, config
 
@@ -277,6 +297,12 @@ def check(job: Job, config: Path, gpu_mem_gb: str = "") -> None:
     job.notes.append(
         f"terminationGracePeriodSeconds: {job.grace_seconds} ({why}); one save: about {estimate:.1f} s ({how})"
     )
+    if job.config_text is not None:  # the pods get what was checked, or nothing
+        if read_config(config) != job.config_text:
+            raise K8sError(f"CONFIG={config}: the file changed while it was checked; run make submit-k8s again")
+        job.notes.append(
+            f"config: {config} as ConfigMap {config_map_name(job)}, {job.config} in the pods (mounted read-only)"
+        )
 
 
 # ---- the manifests ------------------------------------------------------------------------------
@@ -308,13 +334,30 @@ def _metadata(job: Job, labels: dict | None = None, annotations: dict | None = N
 
 
 def _volumes(job: Job) -> tuple[list[dict], list[dict]]:
-    """(the pod's volumes, the container's mounts): the run dirs' claim and /dev/shm."""
+    """(the pod's volumes, the container's mounts): the run dirs' claim, /dev/shm, and the ConfigMap of
+    a config of the user's own."""
     volumes = [
         {"name": VOLUME, "persistentVolumeClaim": {"claimName": job.pvc}},
         {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}},
     ]
     mounts = [{"name": VOLUME, "mountPath": MOUNT}, {"name": SHM_VOLUME, "mountPath": "/dev/shm"}]
+    if job.config_text is not None:
+        volumes.append({"name": CONFIG_VOLUME, "configMap": {"name": config_map_name(job)}})
+        mounts.append({"name": CONFIG_VOLUME, "mountPath": CONFIG_MOUNT, "readOnly": True})
     return volumes, mounts
+
+
+def config_map_name(job: Job) -> str:
+    return f"{job.name}-config"
+
+
+def render_config_map(job: Job) -> list[dict]:
+    """The ConfigMap (core v1) of a config of the user's own, one key (CONFIG_KEY); none for the image's."""
+    if job.config_text is None:
+        return []
+    meta = _metadata(job)
+    meta["name"] = config_map_name(job)
+    return [{"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": {CONFIG_KEY: job.config_text}}]
 
 
 def _gpus(job: Job) -> dict:
@@ -355,7 +398,8 @@ def render_trainjob(job: Job) -> list[dict]:
         "runtimePatches": [patch],
     }
     return [
-        {"apiVersion": TRAINJOB_API, "kind": "TrainJob", "metadata": _metadata(job, labels, annotations), "spec": spec}
+        *render_config_map(job),
+        {"apiVersion": TRAINJOB_API, "kind": "TrainJob", "metadata": _metadata(job, labels, annotations), "spec": spec},
     ]
 
 
@@ -418,7 +462,10 @@ def render_jobset(job: Job) -> list[dict]:
         "replicatedJobs": [{"name": CONTAINER, "replicas": 1, "template": {"spec": job_spec}}],
     }
     labels = {KUEUE_QUEUE_LABEL: job.queue} if job.queue and job.gang == "kueue" else {}
-    docs = [{"apiVersion": JOBSET_API, "kind": "JobSet", "metadata": _metadata(job, labels), "spec": spec}]
+    docs = [
+        *render_config_map(job),
+        {"apiVersion": JOBSET_API, "kind": "JobSet", "metadata": _metadata(job, labels), "spec": spec},
+    ]
     if volcano:  # the gang: Volcano starts the pods once all of them fit
         group: dict = {"minMember": job.nodes, "queue": job.queue}
         if job.gpus_per_node:
@@ -434,8 +481,21 @@ def render(job: Job) -> str:
         f"# {job.kind} {job.name}: {job.nodes} node(s) x {job.nproc_per_node} rank(s), rendered by make submit-k8s",
         f"# (trainer/launchers/k8s.py). Run dir: {job.run_dir} on PersistentVolumeClaim {job.pvc} (ReadWriteMany).",
     ]
-    body = "---\n".join(yaml.safe_dump(d, sort_keys=False, default_flow_style=False, width=1000) for d in docs)
+    body = "---\n".join(
+        yaml.dump(d, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=1000) for d in docs
+    )
     return "\n".join(head) + "\n" + body
+
+
+class _Dumper(yaml.SafeDumper):
+    """yaml.safe_dump's, with a text of several lines (a ConfigMap's file) as a literal block, which reads
+    as the file itself (YAML quotes it instead where a block could not hold it exactly)."""
+
+
+_Dumper.add_representer(
+    str,
+    lambda dumper, text: dumper.represent_scalar("tag:yaml.org,2002:str", text, style="|" if "\n" in text else None),
+)
 
 
 # ---- command line -------------------------------------------------------------------------------
@@ -455,7 +515,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pvc", default="", help=f"ReadWriteMany PersistentVolumeClaim of the run dirs, mounted at {MOUNT}")
     p.add_argument("--name", default="", help="the job's name (DNS-1123 label); empty: train-<config>")
     p.add_argument("--namespace", default="", help="empty: kubectl's current namespace")
-    p.add_argument("--config", default="configs/default.yaml", help="a config of configs/ (the image holds them)")
+    p.add_argument(
+        "--config",
+        default="configs/default.yaml",
+        help="a config of configs/ (in the image), or your own (a ConfigMap)",
+    )
     p.add_argument("--run-dir", default="", help=f"run dir in the pods, under {MOUNT}/; empty: {MOUNT}/<name>")
     p.add_argument("--queue", default="", help="Kueue LocalQueue or Volcano queue: gang scheduling; empty: none")
     p.add_argument("--gang", default="kueue", help="kueue or volcano: which scheduler --queue names a queue of")
