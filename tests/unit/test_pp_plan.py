@@ -115,3 +115,15 @@ def test_the_planner_offers_pipeline_stages_where_they_make_a_model_fit():
     assert f"parallel.pp=2 ({memory.gb(fits)}, 1f1b: a bubble of 33%)" in fixes, fixes
     offloaded = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, cpu_offload=True))
     assert not [f for f in memory.changes_that_fit(offloaded, 4, 4, fits, profile=profile) if "parallel.pp" in f]
+
+
+def test_more_nodes_are_offered_to_a_pipeline_only_where_its_micro_batches_fill():
+    """A pipeline of 2 stages needs 2 micro-batches of at least one sample a data-parallel rank: 4
+    nodes of 4 would leave each of their 8 data-parallel ranks 1 of the 8 samples (it was offered,
+    estimated with micro-batches of 0 samples); 2 nodes leave 2 (one a micro-batch), and do not fit here."""
+    cfg = resolve(load(None, ["model.size=small", "model.seq_len=16", "train.global_batch_size=8", "parallel.pp=2"]))
+    profile = memory.measure(cfg, gpu=True)
+    two_nodes = memory.estimate(cfg, 8, 1, 4, gpu=True, profile=profile).total
+    assert memory.estimate(cfg, 16, 0, 4, gpu=True, profile=profile).total < two_nodes  # what 4 nodes were taken for
+    fixes = memory.changes_that_fit(cfg, 4, 4, two_nodes - 1, profile=profile)
+    assert not [f for f in fixes if f.startswith("--nnodes")], fixes

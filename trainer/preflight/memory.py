@@ -732,24 +732,33 @@ def changes_that_fit(
             fixes.append(offer)
     split = tp * p.pp * getattr(p, "cp", 1)  # ranks that share one data-parallel rank's samples
 
-    def dp_of(world: int) -> int:  # its data-parallel ranks, 0 where the degrees do not divide it
-        return world // split if world % split == 0 else 0
+    def micro_on(world: int) -> int:
+        """The micro-batch on `world` ranks: 0 where the degrees do not divide them, or the global batch
+        does not divide over their data-parallel ranks, or a rank's samples do not fill the pipeline's
+        micro-batches (a pipeline of 2 stages on as many data-parallel ranks as samples was offered
+        with micro-batches of 0 samples)."""
+        dp = world // split if world % split == 0 else 0
+        if not dp or batch % dp:
+            return 0
+        if p.pp > 1 and pipeline.batch_problem(p, batch // dp, cfg.train.micro_batch_size, ""):
+            return 0
+        return min(micro, batch // dp // pipeline.microbatches(p))
 
     if ranks_option and factors.finer_per_node:
         for rpn in (2, 4, 8):
             world = rpn * nodes
-            if rpn <= ranks_per_node or rpn % tp or not dp_of(world) or batch % dp_of(world):
+            if rpn <= ranks_per_node or rpn % tp or not micro_on(world):
                 continue
-            total = fits(cfg, world, min(micro, batch // dp_of(world) // pipeline.microbatches(p)), rpn)
+            total = fits(cfg, world, micro_on(world), rpn)
             if total:
                 fixes.append(f"{ranks_option.format(rpn)} ({gb(total)})")
                 break
     if factors.finer_with_nodes:
         for more in range(nodes + 1, 16 * nodes + 1):
             world = more * ranks_per_node
-            if not dp_of(world) or batch % dp_of(world):
+            if not micro_on(world):
                 continue
-            total = fits(cfg, world, min(micro, batch // dp_of(world) // pipeline.microbatches(p)))
+            total = fits(cfg, world, micro_on(world))
             if total:
                 fixes.append(f"{nodes_option.format(more)} ({gb(total)})")
                 break
