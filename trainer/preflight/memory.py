@@ -37,6 +37,13 @@ The estimate of one rank's peak, by part (`estimate`):
   counted on every stage, the root's (the first stage's embedding, the last's norm and head); of the
   activations 1/pp of one sample's (the blocks' share), for as many micro-batches as the first stage
   holds at once (1F1B: pp, GPipe: all of them). Approximate: the last stage's logits are not split.
+* pipeline schedules: the micro-batches in flight on the first stage are the schedule's
+  (trainer/parallel/pp_plan.py: 1F1B pp, GPipe all, interleaved 1F1B pp + (pp-1)/v, ...), each 1/pp of
+  a sample's activations; it may be a fraction of a stage's micro-batch (interleaved chunks are 1/v).
+* context parallelism (parallel.cp > 1, planned: every start refuses it): FSDP shards over dp_shard x
+  cp, so the state is as without it; every activation is 1/cp (the sequence split), plus the ring's
+  buffers while one block's attention runs (cp_ring_bytes: the whole sequence's keys and values,
+  all-gathered, and float32 partial results of the rank's own queries).
 * gradients at the peak: the peak is at the start of backward. Without gradient accumulation none
   exist then (set to None after each step; backward makes them as it frees the activations), so
   they count only where they outgrow the activations. With accumulation the earlier micro-batches'
@@ -676,7 +683,7 @@ def changes_that_fit(
 ) -> list[str]:
     """Each single change not already made (gradients reduced every micro-batch, selective or full
     activation checkpointing, a smaller micro-batch, CPU offload, full sharding, more tensor
-    parallelism, more ranks per node, more nodes) after which the GPU estimate is at most `have`
+    parallelism, pipeline stages, more ranks per node, more nodes) after which the GPU estimate is at most `have`
     bytes, with that estimate: "parallel.activation_checkpointing=selective (41.2 GB)"."""
     from trainer import models
 
@@ -717,12 +724,11 @@ def changes_that_fit(
             fixes.append(f"parallel.sharding=full ({gb(total)})")
     if models.spec(cfg.model).tp_plan is not None and not staged:  # tp inside a node, where the family has a plan
         for more in (2, 4, 8):
-            if more <= tp or ranks_per_node % more or batch % (world_size // more):
+            dp = world_size // (more * p.cp)  # the data-parallel ranks with it (cp's ranks share samples too)
+            if more <= tp or ranks_per_node % more or not dp or batch % dp:
                 continue
             # the same micro-batch where it is set; else each data-parallel rank's samples, tp times more
-            total = fits(
-                _with(cfg, parallel={"tp": more}), mb=cfg.train.micro_batch_size or batch // (world_size // more)
-            )
+            total = fits(_with(cfg, parallel={"tp": more}), mb=cfg.train.micro_batch_size or batch // dp)
             if total:
                 fixes.append(f"parallel.tp={more} ({gb(total)})")
                 break
@@ -730,7 +736,7 @@ def changes_that_fit(
         offer = _pp_that_fits(cfg, world_size, fits)
         if offer:
             fixes.append(offer)
-    split = tp * p.pp * getattr(p, "cp", 1)  # ranks that share one data-parallel rank's samples
+    split = p.cp * tp * p.pp  # ranks that share one data-parallel rank's samples
 
     def micro_on(world: int) -> int:
         """The micro-batch on `world` ranks: 0 where the degrees do not divide them, or the global batch
