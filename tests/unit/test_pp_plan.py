@@ -84,8 +84,9 @@ def test_make_check_says_an_interleaved_schedule_and_the_estimate_holds_its_chun
     """The plan line and the activations of a schedule the config may not take yet (set on the
     parsed section): interleaved 1F1B over 2 ranks x 2 stages each, 4 micro-batches: 2.5 stages'
     micro-batches in flight (5 chunks of half a stage), against 1F1B's 2."""
-    cfg = resolve(load(None, ["model.seq_len=16", "train.global_batch_size=16", "parallel.pp=2"]))
-    profile = memory.measure(cfg)
+    base = ["model.seq_len=16", "train.global_batch_size=16"]
+    profile = memory.measure(resolve(load(None, base)))  # test_pp.py's: measured once in a run of both
+    cfg = resolve(load(None, [*base, "parallel.pp=2"]))
     parallel = dataclasses.replace(cfg.parallel, pp_microbatches=4, pp_schedule="interleaved_1f1b")
     parallel.pp_stages_per_rank = 2  # the key may not be the config's yet: pp_plan reads it with getattr
     interleaved = dataclasses.replace(cfg, parallel=parallel)
@@ -100,14 +101,24 @@ def test_make_check_says_an_interleaved_schedule_and_the_estimate_holds_its_chun
     )
 
 
-def test_the_planner_offers_pipeline_stages_where_they_make_a_model_fit():
+SMALL = ["model.size=small", "model.seq_len=16"]
+
+
+@pytest.fixture(scope="module")
+def small_profile():
+    """The small model's profile, measured once for this file's planner tests (the pipeline, the
+    batch and grad_sync do not change what one sample keeps: measure() keys on them all the same)."""
+    return memory.measure(resolve(load(None, SMALL)), gpu=True)
+
+
+def test_the_planner_offers_pipeline_stages_where_they_make_a_model_fit(small_profile):
     """Gradients accumulated at the last micro-batch are whole on every rank; a pipeline's stage
     reduce-scatters them at the end of each schedule step (sharded) and holds 1/2 of the blocks: the
     planner offers parallel.pp=2 with its estimate and its bubble, and the estimate is what a check
     of that config gives. Not offered where pp does not compose (here: CPU offload)."""
-    base = ["model.size=small", "model.seq_len=16", "train.global_batch_size=16", "train.micro_batch_size=1"]
+    base = [*SMALL, "train.global_batch_size=16", "train.micro_batch_size=1"]
     cfg = resolve(load(None, [*base, "parallel.grad_sync=last_micro_batch"]))
-    profile = memory.measure(cfg, gpu=True)
+    profile = small_profile
     staged = resolve(load(None, [*base, "parallel.grad_sync=last_micro_batch", "parallel.pp=2"]))
     fits = memory.estimate(staged, 4, 1, 4, gpu=True, profile=profile).total
     assert memory.estimate(cfg, 4, 1, 4, gpu=True, profile=profile).total > fits
@@ -117,12 +128,12 @@ def test_the_planner_offers_pipeline_stages_where_they_make_a_model_fit():
     assert not [f for f in memory.changes_that_fit(offloaded, 4, 4, fits, profile=profile) if "parallel.pp" in f]
 
 
-def test_more_nodes_are_offered_to_a_pipeline_only_where_its_micro_batches_fill():
+def test_more_nodes_are_offered_to_a_pipeline_only_where_its_micro_batches_fill(small_profile):
     """A pipeline of 2 stages needs 2 micro-batches of at least one sample a data-parallel rank: 4
     nodes of 4 would leave each of their 8 data-parallel ranks 1 of the 8 samples (it was offered,
     estimated with micro-batches of 0 samples); 2 nodes leave 2 (one a micro-batch), and do not fit here."""
-    cfg = resolve(load(None, ["model.size=small", "model.seq_len=16", "train.global_batch_size=8", "parallel.pp=2"]))
-    profile = memory.measure(cfg, gpu=True)
+    cfg = resolve(load(None, [*SMALL, "train.global_batch_size=8", "parallel.pp=2"]))
+    profile = small_profile
     two_nodes = memory.estimate(cfg, 8, 1, 4, gpu=True, profile=profile).total
     assert memory.estimate(cfg, 16, 0, 4, gpu=True, profile=profile).total < two_nodes  # what 4 nodes were taken for
     fixes = memory.changes_that_fit(cfg, 4, 4, two_nodes - 1, profile=profile)
