@@ -215,6 +215,9 @@ class ParallelArgs:
     # Needs a GPU of compute capability 8.9+ and compile=true. The head and embeddings stay as they are.
     float8: Literal["none", "tensorwise", "rowwise"] = "none"
     float8_emulate: bool = False  # float8 math emulated in high precision, on any device: for tests, no faster
+    # Context-parallel degree, planned (make check estimates it; every start refuses cp > 1, not built): ranks
+    # that split each sequence, ring attention between them, as torchtitan's context_parallel.
+    cp: Annotated[int, AT_LEAST_1] = 1
     # Tensor-parallel degree: each transformer block's matmuls split over `tp` ranks of one node (a 2D mesh,
     # dp x tp, as torchtitan's); FSDP shards over the data-parallel ranks. Must divide the ranks of a node.
     tp: Annotated[int, AT_LEAST_1] = 1
@@ -313,11 +316,12 @@ class Config:
 
 def resolve_batch(cfg: Config, world_size: int) -> Config:
     """train.global_batch_size made train.rank_batch_size x data-parallel ranks where that is set: the
-    processes over parallel.tp x parallel.pp (a tensor-parallel group's ranks and a pipeline's stages
-    share their samples; degrees that do not divide them are refused by the plan's check)."""
+    processes over parallel.cp x parallel.tp x parallel.pp (a tensor-parallel group's ranks, a pipeline's
+    stages and a context-parallel group's ranks share their samples; degrees that do not divide them are
+    refused by the plan's check)."""
     if cfg.train.rank_batch_size is None:
         return cfg
-    split = cfg.parallel.tp * cfg.parallel.pp  # a pipeline's stages share their samples too
+    split = cfg.parallel.cp * cfg.parallel.tp * cfg.parallel.pp  # the pipeline's stages, cp's ranks share them too
     split = split if world_size % split == 0 else 1
     return dataclasses.replace(
         cfg, train=dataclasses.replace(cfg.train, global_batch_size=cfg.train.rank_batch_size * (world_size // split))

@@ -360,3 +360,47 @@ def test_llama_70b_on_8_nodes_of_8_h100s_with_and_without_tp():
     example = section("docs/planning.md", "Worked example: Llama 70B on 8 nodes of 8 H100s")
     for total in [*totals, *(memory.gb(e.total) for e in accumulated.values())]:
         assert f"**{total}**" in example, f"docs/planning.md's 70B table does not say {total}"
+
+
+LLAMA_405B = str(ROOT / "configs" / "llama-405b.yaml")
+
+
+@pytest.mark.slow  # the 405B's profile on the meta device: about 25 s on 2 shared cores, measured once
+def test_llama_405b_on_64_nodes_of_8_h100s_and_what_pp_and_cp_change():
+    """docs/planning.md's 405B example: the block make check prints is the page's, line for line, and
+    the page's table says the tool's totals: tp=8 34.0 GB; FSDP alone 107.0 GB (refused, tp=2 offered);
+    pp=2 instead of tp 107.1 GB (no single change fits); cp=2 with tp 27.1 GB; cp=8 alone 65.4 GB."""
+    from trainer.config import resolve
+    from trainer.parallel import pp as pipeline
+    from trainer.preflight import check
+
+    def config(*over):
+        return resolve(load(LLAMA_405B, [*SYNTHETIC, *over]), world_size=512)
+
+    cfg = config()
+    printed = check.plan_lines(cfg, 8, 64)[:1] + check.gpu_preflight(cfg, 512, 8, 64, "80").splitlines()
+    example = section("docs/planning.md", "Worked example: Llama 405B on 64 nodes of 8 H100s")
+    block = example.split("```\n")[1].splitlines()
+    assert block == printed, "docs/planning.md's 405B block is not what make check prints"
+    pr = memory.measure(cfg, gpu=True)  # measured once above, for the shipped config
+    variants = {
+        "tp=1": ("parallel.tp=1", "train.micro_batch_size=1"),
+        "pp=2": ("parallel.tp=1", "parallel.pp=2", "train.micro_batch_size=1"),
+        "cp=2": ("parallel.cp=2",),
+        "cp=8": ("parallel.tp=1", "train.micro_batch_size=1", "parallel.cp=8"),
+    }
+    totals, fixes = {}, {}
+    for name, over in variants.items():
+        c = config(*over)
+        micro = pipeline.micro_batch(c.parallel, 512 // memory.dp_size(c, 512), c.train.micro_batch_size)
+        totals[name] = memory.gb(memory.estimate(c, 512, micro, 8, gpu=True, profile=pr).total)
+        fixes[name] = memory.changes_that_fit(c, 512, 8, 80 * 10**9, 64, "NODES={}", "NPROC={}", profile=pr)
+    assert totals == {"tp=1": "107.0 GB", "pp=2": "107.1 GB", "cp=2": "27.1 GB", "cp=8": "65.4 GB"}
+    assert fixes["tp=1"] == ["parallel.tp=2 (62.8 GB)"] and fixes["pp=2"] == []
+    assert 'it\nwould fit with parallel.tp=2 (62.8 GB)"' in example
+    for total in ["34.0 GB", *totals.values()]:
+        assert f"**{total}**" in example, f"docs/planning.md's 405B table does not say {total}"
+    staged = config("parallel.tp=1", "parallel.pp=2", "train.micro_batch_size=1", "parallel.pp_microbatches=8")
+    assert check.plan_lines(staged, 8, 64)[1].startswith(
+        "pipeline: 2 stages, schedule 1f1b: bubble (pp-1)/(m+pp-1) = 1/9 = 11% of each forward/backward idle"
+    )

@@ -46,6 +46,7 @@ SHIPPED_SCALE = {
     "llama-1b.yaml": (1, 8),
     "llama-8b.yaml": (4, 8),
     "llama-70b.yaml": (8, 8),
+    "llama-405b.yaml": (64, 8),
     "resnet50.yaml": (1, 8),
 }
 
@@ -66,8 +67,8 @@ def stand_in_data(cfg, tmp_path) -> list[str]:
     return overrides
 
 
-# The full-size models' estimates take 2-3 s each: the system tier (tests/system/test_config.py).
-HEAVY_CONFIGS = {"llama-8b.yaml", "llama-70b.yaml", "llama-1b.yaml", "resnet50.yaml"}
+# The full-size models' estimates take 2-3 s each (405B's about 25 s): the system tier (tests/system/test_config.py).
+HEAVY_CONFIGS = {"llama-8b.yaml", "llama-70b.yaml", "llama-405b.yaml", "llama-1b.yaml", "resnet50.yaml"}
 
 
 def shipped(heavy: bool) -> list[str]:

@@ -11,6 +11,7 @@ import inspect
 import pytest
 import torch
 
+from tests.helpers.run import ROOT
 from trainer import models, train
 from trainer.config import ConfigError, ParallelArgs, load, resolve
 from trainer.parallel.dims import ParallelDims
@@ -83,17 +84,46 @@ def test_a_data_parallel_rank_skips_the_tensor_parallel_ranks():
     assert staged.dp_size == 2 and staged.mesh_dims() == ((2, 2, 2), ("pp", "dp_shard", "cp"))
 
 
-def test_a_context_degree_over_1_is_refused_with_one_line_and_pipeline_stages_are_built():
-    line = "parallel.cp: is 2 but context parallelism is not built; set cp=1"
-    assert [f"{key}: {message}" for key, message in ParallelDims(4, dp_shard=2, cp=2).problems()] == [line]
-    assert ParallelDims.of(ParallelArgs(), 4).problems() == []
+def test_a_context_degree_is_planned_with_its_layout_checks():
+    """parallel.cp: cp x tp x pp divides the world, the sequence splits into 2 x cp chunks (the
+    head-tail load balance), FSDP only; the data-parallel ranks are the world over cp x tp x pp."""
+    dims = ParallelDims.of(ParallelArgs(cp=2, tp=2), 16, 8)
+    assert (dims.dp_shard, dims.cp, dims.tp, dims.dp_size) == (4, 2, 2, 4)
+    assert dims.mesh_dims() == ((4, 2, 2), ("dp_shard", "cp", "tp"))
+    assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert dims.problems(8192) == []
+    lines = [f"{k}: {m}" for k, m in ParallelDims(12, dp_shard=1, cp=4, tp=2).problems(60, "ddp")]
+    assert lines == [
+        "parallel.cp: is 4 but needs parallel.strategy=fsdp (it is ddp); set cp=1",
+        "parallel.cp: cp=4 x tp=2 does not divide the 12 processes; choose a divisor",
+        "parallel.cp: is 4 but model.seq_len 60 does not split into 2 x cp = 8 equal chunks (each rank takes two, "
+        "one from each end, so causal attention's work is even); use a seq_len that is a multiple of 8",
+    ]
+    assert ParallelDims.of(ParallelArgs(), 4).problems(7) == []
     assert ParallelDims(4, dp_shard=2, pp=2).problems() == []  # parallel.pp: tests/unit/test_pp.py
 
 
-def test_no_config_key_sets_cp_yet():
-    """The config has no cp key (1 always): asking for one is the unknown-key line."""
-    with pytest.raises(ConfigError, match=r"^override 'parallel.cp=2': unknown key 'parallel.cp'; known keys here: "):
-        load(None, ["parallel.cp=2"])
+def test_a_start_refuses_a_context_degree_in_one_line_and_make_check_plans_it(capsys, tmp_path):
+    """Every start (here the Python API's target, as the launcher's and a rank's) refuses cp > 1 before
+    anything is written; trainer.check plans it: the batch over cp's ranks, the activations 1/cp."""
+    from trainer.preflight import check, startup
+
+    run_dir = tmp_path / "run"
+    with pytest.raises(ConfigError) as e:
+        startup.preflight(startup.Target.api(4), None, [f"run_dir={run_dir}", "parallel.cp=2"])
+    assert str(e.value) == (
+        "override 'parallel.cp=2': parallel.cp: is 2 but context parallelism is planned, not built: make check "
+        "estimates it, no start runs it (torch 2.14's context_parallel rings only the CUDA attention kernels, "
+        "flash, efficient and cuDNN, so nothing of it runs or is tested on CPU ranks here); set parallel.cp=1"
+    )
+    assert not run_dir.exists()
+    dry = startup.preflight(startup.Target.slurm(2, 2, planning=True), None, [f"run_dir={run_dir}", "parallel.cp=2"])
+    assert dry.cfg.parallel.cp == 2  # a dry run plans it
+    config = str(ROOT / "configs" / "default.yaml")
+    assert check.main(["--config", config, "--nproc", "4", f"run_dir={run_dir}", "parallel.cp=2"]) == 0
+    out = capsys.readouterr().out
+    assert "batch: global 32 / 2 data-parallel ranks (NPROC=4 x NODES=1 / parallel.cp=2) / micro-batch 16" in out
+    assert "(sharded over 2 x cp 2 ranks)" in out and "cp 2 (1/2 of the sequence, and " in out
 
 
 def test_the_plans_refusals_are_unchanged_and_the_degrees_add_none_to_a_good_config():

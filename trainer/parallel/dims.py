@@ -3,7 +3,7 @@ dimension of the device mesh spans, derived once from the config's parallel sect
 
     dp_replicate  copies of each parameter shard (DDP: of the whole model; hybrid sharding: its groups)
     dp_shard      ranks one parameter is sharded over (FSDP: all data-parallel ranks, hybrid: a group)
-    cp            context parallelism: ranks that split each sequence (not built: 1)
+    cp            context parallelism: ranks that split each sequence (parallel.cp: planned, refused at start)
     tp            tensor parallelism: ranks of one node that split each block's matmuls (parallel.tp)
     pp            pipeline parallelism: stages that hold consecutive blocks (parallel.pp)
 
@@ -48,14 +48,14 @@ class ParallelDims:
         """The degrees of the parallel section `args` on `world_size` ranks. Hybrid sharding's groups
         are parallel.shard_size ranks, else one node's (`ranks_per_node`; else torchrun's
         LOCAL_WORLD_SIZE; else the world)."""
-        tp, pp = args.tp, args.pp
-        dp = world_size // (tp * pp)
+        tp, pp, cp = args.tp, args.pp, getattr(args, "cp", 1)
+        dp = world_size // (tp * pp * cp)
         if args.strategy != "fsdp":  # DDP, or one plain process: every rank holds the whole model
-            return cls(world_size, dp_replicate=dp, tp=tp, pp=pp, named=("dp_replicate",))
+            return cls(world_size, dp_replicate=dp, cp=cp, tp=tp, pp=pp, named=("dp_replicate",))
         if args.sharding == "hybrid":
             shard = args.shard_size or ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-            return cls(world_size, dp_replicate=dp // shard, dp_shard=shard, tp=tp, pp=pp, named=DATA_PARALLEL)
-        return cls(world_size, dp_shard=dp, tp=tp, pp=pp, named=("dp_shard",))
+            return cls(world_size, dp_replicate=dp // shard, dp_shard=shard, cp=cp, tp=tp, pp=pp, named=DATA_PARALLEL)
+        return cls(world_size, dp_shard=dp, cp=cp, tp=tp, pp=pp, named=("dp_shard",))
 
     @property
     def non_data_parallel_size(self) -> int:
@@ -85,9 +85,41 @@ class ParallelDims:
         """The mesh's data-parallel dimensions: what FSDP shards (and hybrid replicates) over."""
         return tuple(name for name in self.mesh_dims()[1] if name in DATA_PARALLEL)
 
-    def problems(self) -> list[tuple[str, str]]:
-        """What is not built: (key, message), as the plan's checks say them. Context parallelism
-        needs NCCL's ring attention on GPUs (gloo cannot run it)."""
-        if self.cp > 1:
-            return [("parallel.cp", f"is {self.cp} but context parallelism is not built; set cp=1")]
-        return []
+    def problems(self, seq_len: int | None = None, strategy: str = "fsdp") -> list[tuple[str, str]]:
+        """What a planned context-parallel degree needs (key, message), as the plan's checks say them:
+        FSDP (torchtitan shards over dp_shard x cp), cp x tp x pp dividing the world, and, given the
+        model's `seq_len`, a sequence that splits into 2 x cp equal chunks (the head-tail load
+        balancer of causal attention gives rank i chunks i and 2cp-1-i). That cp cannot run is said
+        by every start (`not_built`), not here: make check plans with it."""
+        if self.cp == 1:
+            return []
+        found = []
+        if strategy != "fsdp":
+            found.append(("parallel.cp", f"is {self.cp} but needs parallel.strategy=fsdp (it is {strategy}); set cp=1"))
+        split = self.cp * self.tp * self.pp
+        if self.world_size % split:
+            of = " x ".join(f"{name}={n}" for name, n in (("cp", self.cp), ("tp", self.tp), ("pp", self.pp)) if n > 1)
+            found.append(("parallel.cp", f"{of} does not divide the {self.world_size} processes; choose a divisor"))
+        if seq_len is not None and seq_len % (2 * self.cp):
+            found.append(
+                (
+                    "parallel.cp",
+                    f"is {self.cp} but model.seq_len {seq_len} does not split into 2 x cp = {2 * self.cp} equal "
+                    f"chunks (each rank takes two, one from each end, so causal attention's work is even); use a "
+                    f"seq_len that is a multiple of {2 * self.cp}",
+                )
+            )
+        return found
+
+
+# Why a start refuses parallel.cp > 1 (docs/parallelism.md#context-parallelism says it in full).
+CP_NOT_BUILT = (
+    "is {cp} but context parallelism is planned, not built: make check estimates it, no start runs it (torch "
+    "2.14's context_parallel rings only the CUDA attention kernels, flash, efficient and cuDNN, so nothing of it "
+    "runs or is tested on CPU ranks here); set parallel.cp=1"
+)
+
+
+def not_built(cp: int) -> str | None:
+    """The one line every start gives a context-parallel degree (parallel.cp > 1), or None."""
+    return CP_NOT_BUILT.format(cp=cp) if cp > 1 else None

@@ -34,6 +34,7 @@ from trainer.models import FamilyError, family_of
 from trainer.models import choices as model_choices
 from trainer.optim import schedule_warning
 from trainer.parallel import pp as pipeline
+from trainer.parallel import pp_plan
 from trainer.parallel.plan import Plan
 from trainer.prepare import token_file_problem
 from trainer.rundir import files
@@ -154,9 +155,10 @@ def checked(
     # parallel.tp x parallel.pp (the ranks of one tensor-parallel group and a pipeline's stages share
     # their samples); degrees that do not divide the world are the plan's to refuse, below
     plan = Plan(cfg.parallel, world_size, ranks_per_node=node_size or ranks_per_node)
-    if world_size % (plan.tp * plan.pp) == 0:
+    if world_size % plan.dims.non_data_parallel_size == 0:
         t, dp = resolve_batch(cfg, world_size).train, plan.dp_size
-        split = " x ".join(f"{name} {n}" for name, n in (("tp", plan.tp), ("pp", plan.pp)) if n > 1)
+        degrees = (("cp", plan.dims.cp), ("tp", plan.tp), ("pp", plan.pp))
+        split = " x ".join(f"{name} {n}" for name, n in degrees if n > 1)
         ranks = (
             f"{world_size} processes"
             if dp == world_size
@@ -181,6 +183,11 @@ def checked(
     split_model = resolved().model if cfg.parallel.tp > 1 or cfg.parallel.pp > 1 else None  # what tp and pp split
     for key, message in plan.problems(split_model):
         fail(key, message)
+    if plan.dims.cp > 1:  # context parallelism, planned: its sequence split (trainer/parallel/dims.py)
+        if family.kind != "lm":
+            fail("parallel.cp", f"is {plan.dims.cp} but model {m.name!r} has no sequence to split; set cp=1")
+        for key, message in plan.dims.problems(resolved().model.seq_len, cfg.parallel.strategy):
+            fail(key, message)
     if cfg.parallel.float8 != "none":  # torchao, compile, the blocks' dimensions; the GPU is each rank's check_float8
         from trainer.parallel.float8 import config_problem
 
@@ -670,17 +677,21 @@ def plan_lines(cfg: Config, nproc: int, nnodes: int, per_node: str = "NPROC") ->
         else f"{cfg.train.global_batch_size:,} samples per step"
     )
     shape = f"{per_node}={nproc} x NODES={nnodes}"
-    split = " x ".join(f"parallel.{name}={n}" for name, n in (("tp", plan.tp), ("pp", plan.pp)) if n > 1)
+    degrees = (("cp", plan.dims.cp), ("tp", plan.tp), ("pp", plan.pp))
+    split = " x ".join(f"parallel.{name}={n}" for name, n in degrees if n > 1)
     ranks = f"{world} ranks ({shape})" if dp == world else f"{dp} data-parallel ranks ({shape} / {split})"
     if plan.pp > 1:  # global / dp ranks = pipeline micro-batches x micro-batch x accumulation; the bubble
         p = cfg.parallel
+        v = pp_plan.stages_per_rank(p)
+        form, idle = pp_plan.bubble(p)
+        stages = f"{p.pp} stages" if v == 1 else f"{p.pp * v} stages ({v} a rank)"
         lines = [
             f"batch: global {cfg.train.global_batch_size} / {ranks} = {m} pipeline micro-batches "
             f"(parallel.pp_microbatches) x micro-batch {micro} x {per_rank // (m * micro)} accumulation step(s); "
             f"{per_step}",
-            f"pipeline: {p.pp} stages, schedule {p.pp_schedule}: bubble (pp-1)/(m+pp-1) = {p.pp - 1}/{m + p.pp - 1} "
-            f"= {pipeline.bubble(p):.0%} of each forward/backward idle; the first stage holds "
-            f"{pipeline.in_flight(p)} micro-batch(es) of activations at once",
+            f"pipeline: {stages}, schedule {pp_plan.schedule(p)}: bubble {form} = {float(idle):.0%} of each "
+            f"forward/backward idle; the first stage holds {float(pp_plan.in_flight(p)):g} micro-batch(es) of "
+            f"activations at once",
         ]
     else:
         lines = [

@@ -37,6 +37,13 @@ The estimate of one rank's peak, by part (`estimate`):
   counted on every stage, the root's (the first stage's embedding, the last's norm and head); of the
   activations 1/pp of one sample's (the blocks' share), for as many micro-batches as the first stage
   holds at once (1F1B: pp, GPipe: all of them). Approximate: the last stage's logits are not split.
+* pipeline schedules: the micro-batches in flight on the first stage are the schedule's
+  (trainer/parallel/pp_plan.py: 1F1B pp, GPipe all, interleaved 1F1B pp + (pp-1)/v, ...), each 1/pp of
+  a sample's activations; it may be a fraction of a stage's micro-batch (interleaved chunks are 1/v).
+* context parallelism (parallel.cp > 1, planned: every start refuses it): FSDP shards over dp_shard x
+  cp, so the state is as without it; every activation is 1/cp (the sequence split), plus the ring's
+  buffers while one block's attention runs (cp_ring_bytes: the whole sequence's keys and values,
+  all-gathered, and float32 partial results of the rank's own queries).
 * gradients at the peak: the peak is at the start of backward. Without gradient accumulation none
   exist then (set to None after each step; backward makes them as it frees the activations), so
   they count only where they outgrow the activations. With accumulation the earlier micro-batches'
@@ -64,6 +71,7 @@ import torch
 
 from trainer import torch_compat
 from trainer.parallel import pp as pipeline
+from trainer.parallel import pp_plan
 from trainer.parallel.plan import Plan
 from trainer.parallel.plan import dtype as torch_dtype
 
@@ -275,6 +283,20 @@ def tp_activations(per_sample: int, pr: Profile, tp: int, parallel_args) -> int:
     return (per_sample - gathered) // tp + gathered
 
 
+def cp_ring_bytes(m, pr: Profile, cp: int, tp: int) -> int:
+    """Bytes one sample adds on a rank of `cp` context-parallel ranks while one block's attention runs
+    (torch's context_parallel, its default rotate method allgather): the keys and values of the whole
+    sequence all-gathered (2 x seq x the keys' width, which grouped-query attention makes n_kv_heads /
+    n_heads of dim), and the float32 partial output its merger keeps and the float32 gradient of its
+    queries (2 x seq/cp x dim x 4 bytes); 1/tp of it under tensor parallelism (the heads split)."""
+    if not pr.block_input:
+        return 0
+    heads, kv_heads = getattr(m, "n_heads", None), getattr(m, "n_kv_heads", None)
+    kv = kv_heads / heads if heads and kv_heads else 1.0
+    whole = pr.block_input  # seq x dim, the compute dtype
+    return int(2 * whole * kv + 2 * whole // cp * 4 // pr.compute_dtype.itemsize) // tp
+
+
 def kept_block_inputs(blocks: int, parallel_args) -> int:
     """Blocks whose inputs are alive at once in backward: all without checkpointing, the one being
     recomputed with it, and with every Nth block checkpointed the others and that one."""
@@ -440,6 +462,8 @@ def estimate(
     plan = Plan(cfg.parallel, world_size, ranks_per_node=ranks_per_node)
     factors = plan.memory_factors()
     fsdp, s, tp = factors.gathers, factors.shards, factors.tp
+    cp = plan.dims.cp  # context parallelism (planned): FSDP shards over dp_shard x cp, as torchtitan's
+    s *= cp if fsdp else 1
     # What one rank computes with: under tensor parallelism 1/tp of every parameter (the norms' few
     # weights, replicated over tp, are left out), so 1/tp of what is gathered, reduced and accumulated.
     pp = factors.pp
@@ -449,7 +473,7 @@ def estimate(
     b = pr.compute_dtype.itemsize
     state = OPTIMIZER_BYTES[cfg.optim.name] if cfg.optim.name != "sgd" or cfg.optim.momentum else 0
     notes = {}
-    over = f"{s // tp} x tp {tp}" if tp > 1 else f"{s}"
+    over = " x ".join([str(s // tp // cp)] + [f"{name} {n}" for name, n in (("cp", cp), ("tp", tp)) if n > 1])
     of = f"{full / 1e6:,.1f}M" + (f" (one of {pp} stages)" if pp > 1 else "")
     what = f"1/{s} of {of} (sharded over {over} ranks)" if s > 1 else f"all {of}"
     parameters, gradients, optimizer = WEIGHT_BYTES * full // s, GRADIENT_BYTES * full // s, state * full // s
@@ -486,7 +510,12 @@ def estimate(
     if p.compile:
         per_sample = int(per_sample * COMPILED_ACTIVATIONS)
     per_sample //= pp  # a stage's blocks (1 without a pipeline)
-    activations = per_sample * micro_batch * factors.in_flight
+    ring = 0
+    if cp > 1:  # each rank keeps 1/cp of the sequence's activations, and the ring's buffers of one block
+        per_sample //= cp
+        ring = cp_ring_bytes(cfg.model, pr, cp, tp)
+    held = pp_plan.in_flight(p)  # a stage's micro-batches in flight on the first stage (the schedule's)
+    activations = int(per_sample * micro_batch * held) + ring * micro_batch
     offloaded = gpu and factors.can_offload and p.cpu_offload
     accumulating = accumulation(cfg, plan.dp_size, micro_batch) > 1
     if not accumulating and not offloaded:  # see the module's docstring: gradients at the peak
@@ -495,10 +524,12 @@ def estimate(
             f"float32, {what}: made in backward as the activations are freed (no accumulation), "
             f"counted only beyond them"
         )
-    flight = f"{factors.in_flight} micro-batches in flight x " if pp > 1 else ""
+    flight = f"{float(held):g} micro-batches in flight x " if pp > 1 else ""
+    ring_words = f", cp {cp} (1/{cp} of the sequence, and {gb(ring)} a sample of the ring's buffers)" if cp > 1 else ""
     notes["activations"] = (
         f"{flight}{micro_batch} sample(s) x {gb(per_sample)}{f' (1/{pp}: a stage)' if pp > 1 else ''}, {ac_words(p)}"
         f"{f', tp {tp} (the gathered block inputs whole, the rest 1/{tp})' if tp > 1 else ''}"
+        f"{ring_words}"
         f"{f', compiled ({COMPILED_ACTIVATIONS:.0%} of eager)' if p.compile else ''}"
     )
     host = 0
@@ -629,9 +660,8 @@ def preflight(
         if fixes
         else (
             "no single change (gradients reduced every micro-batch, activation checkpointing, a smaller "
-            "micro-batch, CPU offload, full sharding, "
-            "tensor parallelism, more ranks per node, up to 16x the nodes) makes it fit: use a smaller model or "
-            "GPUs with more memory"
+            "micro-batch, CPU offload, full sharding, tensor parallelism, pipeline stages, more ranks per node, up "
+            "to 16x the nodes) makes it fit: use a smaller model or GPUs with more memory"
         )
     )
     raise ConfigError(
@@ -653,7 +683,7 @@ def changes_that_fit(
 ) -> list[str]:
     """Each single change not already made (gradients reduced every micro-batch, selective or full
     activation checkpointing, a smaller micro-batch, CPU offload, full sharding, more tensor
-    parallelism, more ranks per node, more nodes) after which the GPU estimate is at most `have`
+    parallelism, pipeline stages, more ranks per node, more nodes) after which the GPU estimate is at most `have`
     bytes, with that estimate: "parallel.activation_checkpointing=selective (41.2 GB)"."""
     from trainer import models
 
@@ -694,39 +724,76 @@ def changes_that_fit(
             fixes.append(f"parallel.sharding=full ({gb(total)})")
     if models.spec(cfg.model).tp_plan is not None and not staged:  # tp inside a node, where the family has a plan
         for more in (2, 4, 8):
-            if more <= tp or ranks_per_node % more or batch % (world_size // more):
+            dp = world_size // (more * p.cp)  # the data-parallel ranks with it (cp's ranks share samples too)
+            if more <= tp or ranks_per_node % more or not dp or batch % dp:
                 continue
             # the same micro-batch where it is set; else each data-parallel rank's samples, tp times more
-            total = fits(
-                _with(cfg, parallel={"tp": more}), mb=cfg.train.micro_batch_size or batch // (world_size // more)
-            )
+            total = fits(_with(cfg, parallel={"tp": more}), mb=cfg.train.micro_batch_size or batch // dp)
             if total:
                 fixes.append(f"parallel.tp={more} ({gb(total)})")
                 break
-    split = tp * p.pp  # ranks that share one data-parallel rank's samples
+    if not staged:  # pipeline stages, where the family has a split and pp composes with the rest
+        offer = _pp_that_fits(cfg, world_size, fits)
+        if offer:
+            fixes.append(offer)
+    split = p.cp * tp * p.pp  # ranks that share one data-parallel rank's samples
 
-    def dp_of(world: int) -> int:  # its data-parallel ranks, 0 where the degrees do not divide it
-        return world // split if world % split == 0 else 0
+    def micro_on(world: int) -> int:
+        """The micro-batch on `world` ranks: 0 where the degrees do not divide them, or the global batch
+        does not divide over their data-parallel ranks, or a rank's samples do not fill the pipeline's
+        micro-batches (a pipeline of 2 stages on as many data-parallel ranks as samples was offered
+        with micro-batches of 0 samples)."""
+        dp = world // split if world % split == 0 else 0
+        if not dp or batch % dp:
+            return 0
+        if p.pp > 1 and pipeline.batch_problem(p, batch // dp, cfg.train.micro_batch_size, ""):
+            return 0
+        return min(micro, batch // dp // pipeline.microbatches(p))
 
     if ranks_option and factors.finer_per_node:
         for rpn in (2, 4, 8):
             world = rpn * nodes
-            if rpn <= ranks_per_node or rpn % tp or not dp_of(world) or batch % dp_of(world):
+            if rpn <= ranks_per_node or rpn % tp or not micro_on(world):
                 continue
-            total = fits(cfg, world, min(micro, batch // dp_of(world) // pipeline.microbatches(p)), rpn)
+            total = fits(cfg, world, micro_on(world), rpn)
             if total:
                 fixes.append(f"{ranks_option.format(rpn)} ({gb(total)})")
                 break
     if factors.finer_with_nodes:
         for more in range(nodes + 1, 16 * nodes + 1):
             world = more * ranks_per_node
-            if not dp_of(world) or batch % dp_of(world):
+            if not micro_on(world):
                 continue
-            total = fits(cfg, world, min(micro, batch // dp_of(world) // pipeline.microbatches(p)))
+            total = fits(cfg, world, micro_on(world))
             if total:
                 fixes.append(f"{nodes_option.format(more)} ({gb(total)})")
                 break
     return fixes
+
+
+def _pp_that_fits(cfg, world_size: int, fits) -> str | None:
+    """The fewest pipeline stages (parallel.pp, the schedule as configured) after which `fits` says the
+    config fits, as a change: "parallel.pp=2 (61.0 GB, 1f1b: a bubble of 33%)"; None where the family
+    has no split, pp does not compose with the config (trainer/parallel/pp.py's problems: tp, offload,
+    compile, ...), or no number of stages dividing its blocks and the ranks fits."""
+    from trainer import models
+
+    family = models.spec(cfg.model)
+    if family.pp_split is None or family.pp_blocks is None:
+        return None
+    blocks, batch, micro_size = family.pp_blocks(cfg.model), cfg.train.global_batch_size, cfg.train.micro_batch_size
+    for stages in range(2, blocks + 1):
+        changed = _with(cfg, parallel={"pp": stages})
+        if blocks % stages or pipeline.problems(changed.parallel, world_size, cfg.model):
+            continue
+        dp = Plan(changed.parallel, world_size).dp_size
+        if batch % dp or pipeline.batch_problem(changed.parallel, batch // dp, micro_size, ""):
+            continue
+        total = fits(changed, mb=pipeline.micro_batch(changed.parallel, batch // dp, micro_size))
+        if total:
+            idle = float(pp_plan.bubble(changed.parallel)[1])
+            return f"parallel.pp={stages} ({gb(total)}, {pp_plan.schedule(changed.parallel)}: a bubble of {idle:.0%})"
+    return None
 
 
 # Below this share of a GPU's memory an estimate fits with headroom; above it the planning output

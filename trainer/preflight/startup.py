@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from trainer import early_stop
 from trainer.config import Config, ConfigError, load_run
+from trainer.parallel.dims import not_built
 from trainer.preflight.check import check_devices, check_float8, check_gpu_memory, check_gpus, checked
 from trainer.rundir import layout
 
@@ -162,6 +163,10 @@ def preflight(
         planning=target.planning,
         node_size=target.node_size,
     )
+    refused = not_built(resolved.parallel.cp)
+    if refused and not (target.kind == SLURM and target.planning):  # a start; a dry run only plans
+        given = [item for item in overrides if item.split("=")[0] == "parallel.cp"]
+        raise ConfigError(f"{f'override {given[-1]!r}' if given else where}: parallel.cp: {refused}")
     if target.kind == RANK:  # each rank's own GPU: asking creates a CUDA context, so never the launcher
         check_gpus(target.local_world_size)
         check_gpu_memory(resolved, target.world_size, target.device, target.local_world_size, where=where)
