@@ -1,0 +1,112 @@
+"""A local S3-compatible server for the tests of s3:// run dirs (trainer/rundir/objects.py): moto's
+server (`moto[server]`, in the `test` extra) on 127.0.0.1, one per test session, and a fresh bucket
+per test with the standard AWS variables pointing at it. Where moto or s3fs is not installed the
+tests that need it are skipped with the reason (CI installs both, so there they run)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+MOTO = Path(sys.executable).parent / "moto_server"
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def missing() -> str | None:
+    """Why the S3 tests cannot run here, or None."""
+    if not (MOTO.exists() or shutil.which("moto_server")):
+        return 'moto_server is not installed: pip install "moto[server]" (the test extra has it)'
+    if importlib.util.find_spec("s3fs") is None:
+        return "s3fs is not installed: pip install s3fs (the test extra has it)"
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """moto_server on 127.0.0.1:`port`, until stop()."""
+
+    def __init__(self, extra_env: dict | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        program = str(MOTO) if MOTO.exists() else "moto_server"
+        self.proc = subprocess.Popen(
+            [program, "-H", "127.0.0.1", "-p", str(self.port)],
+            env={**os.environ, **(extra_env or {})},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.time() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.time() > deadline:
+                    self.stop()
+                    pytest.fail(f"moto_server did not start on port {self.port}")
+                time.sleep(0.1)
+
+    @property
+    def env(self) -> dict:
+        """The standard AWS variables that point boto and s3fs at this server."""
+        return {"AWS_ENDPOINT_URL": self.url, **CREDENTIALS}
+
+    def bucket(self) -> str:
+        """A new, empty bucket's name."""
+        import boto3
+
+        name = f"b-{uuid.uuid4().hex[:12]}"
+        boto3.client("s3", endpoint_url=self.url, **_boto_credentials()).create_bucket(Bucket=name)
+        return name
+
+    def client(self):
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.url, **_boto_credentials())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _boto_credentials() -> dict:
+    return {
+        "aws_access_key_id": CREDENTIALS["AWS_ACCESS_KEY_ID"],
+        "aws_secret_access_key": CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+        "region_name": CREDENTIALS["AWS_DEFAULT_REGION"],
+    }
+
+
+@pytest.fixture(scope="session")
+def moto_server():
+    """One moto server for the session, killed at its end; the test is skipped where moto is missing."""
+    why = missing()
+    if why:
+        pytest.skip(why)
+    server = Server()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3(moto_server, monkeypatch):
+    """(the server, a fresh bucket), with this process's AWS variables pointing at the server."""
+    for name, value in moto_server.env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    return moto_server, moto_server.bucket()
