@@ -110,3 +110,25 @@ def s3(moto_server, monkeypatch):
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("AWS_PROFILE", raising=False)
     return moto_server, moto_server.bucket()
+
+
+def keys(server: Server, bucket: str, prefix: str) -> list[str]:
+    """Every key under `prefix`/ in `bucket`, relative to it."""
+    client, found, token = server.client(), [], None
+    while True:
+        extra = {"ContinuationToken": token} if token else {}
+        response = client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/", **extra)
+        found += [c["Key"][len(prefix) + 1 :] for c in response.get("Contents", [])]
+        token = response.get("NextContinuationToken")
+        if not token:
+            return sorted(found)
+
+
+def download(server: Server, bucket: str, prefix: str, dest: Path) -> Path:
+    """A copy of the run dir s3://`bucket`/`prefix` as a folder (dest), to read with the folder code."""
+    client = server.client()
+    for key in keys(server, bucket, prefix):
+        path = dest / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        client.download_file(bucket, f"{prefix}/{key}", str(path))
+    return dest
