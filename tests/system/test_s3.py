@@ -2,7 +2,8 @@
 (two torchruns with different staging roots, so rank 0's staging folder really lacks the other node's
 files) save, three ranks resume with the weights of the same run on a filesystem; kill -9 during a save
 leaves the previous checkpoint the latest and the half-uploaded one is deleted after the next commit; a
-second job on the same prefix is refused while the first holds the lease. Then the store's slower unit
+flipped byte in the bucket makes resume take the older checkpoint; a second job on the same prefix is
+refused while the first holds the lease. Then the store's slower unit
 cases: the verified download (flipped bytes) and each bad input's one line."""
 
 from __future__ import annotations
@@ -102,9 +103,15 @@ def test_two_nodes_save_and_three_ranks_resume_as_on_a_filesystem(s3, tmp_path):
     copy = download(server, bucket, prefix, tmp_path / "copy")
     assert_same_weights(weights(copy, 8), weights(reference, 8), exact=True)
 
-    # the step-8 upload as if killed before its manifest: invisible, so 3 ranks resume from step 4
-    server.client().delete_object(Bucket=bucket, Key=f"{prefix}/checkpoints/step_00000008/manifest.json")
-    out = _train(server, tmp_path / "three", url, 3, *RUN).stdout
+    # a byte of step 8 flipped in the bucket: its download fails the manifest's check on the node that
+    # fetches it, and 3 ranks resume from step 4
+    shard = f"{prefix}/checkpoints/step_00000008/__1_0.distcp"
+    data = bytearray(server.client().get_object(Bucket=bucket, Key=shard)["Body"].read())
+    data[len(data) // 2] ^= 0x10
+    server.client().put_object(Bucket=bucket, Key=shard, Body=bytes(data))
+    three = _train(server, tmp_path / "three", url, 3, *RUN)
+    out = three.stdout + three.stderr
+    assert f"skipping checkpoint {url}/checkpoints/step_00000008: __1_0.distcp is damaged: " in out, out[-3000:]
     assert "at step 4 (saved by 2 processes" in out, out[-3000:]
     resumed = download(server, bucket, prefix, tmp_path / "resumed")
     assert_same_weights(weights(resumed, 8), weights(reference, 8))
@@ -180,8 +187,8 @@ def test_download_checks_every_byte_against_the_manifest(s3, tmp_path, monkeypat
     staging = remote.Staging(f"s3://{bucket}/runs/one", rank=0, local_rank=0, local_world_size=1)
     assert staging.local == str(tmp_path / "staging" / bucket / "runs" / "one")
     assert oct(os.stat(tmp_path / "staging").st_mode & 0o777) == "0o700"
-    [(step, manifest)] = staging.committed("r" * 32)
-    assert step == 2 and staging.committed("another run id") == []
+    step, manifest = staging.committed("r" * 32)
+    assert step == 2 and staging.committed("another run id") is None
     assert staging.fetch(step, manifest) is None
     assert (tmp_path / "staging" / bucket / "runs/one/checkpoints/step_00000002/rng/rank_00000.pt").read_bytes() == body
 
@@ -193,7 +200,7 @@ def test_download_checks_every_byte_against_the_manifest(s3, tmp_path, monkeypat
         f"but the manifest says 1024 bytes with {record['xxh3_64']:016x}"
     )
     store.put("checkpoints/step_00000002/manifest.json", _manifest({"../escape": record}))
-    assert staging.committed(None) == []  # a manifest naming a key outside the prefix: never downloaded
+    assert staging.committed(None) is None  # a manifest naming a key outside the prefix: never downloaded
 
 
 def test_bad_input_is_one_line(s3, monkeypatch, tmp_path):

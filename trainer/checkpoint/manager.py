@@ -1062,8 +1062,9 @@ class Checkpointer:
             try:
                 if self._commit(step, tmp, meta):
                     self.remote.publish(step_path(self.run_dir, step), step, [r for r, _ in gathered], self.run_id)
-                    if self.args.keep > 0 and (self.still_owner is None or self.still_owner()):
-                        self.remote.retain(lambda steps: self._kept(steps, meta), self.run_id, step)
+                    if self.still_owner is None or self.still_owner():  # keep <= 0: all kept, orphans deleted
+                        keep = (lambda steps: self._kept(steps, meta)) if self.args.keep > 0 else set
+                        self.remote.retain(keep, self.run_id, step)
             except (OSError, objects.StoreError, objects.PreconditionFailed) as e:
                 error = f"rank 0: {type(e).__name__}: {e}"
         said = [error]

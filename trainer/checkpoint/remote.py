@@ -113,18 +113,20 @@ class Staging:
             shutil.copyfileobj(src, dst, 8 << 20)
         return True
 
-    def committed(self, run_id: str | None) -> list[tuple[int, dict]]:
-        """(step, manifest) of the bucket's checkpoints this run can take, newest first: a prefix
-        with a manifest that checks (its digest, its keys, its run id `run_id` where one is known).
-        Rank 0's view; every prefix without a manifest is invisible."""
-        found = []
+    def committed(self, run_id: str | None, below: int | None = None) -> tuple[int, dict] | None:
+        """(step, manifest) of the newest checkpoint of the bucket older than `below` that this run
+        can take: a prefix with a manifest that checks (its digest, its keys, its run id `run_id`
+        where one is known), found by one LIST and the manifests read newest first, only as far as
+        the first good one. Rank 0's view; every prefix without a manifest is invisible."""
         for step in reversed(self.store.steps()):
+            if below is not None and step >= below:
+                continue
             manifest, why = self.manifest(step, run_id)
             if manifest is not None:
-                found.append((step, manifest))
-            elif why:
+                return step, manifest
+            if why:
                 log.warning("skipping checkpoint %s: %s", self.store.where(objects.step_key(step)), why)
-        return found
+        return None
 
     def manifest(self, step: int, run_id: str | None) -> tuple[dict | None, str | None]:
         """(the manifest of step_N, None) or (None, why it is unusable; None where it has none)."""
@@ -186,16 +188,22 @@ class Staging:
         """The newest committed checkpoint of the bucket of this run (the run id downloaded with the
         run's files), downloaded on every node (collective): its step, or None where none is usable
         (the load then says what the folder code says)."""
-        candidates, error = [], None
-        if self.rank == 0:
-            try:
-                candidates = self.committed(layout.read_run_id(self.local))
-            except (OSError, objects.StoreError) as e:
-                error = f"run_dir {self.url}: listing its checkpoints failed: {e}"
-        self._agree(group, error)
-        shared = [candidates]
-        dist.broadcast_object_list(shared, src=0, group=group)
-        for step, manifest in shared[0]:
+        run_id = layout.read_run_id(self.local) if self.rank == 0 else None
+        below = None
+        while True:
+            candidate, error = None, None
+            if self.rank == 0:
+                try:
+                    candidate = self.committed(run_id, below)
+                except (OSError, objects.StoreError) as e:
+                    error = f"run_dir {self.url}: listing its checkpoints failed: {e}"
+            self._agree(group, error)
+            shared = [candidate]
+            dist.broadcast_object_list(shared, src=0, group=group)
+            if shared[0] is None:
+                return None
+            step, manifest = shared[0]
+            below = step  # if it fails, the next candidate is older
             why = None
             if self.leader:
                 try:
@@ -215,7 +223,6 @@ class Staging:
                 )
             if self.leader:
                 shutil.rmtree(layout.step_path(self.local, step), ignore_errors=True)
-        return None
 
     # -- a save --------------------------------------------------------------------------------
 
@@ -269,17 +276,18 @@ class Staging:
     def retain(self, keep, run_id: str | None, now: int) -> None:
         """Rank 0, after a commit at step `now`: delete this run's checkpoints in the bucket that
         `keep(steps)` (the manager's retention over the committed steps, oldest first) does not
-        keep, the manifest first; and the prefixes without a manifest whose `owner` is this run."""
+        keep, the manifest first; and the prefixes without a manifest. Only prefixes whose `owner`
+        names this run: one LIST and one tiny GET per step prefix, no manifest read."""
         committed, orphans = [], []
         for step in self.store.steps():
-            manifest, _ = self.manifest(step, None)
-            if manifest is not None:
-                if manifest.get("run_id") == run_id:
-                    committed.append(step)
-            elif step != now:
-                owner = self.store.get(objects.step_key(step, OWNER), 256)
-                if owner is not None and owner[0].decode(errors="replace") == (run_id or ""):
-                    orphans.append(step)
+            if step == now:
+                continue
+            owner = self.store.get(objects.step_key(step, OWNER), 256)
+            if owner is None or owner[0].decode(errors="replace") != (run_id or ""):
+                continue  # another run's, or a copy: never deleted by this one
+            _, names = self.store.listdir(objects.step_key(step))
+            (committed if checksums.MANIFEST in names else orphans).append(step)
+        committed = sorted([*committed, now])
         kept = keep(committed)
         for step in [s for s in committed if s not in kept] + orphans:
             self.delete(step)
