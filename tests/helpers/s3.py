@@ -5,6 +5,7 @@ tests that need it are skipped with the reason (CI installs both, so there they 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -132,3 +133,78 @@ def download(server: Server, bucket: str, prefix: str, dest: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         client.download_file(bucket, f"{prefix}/{key}", str(path))
     return dest
+
+
+class Proxy:
+    """A TCP proxy on 127.0.0.1 in front of `server`, one request per connection (it asks for
+    `Connection: close`), that can fail or slow S3 requests by their request line: `cut(line)` true
+    forwards the head and at most 64 bytes of the body, then closes both sides (a PUT that fails half-way);
+    `delay(line)` seconds are waited before a request is forwarded (a slow LIST)."""
+
+    def __init__(self, server: Server, cut=lambda line: False, delay=lambda line: 0.0):
+        import threading
+
+        self.target, self.cut, self.delay = server.port, cut, delay
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cuts: list[str] = []  # the request lines cut
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        import threading
+
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(client,), daemon=True).start()
+
+    def _one(self, client: socket.socket) -> None:
+        import threading
+
+        upstream = None
+        try:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                data = client.recv(65536)
+                if not data:
+                    return
+                head += data
+            head, body = head.split(b"\r\n\r\n", 1)
+            lines = [h for h in head.split(b"\r\n") if not h.lower().startswith(b"connection:")]
+            line = lines[0].decode(errors="replace")
+            time.sleep(self.delay(line))
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            upstream.sendall(b"\r\n".join([*lines, b"Connection: close"]) + b"\r\n\r\n")
+            if self.cut(line):  # what came of the body, then the connection drops (botocore may wait for
+                self.cuts.append(line)  # a 100 Continue before it sends the body: none comes)
+                upstream.sendall(body[:64])
+                return
+            upstream.sendall(body)
+
+            def back():
+                with contextlib.suppress(OSError):
+                    while data := upstream.recv(65536):
+                        client.sendall(data)
+                with contextlib.suppress(OSError):
+                    client.close()
+
+            reader = threading.Thread(target=back, daemon=True)
+            reader.start()
+            with contextlib.suppress(OSError):
+                while data := client.recv(65536):
+                    upstream.sendall(data)
+            reader.join()
+        except OSError:
+            pass
+        finally:
+            for s in (client, upstream):
+                if s is not None:
+                    with contextlib.suppress(OSError):
+                        s.close()
+
+    def stop(self) -> None:
+        self.listener.close()

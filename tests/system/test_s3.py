@@ -18,7 +18,7 @@ import xxhash
 
 from tests.helpers.outputs import assert_same_losses, assert_same_weights, losses, weights
 from tests.helpers.run import ROOT, TINY, TORCHRUN, command, env, run_command, wait_for
-from tests.helpers.s3 import Server, download, free_port, keys
+from tests.helpers.s3 import Proxy, Server, download, free_port, keys
 from trainer.checkpoint import remote
 from trainer.resilience import outcomes
 from trainer.rundir import objects
@@ -153,6 +153,29 @@ def test_kill_9_during_an_upload_and_a_second_job_refused(s3, tmp_path):
     assert killed_at not in committed(), out[-2000:]
     previous = committed()[-1]
     assert previous < killed_at
+
+    # a restart through a proxy that slows every LIST and cuts the PUT of the next save's shard
+    # half-way: it resumes all the same, then stops in one line, restartable, nothing lost
+    shard = f"/{bucket}/{prefix}/checkpoints/step_{previous + 1:08d}/__0_0.distcp"
+    proxy = Proxy(
+        server,
+        cut=lambda line: line.startswith(f"PUT {shard}"),
+        delay=lambda line: 0.5 if "list-type=2" in line else 0.0,
+    )
+    try:
+        cut = run_command(
+            command(url, 1, [*TINY, f"train.steps={previous + 1}"]),
+            timeout=300,
+            extra_env={**_env(server, tmp_path / "proxied"), "AWS_ENDPOINT_URL": proxy.url},
+        )
+    finally:
+        proxy.stop()
+    said = cut.stdout + cut.stderr
+    assert cut.returncode == outcomes.FAILED.code and proxy.cuts, said[-3000:]
+    assert f"at step {previous} (saved by 1 processes" in said
+    assert f"error: uploading the checkpoint of step {previous + 1} to {url} failed (rank 0: " in said
+    assert "the checkpoints uploaded before are intact; check the object store, then start again to resume" in said
+    assert committed()[-1] == previous
 
     # the lease of the killed run was renewed moments ago: a restart by the same job would wait for
     # it to go stale; the operator's restart here takes it over as a process of this host that is gone

@@ -1048,7 +1048,7 @@ class Checkpointer:
     def _commit_remote(self, step: int, tmp: str, meta: dict) -> None:
         """An s3:// run dir's commit (remote.py): every rank uploads the files it wrote, rank 0
         commits the staging folder, uploads the rest and the manifest last; every rank raises the
-        same CheckpointError if any part failed (the checkpoints uploaded before stay the latest)."""
+        same objects.StoreError if any part failed (the checkpoints uploaded before stay the latest)."""
         assert self.remote is not None
         records, error = {}, None
         try:
@@ -1071,8 +1071,8 @@ class Checkpointer:
         dist.broadcast_object_list(said, src=0, group=self.group)
         if self.leader and self.rank != 0:  # another node's copy: its files are in the bucket now
             self._remove(os.path.basename(tmp))
-        if said[0]:
-            raise CheckpointError(
+        if said[0]:  # the store, not the input: a restart resumes from the checkpoint before (outcomes.py)
+            raise objects.StoreError(
                 f"uploading the checkpoint of step {step} to {self.remote.url} failed ({said[0][:300]}); the "
                 f"checkpoints uploaded before are intact; check the object store, then start again to resume"
             )
