@@ -3,7 +3,7 @@
 files) save, three ranks resume with the weights of the same run on a filesystem; kill -9 during a save
 leaves the previous checkpoint the latest and the half-uploaded one is deleted after the next commit; a
 flipped byte in the bucket makes resume take the older checkpoint; a second job on the same prefix is
-refused while the first holds the lease. Then the store's slower unit
+refused while the first holds the lease; trainer.export reads an s3:// run dir. Then the store's slower unit
 cases: the verified download (flipped bytes) and each bad input's one line."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import xxhash
 
 from tests.helpers.outputs import assert_same_losses, assert_same_weights, losses, weights
@@ -116,6 +117,14 @@ def test_two_nodes_save_and_three_ranks_resume_as_on_a_filesystem(s3, tmp_path):
     assert_same_weights(weights(resumed, 8), weights(reference, 8))
     assert_same_losses(losses(resumed), losses(reference))  # metrics.jsonl: downloaded, appended, uploaded
     assert not server.client().list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/lease.json").get("Contents")
+    # trainer.export reads the bucket: its newest checkpoint, downloaded and checked, then removed
+    exported = run_command(
+        [sys.executable, "-m", "trainer.export", url, "--out", str(tmp_path / "model.pt")],
+        extra_env=_env(server, tmp_path / "export"),
+    )
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert_same_weights(torch.load(tmp_path / "model.pt", weights_only=True), weights(resumed, 8), exact=True)
+    assert os.listdir(tmp_path / "export" / bucket / "runs") == []
 
 
 def test_kill_9_during_an_upload_and_a_second_job_refused(s3, tmp_path):

@@ -19,14 +19,17 @@ local copy (on any number of ranks: DCP reshards as ever).
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
 import re
 import shutil
+import tempfile
 
 import torch.distributed as dist
 
+from trainer import early_stop
 from trainer.checkpoint import checksums
 from trainer.rundir import files, layout, objects
 
@@ -299,3 +302,58 @@ class Staging:
             if objects.key_problem(name) is None:
                 self.store.delete(objects.step_key(step, name))
         log.info("deleted checkpoint %s", self.store.where(objects.step_key(step)))
+
+
+_COPIES: list[str] = []  # the folders local_copy made in this process
+
+
+@atexit.register
+def remove_copies() -> None:
+    """Remove local_copy's folders (at exit; a command that ends by os._exit calls it itself)."""
+    while _COPIES:
+        shutil.rmtree(_COPIES.pop(), ignore_errors=True)
+
+
+def local_copy(url: str, step: int | None = None, best: bool = False) -> str:
+    """A private local folder (under the staging root, removed at exit) holding the run's files of
+    the s3:// run dir `url` and the checkpoint a tool reads (trainer.export, evaluate, generate):
+    its newest committed one, or that of `step`; with `best` also the best eval loss's checkpoint
+    that the newest names. Each file is checked against its manifest as it is written; the tool
+    then reads the folder as a run dir. objects.StoreError, in one line, for what cannot be had."""
+    staging = Staging(url, rank=0, local_rank=0, local_world_size=1)
+    os.makedirs(os.path.dirname(staging.local), mode=0o700, exist_ok=True)
+    staging.local = tempfile.mkdtemp(
+        prefix=f".read-{os.path.basename(staging.local)}-", dir=os.path.dirname(staging.local)
+    )
+    _COPIES.append(staging.local)
+    for name in RUN_FILES:
+        staging.download_file(name, os.path.join(staging.local, name), RUN_FILE_BYTES)
+    run_id = layout.read_run_id(staging.local)
+
+    def fetch(wanted: int | None) -> int | None:
+        if wanted is None:
+            found = staging.committed(run_id)
+            if found is None:
+                return None
+            wanted, manifest = found
+        else:
+            manifest, why = staging.manifest(wanted, run_id)
+            if manifest is None:
+                raise objects.StoreError(
+                    f"{staging.store.where(objects.step_key(wanted))} is not a committed checkpoint of this run"
+                    + (f": {why}" if why else "")
+                )
+        why = staging.fetch(wanted, manifest)
+        if why:
+            raise objects.StoreError(f"{staging.store.where(objects.step_key(wanted))}: {why}")
+        return wanted
+
+    newest = fetch(step)
+    if best and step is None and newest is not None:
+        try:
+            chosen = early_stop.best_step(staging.local, (newest, layout.step_path(staging.local, newest)))
+        except ValueError:
+            chosen = newest  # the tool says why, reading the copy
+        if chosen != newest:
+            fetch(chosen)
+    return staging.local
