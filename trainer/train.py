@@ -692,9 +692,10 @@ def _finish(run: Run, step: int, trace) -> None:
         done = step >= cfg.train.steps or run.early.stopped is not None  # an early stop is an end too
         layout.write_status(run_dir, state="finished" if done else "stopped", step=step)
     if step == cfg.train.steps:
+        shown = run.staging.url if run.staging else run_dir  # an s3:// run dir by its name, not its staging copy
         reporter.message(
-            f"finished at step {step}: checkpoint {layout.step_path(run_dir, step)}, metrics {run_dir}/metrics.jsonl; "
-            f"next: {next_commands(run_dir)}"
+            f"finished at step {step}: checkpoint {layout.step_path(shown, step)}, metrics {shown}/metrics.jsonl; "
+            f"next: {next_commands(shown)}"
         )
     dist.barrier(group=control)
 

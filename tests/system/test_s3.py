@@ -3,7 +3,7 @@
 files) save, three ranks resume with the weights of the same run on a filesystem; kill -9 during a save
 leaves the previous checkpoint the latest and the half-uploaded one is deleted after the next commit; a
 flipped byte in the bucket makes resume take the older checkpoint; a second job on the same prefix is
-refused while the first holds the lease; trainer.export reads an s3:// run dir. Then the store's slower unit
+refused while the first holds the lease; trainer.export and trainer.metrics read an s3:// run dir. Then the store's slower unit
 cases: the verified download (flipped bytes) and each bad input's one line."""
 
 from __future__ import annotations
@@ -125,6 +125,8 @@ def test_two_nodes_save_and_three_ranks_resume_as_on_a_filesystem(s3, tmp_path):
     assert exported.returncode == 0, exported.stderr[-3000:]
     assert_same_weights(torch.load(tmp_path / "model.pt", weights_only=True), weights(resumed, 8), exact=True)
     assert os.listdir(tmp_path / "export" / bucket / "runs") == []
+    summary = run_command([sys.executable, "-m", "trainer.metrics", url], extra_env=_env(server, tmp_path / "export"))
+    assert summary.stdout.startswith(f"{url}: 8 steps, loss "), summary.stdout + summary.stderr
 
 
 def test_kill_9_during_an_upload_and_a_second_job_refused(s3, tmp_path):

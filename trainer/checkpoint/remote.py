@@ -314,13 +314,15 @@ def remove_copies() -> None:
         shutil.rmtree(_COPIES.pop(), ignore_errors=True)
 
 
-def local_copy(url: str, step: int | None = None, best: bool = False) -> str:
+def local_copy(url: str, step: int | None = None, best: bool = False, checkpoint: bool = True) -> str:
     """A private local folder (under the staging root, removed at exit) holding the run's files of
     the s3:// run dir `url` and the checkpoint a tool reads (trainer.export, evaluate, generate):
     its newest committed one, or that of `step`; with `best` also the best eval loss's checkpoint
-    that the newest names. Each file is checked against its manifest as it is written; the tool
+    that the newest names; none without `checkpoint` (trainer.metrics). Each file is checked
+    against its manifest as it is written; the tool
     then reads the folder as a run dir. objects.StoreError, in one line, for what cannot be had."""
     staging = Staging(url, rank=0, local_rank=0, local_world_size=1)
+    staging.store.check()  # credentials, bucket, endpoint: one line
     os.makedirs(os.path.dirname(staging.local), mode=0o700, exist_ok=True)
     staging.local = tempfile.mkdtemp(
         prefix=f".read-{os.path.basename(staging.local)}-", dir=os.path.dirname(staging.local)
@@ -348,6 +350,8 @@ def local_copy(url: str, step: int | None = None, best: bool = False) -> str:
             raise objects.StoreError(f"{staging.store.where(objects.step_key(wanted))}: {why}")
         return wanted
 
+    if not checkpoint:
+        return staging.local
     newest = fetch(step)
     if best and step is None and newest is not None:
         try:
