@@ -3,8 +3,8 @@
 files) save, three ranks resume with the weights of the same run on a filesystem; kill -9 during a save
 leaves the previous checkpoint the latest and the half-uploaded one is deleted after the next commit; a
 flipped byte in the bucket makes resume take the older checkpoint; a second job on the same prefix is
-refused while the first holds the lease; trainer.export and trainer.metrics read an s3:// run dir. Then the store's slower unit
-cases: the verified download (flipped bytes) and each bad input's one line."""
+refused while the first holds the lease; trainer.export and trainer.metrics read an s3:// run dir.
+Then the store's slower unit cases: the verified download (flipped bytes) and each bad input's line."""
 
 from __future__ import annotations
 
