@@ -328,10 +328,13 @@ def _take_lease(run_dir: str, env: distributed.Env, group, staging=None) -> Leas
         try:
             lease.acquire()
         except LeaseError as e:
-            refused = [str(e)]
+            refused = [(LeaseError, str(e))]
+        except (objects.StoreError, OSError) as e:  # the lease object's store failed: said by every rank
+            refused = [(objects.StoreError, f"run_dir {run_dir}: taking its lease failed: {e}")]
     dist.broadcast_object_list(refused, src=0, group=group)
     if refused[0]:
-        raise LeaseError(refused[0])
+        kind, line = refused[0]
+        raise kind(line)
     return lease
 
 

@@ -991,10 +991,16 @@ class Checkpointer:
         self.wait()  # at most one save in flight
         tmp = self.held.join(f".tmp_step_{step:08d}")  # in the folder held, whatever its name leads to now
         if self.remote is not None:  # rank 0 marks the step's prefix as this run's before any rank uploads
-            refused = [self.remote.begin_save(step, self.run_id) if self.rank == 0 else None]
+            refused: list = [None]
+            if self.rank == 0:
+                try:
+                    refused = [(CheckpointError, self.remote.begin_save(step, self.run_id))]
+                except (OSError, objects.StoreError, objects.PreconditionFailed) as e:
+                    refused = [(objects.StoreError, f"the object store failed ({type(e).__name__}: {e})")]
             dist.broadcast_object_list(refused, src=0, group=self.group)
-            if refused[0]:
-                raise CheckpointError(f"saving the checkpoint of step {step}: {refused[0]}")
+            if refused[0] and refused[0][1]:
+                kind, line = refused[0]
+                raise kind(f"saving the checkpoint of step {step} to {self.remote.url}: {line}")
         if self.leader:  # made here, never through a link someone else placed: mkdir fails on any leftover
             self._held()
             self._remove(os.path.basename(tmp))
