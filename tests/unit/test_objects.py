@@ -132,3 +132,21 @@ def test_lease_object_removed_mid_run_is_created_again(s3, caplog):
         assert f"the lease object s3://{bucket}/runs/one/lease.json had disappeared: created again" in caplog.text
     finally:
         lease.release()
+
+
+def test_a_staging_folder_the_trainer_did_not_make_is_never_emptied(tmp_path, monkeypatch, group):
+    """TRAINER_S3_STAGING=/ with run_dir s3://home/me would name /home/me: refused, nothing removed."""
+    from trainer.checkpoint import remote
+
+    monkeypatch.setenv(objects.STAGING_ENV, str(tmp_path))
+    precious = tmp_path / "home" / "me" / "notes.txt"
+    precious.parent.mkdir(parents=True)
+    precious.write_text("mine")
+    staging = remote.Staging("s3://home/me", rank=0, local_rank=0, local_world_size=1)
+    with pytest.raises(objects.StoreError) as e:
+        staging.prepare(group)
+    assert str(e.value) == (
+        f"{tmp_path}/home/me is there but is no staging folder the trainer made (no .trainer-staging): nothing in "
+        f"it is removed; set TRAINER_S3_STAGING to a folder of its own"
+    )
+    assert precious.read_text() == "mine"

@@ -38,6 +38,7 @@ log = logging.getLogger("trainer")
 # The run's files, uploaded at each commit and at the end, downloaded at a start (a resumed run appends).
 RUN_FILES = (layout.RUN_ID_FILE, layout.CONFIG_FILE, layout.METRICS_FILE, layout.STATUS_FILE)
 RUN_FILE_BYTES = 1 << 30  # the most a run file is downloaded (metrics.jsonl of a very long run)
+MARK = ".trainer-staging"  # in a staging folder the trainer made: only such a folder is ever emptied
 OWNER = "owner"  # in a step prefix: the run id of the save that writes there, before any shard
 _WRITER = re.compile(r"^(?:__(\d+)_.*|rank_(\d+)\.pt)$")  # DCP's shard files, the per-rank parts' files
 
@@ -95,11 +96,19 @@ class Staging:
         if self.leader:
             try:
                 if os.path.lexists(self.local):
+                    if not os.path.isfile(os.path.join(self.local, MARK)) or os.path.islink(self.local):
+                        raise objects.StoreError(
+                            f"{self.local} is there but is no staging folder the trainer made (no {MARK}): "
+                            f"nothing in it is removed; set {objects.STAGING_ENV} to a folder of its own"
+                        )
                     shutil.rmtree(self.local)
                 os.makedirs(self.local, mode=0o700)
+                files.write_text(os.path.join(self.local, MARK), self.url + "\n")
                 for name in RUN_FILES:
                     self.download_file(name, os.path.join(self.local, name), RUN_FILE_BYTES)
-            except (OSError, objects.StoreError) as e:
+            except objects.StoreError as e:  # its line names the folder or the object
+                error = str(e)
+            except OSError as e:
                 error = f"run_dir {self.url}: downloading the run's files into {self.local} failed: {e}"
         self._agree(group, error)
 
