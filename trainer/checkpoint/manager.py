@@ -15,6 +15,9 @@ A save writes into the temporary folder; once every rank's shards are on disk (D
 has written `.metadata`), rank 0 writes meta.json and manifest.json, fsyncs and renames the folder
 to its final name. Only rank 0 creates, renames, lists and deletes folders, and it tells the other
 ranks which checkpoint to load, so no rank acts on a stale view of an NFS or Lustre directory.
+With an s3:// run dir (trainer/checkpoint/remote.py) the folder is each node's staging copy: each
+node's local rank 0 makes the folders a save needs there, and a save counts once uploaded with its
+manifest last.
 
 What is saved is a set of named parts, each a `Stateful` (state_dict() and load_state_dict(), as
 torchtitan's CheckpointManager takes them), kept in one of three places by its kind: sharded parts
