@@ -18,6 +18,7 @@ import torch
 
 from tests.helpers.inputs import SECRET
 from tests.helpers.run import ROOT
+from tests.helpers.s3 import moto_server, s3  # noqa: F401 - the S3 server's fixtures, for every test
 
 # The in-process tests run on one thread, as the processes they start do (helpers.run.env): their
 # tensors are small, and on a loaded 2-core machine two threads of each op wait for each other.

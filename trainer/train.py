@@ -17,7 +17,7 @@ import torch.distributed as dist
 from trainer import data, hf, models, optim, torch_compat
 from trainer import dist as distributed
 from trainer import early_stop as early_stopping
-from trainer.checkpoint import manager
+from trainer.checkpoint import manager, remote
 from trainer.config import Config, dump, to_dict
 from trainer.observe.metrics import Reporter, Speed, peak_flops, start_times, timed
 from trainer.observe.trackers import Trackers, sinks_on
@@ -26,7 +26,7 @@ from trainer.parallel import pp as pipeline
 from trainer.preflight.interval import GPU_MTBF_HOURS, AutoInterval, save_seconds
 from trainer.preflight.startup import Ready, nothing_to_do
 from trainer.resilience import hangs, health, signals
-from trainer.rundir import files, layout
+from trainer.rundir import files, layout, objects
 from trainer.rundir.lease import Lease, LeaseError, LeaseLost
 
 log = logging.getLogger("trainer")
@@ -118,14 +118,23 @@ def train(ready: Ready) -> None:
         health.check_allreduce(cfg.health, env, hangs.node())
     run_dir = cfg.run_dir
     datasets = _datasets(cfg, env, control)  # bad data stops the run here, before the run dir is touched
-    distributed.check_nodes(run_dir, control)
-    lease = _take_lease(run_dir, env, control)  # before anything in the run dir changes
+    staging = (
+        remote.Staging(run_dir, env.rank, env.local_rank, env.local_world_size) if objects.is_remote(run_dir) else None
+    )
+    if staging is None:  # an s3:// run dir's staging folders are each node's own
+        distributed.check_nodes(run_dir, control)
+    lease = _take_lease(run_dir, env, control, staging)  # before anything in the run dir changes
+    if staging is not None:  # from here on the run works in this node's staging folder
+        cfg = _staged(cfg, staging, control)
+        run_dir = cfg.run_dir
     store = torch_compat.default_store()
     store.set(f"trainer/where/{env.rank}", f"{hangs.node()} {os.getpid()}")  # named in hang files and straggler lines
     watchdog = hangs.Watchdog(run_dir, env.rank, cfg.parallel.timeout_s, store)  # armed by the loop's first step
     plan, chosen = _plan(cfg, env, control)
     try:
-        _train(Run.build(cfg, env, control, io_group, times, datasets, lease, watchdog, plan, chosen))
+        _train(Run.build(cfg, env, control, io_group, times, datasets, lease, watchdog, plan, chosen, staging))
+        if staging is not None and env.is_main:  # the end's status and metrics
+            staging.upload_run_files()
     except RuntimeError as e:  # torch.distributed.DistBackendError is one
         watchdog.stop()
         if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
@@ -151,6 +160,7 @@ class Run:
     train_set: object  # the training data: a mixture's origin goes into each checkpoint (data.position)
     eval_set: object  # the evaluation data, None without evaluation (eval.interval=0)
     lease: Lease | None  # rank 0's lease of the run dir (None on the other ranks)
+    staging: remote.Staging | None  # an s3:// run dir's store and this node's staging folder, else None
     watchdog: hangs.Watchdog
     plan: parallel.Plan  # how the model is spread: the data-parallel rank and size, wrapping, autocast
     grad_sync_line: str | None  # why parallel.grad_sync=auto chose as it did (None: nothing to choose)
@@ -167,7 +177,18 @@ class Run:
 
     @classmethod
     def build(
-        cls, cfg: Config, env, control, io_group, times: dict, datasets: tuple, lease, watchdog, plan, grad_sync_line
+        cls,
+        cfg: Config,
+        env,
+        control,
+        io_group,
+        times: dict,
+        datasets: tuple,
+        lease,
+        watchdog,
+        plan,
+        grad_sync_line,
+        staging=None,
     ) -> Run:
         """The run of this start: the process's parts (made by train(), which also ends them) and,
         built here in this order, the model and what trains it, the checkpoint parts, the
@@ -181,7 +202,7 @@ class Run:
         early = early_stopping.EarlyStop(cfg.train.early_stop_patience, cfg.train.early_stop_min_delta)
         best = early_stopping.Best()
         parts = {"scheduler": scheduler, "scaler": scaler, early_stopping.PART: early, early_stopping.BEST: best}
-        ckpt = _checkpointer(cfg, env, io_group, lease, model, optimizer, parts, plan)
+        ckpt = _checkpointer(cfg, env, io_group, lease, model, optimizer, parts, plan, staging)
         reporter = Reporter(cfg.run_dir, cfg.log, cfg.train.steps, env.is_main)
         train_set, eval_set = datasets
         return cls(
@@ -193,6 +214,7 @@ class Run:
             train_set=train_set,
             eval_set=eval_set,
             lease=lease,
+            staging=staging,
             watchdog=watchdog,
             plan=plan,
             grad_sync_line=grad_sync_line,
@@ -296,18 +318,35 @@ def _stuck_ranks(env: distributed.Env, timeout_s: int, error: Exception, run_dir
         )
 
 
-def _take_lease(run_dir: str, env: distributed.Env, group) -> Lease | None:
-    """Rank 0 takes the run dir's lease; every rank raises LeaseError if it cannot."""
-    lease, refused = (Lease(run_dir), [None]) if env.is_main else (None, [None])
+def _take_lease(run_dir: str, env: distributed.Env, group, staging=None) -> Lease | None:
+    """Rank 0 takes the run dir's lease (an s3:// run dir's: the lease object); every rank raises
+    LeaseError if it cannot."""
+    lease, refused = None, [None]
+    if env.is_main:
+        lease = objects.ObjectLease(staging.store) if staging is not None else Lease(run_dir)
     if lease:
         try:
             lease.acquire()
         except LeaseError as e:
-            refused = [str(e)]
+            refused = [(LeaseError, str(e))]
+        except (objects.StoreError, OSError) as e:  # the lease object's store failed: said by every rank
+            refused = [(objects.StoreError, f"run_dir {run_dir}: taking its lease failed: {e}")]
     dist.broadcast_object_list(refused, src=0, group=group)
     if refused[0]:
-        raise LeaseError(refused[0])
+        kind, line = refused[0]
+        raise kind(line)
     return lease
+
+
+def _staged(cfg: Config, staging: remote.Staging, group) -> Config:
+    """An s3:// run dir (trainer/checkpoint/remote.py), once rank 0 holds its lease: each node's staging
+    folder made afresh with the run's files, the bucket's newest committed checkpoint downloaded on
+    every node; the config then names the staging folder, with blocking saves (an upload needs every
+    rank at once). A failure of the store on any rank stops every rank with its line."""
+    staging.prepare(group)
+    staging.resume(group)
+    checkpoint = dataclasses.replace(cfg.checkpoint, async_save=False)
+    return dataclasses.replace(cfg, run_dir=staging.local, checkpoint=checkpoint)
 
 
 def _datasets(cfg: Config, env: distributed.Env, group) -> tuple:
@@ -512,13 +551,22 @@ def _save(run: Run, model, step: int, samples: int, first_bad: torch.Tensor, sto
 
 
 def _checkpointer(
-    cfg: Config, env, io_group, lease, model, optimizer, parts: dict, plan: parallel.Plan
+    cfg: Config, env, io_group, lease, model, optimizer, parts: dict, plan: parallel.Plan, staging=None
 ) -> manager.Checkpointer:
     """The run's checkpoint manager of the model, the optimizer and the named `parts` beside them (a
     pipeline's stages each save their own, under the whole model's names)."""
     stages = plan.mesh["pp"].get_group() if plan.pp > 1 else None
     ckpt = manager.Checkpointer(
-        cfg.checkpoint, cfg.run_dir, env.rank, env.world_size, io_group, model, optimizer, parts=parts, stages=stages
+        cfg.checkpoint,
+        cfg.run_dir,
+        env.rank,
+        env.world_size,
+        io_group,
+        model,
+        optimizer,
+        parts=parts,
+        stages=stages,
+        staging=staging,
     )
     if lease:  # rank 0 reads the lease again right before it commits or deletes a checkpoint
         ckpt.still_owner = lease.check
@@ -647,9 +695,10 @@ def _finish(run: Run, step: int, trace) -> None:
         done = step >= cfg.train.steps or run.early.stopped is not None  # an early stop is an end too
         layout.write_status(run_dir, state="finished" if done else "stopped", step=step)
     if step == cfg.train.steps:
+        shown = run.staging.url if run.staging else run_dir  # an s3:// run dir by its name, not its staging copy
         reporter.message(
-            f"finished at step {step}: checkpoint {layout.step_path(run_dir, step)}, metrics {run_dir}/metrics.jsonl; "
-            f"next: {next_commands(run_dir)}"
+            f"finished at step {step}: checkpoint {layout.step_path(shown, step)}, metrics {shown}/metrics.jsonl; "
+            f"next: {next_commands(shown)}"
         )
     dist.barrier(group=control)
 

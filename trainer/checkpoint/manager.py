@@ -15,6 +15,9 @@ A save writes into the temporary folder; once every rank's shards are on disk (D
 has written `.metadata`), rank 0 writes meta.json and manifest.json, fsyncs and renames the folder
 to its final name. Only rank 0 creates, renames, lists and deletes folders, and it tells the other
 ranks which checkpoint to load, so no rank acts on a stale view of an NFS or Lustre directory.
+With an s3:// run dir (trainer/checkpoint/remote.py) the folder is each node's staging copy: each
+node's local rank 0 makes the folders a save needs there, and a save counts once uploaded with its
+manifest last.
 
 What is saved is a set of named parts, each a `Stateful` (state_dict() and load_state_dict(), as
 torchtitan's CheckpointManager takes them), kept in one of three places by its kind: sharded parts
@@ -60,11 +63,11 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from trainer import __version__, torch_compat
-from trainer.checkpoint import checksums, load_plan, save_plan, stock
+from trainer.checkpoint import checksums, load_plan, remote, save_plan, stock
 from trainer.checkpoint.checksums import ChecksumWriter
 from trainer.checkpoint.reader import Refused, ShardReader, load_metadata
 from trainer.config import CheckpointArgs
-from trainer.rundir import files, layout
+from trainer.rundir import files, layout, objects
 from trainer.rundir.layout import read_meta, step_path
 
 if TYPE_CHECKING:
@@ -620,6 +623,7 @@ class Checkpointer:
         parts: dict[str, Stateful] | None = None,
         sharded: dict[str, Stateful] | None = None,
         stages: dist.ProcessGroup | None = None,
+        staging: remote.Staging | None = None,
     ):
         """What a checkpoint holds, each part a `Stateful` saved under its name: `model` and `optimizer`
         (the sharded parts "model" and "optim") and `sharded`, more states of (D)tensors that DCP saves
@@ -627,7 +631,11 @@ class Checkpointer:
         and `parts`, states small enough for meta.json (the scheduler, the loss scaler, ...). A new
         part is one more entry; a checkpoint saved before it existed loads without it. `stages`: the
         process group of a pipeline's stages (parallel.pp), whose ranks hold different parameters of
-        one model (each under its whole-model name): meta.json's shapes are all of theirs."""
+        one model (each under its whole-model name): meta.json's shapes are all of theirs. `staging`:
+        an s3:// run dir's (remote.py): `run_dir` is then this node's staging folder, each node's
+        local rank 0 makes its folders, and a save is uploaded before it counts."""
+        self.remote = staging
+        self.leader = rank == 0 if staging is None else staging.leader  # makes this node's folders
         self.args, self.run_dir, self.rank, self.world_size, self.group = args, run_dir, rank, world_size, group
         self.model, self.optimizer, self.stages = model, optimizer, stages
         self.whole_shapes: dict[str, list[int]] | None = None  # every stage's parameters' shapes (`_shapes`)
@@ -664,19 +672,24 @@ class Checkpointer:
         self.held: files.HeldFolder | None = None
         # rank 0: the background writer of .metadata for stock DCP, after a commit without it (stock.py)
         self.stock: stock.Writer | None = None
-        if rank == 0:
+        if self.leader:
             os.makedirs(run_dir, exist_ok=True)
             files.make_folder(folder(run_dir), 0o777)  # as os.makedirs: the umask decides; a link is refused
             self.held = files.HeldFolder(folder(run_dir))
-            self.stock = stock.Writer(self.held)
+            self.stock = stock.Writer(self.held) if rank == 0 else None
             for name in self.held.listdir():
                 # leftovers of a killed save or delete
                 if name.startswith((".tmp_", ".trash_")) and self._remove(name):
                     log.info("removed unfinished %s", os.path.join(folder(run_dir), name))
         self.run_id = run_id(run_dir, create=True) if rank == 0 else None  # recorded in every save's meta.json
-        identity = [self.held.identity[1] if self.held else None]
-        dist.broadcast_object_list(identity, src=0, group=group)
-        if rank != 0:  # its own descriptor of the same folder (the inode: st_dev differs between NFS clients)
+        if staging is None:
+            identity = [self.held.identity[1] if self.held else None]
+            dist.broadcast_object_list(identity, src=0, group=group)
+        else:  # each node's own staging folder: compared with its node's leader's
+            nodes: list = [None] * world_size
+            dist.all_gather_object(nodes, (staging.node, self.held.identity[1] if self.held else None), group=group)
+            identity = [next(inode for node, inode in nodes if node == staging.node and inode is not None)]
+        if not self.leader:  # its own descriptor of the same folder (the inode: st_dev differs between NFS clients)
             self.held = files.HeldFolder(folder(run_dir))
             if self.held.identity[1] != identity[0]:
                 raise CheckpointError(
@@ -980,7 +993,18 @@ class Checkpointer:
             return  # already on disk (e.g. stopped right after resuming)
         self.wait()  # at most one save in flight
         tmp = self.held.join(f".tmp_step_{step:08d}")  # in the folder held, whatever its name leads to now
-        if self.rank == 0:  # made here, never through a link someone else placed: mkdir fails on any leftover
+        if self.remote is not None:  # rank 0 marks the step's prefix as this run's before any rank uploads
+            refused: list = [None]
+            if self.rank == 0:
+                try:
+                    refused = [(CheckpointError, self.remote.begin_save(step, self.run_id))]
+                except (OSError, objects.StoreError, objects.PreconditionFailed) as e:
+                    refused = [(objects.StoreError, f"the object store failed ({type(e).__name__}: {e})")]
+            dist.broadcast_object_list(refused, src=0, group=self.group)
+            if refused[0] and refused[0][1]:
+                kind, line = refused[0]
+                raise kind(f"saving the checkpoint of step {step} to {self.remote.url}: {line}")
+        if self.leader:  # made here, never through a link someone else placed: mkdir fails on any leftover
             self._held()
             self._remove(os.path.basename(tmp))
             # Writable by this user only, whatever the umask (a group's 002): nobody else can put a file
@@ -1005,7 +1029,7 @@ class Checkpointer:
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         self.last_saved = step
-        if self.args.async_save and not blocking:
+        if self.args.async_save and not blocking and self.remote is None:  # an upload needs every rank
             if self.stager and not _stager_reusable():  # a fresh one per save where it cannot be reused
                 used = self.stager["async_stager"]
                 used.close()
@@ -1025,7 +1049,42 @@ class Checkpointer:
             planner, writer = self._planner(state, tmp)
             with _write_errors(step, tmp, self.held):
                 dcp.save(state, storage_writer=writer, planner=planner, process_group=self.group)
-            self._commit(step, tmp, meta)
+            if self.remote is None:
+                self._commit(step, tmp, meta)
+            else:
+                self._commit_remote(step, tmp, meta)
+
+    def _commit_remote(self, step: int, tmp: str, meta: dict) -> None:
+        """An s3:// run dir's commit (remote.py): every rank uploads the files it wrote, rank 0
+        commits the staging folder, uploads the rest and the manifest last; every rank raises the
+        same objects.StoreError if any part failed (the checkpoints uploaded before stay the latest)."""
+        assert self.remote is not None
+        records, error = {}, None
+        try:
+            records = self.remote.upload_own(tmp, step)
+        except Exception as e:  # noqa: BLE001 - said on every rank
+            error = f"rank {self.rank}: {type(e).__name__}: {e}"
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, (records, error), group=self.group)
+        error = next((e for _, e in gathered if e), None)
+        if error is None and self.rank == 0:
+            try:
+                if self._commit(step, tmp, meta):
+                    self.remote.publish(step_path(self.run_dir, step), step, [r for r, _ in gathered], self.run_id)
+                    if self.still_owner is None or self.still_owner():  # keep <= 0: all kept, orphans deleted
+                        keep = (lambda steps: self._kept(steps, meta)) if self.args.keep > 0 else set
+                        self.remote.retain(keep, self.run_id, step)
+            except (OSError, objects.StoreError, objects.PreconditionFailed) as e:
+                error = f"rank 0: {type(e).__name__}: {e}"
+        said = [error]
+        dist.broadcast_object_list(said, src=0, group=self.group)
+        if self.leader and self.rank != 0:  # another node's copy: its files are in the bucket now
+            self._remove(os.path.basename(tmp))
+        if said[0]:  # the store, not the input: a restart resumes from the checkpoint before (outcomes.py)
+            raise objects.StoreError(
+                f"uploading the checkpoint of step {step} to {self.remote.url} failed ({said[0][:300]}); the "
+                f"checkpoints uploaded before are intact; check the object store, then start again to resume"
+            )
 
     def _planner(self, state: dict, tmp: str) -> tuple[DefaultSavePlanner, ChecksumWriter]:
         """The save's planner and storage writer. Where every rank describes the same layout
@@ -1113,12 +1172,13 @@ class Checkpointer:
         self.held.rename(name, trash)
         self._remove(trash)
 
-    def _commit(self, step: int, tmp: str, meta: dict) -> None:
+    def _commit(self, step: int, tmp: str, meta: dict) -> bool:
+        """Whether it committed (rank 0, still the owner)."""
         # DCP's save returns on a rank only after the coordinator wrote .metadata (or chunks.npz, with
         # .metadata after the commit: stock.py), which it does only after every rank reported its
         # shards (and its rng file, written before) as done.
         if self.rank != 0 or (self.still_owner and not self.still_owner()):
-            return
+            return False
         self._held()
         meta_file = os.path.join(tmp, "meta.json")
         # saying that a manifest follows: a checkpoint that lost it is no old one
@@ -1147,6 +1207,15 @@ class Checkpointer:
         self.stock.committed(name)  # .metadata for stock DCP, where the save left it for after the commit
         layout.write_status(self.run_dir, saved=step)  # a later start that finds none says so (earlier_save)
         self._retain(meta)
+        return True
+
+    def _kept(self, steps: list[int], meta: dict) -> set[int]:
+        """Which of the committed `steps` (oldest first) the retention keeps, after the commit of `meta`."""
+        kept = set(steps[-self.args.keep :])
+        kept.update(
+            s for name, part in self.parts.items() for s in getattr(part, "pinned", lambda _: ())(meta.get(name))
+        )
+        return kept | {s for s in steps if self.args.keep_every and s % self.args.keep_every == 0}
 
     def _retain(self, meta: dict) -> None:
         """Delete old checkpoints: keep the `keep` newest, every `keep_every`-th, and every step a part
@@ -1156,12 +1225,9 @@ class Checkpointer:
             return
         self._held()
         steps = [step for step, _ in complete(self.run_dir, self.said, self.held)]  # this run's own only
-        kept = set(steps[-self.args.keep :])
-        kept.update(
-            s for name, part in self.parts.items() for s in getattr(part, "pinned", lambda _: ())(meta.get(name))
-        )
+        kept = self._kept(steps, meta)
         for step in steps:
-            if step in kept or (self.args.keep_every and step % self.args.keep_every == 0):
+            if step in kept:
                 continue
             if self.still_owner and not self.still_owner():
                 return

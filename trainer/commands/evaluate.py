@@ -27,12 +27,12 @@ import time
 
 from trainer import cli, data, models
 from trainer import dist as distributed
-from trainer.checkpoint import manager
-from trainer.commands.export import _config, add_choice, consolidate
+from trainer.checkpoint import manager, remote
+from trainer.commands.export import _config, add_choice, consolidate, readable
 from trainer.config import ConfigError, eval_data_problem, from_dict, holds_out, to_dict
 from trainer.observe.metrics import finite_or_null
 from trainer.parallel import plan as parallel
-from trainer.rundir import files, layout
+from trainer.rundir import files, layout, objects
 
 # What may change for an evaluation; the rest (the model above all) is the checkpoint's.
 SECTIONS = ("eval", "data", "parallel")
@@ -79,6 +79,13 @@ def append_row(run_dir: str, row: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    finally:
+        remote.remove_copies()  # an s3:// run dir's local copy: run() ends by os._exit, past atexit
+
+
+def _main(argv: list[str] | None) -> int:
     parser = cli.parser("evaluate", __doc__.split("\n\n")[0])
     parser.add_argument("run_dir")
     add_choice(parser)
@@ -86,8 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)
     env = distributed.read_env()
     try:  # everything that can be wrong, before a process group exists
-        state, path = consolidate(args.run_dir, args.step, args.best)
-        cfg = config(args.run_dir, path, args.overrides)
+        run_dir = readable(args.run_dir, args.step, args.best)  # an s3:// one: a local copy (not appended to)
+        state, path = consolidate(run_dir, args.step, args.best)
+        cfg = config(run_dir, path, args.overrides)
         models.family_of(cfg.model)  # model.family's module imports (FamilyError otherwise)
         eval_set = data.build(cfg.data, cfg.model, cfg.train.seed, train=False)
         # the run's tensor parallelism where it fits these processes, else none; the batch divides
@@ -99,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"train.global_batch_size={cfg.train.global_batch_size} does not divide over {ranks}; "
                 f"evaluate on a number of processes that divides it"
             )
-    except (ConfigError, manager.CheckpointError, data.DataError, models.FamilyError) as e:
+    except (ConfigError, manager.CheckpointError, data.DataError, models.FamilyError, objects.StoreError) as e:
         if env.is_main:
             print(f"error: {e}", file=sys.stderr)
         return 2
@@ -123,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
             "time": time.time(),
             "source": "trainer.evaluate",
         }
-        append_row(args.run_dir, row)
+        if not objects.is_remote(args.run_dir):  # the bucket's metrics are the run's to upload
+            append_row(args.run_dir, row)
         print(json.dumps(finite_or_null(row), allow_nan=False), flush=True)
     return 0
 

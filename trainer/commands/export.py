@@ -29,10 +29,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from trainer import cli, early_stop, hf, models
-from trainer.checkpoint import manager
+from trainer.checkpoint import manager, remote
 from trainer.checkpoint.reader import ShardReader
 from trainer.config import ConfigError, from_dict, load, refuse_untrusted_family
-from trainer.rundir import files
+from trainer.rundir import files, objects
 
 
 def add_choice(parser: argparse.ArgumentParser) -> None:
@@ -42,6 +42,12 @@ def add_choice(parser: argparse.ArgumentParser) -> None:
     choice.add_argument(
         "--best", action="store_true", help="the checkpoint of the best eval loss (the newest checkpoint names it)"
     )
+
+
+def readable(run_dir: str, step: int | None, best: bool) -> str:
+    """The run dir a tool reads: `run_dir` itself, or for an s3:// one a private local copy of its
+    files and of the checkpoint chosen (trainer/checkpoint/remote.py: local_copy)."""
+    return remote.local_copy(run_dir, step, best) if objects.is_remote(run_dir) else run_dir
 
 
 def consolidate(run_dir: str, step: int | None = None, best: bool = False) -> tuple[dict[str, torch.Tensor], str]:
@@ -271,9 +277,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         check_out(args.out, args.format)
-        state, path = consolidate(args.run_dir, args.step, args.best)
+        run_dir = readable(args.run_dir, args.step, args.best)
+        state, path = consolidate(run_dir, args.step, args.best)
         if args.format == "hf":
-            cfg = _config(args.run_dir, path)
+            cfg = _config(run_dir, path)
             if models.spec(cfg.model).hf is None:
                 what = f"model.family {cfg.model.family}" if cfg.model.family else f"a {cfg.model.name}"
                 raise ConfigError(
@@ -305,7 +312,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             torch.save(state, args.out)
         follow_umask([args.out])
-    except (ConfigError, manager.CheckpointError, models.FamilyError) as e:  # FamilyError: model.family's module
+    except (
+        ConfigError,
+        manager.CheckpointError,
+        models.FamilyError,
+        objects.StoreError,
+    ) as e:  # FamilyError: model.family's module
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"exported {path} ({sum(v.numel() for v in state.values()) / 1e6:.2f}M values) to {args.out}")

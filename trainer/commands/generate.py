@@ -27,10 +27,11 @@ import torch
 
 from trainer import cli, models
 from trainer.checkpoint import manager
-from trainer.commands.export import _config, add_choice, consolidate, read_tokenizer, tokenizer_of
+from trainer.commands.export import _config, add_choice, consolidate, read_tokenizer, readable, tokenizer_of
 from trainer.config import ConfigError
 from trainer.dist import read_env
 from trainer.models.transformer.shapes import transformer_shape
+from trainer.rundir import objects
 
 
 @torch.no_grad()
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--temperature is {args.temperature:g}; give 0 (greedy) or more")
         if args.top_k is not None and args.top_k < 1:
             raise ConfigError(f"--top-k is {args.top_k}; give at least 1, or leave it out to draw from all tokens")
-        model, cfg = load(args.run_dir, args.step, read_env().device, args.best)
+        model, cfg = load(readable(args.run_dir, args.step, args.best), args.step, read_env().device, args.best)
         tokenizer = None
         if not args.ids:
             tokenizer = load_tokenizer(cfg, args.tokenizer)
@@ -200,7 +201,12 @@ def main(argv: list[str] | None = None) -> int:
             prompt = parse_ids(args.prompt, vocab)
         if not prompt:
             raise ConfigError("--prompt is empty; give at least one token")
-    except (ConfigError, manager.CheckpointError, models.FamilyError) as e:  # FamilyError: model.family's module
+    except (
+        ConfigError,
+        manager.CheckpointError,
+        models.FamilyError,
+        objects.StoreError,
+    ) as e:  # FamilyError: model.family's module
         print(f"error: {e}", file=sys.stderr)
         return 2
     temperature = 0.0 if args.greedy else args.temperature

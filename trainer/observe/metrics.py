@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 from trainer import cli, early_stop
 from trainer.config import LogArgs
-from trainer.rundir import files, layout
+from trainer.rundir import files, layout, objects
 
 if TYPE_CHECKING:  # torch is imported where a device is asked about: reading rows (api.metrics) needs none
     import torch
@@ -579,7 +579,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", metavar="FILE.png", help="plot loss and eval loss against step into this PNG")
     parser.add_argument("--json", action="store_true", help="one JSON object per run instead of a line")
     args = parser.parse_args(argv)
-    missing = [d for d in args.run_dirs if not os.path.lexists(os.path.join(d, "metrics.jsonl"))]
+    try:  # an s3:// run dir: a local copy of its files (trainer/checkpoint/remote.py), named by its URL
+        if any(map(objects.is_remote, args.run_dirs)):
+            from trainer.checkpoint import remote  # torch: only for a run dir in a bucket
+
+        local = {d: remote.local_copy(d, checkpoint=False) if objects.is_remote(d) else d for d in args.run_dirs}
+    except objects.StoreError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    missing = [d for d in args.run_dirs if not os.path.lexists(os.path.join(local[d], "metrics.jsonl"))]
     if missing:
         print(f"error: {missing[0]}: no metrics.jsonl (is it a run dir?)", file=sys.stderr)
         return 2
@@ -588,10 +596,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         for run_dir in args.run_dirs:
-            s = summary(run_dir)
+            s = {**summary(local[run_dir]), "run_dir": run_dir}
             print(json.dumps(s) if args.json else clean(_summary_line(s)))
         if args.plot:
-            plot(args.run_dirs, args.plot)
+            plot([local[d] for d in args.run_dirs], args.plot)
             print(f"plotted {len(args.run_dirs)} run(s) to {args.plot}")
     except files.UnsafeFile as e:
         print(f"error: {clean(e)}: move it away; a run dir's metrics are regular files", file=sys.stderr)

@@ -37,7 +37,7 @@ from trainer.parallel import pp as pipeline
 from trainer.parallel import pp_plan
 from trainer.parallel.plan import Plan
 from trainer.prepare import token_file_problem
-from trainer.rundir import files
+from trainer.rundir import files, objects
 from trainer.rundir.layout import RUN_DIR_FILES, RUN_DIR_FOLDERS, WRITTEN_FILES, WRITTEN_FOLDERS
 
 if TYPE_CHECKING:
@@ -209,7 +209,10 @@ def checked(
             f"{c.resume_from} does not exist; give a checkpoint folder such as run_dir/checkpoints/step_00000100",
         )
     try:
-        _check_writable(cfg.run_dir, source("run_dir"))
+        if objects.is_remote(cfg.run_dir):  # the bucket, reachable with this environment's credentials
+            _check_store(cfg.run_dir, source("run_dir"), planning)
+        else:
+            _check_writable(cfg.run_dir, source("run_dir"))
     except ConfigError as e:
         if not planning:
             raise
@@ -362,6 +365,17 @@ def _floats(section, prefix: str = ""):
             yield key, value
         elif isinstance(value, tuple):
             yield from ((f"{key}[{i}]", v) for i, v in enumerate(value) if isinstance(v, float))
+
+
+def _check_store(run_dir: str, where: str, planning: bool) -> None:
+    """An s3:// run dir (trainer/rundir/objects.py): s3fs installed, the credentials, the bucket and
+    the endpoint, each said in one line; the bucket is not asked when planning for another machine."""
+    try:
+        store = objects.Store(run_dir)
+        if not planning:
+            store.check()
+    except objects.StoreError as e:
+        raise ConfigError(f"{where}: {e}") from None
 
 
 def _check_writable(run_dir: str, where: str) -> None:

@@ -195,6 +195,9 @@ RAISED = {
     ("trainer.rundir.files", "UnsafeFile"): BAD_INPUT,
     ("trainer.models", "FamilyError"): BAD_INPUT,  # model.family names no usable module (on this node)
     ("trainer.rundir.lease", "LeaseLost"): LEASE_LOST,
+    # An s3:// run dir's store failed while the run started or saved (trainer/rundir/objects.py): its
+    # line names the cause; bad credentials or a missing bucket are refused earlier, as bad input.
+    ("trainer.rundir.objects", "StoreError"): FAILED,
     ("trainer.resilience.health", "HealthError"): HEALTH_FAILED,
     ("trainer.train", "Diverged"): DIVERGED,
     ("trainer.train", "StuckRank"): STUCK_RANK,

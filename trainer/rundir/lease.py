@@ -124,16 +124,21 @@ def _gone(owner: dict, me: dict, now: float) -> str | None:
     return f"{describe(owner)} did not renew it for {age:.0f} s" if age >= STALE_S else None
 
 
+def owner_record() -> dict:
+    """What a lease says of this process (a fresh token each call): who holds it, where."""
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        **identity(),
+        "slurm_job": os.environ.get("SLURM_JOB_ID", ""),
+        "token": uuid.uuid4().hex,
+    }
+
+
 class Lease:
     def __init__(self, run_dir: str):
         self.path = os.path.join(run_dir, FILE)
-        self.me = {
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            **identity(),
-            "slurm_job": os.environ.get("SLURM_JOB_ID", ""),
-            "token": uuid.uuid4().hex,
-        }
+        self.me = owner_record()
         self.lost: str | None = None  # once the lease is lost: "to <its new owner>", or what happened to it
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

@@ -1,0 +1,281 @@
+"""s3:// run dirs against a local S3 server (moto's, tests/helpers/s3.py), with real ranks: two "nodes"
+(two torchruns with different staging roots, so rank 0's staging folder really lacks the other node's
+files) save, three ranks resume with the weights of the same run on a filesystem; kill -9 during a save
+leaves the previous checkpoint the latest and the half-uploaded one is deleted after the next commit; a
+flipped byte in the bucket makes resume take the older checkpoint; a second job on the same prefix is
+refused while the first holds the lease; trainer.export and trainer.metrics read an s3:// run dir.
+Then the store's slower unit cases: the verified download (flipped bytes) and each bad input's line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import xxhash
+
+from tests.helpers.outputs import assert_same_losses, assert_same_weights, losses, weights
+from tests.helpers.run import ROOT, TINY, TORCHRUN, command, env, run_command, wait_for
+from tests.helpers.s3 import Proxy, Server, download, free_port, keys
+from trainer.checkpoint import remote
+from trainer.resilience import outcomes
+from trainer.rundir import objects
+
+pytestmark = pytest.mark.slow
+
+RUN = [*TINY, "train.steps=8", "checkpoint.interval=4", "checkpoint.keep=0"]
+
+
+def _store(bucket: str, prefix: str = "runs/one") -> objects.Store:
+    return objects.Store(f"s3://{bucket}/{prefix}")
+
+
+def _env(server: Server, staging) -> dict:
+    return {**server.env, objects.STAGING_ENV: str(staging)}
+
+
+def _train(server, staging, url, nproc, *overrides, expect=0) -> subprocess.CompletedProcess:
+    proc = run_command(command(url, nproc, overrides), timeout=300, extra_env=_env(server, staging))
+    if proc.returncode != expect:
+        pytest.fail(
+            f"trainer exited {proc.returncode}, expected {expect}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        )
+    return proc
+
+
+def _two_nodes(server, stagings, url, overrides) -> list[subprocess.Popen]:
+    """Two torchruns of one rank each, as two nodes of one job, each with its own staging root."""
+    port = str(free_port())
+    args = ["-m", "trainer", "--config", str(ROOT / "configs/default.yaml"), f"run_dir={url}", *overrides]
+    return [
+        subprocess.Popen(
+            [
+                TORCHRUN,
+                "--nnodes=2",
+                "--nproc-per-node=1",
+                f"--node-rank={node}",
+                "--master-addr=127.0.0.1",
+                f"--master-port={port}",
+                *args,
+            ],
+            cwd=ROOT,
+            env={**env(), **_env(server, stagings[node])},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in range(2)
+    ]
+
+
+def test_two_nodes_save_and_three_ranks_resume_as_on_a_filesystem(s3, tmp_path):
+    server, bucket = s3
+    reference = tmp_path / "reference"
+    _train(server, tmp_path / "unused", str(reference), 2, *RUN)
+    url, prefix = f"s3://{bucket}/runs/r", "runs/r"
+    stagings = [tmp_path / "node0", tmp_path / "node1"]
+    nodes = _two_nodes(server, stagings, url, RUN)
+    outs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    # each node's staging folder holds its own ranks' files only: the bucket has both
+    local = [root / bucket / "runs" / "r" / "checkpoints" for root in stagings]
+    assert sorted(os.listdir(local[0] / "step_00000008")) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__0_0.distcp.xxh3",
+        "chunks.npz",
+        "manifest.json",
+        "meta.json",
+        "rng",
+    ]
+    assert os.listdir(local[1]) == []  # its copy of each save removed once uploaded
+    manifest = json.loads(
+        server.client()
+        .get_object(Bucket=bucket, Key=f"{prefix}/checkpoints/step_00000008/manifest.json")["Body"]
+        .read()
+    )
+    assert {"__0_0.distcp", "__1_0.distcp", "rng/rank_00000.pt", "rng/rank_00001.pt", "meta.json"} <= set(
+        manifest["files"]
+    )
+    copy = download(server, bucket, prefix, tmp_path / "copy")
+    assert_same_weights(weights(copy, 8), weights(reference, 8), exact=True)
+
+    # a byte of step 8 flipped in the bucket: its download fails the manifest's check on the node that
+    # fetches it, and 3 ranks resume from step 4
+    shard = f"{prefix}/checkpoints/step_00000008/__1_0.distcp"
+    data = bytearray(server.client().get_object(Bucket=bucket, Key=shard)["Body"].read())
+    data[len(data) // 2] ^= 0x10
+    server.client().put_object(Bucket=bucket, Key=shard, Body=bytes(data))
+    three = _train(server, tmp_path / "three", url, 3, *RUN)
+    out = three.stdout + three.stderr
+    assert f"skipping checkpoint {url}/checkpoints/step_00000008: __1_0.distcp is damaged: " in out, out[-3000:]
+    assert "at step 4 (saved by 2 processes" in out, out[-3000:]
+    resumed = download(server, bucket, prefix, tmp_path / "resumed")
+    assert_same_weights(weights(resumed, 8), weights(reference, 8))
+    assert_same_losses(losses(resumed), losses(reference))  # metrics.jsonl: downloaded, appended, uploaded
+    assert not server.client().list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/lease.json").get("Contents")
+    # trainer.export reads the bucket: its newest checkpoint, downloaded and checked, then removed
+    exported = run_command(
+        [sys.executable, "-m", "trainer.export", url, "--out", str(tmp_path / "model.pt")],
+        extra_env=_env(server, tmp_path / "export"),
+    )
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert_same_weights(torch.load(tmp_path / "model.pt", weights_only=True), weights(resumed, 8), exact=True)
+    assert os.listdir(tmp_path / "export" / bucket / "runs") == []
+    summary = run_command([sys.executable, "-m", "trainer.metrics", url], extra_env=_env(server, tmp_path / "export"))
+    assert summary.stdout.startswith(f"{url}: 8 steps, loss "), summary.stdout + summary.stderr
+
+
+def test_kill_9_during_an_upload_and_a_second_job_refused(s3, tmp_path):
+    server, bucket = s3
+    url, prefix = f"s3://{bucket}/runs/k", "runs/k"
+    long_run = [*TINY, "train.steps=400", "checkpoint.interval=2", "checkpoint.keep=0"]
+    job = subprocess.Popen(
+        command(url, 1, long_run),  # one rank: each rank's own upload is the two-node test's
+        cwd=ROOT,
+        env={**env(), **_env(server, tmp_path / "first")},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+
+        def committed() -> list[int]:  # the steps whose manifest is in the bucket
+            found = keys(server, bucket, prefix)
+            return sorted(int(k[17:25]) for k in found if k.startswith("checkpoints/") and k.endswith("/manifest.json"))
+
+        wait_for(lambda: committed(), what="the first upload", interval=0.1)
+        second = _train(server, tmp_path / "second", url, 1, *long_run, expect=outcomes.BAD_INPUT.code)
+        assert f"run_dir {url} is in use by process " in second.stdout + second.stderr
+
+        def in_flight():  # the newest step prefix marked by its save but without rank 0's files yet
+            found = keys(server, bucket, prefix)
+            steps = sorted({k[12:25] for k in found if k.startswith("checkpoints/step_")})
+            return steps and f"checkpoints/{steps[-1]}/meta.json" not in found and int(steps[-1][5:])
+
+        killed_at = wait_for(in_flight, what="a save in flight", interval=0.005)
+        job.kill()
+    finally:
+        job.kill()
+        out = job.communicate(timeout=60)[0]
+    assert killed_at not in committed(), out[-2000:]
+    previous = committed()[-1]
+    assert previous < killed_at
+
+    # a restart through a proxy that slows every LIST and cuts the PUT of the next save's shard
+    # half-way: it resumes all the same, then stops in one line, restartable, nothing lost
+    shard = f"/{bucket}/{prefix}/checkpoints/step_{previous + 1:08d}/__0_0.distcp"
+    proxy = Proxy(
+        server,
+        cut=lambda line: line.startswith(f"PUT {shard}"),
+        delay=lambda line: 0.5 if "list-type=2" in line else 0.0,
+    )
+    try:
+        cut = run_command(
+            command(url, 1, [*TINY, f"train.steps={previous + 1}"]),
+            timeout=300,
+            extra_env={**_env(server, tmp_path / "proxied"), "AWS_ENDPOINT_URL": proxy.url},
+        )
+    finally:
+        proxy.stop()
+    said = cut.stdout + cut.stderr
+    assert cut.returncode == outcomes.FAILED.code and proxy.cuts, said[-3000:]
+    assert f"at step {previous} (saved by 1 processes" in said
+    assert f"error: uploading the checkpoint of step {previous + 1} to {url} failed (rank 0: " in said
+    assert "the checkpoints uploaded before are intact; check the object store, then start again to resume" in said
+    assert committed()[-1] == previous
+
+    # the lease of the killed run was renewed moments ago: a restart by the same job would wait for
+    # it to go stale; the operator's restart here takes it over as a process of this host that is gone
+    out = _train(server, tmp_path / "again", url, 1, *TINY, f"train.steps={previous + 1}").stdout
+    assert f"at step {previous} (saved by 1 processes" in out, out[-3000:]
+    left = keys(server, bucket, prefix)
+    assert not [k for k in left if k.startswith(f"checkpoints/step_{killed_at:08d}/")]  # the orphan deleted
+    assert f"checkpoints/step_{previous + 1:08d}/manifest.json" in left
+
+
+def _manifest(listed: dict, run_id: str = "r" * 32) -> bytes:
+    digest = xxhash.xxh3_64_intdigest(json.dumps(listed, sort_keys=True, separators=(",", ":")).encode())
+    return json.dumps({"files": listed, "xxh3_64": digest, "run_id": run_id}).encode()
+
+
+def test_download_checks_every_byte_against_the_manifest(s3, tmp_path, monkeypatch):
+    _, bucket = s3
+    monkeypatch.setenv(objects.STAGING_ENV, str(tmp_path / "staging"))
+    store = _store(bucket)
+    body = bytes(range(256)) * 4
+    store.put("checkpoints/step_00000002/rng/rank_00000.pt", body)
+    record = {"size": len(body), "xxh3_64": xxhash.xxh3_64_intdigest(body)}
+    store.put("checkpoints/step_00000002/manifest.json", _manifest({"rng/rank_00000.pt": record}))
+    staging = remote.Staging(f"s3://{bucket}/runs/one", rank=0, local_rank=0, local_world_size=1)
+    assert staging.local == str(tmp_path / "staging" / bucket / "runs" / "one")
+    assert oct(os.stat(tmp_path / "staging").st_mode & 0o777) == "0o700"
+    step, manifest = staging.committed("r" * 32)
+    assert step == 2 and staging.committed("another run id") is None
+    assert staging.fetch(step, manifest) is None
+    assert (tmp_path / "staging" / bucket / "runs/one/checkpoints/step_00000002/rng/rank_00000.pt").read_bytes() == body
+
+    flipped = bytearray(body)
+    flipped[100] ^= 1
+    store.put("checkpoints/step_00000002/rng/rank_00000.pt", bytes(flipped))
+    assert staging.fetch(step, manifest) == (
+        f"rng/rank_00000.pt is damaged: 1024 bytes with checksum {xxhash.xxh3_64_intdigest(bytes(flipped)):016x}, "
+        f"but the manifest says 1024 bytes with {record['xxh3_64']:016x}"
+    )
+    store.put("checkpoints/step_00000002/manifest.json", _manifest({"../escape": record}))
+    assert staging.committed(None) is None  # a manifest naming a key outside the prefix: never downloaded
+
+
+def test_bad_input_is_one_line(s3, monkeypatch, tmp_path):
+    server, bucket = s3
+    with pytest.raises(objects.StoreError) as e:
+        _store("no-such-bucket").check()
+    assert str(e.value) == (
+        f"run_dir: s3://no-such-bucket/runs/one: bucket no-such-bucket does not exist at {server.url}; "
+        f"create it or fix run_dir"
+    )
+    port = free_port()  # nothing listens there
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    with pytest.raises(objects.StoreError) as e:
+        _store(bucket).check()
+    assert str(e.value) == (
+        f"run_dir: s3://{bucket}/runs/one: cannot reach the object store at http://127.0.0.1:{port}; check "
+        f"AWS_ENDPOINT_URL and the network"
+    )
+    monkeypatch.setenv("AWS_ENDPOINT_URL", server.url)
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    with pytest.raises(objects.StoreError) as e:
+        _store(bucket).check()
+    assert str(e.value) == (
+        f"run_dir: s3://{bucket}/runs/one: no credentials for the object store: set AWS_ACCESS_KEY_ID and "
+        f"AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)"
+    )
+    monkeypatch.setitem(sys.modules, "s3fs", None)  # as where it is not installed
+    with pytest.raises(objects.StoreError) as e:
+        _store(bucket)
+    assert str(e.value) == (
+        f"run_dir: s3://{bucket}/runs/one needs s3fs, which is not installed: pip install 's3fs' (or the project's "
+        f"'s3' extra: pip install -e '.[s3]')"
+    )
+
+
+def test_wrong_credentials_are_one_line(monkeypatch):
+    """moto checks credentials when started with INITIAL_NO_AUTH_ACTION_COUNT=0."""
+    server = Server({"INITIAL_NO_AUTH_ACTION_COUNT": "0"})
+    try:
+        for name, value in server.env.items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+        with pytest.raises(objects.StoreError) as e:
+            _store("some-bucket").check()
+        assert str(e.value).startswith("run_dir: s3://some-bucket/runs/one: the object store refused the credentials (")
+        assert str(e.value).endswith("): check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)")
+    finally:
+        server.stop()

@@ -1,0 +1,152 @@
+"""An s3:// run dir's store and lease (trainer/rundir/objects.py) against a real local S3 server (moto's,
+tests/helpers/s3.py): the conditional writes the commit and the lease stand on, the lease's refusal,
+takeover, loss and re-creation, bounded reads, the keys a manifest may name. The slower cases (the
+verified download, each bad input's line) are in tests/system/test_s3.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from trainer.rundir import lease as file_lease
+from trainer.rundir import objects
+
+
+def _store(bucket: str, prefix: str = "runs/one") -> objects.Store:
+    return objects.Store(f"s3://{bucket}/{prefix}")
+
+
+def test_conditional_writes_are_enforced(s3):
+    _, bucket = s3
+    store = _store(bucket)
+    first = store.put("lease.json", b"a", if_none_match=True)
+    with pytest.raises(objects.PreconditionFailed):
+        store.put("lease.json", b"b", if_none_match=True)
+    second = store.put("lease.json", b"c", if_match=first)
+    with pytest.raises(objects.PreconditionFailed):
+        store.put("lease.json", b"d", if_match=first)  # stale: another writer changed it
+    assert store.get("lease.json", 10) == (b"c", second)
+
+
+def test_small_objects_are_read_bounded_and_keys_checked(s3):
+    _, bucket = s3
+    store = _store(bucket)
+    store.put("status.json", b"x" * 100)
+    with pytest.raises(objects.StoreError) as e:
+        store.get("status.json", 10)
+    assert str(e.value) == (
+        f"s3://{bucket}/runs/one/status.json holds 100 bytes, more than such an object can (10): not the trainer's; "
+        f"remove it"
+    )
+    assert store.get("absent.json", 10) is None
+    for bad in ("../other/x", "/abs", "a//b", "a/./b"):
+        assert objects.key_problem(bad) == f"names {bad!r}, not a key inside the run's prefix"
+        with pytest.raises(objects.StoreError):
+            store.key(bad)
+    assert objects.key_problem("rng/rank_00001.pt") is None
+
+
+def test_run_dir_urls():
+    assert objects.split("s3://bucket/runs/a/") == ("bucket", "runs/a")
+    with pytest.raises(objects.StoreError) as e:
+        objects.split("s3://bucket")
+    assert str(e.value) == (
+        "run_dir: s3://bucket needs a prefix of plain names under the bucket (s3://bucket/runs/NAME): "
+        "letters, digits, . _ = + -"
+    )
+    with pytest.raises(objects.StoreError) as e:
+        objects.split("s3://b/x")
+    assert "does not name a bucket" in str(e.value)
+
+
+def test_lease_refuses_a_second_run_and_is_released(s3):
+    _, bucket = s3
+    first = objects.ObjectLease(_store(bucket))
+    first.acquire()
+    try:
+        second = objects.ObjectLease(_store(bucket))
+        with pytest.raises(file_lease.LeaseError) as e:
+            second.acquire()
+        assert str(e.value).startswith(
+            f"run_dir s3://{bucket}/runs/one is in use by process {os.getpid()} on {first.me['host']} (lease renewed "
+        )
+        assert str(e.value).endswith("s ago); stop that run first, or use another run_dir")
+        assert first.check() and first.lost is None
+    finally:
+        first.release()
+    assert _store(bucket).get("lease.json", 1 << 16) is None  # released: the next run takes it at once
+
+
+def _plant(store: objects.Store, renewed_ago: float) -> None:
+    """A lease of a process on another host, last renewed `renewed_ago` seconds ago."""
+    owner = {"host": "elsewhere", "pid": 1, "token": "theirs", "renewed": time.time() - renewed_ago}
+    store.put("lease.json", json.dumps(owner).encode())
+
+
+def test_lease_of_another_host_is_taken_over_only_once_stale(s3, caplog):
+    _, bucket = s3
+    store = _store(bucket)
+    _plant(store, renewed_ago=5)
+    with pytest.raises(file_lease.LeaseError) as e:
+        objects.ObjectLease(store).acquire()
+    assert f"s3://{bucket}/runs/one is in use by process 1 on elsewhere (lease renewed " in str(e.value)
+    _plant(store, renewed_ago=file_lease.STALE_S + 1)
+    lease = objects.ObjectLease(store)
+    lease.acquire()
+    try:
+        assert json.loads(store.get("lease.json", 1 << 16)[0])["token"] == lease.me["token"]
+        said = f"taking over the lease of s3://{bucket}/runs/one: process 1 on elsewhere did not renew it"
+        assert said in caplog.text
+    finally:
+        lease.release()
+
+
+def test_lease_taken_by_another_run_is_lost(s3):
+    _, bucket = s3
+    store = _store(bucket)
+    lease = objects.ObjectLease(store)
+    lease.acquire()
+    try:
+        _plant(store, renewed_ago=0)  # another run took it over (as after a long stall of this one)
+        lease.renew()
+        assert lease.lost == "to process 1 on elsewhere"
+        assert not lease.check()
+    finally:
+        lease.release()
+    assert json.loads(store.get("lease.json", 1 << 16)[0])["token"] == "theirs"  # left alone
+
+
+def test_lease_object_removed_mid_run_is_created_again(s3, caplog):
+    _, bucket = s3
+    store = _store(bucket)
+    lease = objects.ObjectLease(store)
+    lease.acquire()
+    try:
+        store.delete("lease.json")
+        lease.renew()
+        assert lease.lost is None
+        assert json.loads(store.get("lease.json", 1 << 16)[0])["token"] == lease.me["token"]
+        assert f"the lease object s3://{bucket}/runs/one/lease.json had disappeared: created again" in caplog.text
+    finally:
+        lease.release()
+
+
+def test_a_staging_folder_the_trainer_did_not_make_is_never_emptied(tmp_path, monkeypatch, group):
+    """TRAINER_S3_STAGING=/ with run_dir s3://home/me would name /home/me: refused, nothing removed."""
+    from trainer.checkpoint import remote
+
+    monkeypatch.setenv(objects.STAGING_ENV, str(tmp_path))
+    precious = tmp_path / "home" / "me" / "notes.txt"
+    precious.parent.mkdir(parents=True)
+    precious.write_text("mine")
+    staging = remote.Staging("s3://home/me", rank=0, local_rank=0, local_world_size=1)
+    with pytest.raises(objects.StoreError) as e:
+        staging.prepare(group)
+    assert str(e.value) == (
+        f"{tmp_path}/home/me is there but is no staging folder the trainer made (no .trainer-staging): nothing in "
+        f"it is removed; set TRAINER_S3_STAGING to a folder of its own"
+    )
+    assert precious.read_text() == "mine"

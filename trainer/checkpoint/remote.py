@@ -1,0 +1,372 @@
+"""Checkpoints of an s3:// run dir (trainer/rundir/objects.py): uploaded from, and downloaded into, each
+node's staging copy of the run dir, where the folder code of manager.py runs unchanged.
+
+A save (manager.Checkpointer.save, blocking: the upload needs every rank at once) writes into the
+local `.tmp_step_N/` as on a filesystem; then each rank uploads the files it wrote (its .distcp
+shards with their .xxh3 records, its rng/rank_N.pt) to `checkpoints/step_N/` and reports their
+sizes and XXH3 (one small all-gather); rank 0 commits locally, uploads the rest (.metadata,
+chunks.npz, meta.json) and the manifest of every rank's files last, with If-None-Match: *. Then it
+uploads the run's files (run_id, config.yaml, metrics.jsonl, status.json), applies the retention to
+the bucket's checkpoints of this run (the manifest deleted first) and deletes the prefixes that
+never got a manifest whose `owner` is this run.
+
+A resume lists `checkpoints/` with a delimiter (no object read), reads the manifests (bounded) newest
+first, and on each node the local rank 0 downloads the chosen one's files into the staging folder,
+checking each against the manifest's size and XXH3 as it writes: a mismatch on any node makes that
+checkpoint unusable and the next older one is taken, as on a filesystem. The load then reads the
+local copy (on any number of ranks: DCP reshards as ever).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+
+import torch.distributed as dist
+
+from trainer import early_stop
+from trainer.checkpoint import checksums
+from trainer.rundir import files, layout, objects
+
+log = logging.getLogger("trainer")
+
+# The run's files, uploaded at each commit and at the end, downloaded at a start (a resumed run appends).
+RUN_FILES = (layout.RUN_ID_FILE, layout.CONFIG_FILE, layout.METRICS_FILE, layout.STATUS_FILE)
+RUN_FILE_BYTES = 1 << 30  # the most a run file is downloaded (metrics.jsonl of a very long run)
+MARK = ".trainer-staging"  # in a staging folder the trainer made: only such a folder is ever emptied
+OWNER = "owner"  # in a step prefix: the run id of the save that writes there, before any shard
+_WRITER = re.compile(r"^(?:__(\d+)_.*|rank_(\d+)\.pt)$")  # DCP's shard files, the per-rank parts' files
+
+
+def writer_of(relative: str) -> int | None:
+    """The rank that wrote the checkpoint file `relative`, None for rank 0's shared files."""
+    match = _WRITER.match(relative.rsplit("/", 1)[-1])
+    return int(match.group(1) or match.group(2)) if match else None
+
+
+def _files(folder: str) -> list[str]:
+    """The regular files under `folder`, relative with '/', no link followed."""
+    found = []
+    for root, dirs, names in os.walk(folder):
+        dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(root, d))]
+        for name in names:
+            path = os.path.join(root, name)
+            if os.path.isfile(path) and not os.path.islink(path):
+                found.append(os.path.relpath(path, folder).replace(os.sep, "/"))
+    return sorted(found)
+
+
+def _record(folder: str, relative: str) -> dict:
+    path = os.path.join(folder, *relative.split("/"))
+    want = checksums.record(path) if relative.endswith(".distcp") else None
+    size, digest = (want["size"], want["xxh3_64"]) if want and "xxh3_64" in want else checksums.checksum_file(path)
+    return {"size": size, "xxh3_64": digest}
+
+
+class Staging:
+    """An s3:// run dir as this process works in it: the store, this node's staging folder, and
+    whether this process is its node's local rank 0 (which makes the node's folders and downloads)."""
+
+    def __init__(self, url: str, rank: int, local_rank: int, local_world_size: int):
+        self.url, self.rank = url, rank
+        self.store = objects.Store(url)
+        self.local = objects.staging_dir(url)
+        self.leader = local_rank == 0
+        self.node = int(os.environ.get("GROUP_RANK", rank // max(local_world_size, 1)))
+
+    # -- a start -------------------------------------------------------------------------------
+
+    def _agree(self, group, error: str | None) -> None:
+        """Raise StoreError on every rank with the first rank's `error`, if any (collective)."""
+        errors: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(errors, error, group=group)
+        first = next((e for e in errors if e), None)
+        if first:
+            raise objects.StoreError(first)
+
+    def prepare(self, group) -> None:
+        """Every node's leader makes a fresh staging folder (what an earlier run left there is not
+        the truth) and downloads the run's files into it; collective."""
+        error = None
+        if self.leader:
+            try:
+                if os.path.lexists(self.local):
+                    if not os.path.isfile(os.path.join(self.local, MARK)) or os.path.islink(self.local):
+                        raise objects.StoreError(
+                            f"{self.local} is there but is no staging folder the trainer made (no {MARK}): "
+                            f"nothing in it is removed; set {objects.STAGING_ENV} to a folder of its own"
+                        )
+                    shutil.rmtree(self.local)
+                os.makedirs(self.local, mode=0o700)
+                files.write_text(os.path.join(self.local, MARK), self.url + "\n")
+                for name in RUN_FILES:
+                    self.download_file(name, os.path.join(self.local, name), RUN_FILE_BYTES)
+            except objects.StoreError as e:  # its line names the folder or the object
+                error = str(e)
+            except OSError as e:
+                error = f"run_dir {self.url}: downloading the run's files into {self.local} failed: {e}"
+        self._agree(group, error)
+
+    def download_file(self, relative: str, local: str, limit: int) -> bool:
+        size = self.store.size(relative)
+        if size is None:
+            return False
+        if size > limit:
+            raise objects.StoreError(f"{self.store.where(relative)} holds {size} bytes, more than the trainer writes")
+        with (
+            self.store.open(relative) as src,
+            os.fdopen(files._open(local, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as dst,
+        ):
+            shutil.copyfileobj(src, dst, 8 << 20)
+        return True
+
+    def committed(self, run_id: str | None, below: int | None = None) -> tuple[int, dict] | None:
+        """(step, manifest) of the newest checkpoint of the bucket older than `below` that this run
+        can take: a prefix with a manifest that checks (its digest, its keys, its run id `run_id`
+        where one is known), found by one LIST and the manifests read newest first, only as far as
+        the first good one. Rank 0's view; every prefix without a manifest is invisible."""
+        for step in reversed(self.store.steps()):
+            if below is not None and step >= below:
+                continue
+            manifest, why = self.manifest(step, run_id)
+            if manifest is not None:
+                return step, manifest
+            if why:
+                log.warning("skipping checkpoint %s: %s", self.store.where(objects.step_key(step)), why)
+        return None
+
+    def manifest(self, step: int, run_id: str | None) -> tuple[dict | None, str | None]:
+        """(the manifest of step_N, None) or (None, why it is unusable; None where it has none)."""
+        got = self.store.get_json(objects.step_key(step, checksums.MANIFEST), checksums.MANIFEST_BYTES)
+        if got is None:
+            return None, None
+        manifest = got[0]
+        listed = manifest.get("files")
+        if not isinstance(listed, dict) or manifest.get("xxh3_64") != checksums._digest(listed):
+            return None, f"{checksums.MANIFEST} is damaged: it is not what the commit wrote"
+        for name, want in listed.items():
+            why = objects.key_problem(name)
+            if why:
+                return None, f"{checksums.MANIFEST} {why}"
+            if not (
+                isinstance(want, dict) and isinstance(want.get("size"), int) and isinstance(want.get("xxh3_64"), int)
+            ):
+                return None, f"{checksums.MANIFEST} is damaged: {name} has no size and checksum"
+        if run_id is not None and manifest.get("run_id") != run_id:
+            return None, f"saved by another run (run id {str(manifest.get('run_id'))[:32]}), not this one ({run_id})"
+        return manifest, None
+
+    def fetch(self, step: int, manifest: dict) -> str | None:
+        """The leader's download of checkpoint `step` into checkpoints/step_N of the staging folder,
+        each file checked against `manifest` as written; why it is unusable, or None."""
+        folder = layout.checkpoints_dir(self.local)
+        os.makedirs(folder, mode=0o755, exist_ok=True)
+        final = layout.step_path(self.local, step)
+        tmp = os.path.join(folder, f".tmp_download_{step:08d}")
+        for path in (tmp, final):
+            if os.path.lexists(path):
+                shutil.rmtree(path)
+        os.mkdir(tmp, 0o755)
+        for name, want in sorted(manifest["files"].items()):
+            local = os.path.join(tmp, *name.split("/"))
+            os.makedirs(os.path.dirname(local), mode=0o755, exist_ok=True)
+            h, size = checksums.hasher(), 0
+            try:
+                with (
+                    self.store.open(objects.step_key(step, name)) as src,
+                    os.fdopen(files._open(local, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as dst,
+                ):
+                    while size <= want["size"] and (block := src.read(8 << 20)):
+                        h.update(block)
+                        dst.write(block)
+                        size += len(block)
+            except FileNotFoundError:
+                return f"{name} is missing"
+            if size != want["size"] or h.intdigest() != want["xxh3_64"]:
+                return (
+                    f"{name} is damaged: {size} bytes with checksum {h.intdigest():016x}, but the manifest says "
+                    f"{want['size']} bytes with {want['xxh3_64']:016x}"
+                )
+        files.write_json(os.path.join(tmp, checksums.MANIFEST), manifest)
+        os.rename(tmp, final)
+        return None
+
+    def resume(self, group) -> int | None:
+        """The newest committed checkpoint of the bucket of this run (the run id downloaded with the
+        run's files), downloaded on every node (collective): its step, or None where none is usable
+        (the load then says what the folder code says)."""
+        run_id = layout.read_run_id(self.local) if self.rank == 0 else None
+        below = None
+        while True:
+            candidate, error = None, None
+            if self.rank == 0:
+                try:
+                    candidate = self.committed(run_id, below)
+                except (OSError, objects.StoreError) as e:
+                    error = f"run_dir {self.url}: listing its checkpoints failed: {e}"
+            self._agree(group, error)
+            shared = [candidate]
+            dist.broadcast_object_list(shared, src=0, group=group)
+            if shared[0] is None:
+                return None
+            step, manifest = shared[0]
+            below = step  # if it fails, the next candidate is older
+            why = None
+            if self.leader:
+                try:
+                    why = self.fetch(step, manifest)
+                except (OSError, objects.StoreError) as e:
+                    why = f"{type(e).__name__}: {e}"
+            said: list = [None] * dist.get_world_size(group)
+            dist.all_gather_object(said, why, group=group)
+            failed = next((w for w in said if w), None)
+            if failed is None:
+                return step
+            if self.rank == 0:
+                log.warning(
+                    "skipping checkpoint %s: %s; trying the next older one",
+                    self.store.where(objects.step_key(step)),
+                    failed,
+                )
+            if self.leader:
+                shutil.rmtree(layout.step_path(self.local, step), ignore_errors=True)
+
+    # -- a save --------------------------------------------------------------------------------
+
+    def begin_save(self, step: int, run_id: str | None) -> str | None:
+        """Rank 0, before any rank uploads a file of step `step`: why the save cannot go there
+        (another run's committed checkpoint), else None after marking the prefix as this run's
+        (`owner`) and removing a manifest of this run's own there (a checkpoint of that step that a
+        resume found unusable: its files are about to be replaced)."""
+        manifest = self.store.get_json(objects.step_key(step, checksums.MANIFEST), checksums.MANIFEST_BYTES)
+        if manifest is not None and manifest[0].get("run_id") not in (None, run_id):
+            return (
+                f"{self.store.where(objects.step_key(step))} holds a checkpoint of another run "
+                f"(run id {str(manifest[0].get('run_id'))[:32]}); use another run_dir"
+            )
+        if manifest is not None:
+            self.store.delete(objects.step_key(step, checksums.MANIFEST))
+        self.store.put(objects.step_key(step, OWNER), (run_id or "").encode())
+        return None
+
+    def upload_own(self, tmp: str, step: int) -> dict:
+        """Upload the files this rank wrote into the save's folder `tmp`; their records."""
+        records = {}
+        for name in _files(tmp):
+            if writer_of(name) == self.rank:
+                records[name] = _record(tmp, name)
+                self.store.upload(os.path.join(tmp, *name.split("/")), objects.step_key(step, name))
+        return records
+
+    def publish(self, final: str, step: int, gathered: list[dict], run_id: str | None) -> None:
+        """Rank 0, after the local commit of `final`: the shared files, then the manifest of every
+        rank's files last (If-None-Match: *), then the run's files."""
+        listed: dict = {}
+        for records in gathered:
+            listed.update(records)
+        for name in _files(final):
+            if writer_of(name) is None and name != checksums.MANIFEST:
+                listed[name] = _record(final, name)
+                self.store.upload(os.path.join(final, *name.split("/")), objects.step_key(step, name))
+        manifest = {"files": listed, "xxh3_64": checksums._digest(listed), **({"run_id": run_id} if run_id else {})}
+        body = json.dumps(manifest, indent=1, sort_keys=True).encode()
+        self.store.put(objects.step_key(step, checksums.MANIFEST), body, if_none_match=True)
+        log.info("uploaded checkpoint %s", self.store.where(objects.step_key(step)))
+        self.upload_run_files()
+
+    def upload_run_files(self) -> None:
+        for name in RUN_FILES:
+            path = os.path.join(self.local, name)
+            if os.path.isfile(path) and not os.path.islink(path):
+                self.store.upload(path, name)
+
+    def retain(self, keep, run_id: str | None, now: int) -> None:
+        """Rank 0, after a commit at step `now`: delete this run's checkpoints in the bucket that
+        `keep(steps)` (the manager's retention over the committed steps, oldest first) does not
+        keep, the manifest first; and the prefixes without a manifest. Only prefixes whose `owner`
+        names this run: one LIST and one tiny GET per step prefix, no manifest read."""
+        committed, orphans = [], []
+        for step in self.store.steps():
+            if step == now:
+                continue
+            owner = self.store.get(objects.step_key(step, OWNER), 256)
+            if owner is None or owner[0].decode(errors="replace") != (run_id or ""):
+                continue  # another run's, or a copy: never deleted by this one
+            _, names = self.store.listdir(objects.step_key(step))
+            (committed if checksums.MANIFEST in names else orphans).append(step)
+        committed = sorted([*committed, now])
+        kept = keep(committed)
+        for step in [s for s in committed if s not in kept] + orphans:
+            self.delete(step)
+
+    def delete(self, step: int) -> None:
+        """Delete the prefix of step `step`: its manifest first, so that it is never half a checkpoint."""
+        self.store.delete(objects.step_key(step, checksums.MANIFEST))
+        for name in self.store.walk(objects.step_key(step)):
+            if objects.key_problem(name) is None:
+                self.store.delete(objects.step_key(step, name))
+        log.info("deleted checkpoint %s", self.store.where(objects.step_key(step)))
+
+
+_COPIES: list[str] = []  # the folders local_copy made in this process
+
+
+@atexit.register
+def remove_copies() -> None:
+    """Remove local_copy's folders (at exit; a command that ends by os._exit calls it itself)."""
+    while _COPIES:
+        shutil.rmtree(_COPIES.pop(), ignore_errors=True)
+
+
+def local_copy(url: str, step: int | None = None, best: bool = False, checkpoint: bool = True) -> str:
+    """A private local folder (under the staging root, removed at exit) holding the run's files of
+    the s3:// run dir `url` and the checkpoint a tool reads (trainer.export, evaluate, generate):
+    its newest committed one, or that of `step`; with `best` also the best eval loss's checkpoint
+    that the newest names; none without `checkpoint` (trainer.metrics). Each file is checked
+    against its manifest as it is written; the tool
+    then reads the folder as a run dir. objects.StoreError, in one line, for what cannot be had."""
+    staging = Staging(url, rank=0, local_rank=0, local_world_size=1)
+    staging.store.check()  # credentials, bucket, endpoint: one line
+    os.makedirs(os.path.dirname(staging.local), mode=0o700, exist_ok=True)
+    staging.local = tempfile.mkdtemp(
+        prefix=f".read-{os.path.basename(staging.local)}-", dir=os.path.dirname(staging.local)
+    )
+    _COPIES.append(staging.local)
+    for name in RUN_FILES:
+        staging.download_file(name, os.path.join(staging.local, name), RUN_FILE_BYTES)
+    run_id = layout.read_run_id(staging.local)
+
+    def fetch(wanted: int | None) -> int | None:
+        if wanted is None:
+            found = staging.committed(run_id)
+            if found is None:
+                return None
+            wanted, manifest = found
+        else:
+            manifest, why = staging.manifest(wanted, run_id)
+            if manifest is None:
+                raise objects.StoreError(
+                    f"{staging.store.where(objects.step_key(wanted))} is not a committed checkpoint of this run"
+                    + (f": {why}" if why else "")
+                )
+        why = staging.fetch(wanted, manifest)
+        if why:
+            raise objects.StoreError(f"{staging.store.where(objects.step_key(wanted))}: {why}")
+        return wanted
+
+    if not checkpoint:
+        return staging.local
+    newest = fetch(step)
+    if best and step is None and newest is not None:
+        try:
+            chosen = early_stop.best_step(staging.local, (newest, layout.step_path(staging.local, newest)))
+        except ValueError:
+            chosen = newest  # the tool says why, reading the copy
+        if chosen != newest:
+            fetch(chosen)
+    return staging.local
