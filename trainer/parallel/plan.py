@@ -133,6 +133,13 @@ class Plan:
         return parallel_pp.microbatches(self.args)
 
     @property
+    def stages_line(self) -> str:
+        """This rank's pipeline stages, for the line that says what trains: "stage 0 of 2", "stages 0, 3 of 4"."""
+        stages = parallel_pp.local_stages(self.args, self.dims.pp_rank(self.rank))
+        total = self.pp * parallel_pp.stages_per_rank(self.args)
+        return f"stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))} of {total}"
+
+    @property
     def loss_ranks(self) -> int:
         """Ranks that hold a loss, whose sum over the world the logged mean divides: every rank, or
         the last pipeline stage's (the world over pp)."""
@@ -220,7 +227,7 @@ class Plan:
             shards=self.dp_shard * self.tp,
             tp=self.tp,
             gathers=self.fsdp,
-            keeps_gathered=self.fsdp and p.sharding == "grad_op",
+            keeps_gathered=self.fsdp and (p.sharding == "grad_op" or parallel_pp.keeps_gathered(p)),
             bucket_copy=p.strategy == "ddp" and self.world_size > 1,
             can_offload=self.fsdp,
             node_shards=self.hybrid and self.dp_shard < self.dp_size,
@@ -309,7 +316,7 @@ class Plan:
             value = loss_fn(output, target) / (accum * self.pipeline.n_microbatches)
             return value * grad_scale if grad_scale != 1 else value
 
-        with self.autocast(compute_dtype):
+        with self.autocast(compute_dtype), self.loss_parallel():
             losses = self.pipeline.step(x, y, loss)
         if not losses:
             return torch.zeros((), device=x.device)
@@ -347,15 +354,31 @@ class Plan:
     def apply(self, model: nn.Module, family: Family) -> nn.Module:
         """Wrap `model` for the configured strategy; parameters end up on the plan's device. The
         model family's repeated units (`family.blocks`) are what per-block wrapping, activation
-        checkpointing and compile take one by one."""
+        checkpointing and compile take one by one.
+
+        Under pipeline parallelism each of this rank's stages (parallel_pp.local_stages) is cut first,
+        as torchtitan does, and wrapped on its own (every technique below sees one stage, and FSDP
+        makes each its own root, as torchtitan's model parts); with several stages a rank, `model`
+        then holds all of them under the whole model's names (parallel_pp.merge)."""
+        if self.pp == 1:
+            return self._wrap(model, family)
+        if family.pp_split is None:
+            raise ConfigError(f"parallel.pp: is {self.pp} but this model has no pipeline split; set pp=1")
+        stages = parallel_pp.local_stages(self.args, self.dims.pp_rank(self.rank))
+        total = self.pp * parallel_pp.stages_per_rank(self.args)
+        parts = [self._wrap(part, family) for part in parallel_pp.cut(model, family.pp_split, stages, total)]
+        if len(parts) > 1:
+            parallel_pp.merge(model, parts)
+        else:
+            model = parts[0]
+        self.pipeline = parallel_pp.Pipeline(parts, stages, total, self.args, self.device, self.mesh["pp"].get_group())
+        return model
+
+    def _wrap(self, model: nn.Module, family: Family) -> nn.Module:
+        """`apply`'s techniques on one module (the model, or a pipeline stage), in torchtitan's order."""
         import torch
 
         args, device = self.args, self.device
-        stage = self.dims.pp_rank(self.rank)
-        if self.pp > 1:  # first, as torchtitan: every technique below sees this rank's stage only
-            if family.pp_split is None:
-                raise ConfigError(f"parallel.pp: is {self.pp} but this model has no pipeline split; set pp=1")
-            family.pp_split(model, stage, self.pp)
         if self.tp > 1:  # as torchtitan: checkpointing, compile and FSDP see the DTensor blocks
             parallel_tp.apply_tp(model, family, self.mesh["tp"])
         if args.float8 != "none":  # first, as torchtitan: compile, checkpointing and FSDP see the float8 layers
@@ -379,19 +402,16 @@ class Plan:
 
             model = model.to_empty(device=device) if parallel_fsdp.on_meta(model) else model.to(device)
             return DistributedDataParallel(model, device_ids=[device.index] if self._device_type == "cuda" else None)
-        model = parallel_fsdp.apply_fsdp(
+        return parallel_fsdp.apply_fsdp(
             model,
             units,
             self.dp_mesh,
             param_dtype=torch.float32 if has_batchnorm(model) else dtype(args.param_dtype),  # see autocast_dtype
             reduce_dtype=dtype(args.reduce_dtype),
             cpu_offload=args.cpu_offload,
-            reshard_after_forward=args.sharding != "grad_op",
+            reshard_after_forward=args.sharding != "grad_op" and not parallel_pp.keeps_gathered(args),
             device=device,
         )
-        if self.pp > 1:
-            self.pipeline = parallel_pp.Pipeline(model, stage, self.pp, args, device, self.mesh["pp"].get_group())
-        return model
 
 
 def has_batchnorm(model: nn.Module) -> bool:
