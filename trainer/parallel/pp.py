@@ -75,6 +75,12 @@ ZBV_TORCH = (
 )
 
 
+def _dtypes() -> tuple:
+    import torch
+
+    return (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
 def _torch_before(major: int, minor: int) -> bool:
     import torch
 
@@ -283,6 +289,7 @@ class Pipeline:
 
     def __init__(self, modules: list, stages: tuple[int, ...], total: int, args: ParallelArgs, device, group):
         import torch
+        import torch.distributed as dist
         from torch.distributed import pipelining
 
         if args.pp_schedule == "zbv" and torch.device(device).type == "cpu" and _torch_before(2, 14):
@@ -298,6 +305,11 @@ class Pipeline:
         # scale_grads=False: the loss of each micro-batch is divided by the micro-batches itself, so
         # gradients accumulated over several steps of the schedule are not divided again
         self.schedule = schedule(held, self.n_microbatches, loss_fn=self._loss_of, scale_grads=False)
+        # for evaluation in stage order (`_forward_in_stage_order`): each stage's module and rank
+        self.group, self.device, self.pp_rank = group, device, dist.get_rank(group)
+        self.modules = dict(zip(stages, modules))
+        self.owner = {stage: rank for rank in range(args.pp) for stage in local_stages(args, rank)}
+        self.in_stage_order = args.pp_schedule == "zbv"
 
     def _loss_of(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self._loss(output, target)
@@ -320,10 +332,49 @@ class Pipeline:
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         """The model's output for the batch `x` on the last stage's rank (None on the others), forward only
-        (the schedule's eval: the same micro-batches and stages, no backward)."""
+        (the schedule's eval: the same micro-batches and stages, no backward). Under zbv the batch goes
+        through the stages in their order (`_forward_in_stage_order`): torch 2.14's ZBV eval hands a
+        backward between a rank's two stages that it did not run ("can't steal_bwd_input")."""
+        if self.in_stage_order:
+            return self._forward_in_stage_order(x)
         self._loss = lambda output, target: output.new_zeros(())  # evaluation computes its own loss
         args, kwargs = self._inputs(x, y)
         return self.schedule.eval(*args, **kwargs)
+
+    def _forward_in_stage_order(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The whole batch `x` through stage 0, 1, ... in turn, each on its rank: a stage's output sent
+        to the next stage's rank (its shape and dtype first), or kept where that rank is this one."""
+        h = x if self.first else None
+        for stage in range(len(self.owner)):
+            before = self.owner.get(stage - 1, self.owner[stage])
+            if self.owner[stage] == self.pp_rank:
+                if before != self.pp_rank:
+                    h = self._recv(before)
+                h = self.modules[stage](h)
+            elif before == self.pp_rank:
+                self._send(h, self.owner[stage])
+        return h if self.last else None
+
+    def _send(self, tensor: torch.Tensor, rank: int) -> None:
+        import torch
+        import torch.distributed as dist
+
+        dst = dist.get_global_rank(self.group, rank)
+        meta = [_dtypes().index(tensor.dtype), tensor.dim(), *tensor.shape]
+        dist.send(torch.tensor(meta + [0] * (8 - len(meta)), device=tensor.device), dst, group=self.group)
+        dist.send(tensor.contiguous(), dst, group=self.group)
+
+    def _recv(self, rank: int) -> torch.Tensor:
+        import torch
+        import torch.distributed as dist
+
+        src = dist.get_global_rank(self.group, rank)
+        meta = torch.zeros(8, dtype=torch.int64, device=self.device)
+        dist.recv(meta, src, group=self.group)
+        code, ndim, *shape = meta.tolist()
+        tensor = torch.empty(shape[:ndim], dtype=_dtypes()[code], device=self.device)
+        dist.recv(tensor, src, group=self.group)
+        return tensor
 
 
 def clip_grad_norm(parameters: list, max_norm: float, group) -> torch.Tensor:
