@@ -3,9 +3,8 @@
 Runs of the tiny transformer with 4 blocks, shared by the tests: pp=1 on one rank (`ref`), pp=2 x dp=1
 with GPipe (a stage of 2 blocks a rank), pp=2 x dp=2 with 1F1B and gradient accumulation (3 pipeline
 micro-batches of 1 sample x 2 accumulation steps per rank), pp=2 x tp=2 x dp=2 with interleaved 1F1B
-(8 processes, 2 stages of one block a rank), pp=2 with ZBV (zero bubble: 2 stages a rank in a V, rank 0
-holding the embedding and the head), and two resumed at another layout. interleaved_zb, the other
-zero-bubble schedule, gave pp=1's losses by hand (a run of its own here would add 10 s or more)."""
+(8 processes, 2 stages of one block a rank), pp=2 with the two zero-bubble schedules (interleaved; ZBV: 2
+stages a rank in a V, rank 0 holding the embedding and the head), and two resumed at another layout."""
 
 import pytest
 import torch
@@ -29,6 +28,7 @@ LAYOUTS = {
         ["parallel.pp=2", "parallel.pp_schedule=1f1b", "train.micro_batch_size=1", "parallel.pp_microbatches=3"],
     ),
     "interleaved_1f1b": (8, ["parallel.pp=2", "parallel.tp=2", "parallel.pp_schedule=interleaved_1f1b"]),
+    "interleaved_zb": (2, ["parallel.pp=2", "parallel.pp_schedule=interleaved_zb"]),
 }
 ZBV = (2, ["parallel.pp=2", "parallel.pp_schedule=zbv"])
 
@@ -82,7 +82,7 @@ def _assert_as_pp1(run, ref, world_size: int, same_evals: bool = True) -> None:
 @pytest.mark.parametrize("schedule", list(LAYOUTS))
 def test_each_schedule_gives_pp1_s_losses_gradient_norms_evaluations_and_weights(runs, schedule):
     """pp=2 under each schedule against pp=1 on the same global batch: GPipe (dp=1), 1F1B (dp=2,
-    accumulated), interleaved 1F1B (tp=2 x dp=2, 2 stages a rank)."""
+    accumulated), interleaved 1F1B (tp=2 x dp=2, 2 stages a rank), interleaved zero bubble (dp=1)."""
     # 1F1B's forward is 3 micro-batches of 1 sample: its evaluation batches are 2 x 3 samples, not 12
     _assert_as_pp1(runs[schedule], runs["ref"], LAYOUTS[schedule][0], same_evals=schedule != "1f1b")
 
