@@ -48,11 +48,11 @@ SCHEDULES = {
     "gpipe": "ScheduleGPipe",
     "1f1b": "Schedule1F1B",
     "interleaved_1f1b": "ScheduleInterleaved1F1B",
-    "zbv": "ScheduleZBVZeroBubble",
     "interleaved_zb": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
 }
 # the schedules that run several stages a rank (the others run one)
-MULTI_STAGE = ("interleaved_1f1b", "zbv", "interleaved_zb")
+MULTI_STAGE = ("interleaved_1f1b", "interleaved_zb", "zbv")
 # the zero-bubble schedules, which compute a stage's weight gradients in a pass of their own after its
 # input's: FSDP keeps their units gathered from forward to backward (torchtitan's default under any
 # pipeline); resharded after the forward, the weight pass of torch 2.14 lost their gradients (the
@@ -94,8 +94,9 @@ def keeps_gathered(args: ParallelArgs) -> bool:
 
 def local_stages(args: ParallelArgs, pp_rank: int) -> tuple[int, ...]:
     """The stages pipeline rank `pp_rank` holds, of pp x stages_per_rank: its own one (gpipe, 1f1b);
-    pp_rank, pp_rank + pp, ... (interleaved_1f1b, interleaved_zb: the loop torch's stage-to-rank map assumes); pp_rank
-    and 2 pp - 1 - pp_rank (zbv: the V, so that the first rank holds both the first and the last stage)."""
+    pp_rank, pp_rank + pp, ... (interleaved_1f1b, interleaved_zb: the loop torch's stage-to-rank map
+    assumes); pp_rank and 2 pp - 1 - pp_rank (zbv: the V, the first rank holding the first and the last
+    stage)."""
     pp, v = args.pp, stages_per_rank(args)
     if args.pp_schedule == "zbv":
         return (pp_rank, 2 * pp - 1 - pp_rank)
