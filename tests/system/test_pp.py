@@ -6,11 +6,14 @@ micro-batches of 1 sample x 2 accumulation steps per rank), pp=2 x tp=2 x dp=2 w
 (8 processes, 2 stages of one block a rank), pp=2 with the two zero-bubble schedules (interleaved; ZBV: 2
 stages a rank in a V, rank 0 holding the embedding and the head), and two resumed at another layout."""
 
+import os
+
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from tests.helpers.outputs import assert_same_losses, assert_same_weights, losses, metrics, rows, weights
-from tests.helpers.run import TINY, train
+from tests.helpers.run import TINY, export_hf, train
 from trainer.parallel.pp import ZBV_TORCH, _torch_before
 
 # 4 steps at a constant learning rate, a checkpoint and an evaluation every 2 (all kept); gradients
@@ -97,9 +100,10 @@ def test_zbv_gives_pp1_s_losses_gradient_norms_evaluations_and_weights(runs, zbv
 def test_checkpoints_load_between_pp2_and_pp1_with_equal_weights(tmp_path, runs):
     """pp=2 x tp=2 x dp=2's step-2 checkpoint (interleaved 1F1B: 2 stages a rank) resumed with pp=1 on 3
     ranks, and pp=1's with pp=2 x dp=1 (1F1B, bfloat16 compute, full activation checkpointing): each takes
-    one step that changes nothing (FROZEN) and saves: its weights are exactly
-    the source's (FSDP keeps them float32), and its step-3 loss and gradient norm are the source run's,
-    computed on the same weights (within 1e-5; bfloat16's within 1e-2)."""
+    one step that changes nothing (FROZEN) and saves: its weights are exactly the source's (FSDP keeps
+    them float32), and its step-3 loss and gradient norm are the source run's, computed on the same
+    weights (within 1e-5; bfloat16's within 1e-2). The Hugging Face export of the 3D checkpoint is the
+    folder the 1D one of the same weights gives (every tensor equal)."""
     pp2 = ["parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.param_dtype=bfloat16"]
     for source, name, nproc, layout, rtol in (
         (runs["interleaved_1f1b"], "to_pp1", 3, [], 1e-5),
@@ -112,3 +116,13 @@ def test_checkpoints_load_between_pp2_and_pp1_with_equal_weights(tmp_path, runs)
         assert_same_weights(weights(run), weights(source, 2), exact=True)
         assert_same_losses(losses(run), {3: losses(source)[3]}, rtol=rtol)
         assert_same_losses(_grad_norms(run), {3: _grad_norms(source)[3]}, rtol=rtol)
+    export_hf(runs["interleaved_1f1b"], tmp_path / "hf3d", "--step", "2")
+    export_hf(tmp_path / "to_pp1", tmp_path / "hf1d")
+    names = sorted(os.listdir(tmp_path / "hf3d"))
+    assert names == sorted(os.listdir(tmp_path / "hf1d")) and "model.safetensors" in names
+    for name in names:
+        if name.endswith(".safetensors"):
+            a, b = load_file(tmp_path / "hf3d" / name), load_file(tmp_path / "hf1d" / name)
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+        elif name != "meta.json":
+            assert (tmp_path / "hf3d" / name).read_bytes() == (tmp_path / "hf1d" / name).read_bytes(), name
