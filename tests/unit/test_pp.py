@@ -85,6 +85,14 @@ def model(**keys) -> ModelArgs:
             "parallel.pp: 2 stages x parallel.tp=2 do not divide the 6 processes; choose a divisor",
         ),
         (
+            dict(pp_schedule="zbv", activation_checkpointing="selective"),
+            4,
+            model(n_layers=4),
+            "parallel.selective_ac: op does not compose with parallel.pp_schedule=zbv: its weight pass goes back "
+            "through a block a second time, which checkpointing by operator refuses; use an N, "
+            "parallel.activation_checkpointing=full, or another schedule",
+        ),
+        (
             dict(compile=True),
             4,
             model(),
@@ -114,6 +122,7 @@ def model(**keys) -> ModelArgs:
         "one-stage-schedule",
         "zbv-v",
         "tp-world",
+        "zero-bubble-selective-op",
         "compile",
         "fp16",
         "tied",
@@ -135,6 +144,8 @@ def test_plan_refuses_what_pp_cannot_run_with(parallel, world, model_args, line)
         (dict(pp_schedule="interleaved_zb"), 2),
         (dict(pp_schedule="zbv", pp_microbatches=1), 2),
         (dict(pp_schedule="interleaved_1f1b", pp_stages_per_rank=4, tp=2), 4),
+        (dict(pp_schedule="interleaved_zb", activation_checkpointing="selective", selective_ac=2), 2),
+        (dict(pp_schedule="interleaved_1f1b", activation_checkpointing="selective"), 2),
     ],
 )
 def test_plan_runs_what_pp_composes_with(parallel, world):

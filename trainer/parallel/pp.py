@@ -170,6 +170,15 @@ def problems(args: ParallelArgs, world_size: int, model: ModelArgs | None) -> li
         found.append(
             ("parallel.pp_stages_per_rank", f"is {v} but parallel.pp_schedule=zbv runs 2 stages a rank (its V); set 2")
         )
+    if schedule in SPLIT_BACKWARD and args.ac_mode == "selective" and args.selective_ac == "op":
+        found.append(
+            (
+                "parallel.selective_ac",
+                f"op does not compose with parallel.pp_schedule={schedule}: its weight pass goes back through a "
+                "block a second time, which checkpointing by operator refuses; use an N, "
+                "parallel.activation_checkpointing=full, or another schedule",
+            )
+        )
     for key, on in (
         ("sharding", args.sharding == "hybrid"),
         ("cpu_offload", args.cpu_offload),
