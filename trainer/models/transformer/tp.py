@@ -46,6 +46,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh) -> None:
         parallelize_module(
             model, mesh, PrepareModuleOutput(output_layouts=(Shard(1),), desired_output_layouts=(Shard(1),))
         )
+        # a copy, not to_local's view: the zero-bubble schedules' split backward detaches a stage's output
+        # in place, which a view refuses ("Can't detach views in-place", torch 2.14)
+        model.register_forward_hook(lambda module, args, output: output.clone())
     for block in model.blocks():
         parallelize_module(
             block,
