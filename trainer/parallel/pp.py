@@ -284,6 +284,10 @@ def merge(model: nn.Module, views: list[nn.Module]) -> None:
             entries = {key: module for d in kept for key, module in d.items()}
             order = sorted(entries, key=lambda key: int(key) if key.isdigit() else key)
             setattr(model, name, nn.ModuleDict({key: entries[key] for key in order}))
+        elif len({id(module) for module in kept}) > 1:  # two stages' own modules under one name
+            raise ValueError(
+                f"pipeline stages hold different {name!r}: a family's pp_split keeps its blocks in a ModuleDict"
+            )
         else:
             model._modules[name] = kept[0] if kept else None
     for name, buffer in views[0]._buffers.items():
