@@ -225,10 +225,16 @@ class ParallelArgs:
     # consecutive blocks (the embedding on the first, the norm and head on the last), outermost in the mesh
     # (pp x dp x tp, torchtitan's order); FSDP shards each stage over its data-parallel ranks.
     pp: Annotated[int, AT_LEAST_1] = 1
-    # The pipeline's schedule: gpipe (every micro-batch's forward, then every backward: all of them in
-    # flight) or 1f1b (one forward, one backward in the steady state: at most pp in flight; needs
-    # pp_microbatches >= pp).
-    pp_schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    # The pipeline's schedule (torch.distributed.pipelining's): gpipe (every micro-batch's forward, then every
+    # backward: all of them in flight) or 1f1b (one forward, one backward in the steady state: at most pp in
+    # flight; needs pp_microbatches >= pp), one stage a rank; interleaved_1f1b (1f1b over several stages a
+    # rank: rank r holds stages r, r + pp, ...; a smaller bubble), interleaved_zb (its zero-bubble form: the
+    # backward split into its input's and weights' halves) or zbv (zero bubble over two stages a rank in a V),
+    # pp_stages_per_rank stages a rank. The zero-bubble ones keep FSDP's units gathered from forward to backward.
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"] = "1f1b"
+    # Stages a rank holds (torchtitan's virtual stages): the model's blocks split into pp x this many stages.
+    # None: 2 under interleaved_1f1b, interleaved_zb and zbv (which needs 2), 1 under gpipe and 1f1b (which need 1).
+    pp_stages_per_rank: Annotated[int | None, AT_LEAST_1] = None
     # Pipeline micro-batches per forward/backward of a rank (each train.micro_batch_size samples); None: pp.
     pp_microbatches: Annotated[int | None, AT_LEAST_1] = None
     # Seconds a collective of the training process group waits for a rank that does not answer;

@@ -648,7 +648,7 @@ def _begin_steps(run: Run, model, step: int) -> None:
     micro, accum = batch_plan(cfg, plan.dp_size)
     n_params = sum(p.numel() for p in model.parameters())  # sharded: numel() is the global size
     m = plan.pp_microbatches
-    params = f"{n_params / 1e6:.2f}M params" + (f" on stage 0 of {plan.pp}" if plan.pp > 1 else "")  # rank 0's
+    params = f"{n_params / 1e6:.2f}M params" + (f" on {plan.stages_line}" if plan.pp > 1 else "")  # rank 0's
     stages = f", pipeline schedule {cfg.parallel.pp_schedule}" if plan.pp > 1 else ""
     samples = f"{micro // m} samples x {m} pipeline micro-batches" if plan.pp > 1 else f"{micro} samples"
     reporter.message(

@@ -51,7 +51,47 @@ def model(**keys) -> ModelArgs:
         ),
         ({}, 3, model(), "parallel.pp: 2 stages do not divide the 3 processes; choose a divisor"),
         (dict(strategy="ddp"), 4, model(), "parallel.pp: is 2 but needs parallel.strategy=fsdp (it is ddp); set pp=1"),
-        (dict(tp=2), 4, model(), "parallel.tp: does not compose with parallel.pp=2 (not built); use one of them"),
+        (
+            dict(pp_schedule="interleaved_1f1b", pp_microbatches=5),
+            4,
+            model(n_layers=4),
+            "parallel.pp_microbatches: 5 micro-batches do not fit the interleaved_1f1b schedule of parallel.pp=2 "
+            "stages: it runs them in 2 rounds of 2; use a multiple of 2 (or fewer than 2)",
+        ),
+        (
+            dict(pp_schedule="interleaved_1f1b"),
+            4,
+            model(n_layers=6),
+            "parallel.pp_stages_per_rank: parallel.pp=2 x 2 stages a rank do not split the model's 6 blocks "
+            "(model.n_layers) evenly; choose them so that pp x stages a rank divides 6",
+        ),
+        (
+            dict(pp_stages_per_rank=2),
+            4,
+            model(n_layers=4),
+            "parallel.pp_stages_per_rank: is 2 but parallel.pp_schedule=1f1b runs one stage a rank; use "
+            "interleaved_1f1b, interleaved_zb or zbv, or 1",
+        ),
+        (
+            dict(pp_schedule="zbv", pp_stages_per_rank=3),
+            4,
+            model(n_layers=12),
+            "parallel.pp_stages_per_rank: is 3 but parallel.pp_schedule=zbv runs 2 stages a rank (its V); set 2",
+        ),
+        (
+            dict(tp=2),
+            6,
+            model(),
+            "parallel.pp: 2 stages x parallel.tp=2 do not divide the 6 processes; choose a divisor",
+        ),
+        (
+            dict(pp_schedule="zbv", activation_checkpointing="selective"),
+            4,
+            model(n_layers=4),
+            "parallel.selective_ac: op does not compose with parallel.pp_schedule=zbv: its weight pass goes back "
+            "through a block a second time, which checkpointing by operator refuses; use an N, "
+            "parallel.activation_checkpointing=full, or another schedule",
+        ),
         (
             dict(compile=True),
             4,
@@ -71,13 +111,105 @@ def model(**keys) -> ModelArgs:
             "model.tie_embeddings: does not compose with parallel.pp=2 (not built); use one of them",
         ),
     ],
-    ids=["no-split", "layers", "1f1b-fill", "world", "ddp", "tp", "compile", "fp16", "tied"],
+    ids=[
+        "no-split",
+        "layers",
+        "1f1b-fill",
+        "world",
+        "ddp",
+        "interleaved-rounds",
+        "stages-x-layers",
+        "one-stage-schedule",
+        "zbv-v",
+        "tp-world",
+        "zero-bubble-selective-op",
+        "compile",
+        "fp16",
+        "tied",
+    ],
 )
 def test_plan_refuses_what_pp_cannot_run_with(parallel, world, model_args, line):
     found = Plan(ParallelArgs(pp=2, **parallel), world).problems(model_args)
     assert found and f"{found[0][0]}: {found[0][1]}" == line, found
     assert Plan(ParallelArgs(pp=2), 4).problems(model()) == []
     assert Plan(ParallelArgs(pp=2, pp_schedule="gpipe", pp_microbatches=1), 4).problems(model()) == []
+
+
+@pytest.mark.parametrize(
+    "parallel, world",
+    [
+        (dict(tp=2), 8),  # pp x dp x tp
+        (dict(pp_schedule="interleaved_1f1b", pp_microbatches=3), 2),  # one round of 3: torch's flexible rounds
+        (dict(pp_schedule="interleaved_1f1b", pp_microbatches=4), 2),
+        (dict(pp_schedule="interleaved_zb"), 2),
+        (dict(pp_schedule="zbv", pp_microbatches=1), 2),
+        (dict(pp_schedule="interleaved_1f1b", pp_stages_per_rank=4, tp=2), 4),
+        (dict(pp_schedule="interleaved_zb", activation_checkpointing="selective", selective_ac=2), 2),
+        (dict(pp_schedule="interleaved_1f1b", activation_checkpointing="selective"), 2),
+    ],
+)
+def test_plan_runs_what_pp_composes_with(parallel, world):
+    assert Plan(ParallelArgs(pp=2, **parallel), world).problems(model(n_layers=8)) == []
+
+
+@pytest.mark.parametrize(
+    "schedule, stages_per_rank, ranks",
+    [
+        ("1f1b", None, [(0,), (1,), (2,), (3,)]),
+        ("gpipe", 1, [(0,), (1,), (2,), (3,)]),
+        ("interleaved_1f1b", None, [(0, 4), (1, 5), (2, 6), (3, 7)]),  # the loop: r, r + pp, ...
+        ("interleaved_zb", 3, [(0, 4, 8), (1, 5, 9), (2, 6, 10), (3, 7, 11)]),
+        ("zbv", None, [(0, 7), (1, 6), (2, 5), (3, 4)]),  # the V: the first rank holds the first and last stage
+    ],
+)
+def test_each_rank_holds_its_schedule_s_stages(schedule, stages_per_rank, ranks):
+    """Every stage on one rank, each rank its schedule's: torch's stage-to-rank maps (loop, V)."""
+    from trainer.parallel import pp
+
+    args = ParallelArgs(pp=4, pp_schedule=schedule, pp_stages_per_rank=stages_per_rank)
+    assert [pp.local_stages(args, r) for r in range(4)] == ranks
+    assert sorted(s for held in ranks for s in held) == list(range(4 * pp.stages_per_rank(args)))
+    # a stage of the V's other leg sits on the rank torch's "v" map names
+    if schedule == "zbv":
+        from torch.distributed.pipelining.schedules import generate_stage_to_rank_mapping
+
+        v = generate_stage_to_rank_mapping(4, 8, style="v")
+        assert all(v[s] == r for r, held in enumerate(ranks) for s in held)
+
+
+def test_several_stages_of_a_rank_are_views_whose_blocks_the_model_keeps_under_its_names():
+    """parallel_pp.cut and merge: rank 0 of pp=2 under interleaved_1f1b holds stages 0 and 2 of 4 of an
+    8-block model: each stage a view holding its blocks (the embedding on stage 0), whose chained outputs
+    with rank 1's stages give the whole model's to the bit; merged, the model holds the four blocks and
+    the embedding under the whole model's names, the same parameters as the views."""
+    from trainer.models.transformer.family import pp_split
+    from trainer.parallel import pp
+
+    args = resolve_transformer(ModelArgs(seq_len=16, n_layers=8))
+    whole = build(args)
+    whole.init_weights(0)
+    ranks = []
+    for rank in range(2):
+        held = build(args)
+        held.init_weights(0)
+        views = pp.cut(held, pp_split, pp.local_stages(ParallelArgs(pp=2, pp_schedule="interleaved_1f1b"), rank), 4)
+        ranks.append((held, views))
+    held, views = ranks[0]
+    assert [sorted(v.layers) for v in views] == [["0", "1"], ["4", "5"]]
+    assert views[0].tok_embeddings is held.tok_embeddings and views[1].tok_embeddings is None
+    assert views[0].norm is None and ranks[1][1][1].output is not None  # stage 3, on rank 1, ends the model
+    tokens = torch.randint(0, args.vocab_size, (2, 16))
+    with torch.no_grad():
+        h = tokens
+        for stage in range(4):
+            h = ranks[stage % 2][1][stage // 2](h)
+        assert torch.equal(h, whole(tokens))
+    pp.merge(held, views)
+    names = set(dict(held.named_parameters()))
+    assert {n.split(".")[1] for n in names if n.startswith("layers.")} == {"0", "1", "4", "5"}
+    assert "tok_embeddings.weight" in names and held.norm is None and held.output is None
+    assert {id(p) for p in held.parameters()} == {id(p) for v in views for p in v.parameters()}
+    assert held.rope_cos is views[0].rope_cos is views[1].rope_cos
 
 
 def test_config_check_refuses_pp_in_one_line(capsys, tmp_path):
@@ -90,6 +222,11 @@ def test_config_check_refuses_pp_in_one_line(capsys, tmp_path):
     assert line.endswith(
         "parallel.pp_microbatches: 1 micro-batches do not fill the 1f1b schedule of parallel.pp=2 "
         "stages: it needs at least 2 (or parallel.pp_schedule=gpipe)"
+    ), line
+    line = refused(capsys, run, "--nproc", "2", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b")
+    assert line.endswith(
+        "parallel.pp_stages_per_rank: parallel.pp=2 x 2 stages a rank do not split the model's 2 blocks "
+        "(model.n_layers) evenly; choose them so that pp x stages a rank divides 2"
     ), line
     line = refused(
         capsys, run, "--nproc", "2", "parallel.pp=2", "model.family=tests.toy_lm_family", "model.vocab_size=64"

@@ -17,13 +17,13 @@ from trainer.preflight import check, memory
 
 TORCH = {
     "interleaved_1f1b": torch_schedules.ScheduleInterleaved1F1B,
-    "zero_bubble": torch_schedules.ScheduleInterleavedZeroBubble,
+    "interleaved_zb": torch_schedules.ScheduleInterleavedZeroBubble,
     "zbv": torch_schedules.ScheduleZBVZeroBubble,
 }
 
 
 def args(schedule: str, pp: int, m: int, v: int = 1) -> SimpleNamespace:
-    """A parallel section with the keys pp_plan reads (pp_stages_per_rank may not be a config key yet)."""
+    """A parallel section with the keys pp_plan reads."""
     return SimpleNamespace(pp=pp, pp_microbatches=m, pp_schedule=schedule, pp_stages_per_rank=v)
 
 
@@ -65,7 +65,7 @@ def test_interleaving_holds_pp_plus_pp_minus_1_over_v_as_megatron_says():
     """Korthikanti et al. 2022, 4.2.3: pp (1 + (pp-1)/(pp v)) micro-batches of a stage, for m a multiple of pp."""
     for pp, v in ((4, 2), (8, 4), (2, 3)):
         assert pp_plan.in_flight(args("interleaved_1f1b", pp, 2 * pp, v)) == pp + Fraction(pp - 1, v)
-    assert pp_plan.in_flight(args("zero_bubble", 8, 16, 2)) == 8  # 1F1B's pp, as ZB-H1 keeps
+    assert pp_plan.in_flight(args("interleaved_zb", 8, 16, 2)) == 8  # 1F1B's pp, as ZB-H1 keeps
     assert pp_plan.in_flight(args("zbv", 8, 32)) == 8
     assert (pp_plan.in_flight(args("1f1b", 4, 8)), pp_plan.in_flight(args("gpipe", 4, 8))) == (4, 8)
     assert pp_plan.in_flight(args("1f1b", 4, 2)) == 2  # fewer micro-batches than stages
@@ -75,20 +75,22 @@ def test_each_schedules_bubble_is_its_papers_formula():
     assert pp_plan.bubble(args("1f1b", 4, 8)) == ("(pp-1)/(m+pp-1) = 3/11", Fraction(3, 11))
     assert pp_plan.bubble(args("gpipe", 4, 8)) == ("(pp-1)/(m+pp-1) = 3/11", Fraction(3, 11))
     assert pp_plan.bubble(args("interleaved_1f1b", 4, 8, 2)) == ("(pp-1)/(v*m+pp-1), v=2 = 3/19", Fraction(3, 19))
-    assert pp_plan.bubble(args("zero_bubble", 4, 8, 2)) == ("(pp-1)/(3*v*m+pp-1), v=2 = 3/51", Fraction(3, 51))
+    assert pp_plan.bubble(args("interleaved_zb", 4, 8, 2)) == ("(pp-1)/(3*v*m+pp-1), v=2 = 3/51", Fraction(3, 51))
     assert pp_plan.bubble(args("zbv", 4, 8))[1] == 0
-    assert pp_plan.stages_per_rank(SimpleNamespace(pp=2, pp_microbatches=2, pp_schedule="interleaved_1f1b")) == 1
+    unset = dict(pp=2, pp_microbatches=2, pp_stages_per_rank=None)  # the interleaved schedules' default: 2
+    assert pp_plan.stages_per_rank(SimpleNamespace(**unset, pp_schedule="interleaved_1f1b")) == 2
+    assert pp_plan.stages_per_rank(SimpleNamespace(**unset, pp_schedule="1f1b")) == 1
 
 
 def test_make_check_says_an_interleaved_schedule_and_the_estimate_holds_its_chunks():
-    """The plan line and the activations of a schedule the config may not take yet (set on the
-    parsed section): interleaved 1F1B over 2 ranks x 2 stages each, 4 micro-batches: 2.5 stages'
+    """The plan line and the activations of interleaved 1F1B over 2 ranks x 2 stages each, 4 micro-batches: 2.5 stages'
     micro-batches in flight (5 chunks of half a stage), against 1F1B's 2."""
     base = ["model.seq_len=16", "train.global_batch_size=16"]
     profile = memory.measure(resolve(load(None, base)))  # test_pp.py's: measured once in a run of both
     cfg = resolve(load(None, [*base, "parallel.pp=2"]))
-    parallel = dataclasses.replace(cfg.parallel, pp_microbatches=4, pp_schedule="interleaved_1f1b")
-    parallel.pp_stages_per_rank = 2  # the key may not be the config's yet: pp_plan reads it with getattr
+    parallel = dataclasses.replace(
+        cfg.parallel, pp_microbatches=4, pp_schedule="interleaved_1f1b", pp_stages_per_rank=2
+    )
     interleaved = dataclasses.replace(cfg, parallel=parallel)
     one_f_one_b = dataclasses.replace(cfg, parallel=dataclasses.replace(parallel, pp_schedule="1f1b"))
     a, b = (memory.estimate(c, 4, 2, profile=profile) for c in (interleaved, one_f_one_b))

@@ -93,7 +93,9 @@ class Family:
     # Its pipeline split, pp_split(model, stage, stages): cut the unwrapped model in place down to stage
     # `stage` of `stages` (consecutive blocks; the embedding on the first stage, the norm and head on the
     # last), keeping each kept parameter under its whole-model name, as torchtitan's pipeline_llm does.
-    # A stage's forward takes the previous stage's output. None: the family refuses parallel.pp > 1.
+    # A stage's forward takes the previous stage's output. With several stages a rank it cuts views of the
+    # model that share its children (trainer.parallel.pp.cut): it reassigns the view's children, never
+    # changes a shared one in place. None: the family refuses parallel.pp > 1.
     pp_split: Callable[[nn.Module, int, int], None] | None = None
     # With pp_split: the number of blocks the pipeline splits, from the resolved model keys (torch-free:
     # the config check refuses a pp that does not divide them).

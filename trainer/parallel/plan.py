@@ -70,10 +70,9 @@ class MemoryFactors:
     # under accumulation FSDP reduce-scatters every micro-batch: the gradients held are the sharded ones
     # (parallel.grad_sync=every_micro_batch); else unsharded until the last micro-batch
     sharded_accumulation: bool = False
-    # pipeline parallelism: a rank holds one of `pp` stages (1/pp of the blocks, and the root's parameters
-    # at most), and its first stage the activations of `in_flight` micro-batches at once
+    # pipeline parallelism: a rank holds 1/pp of the blocks, and the root's parameters at most (the
+    # activations its schedule keeps in flight: trainer/parallel/pp_plan.py)
     pp: int = 1
-    in_flight: int = 1
 
 
 @dataclass(eq=False)
@@ -133,6 +132,13 @@ class Plan:
         return parallel_pp.microbatches(self.args)
 
     @property
+    def stages_line(self) -> str:
+        """This rank's pipeline stages, for the line that says what trains: "stage 0 of 2", "stages 0, 3 of 4"."""
+        stages = parallel_pp.local_stages(self.args, self.dims.pp_rank(self.rank))
+        total = self.pp * parallel_pp.stages_per_rank(self.args)
+        return f"stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))} of {total}"
+
+    @property
     def loss_ranks(self) -> int:
         """Ranks that hold a loss, whose sum over the world the logged mean divides: every rank, or
         the last pipeline stage's (the world over pp)."""
@@ -189,7 +195,7 @@ class Plan:
     def problems(self, model: ModelArgs | None = None) -> list[tuple[str, str]]:
         """What is wrong with the parallel config for this world: (key, message), in the order the
         config check says them (trainer.preflight.check.validate raises the first, blamed on its source).
-        `model`: the resolved model keys, for what tensor and pipeline parallelism need of the model."""
+        `model`: the resolved model keys, for what tensor, pipeline and context parallelism need of the model."""
         p, found = self.args, []
         if p.strategy != "fsdp" and p.cpu_offload:
             found.append(("parallel.cpu_offload", f"needs parallel.strategy=fsdp (it is {p.strategy})"))
@@ -207,7 +213,7 @@ class Plan:
             found += parallel_tp.problems(p, self.world_size, node, model)
         if self.pp > 1:
             found += parallel_pp.problems(p, self.world_size, model)
-        return found + self.dims.problems()
+        return found + self.dims.problems(getattr(model, "seq_len", None), p.strategy)
 
     def check(self, where: str = "config", model: ModelArgs | None = None) -> None:
         """Raise ConfigError with the first problem, one line: where, key, what to do."""
@@ -220,7 +226,7 @@ class Plan:
             shards=self.dp_shard * self.tp,
             tp=self.tp,
             gathers=self.fsdp,
-            keeps_gathered=self.fsdp and p.sharding == "grad_op",
+            keeps_gathered=self.fsdp and (p.sharding == "grad_op" or parallel_pp.keeps_gathered(p)),
             bucket_copy=p.strategy == "ddp" and self.world_size > 1,
             can_offload=self.fsdp,
             node_shards=self.hybrid and self.dp_shard < self.dp_size,
@@ -229,7 +235,6 @@ class Plan:
             # under a pipeline the stage's schedule reduce-scatters at the end of each of its steps
             sharded_accumulation=self.fsdp and (p.grad_sync == "every_micro_batch" or self.pp > 1),
             pp=self.pp,
-            in_flight=parallel_pp.in_flight(p) if self.pp > 1 else 1,
         )
 
     # -- training -----------------------------------------------------------------------------------
@@ -309,7 +314,7 @@ class Plan:
             value = loss_fn(output, target) / (accum * self.pipeline.n_microbatches)
             return value * grad_scale if grad_scale != 1 else value
 
-        with self.autocast(compute_dtype):
+        with self.autocast(compute_dtype), self.loss_parallel():
             losses = self.pipeline.step(x, y, loss)
         if not losses:
             return torch.zeros((), device=x.device)
@@ -347,15 +352,31 @@ class Plan:
     def apply(self, model: nn.Module, family: Family) -> nn.Module:
         """Wrap `model` for the configured strategy; parameters end up on the plan's device. The
         model family's repeated units (`family.blocks`) are what per-block wrapping, activation
-        checkpointing and compile take one by one."""
+        checkpointing and compile take one by one.
+
+        Under pipeline parallelism each of this rank's stages (parallel_pp.local_stages) is cut first,
+        as torchtitan does, and wrapped on its own (every technique below sees one stage, and FSDP
+        makes each its own root, as torchtitan's model parts); with several stages a rank, `model`
+        then holds all of them under the whole model's names (parallel_pp.merge)."""
+        if self.pp == 1:
+            return self._wrap(model, family)
+        if family.pp_split is None:
+            raise ConfigError(f"parallel.pp: is {self.pp} but this model has no pipeline split; set pp=1")
+        stages = parallel_pp.local_stages(self.args, self.dims.pp_rank(self.rank))
+        total = self.pp * parallel_pp.stages_per_rank(self.args)
+        parts = [self._wrap(part, family) for part in parallel_pp.cut(model, family.pp_split, stages, total)]
+        if len(parts) > 1:
+            parallel_pp.merge(model, parts)
+        else:
+            model = parts[0]
+        self.pipeline = parallel_pp.Pipeline(parts, stages, total, self.args, self.device, self.mesh["pp"].get_group())
+        return model
+
+    def _wrap(self, model: nn.Module, family: Family) -> nn.Module:
+        """`apply`'s techniques on one module (the model, or a pipeline stage), in torchtitan's order."""
         import torch
 
         args, device = self.args, self.device
-        stage = self.dims.pp_rank(self.rank)
-        if self.pp > 1:  # first, as torchtitan: every technique below sees this rank's stage only
-            if family.pp_split is None:
-                raise ConfigError(f"parallel.pp: is {self.pp} but this model has no pipeline split; set pp=1")
-            family.pp_split(model, stage, self.pp)
         if self.tp > 1:  # as torchtitan: checkpointing, compile and FSDP see the DTensor blocks
             parallel_tp.apply_tp(model, family, self.mesh["tp"])
         if args.float8 != "none":  # first, as torchtitan: compile, checkpointing and FSDP see the float8 layers
@@ -379,19 +400,16 @@ class Plan:
 
             model = model.to_empty(device=device) if parallel_fsdp.on_meta(model) else model.to(device)
             return DistributedDataParallel(model, device_ids=[device.index] if self._device_type == "cuda" else None)
-        model = parallel_fsdp.apply_fsdp(
+        return parallel_fsdp.apply_fsdp(
             model,
             units,
             self.dp_mesh,
             param_dtype=torch.float32 if has_batchnorm(model) else dtype(args.param_dtype),  # see autocast_dtype
             reduce_dtype=dtype(args.reduce_dtype),
             cpu_offload=args.cpu_offload,
-            reshard_after_forward=args.sharding != "grad_op",
+            reshard_after_forward=args.sharding != "grad_op" and not parallel_pp.keeps_gathered(args),
             device=device,
         )
-        if self.pp > 1:
-            self.pipeline = parallel_pp.Pipeline(model, stage, self.pp, args, device, self.mesh["pp"].get_group())
-        return model
 
 
 def has_batchnorm(model: nn.Module) -> bool:

@@ -9,7 +9,7 @@ whole stage (1/pp of the model's layers), m micro-batches, pp ranks:
     gpipe             m                             every forward before any backward
     1f1b              min(pp, m)                    pp - 1 forwards of warm-up, then one forward, one backward
     interleaved_1f1b  min((v-1) r + 2(pp-1) + 1, m v) / v     (r = m / max(1, m // pp): micro-batches a round)
-    zero_bubble       min((v-1) r + (pp-1) + 1, m v) / v
+    interleaved_zb    min((v-1) r + (pp-1) + 1, m v) / v
     zbv               min(2 pp, m + 1) / 2          (v = 2: its V-shaped stages)
 
 The interleaved forms are torch's own warm-up (torch/distributed/pipelining/schedules.py,
@@ -27,7 +27,7 @@ time; over the whole it is bubble / (ideal + bubble), which is how it is said he
     gpipe, 1f1b       (pp-1) / (m + pp-1)           GPipe (Huang et al. 2019, arXiv 1811.06965), Narayanan et
                                                     al. 2021 section 2.2.1: (pp-1)/m of the ideal time
     interleaved_1f1b  (pp-1) / (v m + pp-1)         Narayanan et al. 2021 section 2.2.2: 1/v of it
-    zero_bubble       (pp-1) / (3 v m + pp-1)       Qi et al. 2024 ("Zero Bubble Pipeline Parallelism",
+    interleaved_zb    (pp-1) / (3 v m + pp-1)      Qi et al. 2024 ("Zero Bubble Pipeline Parallelism",
                                                     arXiv 2401.10241, section 3.1, ZB-H1, torch's ZB1P):
                                                     (pp-1)(T_F + T_B - T_W) against 1F1B's (pp-1)(T_F + T_B +
                                                     T_W), a third with T_F = T_B = T_W; over v stages a rank
@@ -47,19 +47,20 @@ from trainer.parallel import pp as parallel_pp
 if TYPE_CHECKING:
     from trainer.config import ParallelArgs
 
-# parallel.pp_schedule's names, and the stages a rank holds under each (None: pp_stages_per_rank's)
-SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": None, "zero_bubble": None, "zbv": 2}
+# parallel.pp_schedule's names (the config's Literal), and the stages a rank holds under each (None:
+# parallel.pp_stages_per_rank's, 2 where it is not set: trainer/parallel/pp.py)
+SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": None, "interleaved_zb": None, "zbv": 2}
 
 
 def schedule(args: ParallelArgs) -> str:
-    return getattr(args, "pp_schedule", "1f1b")
+    return args.pp_schedule
 
 
 def stages_per_rank(args: ParallelArgs) -> int:
     """v: the stages one rank holds (zbv: 2; gpipe and 1f1b: 1; the interleaved ones:
-    parallel.pp_stages_per_rank, 1 where the config has no such key yet)."""
+    parallel.pp_stages_per_rank, 2 where it is not set)."""
     fixed = SCHEDULES.get(schedule(args), 1)
-    return fixed if fixed is not None else max(1, getattr(args, "pp_stages_per_rank", 1) or 1)
+    return fixed if fixed is not None else parallel_pp.stages_per_rank(args)
 
 
 def in_flight(args: ParallelArgs) -> Fraction:
@@ -72,7 +73,7 @@ def in_flight(args: ParallelArgs) -> Fraction:
         return Fraction(m)
     if name == "zbv":
         return Fraction(min(2 * pp, m + 1), 2)
-    if name in ("interleaved_1f1b", "zero_bubble"):
+    if name in ("interleaved_1f1b", "interleaved_zb"):
         r = m // max(1, m // pp)  # torch's microbatches_per_round
         hops = 2 * (pp - 1) if name == "interleaved_1f1b" else pp - 1
         return Fraction(min((v - 1) * r + hops + 1, m * v), v)
@@ -87,7 +88,7 @@ def bubble(args: ParallelArgs) -> tuple[str, Fraction]:
         return "0 if forward, input-backward and weight-backward took equal time (ZB-V's ideal)", Fraction(0)
     form, ideal = {
         "interleaved_1f1b": (f"(pp-1)/(v*m+pp-1), v={v}", v * m),
-        "zero_bubble": (f"(pp-1)/(3*v*m+pp-1), v={v}", 3 * v * m),
+        "interleaved_zb": (f"(pp-1)/(3*v*m+pp-1), v={v}", 3 * v * m),
     }.get(name, ("(pp-1)/(m+pp-1)", m))
     value = Fraction(pp - 1, ideal + pp - 1)
     return f"{form} = {pp - 1}/{ideal + pp - 1}", value

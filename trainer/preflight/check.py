@@ -180,14 +180,11 @@ def checked(
             fail("train.micro_batch_size" if t.micro_batch_size else "train.global_batch_size", problem)
 
     # parallelism: the plan's own checks (trainer.parallel.plan, imported without torch)
-    split_model = resolved().model if cfg.parallel.tp > 1 or cfg.parallel.pp > 1 else None  # what tp and pp split
-    for key, message in plan.problems(split_model):
+    if plan.dims.cp > 1 and family.kind != "lm":  # context parallelism, planned: it splits sequences
+        fail("parallel.cp", f"is {plan.dims.cp} but model {m.name!r} has no sequence to split; set cp=1")
+    split = cfg.parallel.tp > 1 or cfg.parallel.pp > 1 or plan.dims.cp > 1
+    for key, message in plan.problems(resolved().model if split else None):  # the model keys tp, pp and cp split
         fail(key, message)
-    if plan.dims.cp > 1:  # context parallelism, planned: its sequence split (trainer/parallel/dims.py)
-        if family.kind != "lm":
-            fail("parallel.cp", f"is {plan.dims.cp} but model {m.name!r} has no sequence to split; set cp=1")
-        for key, message in plan.dims.problems(resolved().model.seq_len, cfg.parallel.strategy):
-            fail(key, message)
     if cfg.parallel.float8 != "none":  # torchao, compile, the blocks' dimensions; the GPU is each rank's check_float8
         from trainer.parallel.float8 import config_problem
 

@@ -21,6 +21,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -29,17 +30,25 @@ from torch.distributed.tensor.parallel import (
 
 def parallelize(model: nn.Module, mesh: DeviceMesh) -> None:
     """Split the unwrapped Transformer over `mesh` in place (parameters become DTensors on it)."""
-    parallelize_module(
-        model,
-        mesh,
-        {
-            "tok_embeddings": RowwiseParallel(
-                input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
-            ),
-            "norm": SequenceParallel(),
-            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
-        },
-    )
+    root = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    }
+    # a pipeline stage (Transformer.pipeline_stage) holds the parts it kept; between two stages the
+    # residual stream travels as this rank's local shard of the sequence (the pipeline sends tensors)
+    parallelize_module(model, mesh, {name: style for name, style in root.items() if getattr(model, name) is not None})
+    if model.tok_embeddings is None:
+        parallelize_module(
+            model, mesh, PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),))
+        )
+    if model.norm is None:
+        parallelize_module(
+            model, mesh, PrepareModuleOutput(output_layouts=(Shard(1),), desired_output_layouts=(Shard(1),))
+        )
+        # a copy, not to_local's view: the zero-bubble schedules' split backward detaches a stage's output
+        # in place, which a view refuses ("Can't detach views in-place", torch 2.14)
+        model.register_forward_hook(lambda module, args, output: output.clone())
     for block in model.blocks():
         parallelize_module(
             block,
