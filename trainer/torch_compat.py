@@ -112,6 +112,11 @@ ATTRIBUTES = [
     ("torch.optim.lr_scheduler", "LRScheduler", "_last_lr"),
     ("torch.distributed.checkpoint.staging", "DefaultStager", "_config"),
     ("torch.distributed.checkpoint.default_planner", "DefaultSavePlanner", "_cached_plans_key"),
+    # module_view: a module sharing another's children, parameters and buffers (pp.py's stages)
+    ("torch.nn.modules.module", "Module", "_modules"),
+    ("torch.nn.modules.module", "Module", "_parameters"),
+    ("torch.nn.modules.module", "Module", "_buffers"),
+    ("torch.nn.modules.module", "Module", "_non_persistent_buffers_set"),
 ]
 
 
@@ -137,9 +142,30 @@ def missing() -> list[str]:
             source = inspect.getsource(getattr(importlib.import_module(module), cls))
         except (ImportError, AttributeError, OSError, TypeError):
             source = ""
-        if f"self.{name} =" not in source and f"self.{name}: " not in source:
+        set_as = (f"self.{name} =", f"self.{name}: ", f'super().__setattr__("{name}",')  # Module's own way
+        if not any(form in source for form in set_as):
             gone.append(f"{module}.{cls}.{name}")
     return gone
+
+
+def module_view(model):
+    """A module of `model`'s class and attributes whose children, parameters and buffers are
+    `model`'s (the same objects, in dictionaries of its own), without `model`'s hooks: a pipeline
+    stage cut from it reassigns its own children only (trainer/parallel/pp.py). nn.Module's
+    dictionaries (ATTRIBUTES)."""
+    import torch.nn as nn
+
+    view = type(model).__new__(type(model))
+    nn.Module.__init__(view)
+    own = vars(view)
+    for key, value in vars(model).items():
+        own.setdefault(key, value)
+    view._modules.update(model._modules)
+    view._parameters.update(model._parameters)
+    view._buffers.update(model._buffers)
+    view._non_persistent_buffers_set.update(model._non_persistent_buffers_set)
+    view.training = model.training
+    return view
 
 
 def default_store():

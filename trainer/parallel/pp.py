@@ -230,30 +230,14 @@ def cut(model: nn.Module, pp_split: Callable, stages: tuple[int, ...], total: in
     if len(stages) == 1:
         pp_split(model, stages[0], total)
         return [model]
+    from trainer import torch_compat
+
     views = []
     for stage in stages:
-        view = _view(model)
+        view = torch_compat.module_view(model)
         pp_split(view, stage, total)  # reassigns the view's children, never changes the shared ones
         views.append(view)
     return views
-
-
-def _view(model: nn.Module) -> nn.Module:
-    """A module of `model`'s class and attributes whose children, parameters and buffers are
-    `model`'s (the same objects, in dictionaries of its own), without `model`'s hooks."""
-    import torch.nn as nn
-
-    view = type(model).__new__(type(model))
-    nn.Module.__init__(view)
-    own = vars(view)
-    for key, value in vars(model).items():
-        own.setdefault(key, value)
-    view._modules.update(model._modules)
-    view._parameters.update(model._parameters)
-    view._buffers.update(model._buffers)
-    view._non_persistent_buffers_set.update(model._non_persistent_buffers_set)
-    view.training = model.training
-    return view
 
 
 def merge(model: nn.Module, views: list[nn.Module]) -> None:
@@ -264,8 +248,8 @@ def merge(model: nn.Module, views: list[nn.Module]) -> None:
     state dict, optimizer) is then this rank's every stage."""
     import torch.nn as nn
 
-    for name in list(model._modules):
-        kept = [view._modules[name] for view in views if view._modules.get(name) is not None]
+    for name in [name for name, _ in model.named_children()]:
+        kept = [getattr(view, name) for view in views if getattr(view, name, None) is not None]
         if kept and isinstance(kept[0], nn.ModuleDict):
             entries = {key: module for d in kept for key, module in d.items()}
             order = sorted(entries, key=lambda key: int(key) if key.isdigit() else key)
@@ -275,11 +259,11 @@ def merge(model: nn.Module, views: list[nn.Module]) -> None:
                 f"pipeline stages hold different {name!r}: a family's pp_split keeps its blocks in a ModuleDict"
             )
         else:
-            model._modules[name] = kept[0] if kept else None
-    for name, buffer in views[0]._buffers.items():
-        model._buffers[name] = buffer
+            setattr(model, name, kept[0] if kept else None)  # a child's name: None keeps the name, holds nothing
+    for name, buffer in views[0].named_buffers(recurse=False):
+        setattr(model, name, buffer)  # a buffer's name: the buffer replaced, as persistent as it was
         for view in views[1:]:
-            view._buffers[name] = buffer
+            setattr(view, name, buffer)
 
 
 class Pipeline:
