@@ -4,6 +4,7 @@ and the comparisons the tests make of two runs."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -48,3 +49,18 @@ def assert_same_losses(a: dict, b: dict, rtol: float = 1e-5) -> None:
     assert a.keys() == b.keys(), f"steps differ: {sorted(a)} vs {sorted(b)}"
     for step in a:
         assert abs(a[step] - b[step]) <= rtol * abs(b[step]) + 1e-6, f"step {step}: loss {a[step]} vs {b[step]}"
+
+
+def assert_same_hf_folders(a: Path, b: Path) -> None:
+    """Two Hugging Face exports hold the same files: equal tensors in each .safetensors, equal bytes
+    in the others (meta.json, which names its checkpoint, aside)."""
+    from safetensors.torch import load_file
+
+    names = sorted(os.listdir(a))
+    assert names == sorted(os.listdir(b)) and "model.safetensors" in names, (names, sorted(os.listdir(b)))
+    for name in names:
+        if name.endswith(".safetensors"):
+            x, y = load_file(Path(a) / name), load_file(Path(b) / name)
+            assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), name
+        elif name != "meta.json":
+            assert (Path(a) / name).read_bytes() == (Path(b) / name).read_bytes(), name

@@ -5,10 +5,16 @@ import signal
 import subprocess
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
-from tests.helpers.outputs import assert_same_losses, assert_same_weights, losses, metrics, rows, weights
+from tests.helpers.outputs import (
+    assert_same_hf_folders,
+    assert_same_losses,
+    assert_same_weights,
+    losses,
+    metrics,
+    rows,
+    weights,
+)
 from tests.helpers.run import TINY, export_hf, kill_group, start, train, wait_for
 from trainer.rundir import layout
 
@@ -106,14 +112,7 @@ def test_checkpoints_reshard_between_layouts_and_export_the_same(tmp_path, tp_ru
     # Hugging Face export: the 2D checkpoint and the 1D one of the same weights give the same folder.
     export_hf(tp_run, tmp_path / "hf2d", "--step", "10")
     export_hf(loaded["1x2"], tmp_path / "hf1d")
-    names = sorted(os.listdir(tmp_path / "hf2d"))
-    assert names == sorted(os.listdir(tmp_path / "hf1d")) and "model.safetensors" in names
-    for name in names:
-        if name.endswith(".safetensors"):
-            a, b = load_file(tmp_path / "hf2d" / name), load_file(tmp_path / "hf1d" / name)
-            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
-        elif name != "meta.json":
-            assert (tmp_path / "hf2d" / name).read_bytes() == (tmp_path / "hf1d" / name).read_bytes(), name
+    assert_same_hf_folders(tmp_path / "hf2d", tmp_path / "hf1d")
 
 
 @pytest.mark.slow

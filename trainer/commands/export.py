@@ -34,6 +34,10 @@ from trainer.checkpoint.reader import ShardReader
 from trainer.config import ConfigError, from_dict, load, refuse_untrusted_family
 from trainer.rundir import files, objects
 
+# What export and generate refuse in one line, exit 2: the input, not a crash (FamilyError: model.family's
+# module; StoreError: an s3:// run dir that cannot be read)
+REFUSED = (ConfigError, manager.CheckpointError, models.FamilyError, objects.StoreError)
+
 
 def add_choice(parser: argparse.ArgumentParser) -> None:
     """--step N and --best, the checkpoint a tool reads (trainer.export, evaluate, generate)."""
@@ -312,12 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             torch.save(state, args.out)
         follow_umask([args.out])
-    except (
-        ConfigError,
-        manager.CheckpointError,
-        models.FamilyError,
-        objects.StoreError,
-    ) as e:  # FamilyError: model.family's module
+    except REFUSED as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"exported {path} ({sum(v.numel() for v in state.values()) / 1e6:.2f}M values) to {args.out}")

@@ -26,12 +26,10 @@ import sys
 import torch
 
 from trainer import cli, models
-from trainer.checkpoint import manager
-from trainer.commands.export import _config, add_choice, consolidate, read_tokenizer, readable, tokenizer_of
+from trainer.commands.export import REFUSED, _config, add_choice, consolidate, read_tokenizer, readable, tokenizer_of
 from trainer.config import ConfigError
 from trainer.dist import read_env
 from trainer.models.transformer.shapes import transformer_shape
-from trainer.rundir import objects
 
 
 @torch.no_grad()
@@ -201,12 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             prompt = parse_ids(args.prompt, vocab)
         if not prompt:
             raise ConfigError("--prompt is empty; give at least one token")
-    except (
-        ConfigError,
-        manager.CheckpointError,
-        models.FamilyError,
-        objects.StoreError,
-    ) as e:  # FamilyError: model.family's module
+    except REFUSED as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     temperature = 0.0 if args.greedy else args.temperature
