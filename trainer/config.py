@@ -183,7 +183,8 @@ class ParallelArgs:
     # unsharded between forward and backward (SHARD_GRAD_OP, ZeRO-2); hybrid: full shard inside a
     # group of `shard_size` ranks, replicate across groups (HYBRID_SHARD, a 2-D mesh).
     sharding: Literal["full", "grad_op", "hybrid"] = "full"
-    shard_size: Annotated[int | None, AT_LEAST_1] = None  # hybrid: ranks per shard group; None: the ranks of one node
+    # hybrid: ranks per shard group; None: the data-parallel ranks of a node's share of a pipeline stage
+    shard_size: Annotated[int | None, AT_LEAST_1] = None
     # block: one FSDP unit per model block (transformer layer, ResNet block); size: one unit per
     # module holding at least `wrap_min_params` parameters not already wrapped below it.
     wrap: Literal["block", "size"] = "block"

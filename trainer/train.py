@@ -650,6 +650,8 @@ def _begin_steps(run: Run, model, step: int) -> None:
     m = plan.pp_microbatches
     params = f"{n_params / 1e6:.2f}M params" + (f" on {plan.stages_line}" if plan.pp > 1 else "")  # rank 0's
     stages = f", pipeline schedule {cfg.parallel.pp_schedule}" if plan.pp > 1 else ""
+    if plan.hybrid:  # HSDP: the 2-D data-parallel mesh (inside each stage under a pipeline)
+        stages = f" (hybrid: {plan.dp_replicate} replicas of {plan.dp_shard}-rank shards){stages}"
     samples = f"{micro // m} samples x {m} pipeline micro-batches" if plan.pp > 1 else f"{micro} samples"
     reporter.message(
         f"training {cfg.model.name} ({params}) on {env.world_size} x {env.device.type}, "

@@ -36,7 +36,12 @@ LAYOUTS = {
         4,
         ["parallel.pp=2", "parallel.pp_schedule=1f1b", "train.micro_batch_size=1", "parallel.pp_microbatches=3"],
     ),
-    "interleaved_1f1b": (8, ["parallel.pp=2", "parallel.tp=2", "parallel.pp_schedule=interleaved_1f1b"]),
+    # hybrid sharding (HSDP) inside each stage: groups of 1 rank, dp_replicate=2
+    "interleaved_1f1b": (
+        8,
+        ["parallel.pp=2", "parallel.tp=2", "parallel.pp_schedule=interleaved_1f1b"]
+        + ["parallel.sharding=hybrid", "parallel.shard_size=1"],
+    ),
     "interleaved_zb": (2, ["parallel.pp=2", "parallel.pp_schedule=interleaved_zb"]),
 }
 ZBV = (4, ["parallel.pp=2", "parallel.tp=2", "parallel.pp_schedule=zbv"])
@@ -52,7 +57,10 @@ def runs(tmp_path_factory):
         if name == "1f1b":
             assert "pipeline schedule 1f1b, 1 samples x 3 pipeline micro-batches x 2 micro-batches per rank" in out
         if name == "interleaved_1f1b":  # rank 0 holds stages 0 and 2 of pp x 2
-            assert "on stages 0, 2 of 4) on 8 x cpu, strategy fsdp, pipeline schedule interleaved_1f1b" in out
+            assert (
+                "on stages 0, 2 of 4) on 8 x cpu, strategy fsdp (hybrid: 2 replicas of 1-rank shards), pipeline "
+                "schedule interleaved_1f1b" in out
+            )
     return done
 
 

@@ -259,6 +259,52 @@ def test_pp_is_the_mesh_s_outermost_degree():
 
 
 @pytest.mark.parametrize(
+    "parallel, world, per_node, degrees, shape, names",
+    [
+        # shard_size: groups of it inside each stage, replicated over the rest of the stage's dp ranks
+        (dict(shard_size=1, tp=2), 8, None, (2, 1, 2), (2, 2, 1, 2), ("pp", "dp_replicate", "dp_shard", "tp")),
+        (dict(shard_size=2), 8, None, (2, 2, 1), (2, 2, 2), ("pp", "dp_replicate", "dp_shard")),
+        # by default a node's share of a stage, over tp: a node of 8 ranks under pp=2 (4 nodes)
+        (dict(tp=2), 32, 8, (2, 4, 2), (2, 2, 4, 2), ("pp", "dp_replicate", "dp_shard", "tp")),
+        # one node holding both stages: the stage's dp ranks (not the node's 8, which leave 0 replicas)
+        ({}, 8, 8, (1, 4, 1), (2, 1, 4), ("pp", "dp_replicate", "dp_shard")),
+        (dict(tp=2), 8, 8, (1, 2, 2), (2, 1, 2, 2), ("pp", "dp_replicate", "dp_shard", "tp")),
+    ],
+    ids=["shard1-tp2", "shard2", "node-of-4-nodes", "one-node", "one-node-tp2"],
+)
+def test_hybrid_sharding_is_2d_inside_each_stage(parallel, world, per_node, degrees, shape, names):
+    """pp x dp_replicate x dp_shard x tp, torchtitan's order: hybrid's groups inside each stage."""
+    args = ParallelArgs(pp=2, sharding="hybrid", **parallel)
+    plan = Plan(args, world, ranks_per_node=per_node)
+    assert (plan.dp_replicate, plan.dp_shard, plan.tp) == degrees
+    assert plan.dims.mesh_dims() == (shape, names)
+    assert plan.dims.dp_dims() == ("dp_replicate", "dp_shard")
+    assert plan.dp_size == plan.dp_replicate * plan.dp_shard and plan.problems(model()) == []
+
+
+@pytest.mark.parametrize(
+    "parallel, world, line",
+    [
+        (
+            dict(shard_size=3),
+            8,
+            "parallel.shard_size: 3 does not divide the 4 data-parallel ranks (the 8 processes over pp=2); "
+            "choose a divisor",
+        ),
+        (
+            dict(shard_size=4, tp=2),
+            8,
+            "parallel.shard_size: 4 does not divide the 2 data-parallel ranks (the 8 processes over pp=2 x tp=2); "
+            "choose a divisor",
+        ),
+    ],
+)
+def test_a_shard_size_that_does_not_divide_a_stage_s_dp_ranks_is_refused_in_one_line(parallel, world, line):
+    found = Plan(ParallelArgs(pp=2, sharding="hybrid", **parallel), world).problems(model())
+    assert [f"{key}: {message}" for key, message in found] == [line]
+
+
+@pytest.mark.parametrize(
     "overrides, world, micro, accum, line",
     [
         # 12 / 2 data-parallel ranks = 2 pipeline micro-batches x 3 samples x 1 accumulation step

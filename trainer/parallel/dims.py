@@ -46,14 +46,16 @@ class ParallelDims:
     @classmethod
     def of(cls, args: ParallelArgs, world_size: int, ranks_per_node: int | None = None) -> ParallelDims:
         """The degrees of the parallel section `args` on `world_size` ranks. Hybrid sharding's groups
-        are parallel.shard_size ranks, else one node's (`ranks_per_node`; else torchrun's
-        LOCAL_WORLD_SIZE; else the world)."""
+        are parallel.shard_size ranks, else the data-parallel ranks of one node's share of a stage:
+        the node's ranks (`ranks_per_node`; else torchrun's LOCAL_WORLD_SIZE; else the world), at most
+        a stage's (the world over pp), over cp x tp (the ranks inside a node that share samples)."""
         tp, pp, cp = args.tp, args.pp, getattr(args, "cp", 1)
         dp = world_size // (tp * pp * cp)
         if args.strategy != "fsdp":  # DDP, or one plain process: every rank holds the whole model
             return cls(world_size, dp_replicate=dp, cp=cp, tp=tp, pp=pp, named=("dp_replicate",))
         if args.sharding == "hybrid":
-            shard = args.shard_size or ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+            node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+            shard = args.shard_size or max(1, min(node, world_size // pp) // (cp * tp))
             return cls(world_size, dp_replicate=dp // shard, dp_shard=shard, cp=cp, tp=tp, pp=pp, named=DATA_PARALLEL)
         return cls(world_size, dp_shard=dp, cp=cp, tp=tp, pp=pp, named=("dp_shard",))
 

@@ -199,13 +199,15 @@ class Plan:
         p, found = self.args, []
         if p.strategy != "fsdp" and p.cpu_offload:
             found.append(("parallel.cpu_offload", f"needs parallel.strategy=fsdp (it is {p.strategy})"))
-        if self.hybrid and self.world_size % self.dp_shard:
-            found.append(
-                (
-                    "parallel.shard_size",
-                    f"{self.dp_shard} does not divide the {self.world_size} processes; choose a divisor",
+        dp = self.world_size // self.dims.non_data_parallel_size  # the data-parallel ranks hybrid's groups split
+        if self.hybrid and dp % self.dp_shard:
+            ranks = f"{self.world_size} processes"
+            if dp != self.world_size:
+                split = " x ".join(
+                    f"{k}={n}" for k, n in (("pp", self.pp), ("cp", self.dims.cp), ("tp", self.tp)) if n > 1
                 )
-            )
+                ranks = f"{dp} data-parallel ranks (the {self.world_size} processes over {split})"
+            found.append(("parallel.shard_size", f"{self.dp_shard} does not divide the {ranks}; choose a divisor"))
         if p.strategy == "none" and self.world_size > 1:
             found.append(("parallel.strategy", f"is 'none' but {self.world_size} processes run; use fsdp or ddp"))
         if self.tp > 1:

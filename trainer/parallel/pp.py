@@ -166,7 +166,6 @@ def problems(args: ParallelArgs, world_size: int, model: ModelArgs | None) -> li
             )
         )
     for key, on in (
-        ("sharding", args.sharding == "hybrid"),
         ("cpu_offload", args.cpu_offload),
         ("compile", args.compile),
         ("float8", args.float8 != "none"),

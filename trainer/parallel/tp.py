@@ -45,7 +45,6 @@ def problems(
     elif world_size % tp:
         found.append(("parallel.tp", f"{tp} does not divide the {world_size} processes; choose a divisor"))
     for key, on in (
-        ("sharding", args.sharding == "hybrid"),
         ("cpu_offload", args.cpu_offload),
         ("float8", args.float8 != "none"),
     ):
