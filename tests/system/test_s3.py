@@ -21,7 +21,7 @@ import xxhash
 
 from tests.helpers.outputs import assert_same_losses, assert_same_weights, losses, rows, weights
 from tests.helpers.pages import block
-from tests.helpers.run import ROOT, TINY, TORCHRUN, command, env, run_command, wait_for
+from tests.helpers.run import ROOT, TINY, TORCHRUN, command, env, python, run_command, wait_for
 from tests.helpers.s3 import Proxy, Server, download, free_port, keys
 from trainer.checkpoint import remote
 from trainer.resilience import outcomes
@@ -233,6 +233,26 @@ def test_the_pages_commands_as_written(s3, tmp_path):
     found = keys(server, "my-bucket", prefix)
     committed = sorted(k for k in found if k.startswith("checkpoints/") and k.endswith("/manifest.json"))
     assert committed[-1] == "checkpoints/step_00000016/manifest.json", committed
+
+    # checkpoint.resume_from naming a checkpoint in the bucket: a new run on a filesystem, on one
+    # process, starts from the bucket's step 12 (downloaded and checked) and ends with its step 16's weights
+    local_run = tmp_path / "from-bucket"
+    started = python(
+        "-m",
+        "trainer",
+        "--config",
+        ROOT / "configs/default.yaml",
+        f"run_dir={local_run}",
+        f"checkpoint.resume_from={url}/checkpoints/step_00000012",
+        "train.steps=16",
+        timeout=300,
+        extra_env=e,
+    )
+    out = started.stdout + started.stderr
+    assert started.returncode == 0, out[-3000:]
+    assert " at step 12 (saved by 2 processes" in out, out[-3000:]
+    assert_same_weights(weights(local_run, 16), weights(copy, 16))
+    assert os.listdir(tmp_path / "staging" / "my-bucket" / "runs") == ["tiny"]  # its copy removed at the end
 
 
 def _manifest(listed: dict, run_id: str = "r" * 32) -> bytes:
