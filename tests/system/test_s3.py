@@ -253,6 +253,21 @@ def test_the_pages_commands_as_written(s3, tmp_path):
     assert " at step 12 (saved by 2 processes" in out, out[-3000:]
     assert_same_weights(weights(local_run, 16), weights(copy, 16))
     assert os.listdir(tmp_path / "staging" / "my-bucket" / "runs") == ["tiny"]  # its copy removed at the end
+    # the bucket's step 4, deleted by the retention: one line, before training
+    gone = f"{url}/checkpoints/step_00000004"
+    refused = python(
+        "-m",
+        "trainer",
+        "--config",
+        ROOT / "configs/default.yaml",
+        f"run_dir={tmp_path / 'gone'}",
+        f"checkpoint.resume_from={gone}",
+        timeout=300,
+        extra_env=e,
+    )
+    assert refused.returncode == outcomes.FAILED.code, refused.stdout[-2000:] + refused.stderr[-3000:]
+    assert f"error: checkpoint.resume_from={gone}: {gone} is not a committed checkpoint of this run\n" in refused.stderr
+    assert "step 1/" not in refused.stdout + refused.stderr
 
 
 def _manifest(listed: dict, run_id: str = "r" * 32) -> bytes:
