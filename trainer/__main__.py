@@ -73,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         return stop(outcomes.PEER_GONE, outcomes.PEER_GONE.line.format(rank=env.rank, node=node_name(), gone=gone))
     finally:
+        from trainer.checkpoint import remote
+
+        remote.remove_copies()  # an s3:// checkpoint.resume_from's local copy: exit_process skips atexit
         shutdown()  # for callers of main() in-process; exit_process below checks and skips it
     return 0
 

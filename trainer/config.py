@@ -275,7 +275,9 @@ class CheckpointArgs:
     # also keep forever every checkpoint whose step is a multiple of this; 0: none
     keep_every: Annotated[int, NOT_NEGATIVE] = 0
     async_save: bool = False  # write shards in the background while training goes on
-    resume_from: str | None = None  # a checkpoint folder a new run starts from; once run_dir has its own, they win
+    # a checkpoint folder (or s3://BUCKET/PREFIX/checkpoints/step_N) a new run starts from; once run_dir has
+    # its own, they win
+    resume_from: str | None = None
     # start from step 0 although status.json says this run saved checkpoints that are gone (else refused); once
     start_over: bool = False
     timeout_s: Annotated[int, TIMEOUT_S] = 3600  # limit for the collectives of one save or load (slow filesystems)

@@ -556,8 +556,12 @@ def _checkpointer(
     """The run's checkpoint manager of the model, the optimizer and the named `parts` beside them (a
     pipeline's stages each save their own, under the whole model's names)."""
     stages = plan.mesh["pp"].get_group() if plan.pp > 1 else None
+    args = cfg.checkpoint
+    if objects.is_remote(args.resume_from):  # a checked local copy on every node, loaded as a folder
+        local = remote.checkpoint_copy(args.resume_from, io_group, env.rank, env.local_rank, env.local_world_size)
+        args = dataclasses.replace(args, resume_from=local)
     ckpt = manager.Checkpointer(
-        cfg.checkpoint,
+        args,
         cfg.run_dir,
         env.rank,
         env.world_size,

@@ -3,13 +3,15 @@
 files) save, three ranks resume with the weights of the same run on a filesystem; kill -9 during a save
 leaves the previous checkpoint the latest and the half-uploaded one is deleted after the next commit; a
 flipped byte in the bucket makes resume take the older checkpoint; a second job on the same prefix is
-refused while the first holds the lease; trainer.export and trainer.metrics read an s3:// run dir.
+refused while the first holds the lease; trainer.export and trainer.metrics read an s3:// run dir;
+docs/checkpoints.md's commands run as written.
 Then the store's slower unit cases: the verified download (flipped bytes) and each bad input's line."""
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -17,8 +19,9 @@ import pytest
 import torch
 import xxhash
 
-from tests.helpers.outputs import assert_same_losses, assert_same_weights, losses, weights
-from tests.helpers.run import ROOT, TINY, TORCHRUN, command, env, run_command, wait_for
+from tests.helpers.outputs import assert_same_losses, assert_same_weights, losses, rows, weights
+from tests.helpers.pages import block
+from tests.helpers.run import ROOT, TINY, TORCHRUN, command, env, python, run_command, wait_for
 from tests.helpers.s3 import Proxy, Server, download, free_port, keys
 from trainer.checkpoint import remote
 from trainer.resilience import outcomes
@@ -195,6 +198,76 @@ def test_kill_9_during_an_upload_and_a_second_job_refused(s3, tmp_path):
     left = keys(server, bucket, prefix)
     assert not [k for k in left if k.startswith(f"checkpoints/step_{killed_at:08d}/")]  # the orphan deleted
     assert f"checkpoints/step_{previous + 1:08d}/manifest.json" in left
+
+
+def test_the_pages_commands_as_written(s3, tmp_path):
+    """docs/checkpoints.md's "Object storage (s3://)" block, run as written: its pip line aside (the venv
+    has s3fs), its exported variables pointed at the moto server, the bucket my-bucket created; the
+    second `make run` resumes from the first's step 8 and ends at 16, its rows appended to the first's."""
+    server, _ = s3
+    lines = block("docs/checkpoints.md", "Object storage (s3://)").splitlines()
+    assert lines[0].startswith("pip install ")
+    exports = [shlex.split(line.split("#")[0]) for line in lines if line.startswith("export ")]
+    named = [word.split("=")[0] for words in exports for word in words[1:]]
+    assert named == ["AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"]
+    runs = [line for line in lines if line.startswith("make run ")]
+    assert len(runs) == 2 and len(lines) == 1 + len(exports) + len(runs)
+    exported = {name: server.env[name] for name in named}
+    server.client().create_bucket(Bucket="my-bucket")
+    url, prefix = "s3://my-bucket/runs/tiny", "runs/tiny"
+    e = {**env(), **exported, objects.STAGING_ENV: str(tmp_path / "staging")}
+    e.pop("NPROC", None)
+    said = []
+    for line in runs:
+        proc = subprocess.run(["bash", "-c", line], cwd=ROOT, env=e, capture_output=True, text=True, timeout=600)
+        said.append(proc.stdout + proc.stderr)
+        assert proc.returncode == 0, f"{line}\n{said[-1][-5000:]}"
+    local = tmp_path / "staging" / "my-bucket" / "runs" / "tiny"  # the load reads the checked local copy
+    assert f"resumed from {local}/checkpoints/step_00000008 at step 8 (saved by 2 processes" in said[1], said[1][-3000:]
+    assert "resumed from" not in said[0], said[0][-3000:]
+    assert f"finished at step 16: checkpoint {url}/checkpoints/step_00000016, metrics {url}/metrics.jsonl" in said[1]
+    copy = download(server, "my-bucket", prefix, tmp_path / "copy")
+    # the rows of both runs in the bucket's one metrics.jsonl, each once: log.interval (10 in the default
+    # config) and each run's last step
+    assert [r["step"] for r in rows(copy)] == [8, 10, 16]
+    found = keys(server, "my-bucket", prefix)
+    committed = sorted(k for k in found if k.startswith("checkpoints/") and k.endswith("/manifest.json"))
+    assert committed[-1] == "checkpoints/step_00000016/manifest.json", committed
+
+    # checkpoint.resume_from naming a checkpoint in the bucket: a new run on a filesystem, on one
+    # process, starts from the bucket's step 12 (downloaded and checked) and ends with its step 16's weights
+    local_run = tmp_path / "from-bucket"
+    started = python(
+        "-m",
+        "trainer",
+        "--config",
+        ROOT / "configs/default.yaml",
+        f"run_dir={local_run}",
+        f"checkpoint.resume_from={url}/checkpoints/step_00000012",
+        "train.steps=16",
+        timeout=300,
+        extra_env=e,
+    )
+    out = started.stdout + started.stderr
+    assert started.returncode == 0, out[-3000:]
+    assert " at step 12 (saved by 2 processes" in out, out[-3000:]
+    assert_same_weights(weights(local_run, 16), weights(copy, 16))
+    assert os.listdir(tmp_path / "staging" / "my-bucket" / "runs") == ["tiny"]  # its copy removed at the end
+    # the bucket's step 4, deleted by the retention: one line, before training
+    gone = f"{url}/checkpoints/step_00000004"
+    refused = python(
+        "-m",
+        "trainer",
+        "--config",
+        ROOT / "configs/default.yaml",
+        f"run_dir={tmp_path / 'gone'}",
+        f"checkpoint.resume_from={gone}",
+        timeout=300,
+        extra_env=e,
+    )
+    assert refused.returncode == outcomes.FAILED.code, refused.stdout[-2000:] + refused.stderr[-3000:]
+    assert f"error: checkpoint.resume_from={gone}: {gone} is not a committed checkpoint of this run\n" in refused.stderr
+    assert "step 1/" not in refused.stdout + refused.stderr
 
 
 def _manifest(listed: dict, run_id: str = "r" * 32) -> bytes:

@@ -170,6 +170,12 @@ def test_parse_errors_name_the_place(tmp_path, text, overrides, message):
             1,
             "checkpoint.resume_from: /nope/step_00000001 does not exist",
         ),
+        (
+            ["checkpoint.resume_from=s3://bucket/runs/x"],
+            1,
+            "checkpoint.resume_from: s3://bucket/runs/x is not a checkpoint of an s3:// run dir; give one such as "
+            "s3://BUCKET/PREFIX/checkpoints/step_00000100",
+        ),
         (["parallel.strategy=none"], 2, "is 'none' but 2 processes run"),
         (["parallel.sharding=hybrid", "parallel.shard_size=3"], 4, "3 does not divide the 4 processes"),
         (["optim.lr=-1"], 1, "optim.lr: is -1.0; it must be positive"),

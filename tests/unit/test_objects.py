@@ -150,3 +150,15 @@ def test_a_staging_folder_the_trainer_did_not_make_is_never_emptied(tmp_path, mo
         f"it is removed; set TRAINER_S3_STAGING to a folder of its own"
     )
     assert precious.read_text() == "mine"
+
+
+def test_a_checkpoints_url_names_its_run_dir_and_step():
+    assert objects.checkpoint_of("s3://b/runs/x/checkpoints/step_00000012") == ("s3://b/runs/x", 12)
+    assert objects.checkpoint_of("s3://b/checkpoints/step_00000012/") == ("s3://b", 12)
+    for other in (
+        "s3://b/runs/x",
+        "s3://b/runs/x/checkpoints/last",
+        "/runs/x/checkpoints/step_00000012",
+        "s3:///checkpoints/step_1",
+    ):
+        assert objects.checkpoint_of(other) is None, other

@@ -68,6 +68,10 @@ def _record(folder: str, relative: str) -> dict:
     return {"size": size, "xxh3_64": digest}
 
 
+def _node(rank: int, local_world_size: int) -> int:
+    return int(os.environ.get("GROUP_RANK", rank // max(local_world_size, 1)))
+
+
 class Staging:
     """An s3:// run dir as this process works in it: the store, this node's staging folder, and
     whether this process is its node's local rank 0 (which makes the node's folders and downloads)."""
@@ -77,7 +81,7 @@ class Staging:
         self.store = objects.Store(url)
         self.local = objects.staging_dir(url)
         self.leader = local_rank == 0
-        self.node = int(os.environ.get("GROUP_RANK", rank // max(local_world_size, 1)))
+        self.node = _node(rank, local_world_size)
 
     # -- a start -------------------------------------------------------------------------------
 
@@ -370,3 +374,31 @@ def local_copy(url: str, step: int | None = None, best: bool = False, checkpoint
         if chosen != newest:
             fetch(chosen)
     return staging.local
+
+
+def checkpoint_copy(url: str, group, rank: int, local_rank: int, local_world_size: int) -> str:
+    """checkpoint.resume_from naming a checkpoint in a bucket (s3://BUCKET/PREFIX/checkpoints/step_N):
+    on every node its local rank 0 downloads it with local_copy (each file checked against the
+    manifest as it is written) into a private folder removed by remove_copies; the local folder of
+    the checkpoint on every rank, which the folder code then loads (collective). StoreError with the
+    first rank's line on every rank."""
+    found = objects.checkpoint_of(url)
+    path, error = None, None
+    if found is None:
+        error = (
+            f"checkpoint.resume_from={url} is not a checkpoint of an s3:// run dir; give one such as "
+            f"s3://BUCKET/PREFIX/checkpoints/step_00000100"
+        )
+    elif local_rank == 0:
+        try:
+            path = layout.step_path(local_copy(found[0], step=found[1]), found[1])
+        except objects.StoreError as e:
+            error = f"checkpoint.resume_from={url}: {e}"
+        except OSError as e:
+            error = f"checkpoint.resume_from={url}: downloading it failed: {e}"
+    said: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(said, (_node(rank, local_world_size), path, error), group=group)
+    first = next((e for _, _, e in said if e), None)
+    if first:
+        raise objects.StoreError(first)
+    return next(p for node, p, _ in said if p is not None and node == _node(rank, local_world_size))

@@ -194,13 +194,20 @@ def checked(
 
     # files
     c = cfg.checkpoint
-    if c.resume_from is not None and os.path.isfile(c.resume_from):
+    if objects.is_remote(c.resume_from):  # downloaded and checked against its manifest at the start (remote.py)
+        if objects.checkpoint_of(c.resume_from) is None:
+            fail(
+                "checkpoint.resume_from",
+                f"{c.resume_from} is not a checkpoint of an s3:// run dir; give one such as "
+                f"s3://BUCKET/PREFIX/checkpoints/step_00000100",
+            )
+    elif c.resume_from is not None and os.path.isfile(c.resume_from):
         fail(
             "checkpoint.resume_from",
             f"{c.resume_from} is a file; give the checkpoint folder that holds it, such as "
             f"run_dir/checkpoints/step_00000100",
         )
-    if c.resume_from is not None and not os.path.isdir(c.resume_from):
+    elif c.resume_from is not None and not os.path.isdir(c.resume_from):
         fail(
             "checkpoint.resume_from",
             f"{c.resume_from} does not exist; give a checkpoint folder such as run_dir/checkpoints/step_00000100",

@@ -275,6 +275,17 @@ class Store:
         return sorted(int(m.group(1)) for m in map(STEP_PREFIX.match, folders) if m)
 
 
+def checkpoint_of(url: str) -> tuple[str, int] | None:
+    """(the run dir, the step) of a checkpoint's URL, s3://BUCKET/PREFIX/checkpoints/step_N, or None
+    for another shape (checkpoint.resume_from naming a checkpoint in a bucket)."""
+    head, _, name = url.rstrip("/").rpartition("/")
+    run, _, folder = head.rpartition("/")
+    m = STEP_PREFIX.match(name)
+    if not (is_remote(url) and folder == CHECKPOINTS and m and len(run) > len(SCHEME)):
+        return None
+    return run, int(m.group(1))
+
+
 def step_key(step: int, name: str = "") -> str:
     return f"{CHECKPOINTS}/step_{step:08d}" + (f"/{name}" if name else "")
 
