@@ -558,8 +558,12 @@ def _checkpointer(
     stages = plan.mesh["pp"].get_group() if plan.pp > 1 else None
     args = cfg.checkpoint
     if objects.is_remote(args.resume_from):  # a checked local copy on every node, loaded as a folder
-        local = remote.checkpoint_copy(args.resume_from, io_group, env.rank, env.local_rank, env.local_world_size)
-        args = dataclasses.replace(args, resume_from=local)
+        # not where the run dir has checkpoints of its own, which win (a restart of a run started from it)
+        own = [bool(manager.complete(cfg.run_dir)) if env.rank == 0 else None]
+        dist.broadcast_object_list(own, src=0, group=io_group)
+        if not own[0]:
+            local = remote.checkpoint_copy(args.resume_from, io_group, env.rank, env.local_rank, env.local_world_size)
+            args = dataclasses.replace(args, resume_from=local)
     ckpt = manager.Checkpointer(
         args,
         cfg.run_dir,

@@ -253,7 +253,23 @@ def test_the_pages_commands_as_written(s3, tmp_path):
     assert " at step 12 (saved by 2 processes" in out, out[-3000:]
     assert_same_weights(weights(local_run, 16), weights(copy, 16))
     assert os.listdir(tmp_path / "staging" / "my-bucket" / "runs") == ["tiny"]  # its copy removed at the end
-    # the bucket's step 4, deleted by the retention: one line, before training
+    # started again, the run continues from its own step 16: the bucket's checkpoint is not downloaded again
+    again = python(
+        "-m",
+        "trainer",
+        "--config",
+        ROOT / "configs/default.yaml",
+        f"run_dir={local_run}",
+        f"checkpoint.resume_from={url}/checkpoints/step_00000012",
+        "train.steps=17",
+        timeout=300,
+        extra_env={**e, objects.STAGING_ENV: str(tmp_path / "no-staging")},
+    )
+    out = again.stdout + again.stderr
+    assert again.returncode == 0 and " at step 16 (saved by 1 process" in out, out[-3000:]
+    assert f"checkpoint.resume_from={url}/checkpoints/step_00000012 is not used" in out, out[-3000:]
+    assert not (tmp_path / "no-staging").exists()
+    # the bucket's step 4, deleted by the retention: one line, before anything is written
     gone = f"{url}/checkpoints/step_00000004"
     refused = python(
         "-m",
@@ -265,9 +281,13 @@ def test_the_pages_commands_as_written(s3, tmp_path):
         timeout=300,
         extra_env=e,
     )
-    assert refused.returncode == outcomes.FAILED.code, refused.stdout[-2000:] + refused.stderr[-3000:]
-    assert f"error: checkpoint.resume_from={gone}: {gone} is not a committed checkpoint of this run\n" in refused.stderr
-    assert "step 1/" not in refused.stdout + refused.stderr
+    assert refused.returncode == outcomes.BAD_INPUT.code, refused.stdout[-2000:] + refused.stderr[-3000:]
+    assert refused.stderr.strip().splitlines() == [
+        f"error: override 'checkpoint.resume_from={gone}': checkpoint.resume_from: {gone} is not a committed "
+        f"checkpoint: it has no manifest.json (a save "
+        f"that never finished, or one retention deleted); give a step whose manifest.json is there"
+    ], refused.stderr
+    assert not (tmp_path / "gone").exists()
 
 
 def _manifest(listed: dict, run_id: str = "r" * 32) -> bytes:

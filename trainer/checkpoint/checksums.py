@@ -31,13 +31,13 @@ import torch
 import xxhash
 from torch.distributed.checkpoint import FileSystemWriter
 
-from trainer.rundir import files
+from trainer.rundir import files, objects
 
 SUFFIX = ".xxh3"
 # The record of trainers before XXH3 (1392210 to ca05b7f): {"size": bytes, "crc32": zlib's CRC-32}.
 # Still checked where it is a checkpoint's only record.
 CRC32_SUFFIX = ".crc32"
-MANIFEST = "manifest.json"
+MANIFEST = objects.MANIFEST
 _CHUNK = 16 << 20
 MANIFEST_BYTES = 256 << 20  # the most a manifest.json is read: about 3 million files' entries
 

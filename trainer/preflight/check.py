@@ -195,12 +195,21 @@ def checked(
     # files
     c = cfg.checkpoint
     if objects.is_remote(c.resume_from):  # downloaded and checked against its manifest at the start (remote.py)
-        if objects.checkpoint_of(c.resume_from) is None:
+        found = objects.checkpoint_of(c.resume_from)
+        if found is None:
             fail(
                 "checkpoint.resume_from",
                 f"{c.resume_from} is not a checkpoint of an s3:// run dir; give one such as "
                 f"s3://BUCKET/PREFIX/checkpoints/step_00000100",
             )
+        elif not planning:  # committed: its manifest is there (the bucket's credentials said as run_dir's are)
+            _check_store(found[0], source("checkpoint.resume_from"), planning)
+            if objects.Store(found[0]).size(objects.step_key(found[1], objects.MANIFEST)) is None:
+                fail(
+                    "checkpoint.resume_from",
+                    f"{c.resume_from} is not a committed checkpoint: it has no {objects.MANIFEST} (a save that "
+                    f"never finished, or one retention deleted); give a step whose {objects.MANIFEST} is there",
+                )
     elif c.resume_from is not None and os.path.isfile(c.resume_from):
         fail(
             "checkpoint.resume_from",

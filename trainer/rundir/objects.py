@@ -51,6 +51,7 @@ SCHEME = "s3://"
 STAGING_ENV = "TRAINER_S3_STAGING"  # the node-local root of the staging copies of s3:// run dirs
 LEASE_KEY = "lease.json"
 CHECKPOINTS = "checkpoints"
+MANIFEST = "manifest.json"  # a checkpoint's, written last (trainer/checkpoint/checksums.py)
 STEP_PREFIX = re.compile(r"^step_(\d+)$")
 _SEGMENT = re.compile(r"^[A-Za-z0-9._=+-]+$")
 
