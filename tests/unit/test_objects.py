@@ -162,3 +162,16 @@ def test_a_checkpoints_url_names_its_run_dir_and_step():
         "s3:///checkpoints/step_1",
     ):
         assert objects.checkpoint_of(other) is None, other
+
+
+def test_an_s3fs_too_old_is_one_line(monkeypatch):
+    """CI's clean venv got s3fs 0.4.2 once (moto's newest boto3 against aiobotocore's botocore pin),
+    which has no call_s3: every s3:// test failed with an AttributeError. Now one line, naming the fix."""
+    s3fs = pytest.importorskip("s3fs")
+    monkeypatch.setattr(s3fs, "__version__", "0.4.2")
+    with pytest.raises(objects.StoreError) as e:
+        objects.Store("s3://my-bucket/runs/x")
+    assert str(e.value) == (
+        "run_dir: s3://my-bucket/runs/x needs s3fs 2025.1 or later; 0.4.2 is installed: pip install -U "
+        "'s3fs>=2025.1' (or the project's 's3' extra)"
+    )

@@ -52,6 +52,9 @@ STAGING_ENV = "TRAINER_S3_STAGING"  # the node-local root of the staging copies 
 LEASE_KEY = "lease.json"
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"  # a checkpoint's, written last (trainer/checkpoint/checksums.py)
+# s3fs's oldest release the store runs with (tested: 2026.9.0); pip picks 0.4.2 where another package
+# pins a botocore newer than aiobotocore allows, and that one has no call_s3
+S3FS_OLDEST = (2025, 1)
 STEP_PREFIX = re.compile(r"^step_(\d+)$")
 _SEGMENT = re.compile(r"^[A-Za-z0-9._=+-]+$")
 
@@ -122,6 +125,11 @@ class Store:
                 f"run_dir: {url} needs s3fs, which is not installed: pip install 's3fs' (or the project's "
                 f"'s3' extra: pip install -e '.[s3]')"
             ) from None
+        if _calendar_version(s3fs.__version__) < S3FS_OLDEST:  # 0.4 and 0.5 (boto3 only) lack call_s3's async form
+            raise StoreError(
+                f"run_dir: {url} needs s3fs {'.'.join(map(str, S3FS_OLDEST))} or later; {s3fs.__version__} is "
+                f"installed: pip install -U 's3fs>=2025.1' (or the project's 's3' extra)"
+            )
         for name in ("botocore", "aiobotocore", "s3fs", "fsspec"):  # their INFO lines are not the run's
             logging.getLogger(name).setLevel(logging.WARNING)
         # A few quick tries: an unreachable endpoint is said in seconds, not after minutes of retries.
@@ -274,6 +282,17 @@ class Store:
         """The steps of the step_N prefixes under checkpoints/, oldest first, committed or not."""
         folders, _ = self.listdir(CHECKPOINTS)
         return sorted(int(m.group(1)) for m in map(STEP_PREFIX.match, folders) if m)
+
+
+def _calendar_version(version: str) -> tuple[int, ...]:
+    """s3fs's version as numbers, as far as they go ("2026.9.0" -> (2026, 9, 0))."""
+    numbers = []
+    for part in version.split("."):
+        digits = re.match(r"\d+", part)
+        if not digits:
+            break
+        numbers.append(int(digits.group()))
+    return tuple(numbers)
 
 
 def checkpoint_of(url: str) -> tuple[str, int] | None:
