@@ -139,7 +139,8 @@ class Proxy:
     """A TCP proxy on 127.0.0.1 in front of `server`, one request per connection (it asks for
     `Connection: close`), that can fail or slow S3 requests by their request line: `cut(line)` true
     forwards the head and at most 64 bytes of the body, then closes both sides (a PUT that fails half-way);
-    `delay(line)` seconds are waited before a request is forwarded (a slow LIST)."""
+    `delay(line)` seconds are waited before a request is forwarded (a slow LIST, a save held in flight);
+    one still waiting at stop() is dropped."""
 
     def __init__(self, server: Server, cut=lambda line: False, delay=lambda line: 0.0):
         import threading
@@ -149,6 +150,7 @@ class Proxy:
         self.port = self.listener.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.cuts: list[str] = []  # the request lines cut
+        self.stopped = False
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
@@ -177,6 +179,8 @@ class Proxy:
             lines = [h for h in head.split(b"\r\n") if not h.lower().startswith(b"connection:")]
             line = lines[0].decode(errors="replace")
             time.sleep(self.delay(line))
+            if self.stopped:  # a request held past stop() is never forwarded
+                return
             upstream = socket.create_connection(("127.0.0.1", self.target))
             upstream.sendall(b"\r\n".join([*lines, b"Connection: close"]) + b"\r\n\r\n")
             if self.cut(line):  # what came of the body, then the connection drops (botocore may wait for
@@ -207,4 +211,5 @@ class Proxy:
                         s.close()
 
     def stop(self) -> None:
+        self.stopped = True
         self.listener.close()

@@ -14,6 +14,8 @@ import os
 import shlex
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -136,10 +138,22 @@ def test_kill_9_during_an_upload_and_a_second_job_refused(s3, tmp_path):
     server, bucket = s3
     url, prefix = f"s3://{bucket}/runs/k", "runs/k"
     long_run = [*TINY, "train.steps=400", "checkpoint.interval=2", "checkpoint.keep=0"]
+    # Once `hold` is set, the PUT of a save's meta.json (before its manifest) waits in the proxy: that
+    # save is surely in flight when it is killed (a save seen in flight had committed by the kill, on a
+    # loaded machine).
+    hold, holding = threading.Event(), []
+
+    def delay(line: str) -> float:
+        if hold.is_set() and line.startswith("PUT ") and "/meta.json " in line:
+            holding.append(line)
+            return 60.0
+        return 0.0
+
+    held = Proxy(server, delay=delay)
     job = subprocess.Popen(
         command(url, 1, long_run),  # one rank: each rank's own upload is the two-node test's
         cwd=ROOT,
-        env={**env(), **_env(server, tmp_path / "first")},
+        env={**env(), **_env(server, tmp_path / "first"), "AWS_ENDPOINT_URL": held.url},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -159,11 +173,16 @@ def test_kill_9_during_an_upload_and_a_second_job_refused(s3, tmp_path):
             steps = sorted({k[12:25] for k in found if k.startswith("checkpoints/step_")})
             return steps and f"checkpoints/{steps[-1]}/meta.json" not in found and int(steps[-1][5:])
 
-        killed_at = wait_for(in_flight, what="a save in flight", interval=0.005)
+        hold.set()
+        killed_at = wait_for(in_flight, what="a save in flight", interval=0.05)
+        time.sleep(0.5)  # a save whose meta.json went out before `hold` has committed by now
+        killed_at = wait_for(in_flight, what="a save held in flight", interval=0.05)
         job.kill()
     finally:
         job.kill()
+        held.stop()  # its held PUT is dropped
         out = job.communicate(timeout=60)[0]
+    assert holding and f"/checkpoints/step_{killed_at:08d}/meta.json " in holding[-1], holding
     assert killed_at not in committed(), out[-2000:]
     previous = committed()[-1]
     assert previous < killed_at
