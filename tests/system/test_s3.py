@@ -256,50 +256,29 @@ def test_the_pages_commands_as_written(s3, tmp_path):
     # checkpoint.resume_from naming a checkpoint in the bucket: a new run on a filesystem, on one
     # process, starts from the bucket's step 12 (downloaded and checked) and ends with its step 16's weights
     local_run = tmp_path / "from-bucket"
-    started = python(
-        "-m",
-        "trainer",
-        "--config",
-        ROOT / "configs/default.yaml",
-        f"run_dir={local_run}",
-        f"checkpoint.resume_from={url}/checkpoints/step_00000012",
-        "train.steps=16",
-        timeout=300,
-        extra_env=e,
-    )
+
+    def start_from(run_dir, resume_from, *more, staging=tmp_path / "staging"):
+        """The trainer on one process, in `run_dir`, with checkpoint.resume_from=`resume_from`."""
+        overrides = [f"run_dir={run_dir}", f"checkpoint.resume_from={resume_from}", *more]
+        variables = {**e, objects.STAGING_ENV: str(staging)}
+        config = ROOT / "configs/default.yaml"
+        return python("-m", "trainer", "--config", config, *overrides, timeout=300, extra_env=variables)
+
+    started = start_from(local_run, f"{url}/checkpoints/step_00000012", "train.steps=16")
     out = started.stdout + started.stderr
     assert started.returncode == 0, out[-3000:]
     assert " at step 12 (saved by 2 processes" in out, out[-3000:]
     assert_same_weights(weights(local_run, 16), weights(copy, 16))
     assert os.listdir(tmp_path / "staging" / "my-bucket" / "runs") == ["tiny"]  # its copy removed at the end
     # started again, the run continues from its own step 16: the bucket's checkpoint is not downloaded again
-    again = python(
-        "-m",
-        "trainer",
-        "--config",
-        ROOT / "configs/default.yaml",
-        f"run_dir={local_run}",
-        f"checkpoint.resume_from={url}/checkpoints/step_00000012",
-        "train.steps=17",
-        timeout=300,
-        extra_env={**e, objects.STAGING_ENV: str(tmp_path / "no-staging")},
-    )
+    again = start_from(local_run, f"{url}/checkpoints/step_00000012", "train.steps=17", staging=tmp_path / "no-staging")
     out = again.stdout + again.stderr
     assert again.returncode == 0 and " at step 16 (saved by 1 process" in out, out[-3000:]
     assert f"checkpoint.resume_from={url}/checkpoints/step_00000012 is not used" in out, out[-3000:]
     assert not (tmp_path / "no-staging").exists()
     # the bucket's step 4, deleted by the retention: one line, before anything is written
     gone = f"{url}/checkpoints/step_00000004"
-    refused = python(
-        "-m",
-        "trainer",
-        "--config",
-        ROOT / "configs/default.yaml",
-        f"run_dir={tmp_path / 'gone'}",
-        f"checkpoint.resume_from={gone}",
-        timeout=300,
-        extra_env=e,
-    )
+    refused = start_from(tmp_path / "gone", gone)
     assert refused.returncode == outcomes.BAD_INPUT.code, refused.stdout[-2000:] + refused.stderr[-3000:]
     assert refused.stderr.strip().splitlines() == [
         f"error: override 'checkpoint.resume_from={gone}': checkpoint.resume_from: {gone} is not a committed "
