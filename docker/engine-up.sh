@@ -24,6 +24,13 @@ if ! command -v dockerd >/dev/null 2>&1 || ! command -v docker-compose >/dev/nul
 fi
 
 if ! pgrep -x dockerd >/dev/null 2>&1; then
+    # A dockerd killed without its shutdown (its session ended, the machine was stopped) leaves its
+    # pid file behind, and a new dockerd refuses to start over it. No dockerd runs, so it is stale.
+    PIDFILE=/var/run/docker.pid
+    if [ -e "$PIDFILE" ]; then
+        echo "engine-up: removing the stale $PIDFILE (pid $(cat "$PIDFILE" 2>/dev/null), no dockerd runs)" >&2
+        rm -f "$PIDFILE"
+    fi
     # vfs: overlayfs is not available here; no iptables/bridge: containers use --network host.
     nohup dockerd --storage-driver=vfs --iptables=false --bridge=none >"$LOG" 2>&1 &
 fi
