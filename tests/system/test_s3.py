@@ -1,6 +1,7 @@
 """s3:// run dirs against a local S3 server (moto's, tests/helpers/s3.py), with real ranks: two "nodes"
 (two torchruns with different staging roots, so rank 0's staging folder really lacks the other node's
-files) save, three ranks resume with the weights of the same run on a filesystem; kill -9 during a save
+files) save, three ranks resume with the weights of the same run on a filesystem, and two nodes start a
+new run from one of its checkpoints (checkpoint.resume_from, each node its own checked copy); kill -9 during a save
 leaves the previous checkpoint the latest and the half-uploaded one is deleted after the next commit; a
 flipped byte in the bucket makes resume take the older checkpoint; a second job on the same prefix is
 refused while the first holds the lease; trainer.export and trainer.metrics read an s3:// run dir;
@@ -107,6 +108,19 @@ def test_two_nodes_save_and_three_ranks_resume_as_on_a_filesystem(s3, tmp_path):
     )
     copy = download(server, bucket, prefix, tmp_path / "copy")
     assert_same_weights(weights(copy, 8), weights(reference, 8), exact=True)
+
+    # checkpoint.resume_from naming the bucket's step 4, on two nodes sharing no filesystem: each node's
+    # local rank 0 downloads its own checked copy; the new run (another prefix) ends with step 8's weights
+    # of the run it started from, and each node's copy is removed at the end
+    other = f"s3://{bucket}/runs/from-r"
+    nodes = _two_nodes(server, stagings, other, [*RUN, f"checkpoint.resume_from={url}/checkpoints/step_00000004"])
+    outs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    assert " at step 4 (saved by 2 processes" in outs[0], outs[0][-3000:]
+    started = download(server, bucket, "runs/from-r", tmp_path / "from-r")
+    assert_same_weights(weights(started, 8), weights(reference, 8), exact=True)
+    for root in stagings:  # only the run dirs' own staging folders: no private copy left behind
+        assert sorted(os.listdir(root / bucket / "runs")) == ["from-r", "r"], os.listdir(root / bucket / "runs")
 
     # a byte of step 8 flipped in the bucket: its download fails the manifest's check on the node that
     # fetches it, and 3 ranks resume from step 4
