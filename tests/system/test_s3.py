@@ -241,14 +241,21 @@ def test_the_pages_commands_as_written(s3, tmp_path):
         proc = subprocess.run(["bash", "-c", line], cwd=ROOT, env=e, capture_output=True, text=True, timeout=600)
         said.append(proc.stdout + proc.stderr)
         assert proc.returncode == 0, f"{line}\n{said[-1][-5000:]}"
-    local = tmp_path / "staging" / "my-bucket" / "runs" / "tiny"  # the load reads the checked local copy
-    assert f"resumed from {local}/checkpoints/step_00000008 at step 8 (saved by 2 processes" in said[1], said[1][-3000:]
+    # every line names the bucket's URL, never the node-local staging copy the run works in
+    assert f"resumed from {url}/checkpoints/step_00000008 at step 8 (saved by 2 processes" in said[1], said[1][-3000:]
     assert "resumed from" not in said[0], said[0][-3000:]
+    for step in (4, 8):
+        assert f"saved checkpoint {url}/checkpoints/step_{step:08d}\n" in said[0], said[0][-3000:]
+    assert f"deleted checkpoint {url}/checkpoints/step_00000004\n" in said[1], said[1][-3000:]  # keep: 3
+    assert str(tmp_path / "staging") not in said[0] + said[1], said[1][-3000:]
     assert f"finished at step 16: checkpoint {url}/checkpoints/step_00000016, metrics {url}/metrics.jsonl" in said[1]
     copy = download(server, "my-bucket", prefix, tmp_path / "copy")
     # the rows of both runs in the bucket's one metrics.jsonl, each once: log.interval (10 in the default
-    # config) and each run's last step
+    # config) and each run's last step; the resume row names the checkpoint by its URL
     assert [r["step"] for r in rows(copy)] == [8, 10, 16]
+    written = map(json.loads, (copy / "metrics.jsonl").read_text().splitlines())
+    resumes = [r for r in written if r.get("event") == "resume"]
+    assert [r["checkpoint"] for r in resumes] == [f"{url}/checkpoints/step_00000008"], resumes
     found = keys(server, "my-bucket", prefix)
     committed = sorted(k for k in found if k.startswith("checkpoints/") and k.endswith("/manifest.json"))
     assert committed[-1] == "checkpoints/step_00000016/manifest.json", committed
@@ -267,7 +274,8 @@ def test_the_pages_commands_as_written(s3, tmp_path):
     started = start_from(local_run, f"{url}/checkpoints/step_00000012", "train.steps=16")
     out = started.stdout + started.stderr
     assert started.returncode == 0, out[-3000:]
-    assert " at step 12 (saved by 2 processes" in out, out[-3000:]
+    assert f"resumed from {url}/checkpoints/step_00000012 at step 12 (saved by 2 processes" in out, out[-3000:]
+    assert str(tmp_path / "staging") not in out, out[-3000:]  # its download is named by its URL
     assert_same_weights(weights(local_run, 16), weights(copy, 16))
     assert os.listdir(tmp_path / "staging" / "my-bucket" / "runs") == ["tiny"]  # its copy removed at the end
     # started again, the run continues from its own step 16: the bucket's checkpoint is not downloaded again

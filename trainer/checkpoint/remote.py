@@ -280,7 +280,7 @@ class Staging:
         manifest = {"files": listed, "xxh3_64": checksums._digest(listed), **({"run_id": run_id} if run_id else {})}
         body = json.dumps(manifest, indent=1, sort_keys=True).encode()
         self.store.put(objects.step_key(step, checksums.MANIFEST), body, if_none_match=True)
-        log.info("uploaded checkpoint %s", self.store.where(objects.step_key(step)))
+        log.info("saved checkpoint %s", self.store.where(objects.step_key(step)))  # committed: in the bucket
         self.upload_run_files()
 
     def upload_run_files(self) -> None:
