@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 
 import pytest
+import torch
 
 from trainer.rundir import lease as file_lease
 from trainer.rundir import objects
@@ -175,3 +177,43 @@ def test_an_s3fs_too_old_is_one_line(monkeypatch):
         "run_dir: s3://my-bucket/runs/x needs s3fs 2025.1 or later; 0.4.2 is installed: pip install -U "
         "'s3fs>=2025.1' (or the project's 's3' extra)"
     )
+
+
+def test_a_hung_upload_fails_within_the_saves_deadline(s3, tmp_path, monkeypatch, group):
+    """A PUT that never gets an answer took about 6 minutes to fail (read_timeout 60 s x botocore's 2
+    attempts x s3fs's 3 tries): with a shorter checkpoint.timeout_s the other ranks timed out first
+    in the collective after the uploads, and their line blamed a stuck rank. Now every request of a
+    save ends within its share of checkpoint.timeout_s: the rank whose PUT hangs says which object,
+    which endpoint and how long it waited, in the line every rank raises (exit code: FAILED)."""
+    from tests.helpers.s3 import Proxy
+    from trainer.checkpoint import manager, remote
+    from trainer.resilience import outcomes
+
+    server, bucket = s3
+    shard = "/checkpoints/step_00000001/__0_0.distcp "
+    held = Proxy(server, delay=lambda line: 60.0 if line.startswith("PUT ") and shard in line else 0.0)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", held.url)
+    monkeypatch.setenv(objects.STAGING_ENV, str(tmp_path / "staging"))
+    url = f"s3://{bucket}/runs/hung"
+    try:
+        staging = remote.Staging(url, rank=0, local_rank=0, local_world_size=1)
+        staging.prepare(group)
+        model = torch.nn.Linear(4, 2)
+        optimizer = torch.optim.AdamW(model.parameters())
+        args = manager.CheckpointArgs(timeout_s=2, async_save=False)  # its PUTs answer in ~0.05 s
+        ckpt = manager.Checkpointer(args, staging.local, 0, 1, group, model, optimizer, staging=staging)
+        with pytest.raises(objects.StoreError) as e:
+            ckpt.save(1, {"samples": 0}, blocking=True)
+        ckpt.close()
+    finally:
+        held.stop()
+    said = re.sub(r"after \d+ s", "after N s", str(e.value))
+    assert said == (
+        f"uploading the checkpoint of step 1 to {url} failed (rank 0: StoreError: {url}/checkpoints/step_00000001/"
+        f"__0_0.distcp: no answer from the object store at {held.url} after N s (a save's requests get 0.75 of "
+        f"checkpoint.timeout_s=2 s, which the other ranks wait: raise it for a slower store)); the checkpoints "
+        f"uploaded before are intact; check the object store, then start again to resume"
+    )
+    assert outcomes.of_exception(e.value) is outcomes.FAILED
+    monkeypatch.setenv("AWS_ENDPOINT_URL", server.url)  # nothing of the step in the bucket counts
+    assert _store(bucket, "runs/hung").get("checkpoints/step_00000001/manifest.json", 1 << 20) is None

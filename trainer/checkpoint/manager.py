@@ -1018,8 +1018,11 @@ class Checkpointer:
             refused: list = [None]
             if self.rank == 0:
                 try:
-                    refused = [(CheckpointError, self.remote.begin_save(step, self.run_id))]
-                except (OSError, objects.StoreError, objects.PreconditionFailed) as e:
+                    with self.remote.store.until(*self.remote.deadline(self.args.timeout_s)):  # the others wait
+                        refused = [(CheckpointError, self.remote.begin_save(step, self.run_id))]
+                except objects.StoreError as e:  # its line names the object
+                    refused = [(objects.StoreError, str(e))]
+                except (OSError, objects.PreconditionFailed) as e:
                     refused = [(objects.StoreError, f"the object store failed ({type(e).__name__}: {e})")]
             dist.broadcast_object_list(refused, src=0, group=self.group)
             if refused[0] and refused[0][1]:
@@ -1078,11 +1081,16 @@ class Checkpointer:
     def _commit_remote(self, step: int, tmp: str, meta: dict) -> None:
         """An s3:// run dir's commit (remote.py): every rank uploads the files it wrote, rank 0
         commits the staging folder, uploads the rest and the manifest last; every rank raises the
-        same objects.StoreError if any part failed (the checkpoints uploaded before stay the latest)."""
+        same objects.StoreError if any part failed (the checkpoints uploaded before stay the latest).
+        Every request to the store ends within its share of checkpoint.timeout_s from here
+        (remote.Staging.deadline): a hung PUT fails on its rank with the object, the endpoint and the
+        time waited, before the other ranks give up on the collectives that follow."""
         assert self.remote is not None
         records, error = {}, None
+        deadline = self.remote.deadline(self.args.timeout_s)
         try:
-            records = self.remote.upload_own(tmp, step)
+            with self.remote.store.until(*deadline):
+                records = self.remote.upload_own(tmp, step)
         except Exception as e:  # noqa: BLE001 - said on every rank
             error = f"rank {self.rank}: {type(e).__name__}: {e}"
         gathered: list = [None] * self.world_size
@@ -1090,11 +1098,12 @@ class Checkpointer:
         error = next((e for _, e in gathered if e), None)
         if error is None and self.rank == 0:
             try:
-                if self._commit(step, tmp, meta):
-                    self.remote.publish(step_path(self.run_dir, step), step, [r for r, _ in gathered], self.run_id)
-                    if self.still_owner is None or self.still_owner():  # keep <= 0: all kept, orphans deleted
-                        keep = (lambda steps: self._kept(steps, meta)) if self.args.keep > 0 else set
-                        self.remote.retain(keep, self.run_id, step)
+                with self.remote.store.until(*deadline):  # the same: the others wait in the broadcast below
+                    if self._commit(step, tmp, meta):
+                        self.remote.publish(step_path(self.run_dir, step), step, [r for r, _ in gathered], self.run_id)
+                        if self.still_owner is None or self.still_owner():  # keep <= 0: all kept, orphans deleted
+                            keep = (lambda steps: self._kept(steps, meta)) if self.args.keep > 0 else set
+                            self.remote.retain(keep, self.run_id, step)
             except (OSError, objects.StoreError, objects.PreconditionFailed) as e:
                 error = f"rank 0: {type(e).__name__}: {e}"
         said = [error]
@@ -1103,7 +1112,7 @@ class Checkpointer:
             self._remove(os.path.basename(tmp))
         if said[0]:  # the store, not the input: a restart resumes from the checkpoint before (outcomes.py)
             raise objects.StoreError(
-                f"uploading the checkpoint of step {step} to {self.remote.url} failed ({said[0][:300]}); the "
+                f"uploading the checkpoint of step {step} to {self.remote.url} failed ({said[0][:600]}); the "
                 f"checkpoints uploaded before are intact; check the object store, then start again to resume"
             )
 
