@@ -179,6 +179,20 @@ def test_an_s3fs_too_old_is_one_line(monkeypatch):
     )
 
 
+def _checkpointer(url: str, group, timeout_s: int = 60):
+    """A Checkpointer of one rank on the s3:// run dir `url` (its staging folder prepared), with
+    checkpoint.timeout_s=`timeout_s`; (it, its model)."""
+    from trainer.checkpoint import manager, remote
+
+    staging = remote.Staging(url, rank=0, local_rank=0, local_world_size=1)
+    staging.prepare(group)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    args = manager.CheckpointArgs(timeout_s=timeout_s, async_save=False)
+    return manager.Checkpointer(args, staging.local, 0, 1, group, model, optimizer, staging=staging), model
+
+
 def test_a_hung_upload_fails_within_the_saves_deadline(s3, tmp_path, monkeypatch, group):
     """A PUT that never gets an answer took about 6 minutes to fail (read_timeout 60 s x botocore's 2
     attempts x s3fs's 3 tries): with a shorter checkpoint.timeout_s the other ranks timed out first
@@ -186,7 +200,6 @@ def test_a_hung_upload_fails_within_the_saves_deadline(s3, tmp_path, monkeypatch
     save ends within its share of checkpoint.timeout_s: the rank whose PUT hangs says which object,
     which endpoint and how long it waited, in the line every rank raises (exit code: FAILED)."""
     from tests.helpers.s3 import Proxy
-    from trainer.checkpoint import manager, remote
     from trainer.resilience import outcomes
 
     server, bucket = s3
@@ -196,12 +209,7 @@ def test_a_hung_upload_fails_within_the_saves_deadline(s3, tmp_path, monkeypatch
     monkeypatch.setenv(objects.STAGING_ENV, str(tmp_path / "staging"))
     url = f"s3://{bucket}/runs/hung"
     try:
-        staging = remote.Staging(url, rank=0, local_rank=0, local_world_size=1)
-        staging.prepare(group)
-        model = torch.nn.Linear(4, 2)
-        optimizer = torch.optim.AdamW(model.parameters())
-        args = manager.CheckpointArgs(timeout_s=2, async_save=False)  # its PUTs answer in ~0.05 s
-        ckpt = manager.Checkpointer(args, staging.local, 0, 1, group, model, optimizer, staging=staging)
+        ckpt, _ = _checkpointer(url, group, timeout_s=2)  # its PUTs answer in ~0.05 s
         with pytest.raises(objects.StoreError) as e:
             ckpt.save(1, {"samples": 0}, blocking=True)
         ckpt.close()
@@ -217,3 +225,32 @@ def test_a_hung_upload_fails_within_the_saves_deadline(s3, tmp_path, monkeypatch
     assert outcomes.of_exception(e.value) is outcomes.FAILED
     monkeypatch.setenv("AWS_ENDPOINT_URL", server.url)  # nothing of the step in the bucket counts
     assert _store(bucket, "runs/hung").get("checkpoints/step_00000001/manifest.json", 1 << 20) is None
+
+
+def test_a_large_save_to_a_bucket_has_its_metadata_in_the_manifest(s3, tmp_path, monkeypatch, group):
+    """Past save_plan.METADATA_BEFORE_COMMIT chunk records (0 here) a save on a filesystem commits
+    without DCP's .metadata, which a background process writes after the commit (stock.py); nothing
+    uploaded that later file, so a bucket's checkpoint had none for stock DCP. With an s3:// run dir
+    it is written before the commit whatever the size: uploaded, listed in the manifest with its size
+    and checksum, and stock torch.distributed.checkpoint.load reads a copy of the bucket's checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    import xxhash
+
+    from tests.helpers.s3 import download
+    from trainer.checkpoint import save_plan
+
+    server, bucket = s3
+    monkeypatch.setattr(save_plan, "METADATA_BEFORE_COMMIT", 0)
+    monkeypatch.setenv(objects.STAGING_ENV, str(tmp_path / "staging"))
+    ckpt, model = _checkpointer(f"s3://{bucket}/runs/big", group)
+    ckpt.save(1, {"samples": 0}, blocking=True)
+    ckpt.close()
+    assert ckpt.planned_by == "layout"  # the trainer's planner, which leaves .metadata for after a large commit
+    step = download(server, bucket, "runs/big", tmp_path / "copy") / "checkpoints" / "step_00000001"
+    written = (step / ".metadata").read_bytes()
+    listed = json.loads((step / "manifest.json").read_text())["files"]
+    assert listed[".metadata"] == {"size": len(written), "xxh3_64": xxhash.xxh3_64_intdigest(written)}
+    state = {"model": {name: torch.zeros_like(value) for name, value in model.state_dict().items()}}
+    dcp.load(state, checkpoint_id=str(step), no_dist=True)  # stock DCP: its own reader, .metadata
+    for name, value in model.state_dict().items():
+        assert torch.equal(state["model"][name], value), name

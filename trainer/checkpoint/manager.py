@@ -5,7 +5,8 @@ Layout of `<run_dir>/checkpoints/`:
     step_00000100/        a complete checkpoint: it only ever appears by an atomic rename
         .metadata, *.distcp   DCP: the sharded parts (model, optim, ...), each rank writing its own shards
         chunks.npz        the same metadata as arrays (trainer/checkpoint/save_plan.py), which a load reads instead;
-                          past 100,000 chunk records .metadata follows the commit (trainer/checkpoint/stock.py)
+                          past 100,000 chunk records .metadata follows the commit (trainer/checkpoint/stock.py;
+                          not with an s3:// run dir)
         meta.json         step, samples consumed, world size, parameter shapes, the small parts (scheduler, ...)
         rng/rank_00000.pt the per-rank parts: each rank's random number generator states
         manifest.json     size and checksum of every file above (trainer/checkpoint/checksums.py)
@@ -1135,7 +1136,9 @@ class Checkpointer:
         agreed = self._agreed_max(*halves, *(-h for h in halves))
         if digest and agreed[:2] == [float(h) for h in halves] and agreed[2:] == [float(-h) for h in halves]:
             self.planned_by = "layout"
-            return save_plan.Planner(items, self.rank, self.world_size), save_plan.IndexWriter(tmp)
+            writer = save_plan.IndexWriter(tmp)
+            writer.metadata_first = self.remote is not None  # the bucket gets no later file (stock.py)
+            return save_plan.Planner(items, self.rank, self.world_size), writer
         self.planned_by = "dcp"
         if not _PLAN_CACHING:
             return DefaultSavePlanner(), ChecksumWriter(tmp)
