@@ -254,3 +254,19 @@ def test_a_large_save_to_a_bucket_has_its_metadata_in_the_manifest(s3, tmp_path,
     dcp.load(state, checkpoint_id=str(step), no_dist=True)  # stock DCP: its own reader, .metadata
     for name, value in model.state_dict().items():
         assert torch.equal(state["model"][name], value), name
+
+
+def test_a_bad_run_id_in_a_bucket_is_named_by_its_url(s3, tmp_path, monkeypatch, group):
+    """The run's files are downloaded into the staging copy, where the checkpoint manager reads them:
+    its line names the object a user can fix, not the node-local copy."""
+    from trainer.checkpoint import manager
+
+    _, bucket = s3
+    monkeypatch.setenv(objects.STAGING_ENV, str(tmp_path / "staging"))
+    _store(bucket, "runs/bad").put("run_id", b"not mine\n")
+    with pytest.raises(manager.CheckpointError) as e:
+        _checkpointer(f"s3://{bucket}/runs/bad", group)
+    assert str(e.value) == (
+        f"s3://{bucket}/runs/bad/run_id holds 'not mine', not a run id the trainer writes; remove it (its "
+        f"checkpoints are then loaded only through checkpoint.resume_from), or start a new run_dir"
+    )

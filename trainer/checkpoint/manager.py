@@ -691,7 +691,10 @@ class Checkpointer:
                 # leftovers of a killed save or delete
                 if name.startswith((".tmp_", ".trash_")) and self._remove(name):
                     log.info("removed unfinished %s", self.shown(os.path.join(folder(run_dir), name)))
-        self.run_id = run_id(run_dir, create=True) if rank == 0 else None  # recorded in every save's meta.json
+        try:  # recorded in every save's meta.json
+            self.run_id = run_id(run_dir, create=True) if rank == 0 else None
+        except CheckpointError as e:  # an s3:// run dir's run_id object: named by its URL
+            raise CheckpointError(self.shown(str(e))) from None
         if staging is None:
             identity = [self.held.identity[1] if self.held else None]
             dist.broadcast_object_list(identity, src=0, group=group)
@@ -837,7 +840,8 @@ class Checkpointer:
                 log.warning("checkpoint.start_over=true: training from %s, although %s", start, self.shown(saved))
                 layout.write_status(self.run_dir, saved=None)
         if self.rank == 0 and isinstance(choice[0], str):
-            _warn_if_others_can_write(choice[0])
+            if self.shown(choice[0]) == choice[0]:  # not a copy of a bucket's in the private staging root (0700)
+                _warn_if_others_can_write(choice[0])
             _warn_if_unverified(choice[0])
         # With the choice, the metadata rank 0 read (the restricted unpickler, once): no other rank
         # reads or unpickles the file (at 16k ranks a 1 GB .metadata, minutes of each rank's time);
