@@ -2,7 +2,9 @@
 (two torchruns with different staging roots, so rank 0's staging folder really lacks the other node's
 files) save, three ranks resume with the weights of the same run on a filesystem; kill -9 during a save
 leaves the previous checkpoint the latest and the half-uploaded one is deleted after the next commit; a
-flipped byte in the bucket makes resume take the older checkpoint; a second job on the same prefix is
+save whose PUTs are cut half-way on one rank and held unanswered on the other stops every rank in one
+line naming the held object, within checkpoint.timeout_s (no stuck rank); every line names the bucket's
+URL, not the staging copy; a flipped byte in the bucket makes resume take the older checkpoint; a second job on the same prefix is
 refused while the first holds the lease; trainer.export and trainer.metrics read an s3:// run dir;
 docs/checkpoints.md's commands run as written.
 Then the store's slower unit cases: the verified download (flipped bytes) and each bad input's line."""
@@ -187,17 +189,21 @@ def test_kill_9_during_an_upload_and_a_second_job_refused(s3, tmp_path):
     previous = committed()[-1]
     assert previous < killed_at
 
-    # a restart through a proxy that slows every LIST and cuts the PUT of the next save's shard
-    # half-way: it resumes all the same, then stops in one line, restartable, nothing lost
-    shard = f"/{bucket}/{prefix}/checkpoints/step_{previous + 1:08d}/__0_0.distcp"
+    # a restart on 2 ranks through a proxy that slows every LIST, cuts the PUT of rank 1's shard of the
+    # next save half-way and holds rank 0's (no answer): it resumes all the same; rank 0's upload gives
+    # up within 0.75 of checkpoint.timeout_s while rank 1 waits for it in the all-gather (not timed out
+    # as a stuck rank); every rank stops with rank 0's line, restartable, nothing lost
+    step = f"/{bucket}/{prefix}/checkpoints/step_{previous + 1:08d}"
     proxy = Proxy(
         server,
-        cut=lambda line: line.startswith(f"PUT {shard}"),
-        delay=lambda line: 0.5 if "list-type=2" in line else 0.0,
+        cut=lambda line: line.startswith(f"PUT {step}/__1_0.distcp "),
+        delay=lambda line: (
+            0.5 if "list-type=2" in line else 60.0 if line.startswith(f"PUT {step}/__0_0.distcp ") else 0.0
+        ),
     )
     try:
         cut = run_command(
-            command(url, 1, [*TINY, f"train.steps={previous + 1}"]),
+            command(url, 2, [*TINY, f"train.steps={previous + 1}", "checkpoint.timeout_s=20"]),
             timeout=300,
             extra_env={**_env(server, tmp_path / "proxied"), "AWS_ENDPOINT_URL": proxy.url},
         )
@@ -206,7 +212,15 @@ def test_kill_9_during_an_upload_and_a_second_job_refused(s3, tmp_path):
     said = cut.stdout + cut.stderr
     assert cut.returncode == outcomes.FAILED.code and proxy.cuts, said[-3000:]
     assert f"at step {previous} (saved by 1 processes" in said
-    assert f"error: uploading the checkpoint of step {previous + 1} to {url} failed (rank 0: " in said
+    assert (
+        f"error: uploading the checkpoint of step {previous + 1} to {url} failed (rank 0: StoreError: {url}/"
+        f"checkpoints/step_{previous + 1:08d}/__0_0.distcp: no answer from the object store at {proxy.url} after "
+    ) in said, said[-3000:]
+    assert (
+        " s (a save's requests get 0.75 of checkpoint.timeout_s=20 s, which the other ranks wait: raise it for a "
+        "slower store)); the checkpoints uploaded before are intact"
+    ) in said, said[-3000:]
+    assert "did not answer" not in said, said[-3000:]  # not a stuck rank
     assert "the checkpoints uploaded before are intact; check the object store, then start again to resume" in said
     assert committed()[-1] == previous
 
