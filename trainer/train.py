@@ -463,7 +463,7 @@ def _train(run: Run) -> None:
         if step % cfg.log.interval == 0 or step == cfg.train.steps:
             loss_total, diverged, stops, lost, cpu_s = _agree(env, loss_sum, first_bad, lease, compute_s / window_steps)
             if lost:
-                _raise_lease_lost(lease, run_dir, step, ckpt)
+                _raise_lease_lost(lease, ckpt.shown(run_dir), step, ckpt)
             if diverged:
                 _raise_diverged(first_bad, ckpt)
             stopping = stops > 0
@@ -496,7 +496,7 @@ def _train(run: Run) -> None:
         if stopping is None:  # the stop flag and the lease, agreed in one tiny CPU all-reduce
             stops, lost = _agreed_max(run.control, float(signals.pending()), float(bool(lease and lease.lost)))
             if lost:
-                _raise_lease_lost(lease, run_dir, step, ckpt)
+                _raise_lease_lost(lease, ckpt.shown(run_dir), step, ckpt)
             stopping = stops > 0
         _save(run, model, step, samples, first_bad, stopping or early is not None, best)
         if early:
@@ -556,13 +556,14 @@ def _checkpointer(
     """The run's checkpoint manager of the model, the optimizer and the named `parts` beside them (a
     pipeline's stages each save their own, under the whole model's names)."""
     stages = plan.mesh["pp"].get_group() if plan.pp > 1 else None
-    args = cfg.checkpoint
+    args, downloaded = cfg.checkpoint, {}
     if objects.is_remote(args.resume_from):  # a checked local copy on every node, loaded as a folder
         # not where the run dir has checkpoints of its own, which win (a restart of a run started from it)
         own = [bool(manager.complete(cfg.run_dir)) if env.rank == 0 else None]
         dist.broadcast_object_list(own, src=0, group=io_group)
         if not own[0]:
             local = remote.checkpoint_copy(args.resume_from, io_group, env.rank, env.local_rank, env.local_world_size)
+            downloaded[local] = args.resume_from  # the lines name it by its URL (Checkpointer.shown)
             args = dataclasses.replace(args, resume_from=local)
     ckpt = manager.Checkpointer(
         args,
@@ -576,6 +577,7 @@ def _checkpointer(
         stages=stages,
         staging=staging,
     )
+    ckpt.aliases.update(downloaded)
     if lease:  # rank 0 reads the lease again right before it commits or deletes a checkpoint
         ckpt.still_owner = lease.check
     return ckpt
@@ -670,7 +672,10 @@ def _begin_steps(run: Run, model, step: int) -> None:
         reporter.message(run.grad_sync_line)
     model.train()
     ckpt.plan(
-        cfg.train.steps, step, _auto_interval(cfg, env) if cfg.checkpoint.interval == "auto" else None, reporter.message
+        cfg.train.steps,
+        step,
+        _auto_interval(cfg, env, ckpt.shown(cfg.run_dir)) if cfg.checkpoint.interval == "auto" else None,
+        reporter.message,
     )
     count_flops = models.spec(cfg.model).flops_per_token
     lm = count_flops is not None
@@ -700,7 +705,7 @@ def _finish(run: Run, step: int, trace) -> None:
     if trace:
         trace.close()
     if _agreed_max(control, float(bool(lease and lease.lost)))[0]:  # lost at the last save: say so, not finished
-        _raise_lease_lost(lease, run_dir, step, ckpt)
+        _raise_lease_lost(lease, ckpt.shown(run_dir), step, ckpt)
     if env.is_main:
         done = step >= cfg.train.steps or run.early.stopped is not None  # an early stop is an end too
         layout.write_status(run_dir, state="finished" if done else "stopped", step=step)
@@ -727,12 +732,13 @@ def next_commands(run_dir) -> str:
     )
 
 
-def _auto_interval(cfg: Config, env: distributed.Env) -> AutoInterval:
+def _auto_interval(cfg: Config, env: distributed.Env, shown: str) -> AutoInterval:
     """checkpoint.interval=auto's state: the job's MTBF and the save cost until one is measured (this
-    run dir's last blocking save, else the state's size at the assumed write speed: trainer/preflight/interval.py)."""
+    run dir's last blocking save, else the state's size at the assumed write speed: trainer/preflight/interval.py);
+    `shown`: the run dir as its line names it (an s3:// run dir's URL)."""
     mtbf_hours = cfg.checkpoint.mtbf_hours or GPU_MTBF_HOURS / env.world_size
     nodes = max(1, env.world_size // env.local_world_size)
-    save_s, how = save_seconds(cfg, nodes, cfg.run_dir)
+    save_s, how = save_seconds(cfg, nodes, cfg.run_dir, shown)
     return AutoInterval(mtbf_hours * 3600, save_s, how.split(":")[0])
 
 

@@ -3,7 +3,9 @@
 files) save, three ranks resume with the weights of the same run on a filesystem, and two nodes start a
 new run from one of its checkpoints (checkpoint.resume_from, each node its own checked copy); kill -9 during a save
 leaves the previous checkpoint the latest and the half-uploaded one is deleted after the next commit; a
-flipped byte in the bucket makes resume take the older checkpoint; a second job on the same prefix is
+save whose PUTs are cut half-way on one rank and held unanswered on the other stops every rank in one
+line naming the held object, within checkpoint.timeout_s (no stuck rank); every line names the bucket's
+URL, not the staging copy; a flipped byte in the bucket makes resume take the older checkpoint; a second job on the same prefix is
 refused while the first holds the lease; trainer.export and trainer.metrics read an s3:// run dir;
 docs/checkpoints.md's commands run as written.
 Then the store's slower unit cases: the verified download (flipped bytes) and each bad input's line."""
@@ -201,17 +203,21 @@ def test_kill_9_during_an_upload_and_a_second_job_refused(s3, tmp_path):
     previous = committed()[-1]
     assert previous < killed_at
 
-    # a restart through a proxy that slows every LIST and cuts the PUT of the next save's shard
-    # half-way: it resumes all the same, then stops in one line, restartable, nothing lost
-    shard = f"/{bucket}/{prefix}/checkpoints/step_{previous + 1:08d}/__0_0.distcp"
+    # a restart on 2 ranks through a proxy that slows every LIST, cuts the PUT of rank 1's shard of the
+    # next save half-way and holds rank 0's (no answer): it resumes all the same; rank 0's upload gives
+    # up within 0.75 of checkpoint.timeout_s while rank 1 waits for it in the all-gather (not timed out
+    # as a stuck rank); every rank stops with rank 0's line, restartable, nothing lost
+    step = f"/{bucket}/{prefix}/checkpoints/step_{previous + 1:08d}"
     proxy = Proxy(
         server,
-        cut=lambda line: line.startswith(f"PUT {shard}"),
-        delay=lambda line: 0.5 if "list-type=2" in line else 0.0,
+        cut=lambda line: line.startswith(f"PUT {step}/__1_0.distcp "),
+        delay=lambda line: (
+            0.5 if "list-type=2" in line else 60.0 if line.startswith(f"PUT {step}/__0_0.distcp ") else 0.0
+        ),
     )
     try:
         cut = run_command(
-            command(url, 1, [*TINY, f"train.steps={previous + 1}"]),
+            command(url, 2, [*TINY, f"train.steps={previous + 1}", "checkpoint.timeout_s=20"]),
             timeout=300,
             extra_env={**_env(server, tmp_path / "proxied"), "AWS_ENDPOINT_URL": proxy.url},
         )
@@ -220,7 +226,15 @@ def test_kill_9_during_an_upload_and_a_second_job_refused(s3, tmp_path):
     said = cut.stdout + cut.stderr
     assert cut.returncode == outcomes.FAILED.code and proxy.cuts, said[-3000:]
     assert f"at step {previous} (saved by 1 processes" in said
-    assert f"error: uploading the checkpoint of step {previous + 1} to {url} failed (rank 0: " in said
+    assert (
+        f"error: uploading the checkpoint of step {previous + 1} to {url} failed (rank 0: StoreError: {url}/"
+        f"checkpoints/step_{previous + 1:08d}/__0_0.distcp: no answer from the object store at {proxy.url} after "
+    ) in said, said[-3000:]
+    assert (
+        " s (a save's requests get 0.75 of checkpoint.timeout_s=20 s, which the other ranks wait: raise it for a "
+        "slower store)); the checkpoints uploaded before are intact"
+    ) in said, said[-3000:]
+    assert "did not answer" not in said, said[-3000:]  # not a stuck rank
     assert "the checkpoints uploaded before are intact; check the object store, then start again to resume" in said
     assert committed()[-1] == previous
 
@@ -255,14 +269,21 @@ def test_the_pages_commands_as_written(s3, tmp_path):
         proc = subprocess.run(["bash", "-c", line], cwd=ROOT, env=e, capture_output=True, text=True, timeout=600)
         said.append(proc.stdout + proc.stderr)
         assert proc.returncode == 0, f"{line}\n{said[-1][-5000:]}"
-    local = tmp_path / "staging" / "my-bucket" / "runs" / "tiny"  # the load reads the checked local copy
-    assert f"resumed from {local}/checkpoints/step_00000008 at step 8 (saved by 2 processes" in said[1], said[1][-3000:]
+    # every line names the bucket's URL, never the node-local staging copy the run works in
+    assert f"resumed from {url}/checkpoints/step_00000008 at step 8 (saved by 2 processes" in said[1], said[1][-3000:]
     assert "resumed from" not in said[0], said[0][-3000:]
+    for step in (4, 8):
+        assert f"saved checkpoint {url}/checkpoints/step_{step:08d}\n" in said[0], said[0][-3000:]
+    assert f"deleted checkpoint {url}/checkpoints/step_00000004\n" in said[1], said[1][-3000:]  # keep: 3
+    assert str(tmp_path / "staging") not in said[0] + said[1], said[1][-3000:]
     assert f"finished at step 16: checkpoint {url}/checkpoints/step_00000016, metrics {url}/metrics.jsonl" in said[1]
     copy = download(server, "my-bucket", prefix, tmp_path / "copy")
     # the rows of both runs in the bucket's one metrics.jsonl, each once: log.interval (10 in the default
-    # config) and each run's last step
+    # config) and each run's last step; the resume row names the checkpoint by its URL
     assert [r["step"] for r in rows(copy)] == [8, 10, 16]
+    written = map(json.loads, (copy / "metrics.jsonl").read_text().splitlines())
+    resumes = [r for r in written if r.get("event") == "resume"]
+    assert [r["checkpoint"] for r in resumes] == [f"{url}/checkpoints/step_00000008"], resumes
     found = keys(server, "my-bucket", prefix)
     committed = sorted(k for k in found if k.startswith("checkpoints/") and k.endswith("/manifest.json"))
     assert committed[-1] == "checkpoints/step_00000016/manifest.json", committed
@@ -281,7 +302,8 @@ def test_the_pages_commands_as_written(s3, tmp_path):
     started = start_from(local_run, f"{url}/checkpoints/step_00000012", "train.steps=16")
     out = started.stdout + started.stderr
     assert started.returncode == 0, out[-3000:]
-    assert " at step 12 (saved by 2 processes" in out, out[-3000:]
+    assert f"resumed from {url}/checkpoints/step_00000012 at step 12 (saved by 2 processes" in out, out[-3000:]
+    assert str(tmp_path / "staging") not in out, out[-3000:]  # its download is named by its URL
     assert_same_weights(weights(local_run, 16), weights(copy, 16))
     assert os.listdir(tmp_path / "staging" / "my-bucket" / "runs") == ["tiny"]  # its copy removed at the end
     # started again, the run continues from its own step 16: the bucket's checkpoint is not downloaded again

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 
 import pytest
+import torch
 
 from trainer.rundir import lease as file_lease
 from trainer.rundir import objects
@@ -174,4 +176,97 @@ def test_an_s3fs_too_old_is_one_line(monkeypatch):
     assert str(e.value) == (
         "run_dir: s3://my-bucket/runs/x needs s3fs 2025.1 or later; 0.4.2 is installed: pip install -U "
         "'s3fs>=2025.1' (or the project's 's3' extra)"
+    )
+
+
+def _checkpointer(url: str, group, timeout_s: int = 60):
+    """A Checkpointer of one rank on the s3:// run dir `url` (its staging folder prepared), with
+    checkpoint.timeout_s=`timeout_s`; (it, its model)."""
+    from trainer.checkpoint import manager, remote
+
+    staging = remote.Staging(url, rank=0, local_rank=0, local_world_size=1)
+    staging.prepare(group)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    args = manager.CheckpointArgs(timeout_s=timeout_s, async_save=False)
+    return manager.Checkpointer(args, staging.local, 0, 1, group, model, optimizer, staging=staging), model
+
+
+def test_a_hung_upload_fails_within_the_saves_deadline(s3, tmp_path, monkeypatch, group):
+    """A PUT that never gets an answer took about 6 minutes to fail (read_timeout 60 s x botocore's 2
+    attempts x s3fs's 3 tries): with a shorter checkpoint.timeout_s the other ranks timed out first
+    in the collective after the uploads, and their line blamed a stuck rank. Now every request of a
+    save ends within its share of checkpoint.timeout_s: the rank whose PUT hangs says which object,
+    which endpoint and how long it waited, in the line every rank raises (exit code: FAILED)."""
+    from tests.helpers.s3 import Proxy
+    from trainer.resilience import outcomes
+
+    server, bucket = s3
+    shard = "/checkpoints/step_00000001/__0_0.distcp "
+    held = Proxy(server, delay=lambda line: 60.0 if line.startswith("PUT ") and shard in line else 0.0)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", held.url)
+    monkeypatch.setenv(objects.STAGING_ENV, str(tmp_path / "staging"))
+    url = f"s3://{bucket}/runs/hung"
+    try:
+        ckpt, _ = _checkpointer(url, group, timeout_s=2)  # its PUTs answer in ~0.05 s
+        with pytest.raises(objects.StoreError) as e:
+            ckpt.save(1, {"samples": 0}, blocking=True)
+        ckpt.close()
+    finally:
+        held.stop()
+    said = re.sub(r"after \d+ s", "after N s", str(e.value))
+    assert said == (
+        f"uploading the checkpoint of step 1 to {url} failed (rank 0: StoreError: {url}/checkpoints/step_00000001/"
+        f"__0_0.distcp: no answer from the object store at {held.url} after N s (a save's requests get 0.75 of "
+        f"checkpoint.timeout_s=2 s, which the other ranks wait: raise it for a slower store)); the checkpoints "
+        f"uploaded before are intact; check the object store, then start again to resume"
+    )
+    assert outcomes.of_exception(e.value) is outcomes.FAILED
+    monkeypatch.setenv("AWS_ENDPOINT_URL", server.url)  # nothing of the step in the bucket counts
+    assert _store(bucket, "runs/hung").get("checkpoints/step_00000001/manifest.json", 1 << 20) is None
+
+
+def test_a_large_save_to_a_bucket_has_its_metadata_in_the_manifest(s3, tmp_path, monkeypatch, group):
+    """Past save_plan.METADATA_BEFORE_COMMIT chunk records (0 here) a save on a filesystem commits
+    without DCP's .metadata, which a background process writes after the commit (stock.py); nothing
+    uploaded that later file, so a bucket's checkpoint had none for stock DCP. With an s3:// run dir
+    it is written before the commit whatever the size: uploaded, listed in the manifest with its size
+    and checksum, and stock torch.distributed.checkpoint.load reads a copy of the bucket's checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    import xxhash
+
+    from tests.helpers.s3 import download
+    from trainer.checkpoint import save_plan
+
+    server, bucket = s3
+    monkeypatch.setattr(save_plan, "METADATA_BEFORE_COMMIT", 0)
+    monkeypatch.setenv(objects.STAGING_ENV, str(tmp_path / "staging"))
+    ckpt, model = _checkpointer(f"s3://{bucket}/runs/big", group)
+    ckpt.save(1, {"samples": 0}, blocking=True)
+    ckpt.close()
+    assert ckpt.planned_by == "layout"  # the trainer's planner, which leaves .metadata for after a large commit
+    step = download(server, bucket, "runs/big", tmp_path / "copy") / "checkpoints" / "step_00000001"
+    written = (step / ".metadata").read_bytes()
+    listed = json.loads((step / "manifest.json").read_text())["files"]
+    assert listed[".metadata"] == {"size": len(written), "xxh3_64": xxhash.xxh3_64_intdigest(written)}
+    state = {"model": {name: torch.zeros_like(value) for name, value in model.state_dict().items()}}
+    dcp.load(state, checkpoint_id=str(step), no_dist=True)  # stock DCP: its own reader, .metadata
+    for name, value in model.state_dict().items():
+        assert torch.equal(state["model"][name], value), name
+
+
+def test_a_bad_run_id_in_a_bucket_is_named_by_its_url(s3, tmp_path, monkeypatch, group):
+    """The run's files are downloaded into the staging copy, where the checkpoint manager reads them:
+    its line names the object a user can fix, not the node-local copy."""
+    from trainer.checkpoint import manager
+
+    _, bucket = s3
+    monkeypatch.setenv(objects.STAGING_ENV, str(tmp_path / "staging"))
+    _store(bucket, "runs/bad").put("run_id", b"not mine\n")
+    with pytest.raises(manager.CheckpointError) as e:
+        _checkpointer(f"s3://{bucket}/runs/bad", group)
+    assert str(e.value) == (
+        f"s3://{bucket}/runs/bad/run_id holds 'not mine', not a run id the trainer writes; remove it (its "
+        f"checkpoints are then loaded only through checkpoint.resume_from), or start a new run_dir"
     )

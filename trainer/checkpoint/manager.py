@@ -5,7 +5,8 @@ Layout of `<run_dir>/checkpoints/`:
     step_00000100/        a complete checkpoint: it only ever appears by an atomic rename
         .metadata, *.distcp   DCP: the sharded parts (model, optim, ...), each rank writing its own shards
         chunks.npz        the same metadata as arrays (trainer/checkpoint/save_plan.py), which a load reads instead;
-                          past 100,000 chunk records .metadata follows the commit (trainer/checkpoint/stock.py)
+                          past 100,000 chunk records .metadata follows the commit (trainer/checkpoint/stock.py;
+                          not with an s3:// run dir)
         meta.json         step, samples consumed, world size, parameter shapes, the small parts (scheduler, ...)
         rng/rank_00000.pt the per-rank parts: each rank's random number generator states
         manifest.json     size and checksum of every file above (trainer/checkpoint/checksums.py)
@@ -188,23 +189,26 @@ def run_id(run_dir: str, create: bool = False) -> str | None:
     return text
 
 
-def complete(run_dir: str, said: set | None = None, held: files.HeldFolder | None = None) -> list[tuple[int, str]]:
+def complete(
+    run_dir: str, said: set | None = None, held: files.HeldFolder | None = None, shown: Callable[[str], str] = str
+) -> list[tuple[int, str]]:
     """Complete checkpoints in `run_dir` that this run saved, oldest first; broken ones, and those
     of another run or copied under another step, are skipped with a warning, once per folder and
     reason when `said` (the lines said so far, added to) is given. Nothing is unpickled for those
     with a manifest (trainer/checkpoint/checksums.py). `held`: checkpoints/ as the run holds it open, listed
-    and read by its descriptor (the paths returned and said are by name all the same)."""
+    and read by its descriptor (the paths returned and said are by name all the same). `shown`: a
+    path as the lines name it (Checkpointer.shown: an s3:// run dir's URL, not its staging copy)."""
     found = []
     run = run_id(run_dir)
     for step, path in layout.step_folders(run_dir, held.path if held else None):
-        shown = step_path(run_dir, step)
+        where = step_path(run_dir, step)
         why = layout.checkpoint_problem(path, step, run) or problem(path)  # the launcher's answer, then closer
-        if why and (said is None or (shown, why) not in said):
-            log.warning("skipping checkpoint %s: %s", shown, why)
+        if why and (said is None or (shown(where), why) not in said):
+            log.warning("skipping checkpoint %s: %s", shown(where), why)
             if said is not None:
-                said.add((shown, why))
+                said.add((shown(where), why))
         elif not why:
-            found.append((step, shown))
+            found.append((step, where))
     return found
 
 
@@ -266,10 +270,12 @@ def check_compatible(path: str, saved: dict[str, list[int]], current: dict[str, 
 
 
 @contextlib.contextmanager
-def _write_errors(step: int, tmp: str, held: files.HeldFolder | None = None):
+def _write_errors(step: int, tmp: str, held: files.HeldFolder | None = None, staging: remote.Staging | None = None):
     """A failed write (full disk, quota, permissions) as one CheckpointError line naming the cause
     and the path, instead of DCP's per-rank tracebacks. What was committed before stays intact.
-    `held`: the checkpoints/ folder `tmp` is in, whose name the line says rather than /proc's."""
+    `held`: the checkpoints/ folder `tmp` is in, whose name the line says rather than /proc's;
+    `staging`: an s3:// run dir's, whose URL the line names (the local path follows in parentheses:
+    it is that disk that is full)."""
     try:
         yield
     except (Exception, CheckpointException) as e:
@@ -288,8 +294,9 @@ def _write_errors(step: int, tmp: str, held: files.HeldFolder | None = None):
             raise
         if held is not None:
             what = what.replace(held.path, held.name)
+        where = f" to {staging.url} (in the staging folder {staging.local})" if staging is not None else ""
         raise CheckpointError(
-            f"saving the checkpoint of step {step} failed: {what}; the checkpoints saved before are "
+            f"saving the checkpoint of step {step}{where} failed: {what}; the checkpoints saved before are "
             f"intact; free space or fix the filesystem, then start again to resume"
         ) from None
 
@@ -636,6 +643,9 @@ class Checkpointer:
         local rank 0 makes its folders, and a save is uploaded before it counts."""
         self.remote = staging
         self.leader = rank == 0 if staging is None else staging.leader  # makes this node's folders
+        # local folder -> the name a user knows it by (`shown`): an s3:// run dir's staging folder its URL;
+        # a checkpoint downloaded from a bucket for checkpoint.resume_from its URL (trainer/train.py adds it)
+        self.aliases: dict[str, str] = {staging.local: staging.url} if staging is not None else {}
         self.args, self.run_dir, self.rank, self.world_size, self.group = args, run_dir, rank, world_size, group
         self.model, self.optimizer, self.stages = model, optimizer, stages
         self.whole_shapes: dict[str, list[int]] | None = None  # every stage's parameters' shapes (`_shapes`)
@@ -680,8 +690,11 @@ class Checkpointer:
             for name in self.held.listdir():
                 # leftovers of a killed save or delete
                 if name.startswith((".tmp_", ".trash_")) and self._remove(name):
-                    log.info("removed unfinished %s", os.path.join(folder(run_dir), name))
-        self.run_id = run_id(run_dir, create=True) if rank == 0 else None  # recorded in every save's meta.json
+                    log.info("removed unfinished %s", self.shown(os.path.join(folder(run_dir), name)))
+        try:  # recorded in every save's meta.json
+            self.run_id = run_id(run_dir, create=True) if rank == 0 else None
+        except CheckpointError as e:  # an s3:// run dir's run_id object: named by its URL
+            raise CheckpointError(self.shown(str(e))) from None
         if staging is None:
             identity = [self.held.identity[1] if self.held else None]
             dist.broadcast_object_list(identity, src=0, group=group)
@@ -696,6 +709,14 @@ class Checkpointer:
                     f"{folder(run_dir)} on rank {rank} is another folder than rank 0's: it was replaced while the "
                     f"run started; see who renamed it (ls -la {run_dir}) and start again"
                 )
+
+    def shown(self, path: str) -> str:
+        """`path` as the user knows it: under an alias's local folder (an s3:// run dir's staging copy,
+        a checkpoint downloaded from a bucket) its URL, s3://BUCKET/PREFIX/...; else `path` itself."""
+        for local, url in self.aliases.items():
+            if path == local or path.startswith(local + os.sep):
+                return url + path[len(local) :].replace(os.sep, "/")
+        return path
 
     # -- when to save -------------------------------------------------------------------------------
 
@@ -755,7 +776,7 @@ class Checkpointer:
         chosen is read), else checkpoint.resume_from for a run without its own."""
         choice, metadata = [None], None
         if self.rank == 0:
-            listed = complete(self.run_dir, self.said)
+            listed = complete(self.run_dir, self.said, shown=self.shown)
             found = []
             for step, path in reversed(listed):
                 if path in unreadable:
@@ -764,7 +785,7 @@ class Checkpointer:
                 if why is None:
                     found = [(step, path)]
                     break
-                log.warning("skipping checkpoint %s: %s", path, why)
+                log.warning("skipping checkpoint %s: %s", self.shown(path), why)
                 unreadable += (path,)
             # Checkpoints damaged after their commit (DCP's .metadata is there, a shard is not whole),
             # found out when listed or when read: with none readable left the run does not silently
@@ -788,7 +809,8 @@ class Checkpointer:
                 choice = [
                     (
                         "error",
-                        f"no readable checkpoint is left in {self.run_dir} (unreadable: {', '.join(unreadable)}); "
+                        f"no readable checkpoint is left in {self.shown(self.run_dir)} (unreadable: "
+                        f"{', '.join(map(self.shown, unreadable))}); "
                         f"move them away and start again with checkpoint.start_over=true to start from scratch",
                     )
                 ]
@@ -796,15 +818,17 @@ class Checkpointer:
                 choice = [
                     (
                         "error",
-                        f"no checkpoint in {folder(self.run_dir)}, but {saved}: its checkpoints were moved or "
+                        f"no checkpoint in {self.shown(folder(self.run_dir))}, but {self.shown(saved)}: its "
+                        f"checkpoints were moved or "
                         f"deleted; put them back to resume, or start again with checkpoint.start_over=true to "
                         f"train from step 0",
                     )
                 ]
             elif self.args.resume_from:
                 why, metadata = _checked_metadata(self.args.resume_from)
+                resume_from = self.shown(self.args.resume_from)
                 choice = (
-                    [("error", f"checkpoint.resume_from={self.args.resume_from} is not a usable checkpoint: {why}")]
+                    [("error", f"checkpoint.resume_from={resume_from} is not a usable checkpoint: {why}")]
                     if why
                     else [self.args.resume_from]
                 )
@@ -812,11 +836,12 @@ class Checkpointer:
             self.args.start_over = False
             saved = earlier_save(self.run_dir) if choice[0] is None or choice[0] == self.args.resume_from else None
             if saved:
-                start = "step 0" if choice[0] is None else f"checkpoint.resume_from={choice[0]}"
-                log.warning("checkpoint.start_over=true: training from %s, although %s", start, saved)
+                start = "step 0" if choice[0] is None else f"checkpoint.resume_from={self.shown(choice[0])}"
+                log.warning("checkpoint.start_over=true: training from %s, although %s", start, self.shown(saved))
                 layout.write_status(self.run_dir, saved=None)
         if self.rank == 0 and isinstance(choice[0], str):
-            _warn_if_others_can_write(choice[0])
+            if self.shown(choice[0]) == choice[0]:  # not a copy of a bucket's in the private staging root (0700)
+                _warn_if_others_can_write(choice[0])
             _warn_if_unverified(choice[0])
         # With the choice, the metadata rank 0 read (the restricted unpickler, once): no other rank
         # reads or unpickles the file (at 16k ranks a 1 GB .metadata, minutes of each rank's time);
@@ -884,16 +909,17 @@ class Checkpointer:
             path = self.choose(unreadable)
             if path is None:
                 return None
+            shown = self.shown(path)  # in the lines: an s3:// run dir's URL, not its staging copy
             meta = read_meta(path)
-            names = _sharded_names(path, meta)
+            names = _sharded_names(shown, meta)
             state = {name: part.state_dict() for name, part in self.sharded.items() if name in names}
             if self.metadata == "indexed":
                 self._index_slices(state)
-            check_compatible(path, meta["shapes"], self._shapes(state["model"]))
+            check_compatible(shown, meta["shapes"], self._shapes(state["model"]))
             saved_optimizer = meta.get("optimizer", type(optimizer).__name__)
             if saved_optimizer != type(optimizer).__name__:
                 raise CheckpointError(
-                    f"checkpoint {path} holds the state of optimizer {saved_optimizer}, but this run uses "
+                    f"checkpoint {shown} holds the state of optimizer {saved_optimizer}, but this run uses "
                     f"{type(optimizer).__name__} (optim.name): resume with the same optim.name, or start a "
                     f"new run_dir"
                 )
@@ -908,30 +934,30 @@ class Checkpointer:
             if why is None:
                 break
             if path == self.args.resume_from:
-                raise CheckpointError(f"checkpoint.resume_from={path} is unreadable: {why}")
+                raise CheckpointError(f"checkpoint.resume_from={shown} is unreadable: {why}")
             if self.rank == 0:  # every rank has the same `why`: said once
-                log.warning("skipping checkpoint %s: %s; trying the next older one", path, why)
+                log.warning("skipping checkpoint %s: %s; trying the next older one", shown, why)
             unreadable += (path,)
         for name, part in self.sharded.items():
             if name in state:
                 part.load_state_dict(state[name])
             else:
-                log.info("checkpoint %s holds no %s state (saved before it was kept): it starts afresh", path, name)
+                log.info("checkpoint %s holds no %s state (saved before it was kept): it starts afresh", shown, name)
         for name, part in self.parts.items():
             bad = getattr(part, "problem", lambda _: None)(meta[name]) if name in meta else None
             if bad:  # meta.json is untrusted as any file: a part may say what it cannot take
                 raise CheckpointError(
-                    f"checkpoint {path}: meta.json's {name} state cannot be restored: {bad}; give another "
+                    f"checkpoint {shown}: meta.json's {name} state cannot be restored: {bad}; give another "
                     f"checkpoint as checkpoint.resume_from, or move this one away"
                 )
             if name in meta:
                 part.load_state_dict(meta[name])
             else:
-                log.info("checkpoint %s holds no %s state (saved before it was kept): it starts afresh", path, name)
+                log.info("checkpoint %s holds no %s state (saved before it was kept): it starts afresh", shown, name)
         for name, value in own.items():
             self.per_rank[name].load_state_dict(value)
         meta["load_time_s"] = time.perf_counter() - started
-        meta["path"] = path
+        meta["path"] = shown  # as the user knows it: the "resumed from" line, the metrics' resume row
         self.last_saved = meta["step"]
         return meta
 
@@ -997,8 +1023,11 @@ class Checkpointer:
             refused: list = [None]
             if self.rank == 0:
                 try:
-                    refused = [(CheckpointError, self.remote.begin_save(step, self.run_id))]
-                except (OSError, objects.StoreError, objects.PreconditionFailed) as e:
+                    with self.remote.store.until(*self.remote.deadline(self.args.timeout_s)):  # the others wait
+                        refused = [(CheckpointError, self.remote.begin_save(step, self.run_id))]
+                except objects.StoreError as e:  # its line names the object
+                    refused = [(objects.StoreError, str(e))]
+                except (OSError, objects.PreconditionFailed) as e:
                     refused = [(objects.StoreError, f"the object store failed ({type(e).__name__}: {e})")]
             dist.broadcast_object_list(refused, src=0, group=self.group)
             if refused[0] and refused[0][1]:
@@ -1047,7 +1076,7 @@ class Checkpointer:
             self.pending = (future, step, tmp, meta)
         else:
             planner, writer = self._planner(state, tmp)
-            with _write_errors(step, tmp, self.held):
+            with _write_errors(step, tmp, self.held, self.remote):
                 dcp.save(state, storage_writer=writer, planner=planner, process_group=self.group)
             if self.remote is None:
                 self._commit(step, tmp, meta)
@@ -1057,11 +1086,16 @@ class Checkpointer:
     def _commit_remote(self, step: int, tmp: str, meta: dict) -> None:
         """An s3:// run dir's commit (remote.py): every rank uploads the files it wrote, rank 0
         commits the staging folder, uploads the rest and the manifest last; every rank raises the
-        same objects.StoreError if any part failed (the checkpoints uploaded before stay the latest)."""
+        same objects.StoreError if any part failed (the checkpoints uploaded before stay the latest).
+        Every request to the store ends within its share of checkpoint.timeout_s from here
+        (remote.Staging.deadline): a hung PUT fails on its rank with the object, the endpoint and the
+        time waited, before the other ranks give up on the collectives that follow."""
         assert self.remote is not None
         records, error = {}, None
+        deadline = self.remote.deadline(self.args.timeout_s)
         try:
-            records = self.remote.upload_own(tmp, step)
+            with self.remote.store.until(*deadline):
+                records = self.remote.upload_own(tmp, step)
         except Exception as e:  # noqa: BLE001 - said on every rank
             error = f"rank {self.rank}: {type(e).__name__}: {e}"
         gathered: list = [None] * self.world_size
@@ -1069,11 +1103,12 @@ class Checkpointer:
         error = next((e for _, e in gathered if e), None)
         if error is None and self.rank == 0:
             try:
-                if self._commit(step, tmp, meta):
-                    self.remote.publish(step_path(self.run_dir, step), step, [r for r, _ in gathered], self.run_id)
-                    if self.still_owner is None or self.still_owner():  # keep <= 0: all kept, orphans deleted
-                        keep = (lambda steps: self._kept(steps, meta)) if self.args.keep > 0 else set
-                        self.remote.retain(keep, self.run_id, step)
+                with self.remote.store.until(*deadline):  # the same: the others wait in the broadcast below
+                    if self._commit(step, tmp, meta):
+                        self.remote.publish(step_path(self.run_dir, step), step, [r for r, _ in gathered], self.run_id)
+                        if self.still_owner is None or self.still_owner():  # keep <= 0: all kept, orphans deleted
+                            keep = (lambda steps: self._kept(steps, meta)) if self.args.keep > 0 else set
+                            self.remote.retain(keep, self.run_id, step)
             except (OSError, objects.StoreError, objects.PreconditionFailed) as e:
                 error = f"rank 0: {type(e).__name__}: {e}"
         said = [error]
@@ -1082,7 +1117,7 @@ class Checkpointer:
             self._remove(os.path.basename(tmp))
         if said[0]:  # the store, not the input: a restart resumes from the checkpoint before (outcomes.py)
             raise objects.StoreError(
-                f"uploading the checkpoint of step {step} to {self.remote.url} failed ({said[0][:300]}); the "
+                f"uploading the checkpoint of step {step} to {self.remote.url} failed ({said[0][:600]}); the "
                 f"checkpoints uploaded before are intact; check the object store, then start again to resume"
             )
 
@@ -1105,7 +1140,9 @@ class Checkpointer:
         agreed = self._agreed_max(*halves, *(-h for h in halves))
         if digest and agreed[:2] == [float(h) for h in halves] and agreed[2:] == [float(-h) for h in halves]:
             self.planned_by = "layout"
-            return save_plan.Planner(items, self.rank, self.world_size), save_plan.IndexWriter(tmp)
+            writer = save_plan.IndexWriter(tmp)
+            writer.metadata_first = self.remote is not None  # the bucket gets no later file (stock.py)
+            return save_plan.Planner(items, self.rank, self.world_size), writer
         self.planned_by = "dcp"
         if not _PLAN_CACHING:
             return DefaultSavePlanner(), ChecksumWriter(tmp)
@@ -1194,16 +1231,17 @@ class Checkpointer:
                 self.held.rename(name, aside)
                 log.warning(
                     "%s was saved by another run (run id %s), not this one: moved aside, whole, to %s",
-                    final,
+                    self.shown(final),
                     other,
-                    os.path.join(self.held.name, aside),
+                    self.shown(os.path.join(self.held.name, aside)),
                 )
             else:
                 self._discard(name)
         self._held()
         self.held.rename(os.path.basename(tmp), name)
         self.held.fsync()
-        log.info("saved checkpoint %s", final)
+        if self.remote is None:  # an s3:// run dir's says it once uploaded, by its URL (remote.publish)
+            log.info("saved checkpoint %s", final)
         self.stock.committed(name)  # .metadata for stock DCP, where the save left it for after the commit
         layout.write_status(self.run_dir, saved=step)  # a later start that finds none says so (earlier_save)
         self._retain(meta)

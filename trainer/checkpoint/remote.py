@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 
 import torch.distributed as dist
 
@@ -40,6 +41,10 @@ RUN_FILES = (layout.RUN_ID_FILE, layout.CONFIG_FILE, layout.METRICS_FILE, layout
 RUN_FILE_BYTES = 1 << 30  # the most a run file is downloaded (metrics.jsonl of a very long run)
 MARK = ".trainer-staging"  # in a staging folder the trainer made: only such a folder is ever emptied
 OWNER = "owner"  # in a step prefix: the run id of the save that writes there, before any shard
+# The share of checkpoint.timeout_s a save's requests to the store get, from their start: the ranks
+# that wait for them in the collective that follows give up at checkpoint.timeout_s, and a rank whose
+# upload hangs must have said so first (objects.Store.until).
+UPLOAD_SHARE = 0.75
 _WRITER = re.compile(r"^(?:__(\d+)_.*|rank_(\d+)\.pt)$")  # DCP's shard files, the per-rank parts' files
 
 
@@ -242,6 +247,14 @@ class Staging:
 
     # -- a save --------------------------------------------------------------------------------
 
+    def deadline(self, timeout_s: float) -> tuple[float, str]:
+        """(when, why) for objects.Store.until: a save's requests to the store end within UPLOAD_SHARE
+        of `timeout_s` (checkpoint.timeout_s) from now, or fail with one line."""
+        return time.monotonic() + UPLOAD_SHARE * timeout_s, (
+            f"a save's requests get {UPLOAD_SHARE:g} of checkpoint.timeout_s={timeout_s:g} s, which the other "
+            f"ranks wait: raise it for a slower store"
+        )
+
     def begin_save(self, step: int, run_id: str | None) -> str | None:
         """Rank 0, before any rank uploads a file of step `step`: why the save cannot go there
         (another run's committed checkpoint), else None after marking the prefix as this run's
@@ -280,7 +293,7 @@ class Staging:
         manifest = {"files": listed, "xxh3_64": checksums._digest(listed), **({"run_id": run_id} if run_id else {})}
         body = json.dumps(manifest, indent=1, sort_keys=True).encode()
         self.store.put(objects.step_key(step, checksums.MANIFEST), body, if_none_match=True)
-        log.info("uploaded checkpoint %s", self.store.where(objects.step_key(step)))
+        log.info("saved checkpoint %s", self.store.where(objects.step_key(step)))  # committed: in the bucket
         self.upload_run_files()
 
     def upload_run_files(self) -> None:

@@ -413,6 +413,10 @@ class IndexWriter(ChecksumWriter):
     results compact (`Written`), and the coordinator's finish writes DCP's `.metadata`, built from
     the global plan's arrays and those results, for stock DCP and the trainer's reader alike."""
 
+    # .metadata before the commit whatever the save's size: an s3:// run dir's saves (trainer/checkpoint/
+    # stock.py says why); else a save past METADATA_BEFORE_COMMIT chunk records commits without it.
+    metadata_first = False
+
     def write_data(self, plan, planner):
         future = super().write_data(plan, planner)
         results = future.wait()
@@ -442,7 +446,7 @@ class IndexWriter(ChecksumWriter):
         if all(isinstance(r, Written) for r in results):
             files, rows = storage_rows(plan, results)
             write_index(self.path, plan, layout.mappings, files, rows)
-            if plan.chunk_count() > METADATA_BEFORE_COMMIT:  # .metadata after the commit (stock.py)
+            if plan.chunk_count() > METADATA_BEFORE_COMMIT and not self.metadata_first:  # after the commit: stock.py
                 metadata.planner_data = None
                 return
         full = layout.metadata()

@@ -49,12 +49,13 @@ def param_count(cfg: Config) -> int:
         return sum(p.numel() for p in build(cfg.model).parameters())
 
 
-def save_seconds(cfg: Config, nodes: int, run_dir: str) -> tuple[float, str]:
+def save_seconds(cfg: Config, nodes: int, run_dir: str, shown: str | None = None) -> tuple[float, str]:
     """(seconds one blocking save takes, how that was found): measured by this run dir's last
-    blocking save if there was one, else estimated from the state's size (`cfg`: resolved)."""
+    blocking save if there was one, else estimated from the state's size (`cfg`: resolved).
+    `shown`: the run dir as the answer names it (an s3:// run dir's URL, `run_dir` its staging copy)."""
     measured = layout.read_status(run_dir).get("save_s")
     if measured is not None:
-        return float(measured), f"measured by the last save in {run_dir}"
+        return float(measured), f"measured by the last save in {shown or run_dir}"
     params = param_count(cfg)
     from trainer.preflight.memory import checkpoint_bytes  # the one table of bytes per parameter
 

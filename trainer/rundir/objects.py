@@ -139,6 +139,8 @@ class Store:
             skip_instance_cache=True,
         )
         self.fs.retries = 3  # s3fs's own tries of a failed call (its default: 5, with growing waits)
+        # This thread's deadline for its calls (`until`): (time.monotonic() by which each must end, what set it).
+        self._bound = threading.local()
 
     def key(self, relative: str) -> str:
         why = key_problem(relative)
@@ -149,21 +151,52 @@ class Store:
     def where(self, relative: str = "") -> str:
         return f"{SCHEME}{self.bucket}/{self.prefix}" + (f"/{relative}" if relative else "")
 
-    def _sync(self, coroutine_function, *args):
-        import fsspec.asyn
+    @contextlib.contextmanager
+    def until(self, deadline: float, why: str):
+        """Within it, every call this thread makes to the store must end by `deadline` (a
+        time.monotonic() value): one that does not is cancelled, and StoreError says in one line the
+        object, the endpoint, the seconds waited and `why` (what set the deadline). A save's uploads
+        run so (manager.Checkpointer._commit_remote): a hung PUT then fails on its own rank, in time
+        for every rank to hear it, before the others give up waiting in the collective that follows.
+        The botocore timeouts alone would take minutes (read_timeout x attempts x s3fs's tries)."""
+        self._bound.deadline = (deadline, why)
+        try:
+            yield
+        finally:
+            self._bound.deadline = None
 
-        return fsspec.asyn.sync(self.fs.loop, coroutine_function, *args)
+    def _sync(self, what: str, coroutine_function, *args, **kwargs):
+        """`coroutine_function(*args, **kwargs)` on s3fs's loop, for the object `what` (relative to the
+        prefix), by this thread's deadline if it has one (`until`)."""
+        import fsspec.asyn
+        from fsspec.exceptions import FSTimeoutError
+
+        bound = getattr(self._bound, "deadline", None)
+        if bound is None:
+            return fsspec.asyn.sync(self.fs.loop, coroutine_function, *args, **kwargs)
+        deadline, why = bound
+        started = time.monotonic()
+        try:
+            if deadline <= started:
+                raise FSTimeoutError
+            return fsspec.asyn.sync(self.fs.loop, coroutine_function, *args, timeout=deadline - started, **kwargs)
+        except FSTimeoutError:
+            raise StoreError(
+                f"{self.where(what)}: no answer from the object store at {endpoint()} after "
+                f"{time.monotonic() - started:.0f} s ({why})"
+            ) from None
+
+    def _call(self, what: str, method: str, **kwargs) -> dict:
+        """One S3 request (s3fs's call_s3, its tries included) for the object `what`."""
+        return self._sync(what, self.fs._call_s3, method, **kwargs)
 
     def check(self) -> None:
         """StoreError, in one line, unless the bucket can be listed with this environment's
         endpoint and credentials: before anything is written."""
-        endpoint = (
-            os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL_S3") or "AWS's default endpoint"
-        )
         try:
             self.fs.call_s3("list_objects_v2", Bucket=self.bucket, Prefix=f"{self.prefix}/", MaxKeys=1)
         except Exception as e:  # noqa: BLE001 - every failure becomes the one line that names its cause
-            raise StoreError(self._explain(e, endpoint)) from None
+            raise StoreError(self._explain(e, endpoint())) from None
 
     def _explain(self, e: Exception, endpoint: str) -> str:
         code, name = _code(e), type(e).__name__
@@ -210,7 +243,7 @@ class Store:
             finally:
                 body.close()
 
-        return self._sync(read)
+        return self._sync(relative, read)
 
     def get_json(self, relative: str, limit: int = 1 << 20) -> tuple[dict, str] | None:
         got = self.get(relative, limit)
@@ -227,8 +260,8 @@ class Store:
         `if_match` (its ETag must be this) does not hold. Returns the new ETag."""
         conditions = {"IfNoneMatch": "*"} if if_none_match else {"IfMatch": if_match} if if_match else {}
         try:
-            response = self.fs.call_s3(
-                "put_object", Bucket=self.bucket, Key=self.key(relative), Body=body, **conditions
+            response = self._call(
+                relative, "put_object", Bucket=self.bucket, Key=self.key(relative), Body=body, **conditions
             )
         except (OSError, ValueError) as e:
             if conditions and _failed_condition(e):
@@ -237,20 +270,20 @@ class Store:
         return response.get("ETag", "")
 
     def upload(self, local: str, relative: str) -> None:
-        self.fs.put_file(local, f"{self.bucket}/{self.key(relative)}")
+        self._sync(relative, self.fs._put_file, local, f"{self.bucket}/{self.key(relative)}")
 
     def open(self, relative: str):
         return self.fs.open(f"{self.bucket}/{self.key(relative)}", "rb", block_size=8 << 20, cache_type="none")
 
     def size(self, relative: str) -> int | None:
         try:
-            return int(self.fs.info(f"{self.bucket}/{self.key(relative)}")["size"])
+            return int(self._sync(relative, self.fs._info, f"{self.bucket}/{self.key(relative)}")["size"])
         except FileNotFoundError:
             return None
 
     def delete(self, relative: str) -> None:
         with contextlib.suppress(FileNotFoundError):
-            self.fs.call_s3("delete_object", Bucket=self.bucket, Key=self.key(relative))
+            self._call(relative, "delete_object", Bucket=self.bucket, Key=self.key(relative))
 
     def listdir(self, relative: str) -> tuple[list[str], list[str]]:
         """(sub-prefix names, object names) directly under `relative`: one LIST with a delimiter per
@@ -259,7 +292,7 @@ class Store:
         base = f"{self.key(relative)}/"
         while True:
             extra = {"ContinuationToken": token} if token else {}
-            response = self.fs.call_s3("list_objects_v2", Bucket=self.bucket, Prefix=base, Delimiter="/", **extra)
+            response = self._call(relative, "list_objects_v2", Bucket=self.bucket, Prefix=base, Delimiter="/", **extra)
             folders += [p["Prefix"][len(base) :].rstrip("/") for p in response.get("CommonPrefixes", [])]
             names += [c["Key"][len(base) :] for c in response.get("Contents", [])]
             token = response.get("NextContinuationToken")
@@ -272,7 +305,7 @@ class Store:
         found, token = [], None
         while True:
             extra = {"ContinuationToken": token} if token else {}
-            response = self.fs.call_s3("list_objects_v2", Bucket=self.bucket, Prefix=base, **extra)
+            response = self._call(relative, "list_objects_v2", Bucket=self.bucket, Prefix=base, **extra)
             found += [c["Key"][len(base) :] for c in response.get("Contents", [])]
             token = response.get("NextContinuationToken")
             if not response.get("IsTruncated") or not token:
@@ -282,6 +315,11 @@ class Store:
         """The steps of the step_N prefixes under checkpoints/, oldest first, committed or not."""
         folders, _ = self.listdir(CHECKPOINTS)
         return sorted(int(m.group(1)) for m in map(STEP_PREFIX.match, folders) if m)
+
+
+def endpoint() -> str:
+    """The object store's endpoint as this environment names it, for the lines that name it."""
+    return os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL_S3") or "AWS's default endpoint"
 
 
 def _calendar_version(version: str) -> tuple[int, ...]:
