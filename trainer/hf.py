@@ -274,6 +274,27 @@ def _source(folder: str) -> _Folder | _Bucket:
     return _Bucket(folder) if objects.is_remote(folder) else _Folder(folder)
 
 
+def _origin(init_from: str | None) -> _Folder | _Bucket | None:
+    """The folder a run started from (model.init_from) where it is still there, with its config.json
+    (a local folder, or a bucket's); None otherwise; HFError where its bucket cannot be listed."""
+    if not init_from:
+        return None
+    if not objects.is_remote(init_from):
+        return _Folder(init_from) if os.path.isfile(os.path.join(init_from, CONFIG)) else None
+    origin = _Bucket(init_from)
+    origin.check()
+    return origin if origin.has(CONFIG) else None
+
+
+def read_file(folder: str, name: str, limit: int) -> bytes | None:
+    """The bytes of the file `name` of the folder a run started from (local or in a bucket; read
+    bounded, as a regular file inside it), None where it or the file is gone; HFError otherwise."""
+    origin = _origin(folder)
+    if origin is None or not origin.has(name):
+        return None
+    return origin.read_bytes(name, limit)
+
+
 def download(url: str, dest: str) -> list[str]:
     """The Hugging Face folder in a bucket (s3://BUCKET/PREFIX) downloaded into the empty local folder
     `dest`, which the loader then reads as any folder: the names downloaded (_Bucket.download)."""
@@ -527,18 +548,18 @@ def save(
     """Write our full state dict as an HF folder; returns the files written. Tensors go into shards
     of at most `max_shard_bytes` (a larger tensor gets one of its own), listed in an index file when
     there is more than one, as `save_pretrained` does. A run that started from an HF folder that is
-    still there passes on its tokenizer files and special token ids."""
+    still there (in a bucket: reachable) passes on its tokenizer files and special token ids."""
     import torch
     from safetensors.torch import save_file
 
     dtype = dtype or torch.float32
     names = adapter(args)
     source = {}  # the config.json of the folder the run started from, where it is still there
-    if args.init_from and os.path.isfile(os.path.join(args.init_from, CONFIG)):
-        try:  # read as model.init_from reads it: nothing through a link that leads out of the folder
-            source = read_config(args.init_from)
-        except HFError as e:
-            log.warning("%s; the export lacks its token ids", e)
+    try:  # read as model.init_from reads it: nothing through a link that leads out of the folder
+        origin = _origin(args.init_from)
+        source = _read_config(origin) if origin is not None else {}
+    except HFError as e:
+        log.warning("%s; the export lacks its token ids and tokenizer files", e)
     try:
         config = names.config(args, dtype, source)
     except ValueError as e:
@@ -575,9 +596,8 @@ def save(
     if source:
         try:
             for name in TOKENIZER_FILES:
-                if os.path.lexists(os.path.join(args.init_from, name)):
-                    data = files.read_bytes(os.path.realpath(_inside(args.init_from, name)), TOKENIZER_BYTES)
-                    files.write_bytes(os.path.join(out, name), data)
+                if origin.has(name):
+                    files.write_bytes(os.path.join(out, name), origin.read_bytes(name, TOKENIZER_BYTES))
                     copied.append(name)
         except (HFError, OSError) as e:
             log.warning("%s; the export lacks some of its tokenizer files", e)

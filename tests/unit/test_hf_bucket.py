@@ -169,3 +169,33 @@ def test_an_object_replaced_or_damaged_during_its_download_is_one_line(s3, tmp_p
         assert str(e.value).endswith("): damaged on the way; start again")
     finally:
         proxy.stop()
+
+
+def test_an_export_and_generate_take_the_tokenizer_of_a_bucket_folder(s3, tmp_path):
+    """A run started from a bucket's folder: its export passes on that folder's tokenizer files and
+    token ids (small bounded reads), and trainer.generate takes its tokenizer.json."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    from trainer import models
+    from trainer.commands.generate import load_tokenizer
+
+    server, bucket = s3
+    args = resolve(Config(model=ModelArgs(seq_len=32))).model
+    state = models.build(args).state_dict()
+    start = tmp_path / "start"
+    hf.save(state, args, str(start), 1 << 30)
+    config = json.loads((start / "config.json").read_text())
+    (start / "config.json").write_text(json.dumps({**config, "eos_token_id": 7}))
+    tokenizer = Tokenizer(WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).to_str()
+    (start / "tokenizer.json").write_text(tokenizer)
+    (start / "generation_config.json").write_text('{"eos_token_id": 7}')
+    url = _upload(server, bucket, start)
+
+    from_s3 = resolve(Config(model=ModelArgs(init_from=url, seq_len=32))).model
+    assert (from_s3.init_from, from_s3.dim, from_s3.vocab_size) == (url, args.dim, args.vocab_size)
+    written = hf.save(state, from_s3, str(tmp_path / "out"), 1 << 30)
+    assert {"tokenizer.json", "generation_config.json"} <= set(written)
+    assert (tmp_path / "out" / "tokenizer.json").read_text() == tokenizer
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["eos_token_id"] == 7
+    assert load_tokenizer(Config(model=from_s3), None).encode(["a"], is_pretokenized=True).ids == [0]
