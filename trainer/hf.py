@@ -192,15 +192,15 @@ class _Bucket:
 
     def _object(self, name: str, index: str | None = None) -> tuple[int, str]:
         """(size, ETag) of the object `name`, a plain name at the folder's top level."""
-        why = objects.key_problem(name)
-        if why or "/" in name:
-            said = f"{index} names {name!r}" if index else f"{self.where(name)} has a name"
+        if objects.key_problem(name) or "/" in name:
+            said = f"{index} names {name[:80]!r}" if index else f"{self.store.url} holds {name[:80]!r}"
             raise HFError(
                 f"{said} that the trainer does not take from a bucket (letters, digits, . _ = + -, at the "
                 f"folder's top level); rename it"
             )
         if name not in self.listing():
-            raise HFError(f"{index} names {name!r}, which {self.store.url} lacks; upload the whole model folder again")
+            said = f"{index} names {name!r}, which {self.store.url} lacks" if index else f"{self.where(name)} is gone"
+            raise HFError(f"{said}; upload the whole model folder again")
         return self.listing()[name]
 
     def _get(self, name: str, start: int, length: int, etag: str) -> bytes:
@@ -243,7 +243,7 @@ class _Bucket:
         size, etag = self._object(name, index)
         where = self.where(name)
         if size < 8:
-            raise HFError(f"{where} holds {size} bytes, fewer than a safetensors file; download it again")
+            raise HFError(f"{where} holds {size} bytes, fewer than a safetensors file; upload it again")
         n = int.from_bytes(self._get(name, 0, 8, etag), "little")
         if n > SAFETENSORS_HEADER_BYTES:
             raise HFError(
@@ -261,13 +261,17 @@ class _Bucket:
         the safetensors the index names or every one, the tokenizer files there are), each of the
         version listed (If-Match), checked as written (size; the MD5 where the ETag is one): the
         names downloaded; HFError for the folder, objects.StoreError for the download."""
-        names = [CONFIG, *([INDEX] if self.has(INDEX) else [])]
-        names += list(_weight_names(self)[1])  # the headers read again, of this listing
-        names += [name for name in TOKENIZER_FILES if self.has(name)]
-        for name in names:
+        limits = {CONFIG: files.SMALL_FILE_BYTES, **({INDEX: INDEX_BYTES} if self.has(INDEX) else {})}
+        limits.update(dict.fromkeys(_weight_names(self)[1], None))  # the headers read again, of this listing
+        limits.update({name: TOKENIZER_BYTES for name in TOKENIZER_FILES if self.has(name)})
+        for name, limit in limits.items():
             size, etag = self._object(name)
+            if limit is not None and size > limit:
+                raise HFError(
+                    f"{self.where(name)} holds {size:,} bytes, more than a {name} can ({limit:,}); replace it"
+                )
             self.store.download(name, os.path.join(dest, name), size, etag)
-        return names
+        return list(limits)
 
 
 def _source(folder: str) -> _Folder | _Bucket:

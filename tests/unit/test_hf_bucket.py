@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 
 import pytest
 import torch
@@ -117,6 +118,20 @@ def test_each_bad_object_is_one_line_naming_its_url(s3, tmp_path):
         f"s3://{bucket}/odd/m/{hf.INDEX} names '../x.safetensors' that the trainer does not take from a bucket "
         f"(letters, digits, . _ = + -, at the folder's top level); rename it"
     )
+    client.put_object(Bucket=bucket, Key=f"gone/m/{hf.INDEX}", Body=b'{"weight_map": {"w": "gone.safetensors"}}')
+    with pytest.raises(hf.HFError) as e:
+        hf.weight_files(f"s3://{bucket}/gone/m")
+    assert str(e.value) == (
+        f"s3://{bucket}/gone/m/{hf.INDEX} names 'gone.safetensors', which s3://{bucket}/gone/m lacks; upload the "
+        f"whole model folder again"
+    )
+    client.put_object(Bucket=bucket, Key="spaced/m/model 1.safetensors", Body=good)
+    with pytest.raises(hf.HFError) as e:
+        hf.weight_files(f"s3://{bucket}/spaced/m")
+    assert str(e.value) == (
+        f"s3://{bucket}/spaced/m holds 'model 1.safetensors' that the trainer does not take from a bucket (letters, "
+        f"digits, . _ = + -, at the folder's top level); rename it"
+    )
     with pytest.raises(hf.HFError) as e:  # the store's own line: here a bucket that is not there
         hf.read_config("s3://no-such-bucket/m")
     assert str(e.value).startswith("s3://no-such-bucket/m: bucket no-such-bucket does not exist at http://127.0.0.1:")
@@ -199,3 +214,25 @@ def test_an_export_and_generate_take_the_tokenizer_of_a_bucket_folder(s3, tmp_pa
     assert (tmp_path / "out" / "tokenizer.json").read_text() == tokenizer
     assert json.loads((tmp_path / "out" / "config.json").read_text())["eos_token_id"] == 7
     assert load_tokenizer(Config(model=from_s3), None).encode(["a"], is_pretokenized=True).ids == [0]
+
+
+def test_the_start_downloads_into_a_private_folder_removed_at_exit(s3, tmp_path, monkeypatch, group):
+    """remote.hf_copy, as a start calls it (here on a group of one): the copy under the staging root,
+    gone after remove_copies; a bad folder is the folder's HFError line, a store failure the store's."""
+    from trainer.checkpoint import remote
+
+    server, bucket = s3
+    monkeypatch.setenv(objects.STAGING_ENV, str(tmp_path / "staging"))
+    folder = _folder(tmp_path)
+    url = _upload(server, bucket, folder)
+    copy = remote.hf_copy(url, group, rank=0, local_rank=0, local_world_size=1)
+    assert copy.startswith(f"{tmp_path}/staging/{bucket}/models/.hf-m-")
+    assert sorted(os.listdir(copy)) == ["config.json", hf.INDEX, "one.safetensors", "tokenizer.json", "two.safetensors"]
+    remote.remove_copies()
+    assert list((tmp_path / "staging" / bucket / "models").iterdir()) == []
+
+    server.client().put_object(Bucket=bucket, Key=f"{PREFIX}/two.safetensors", Body=b"\0" * 7)
+    with pytest.raises(hf.HFError) as e:
+        remote.hf_copy(url, group, rank=0, local_rank=0, local_world_size=1)
+    assert str(e.value) == f"{url}/two.safetensors holds 7 bytes, fewer than a safetensors file; upload it again"
+    remote.remove_copies()

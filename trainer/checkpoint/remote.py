@@ -322,7 +322,8 @@ _COPIES: list[str] = []  # the folders local_copy made in this process
 
 @atexit.register
 def remove_copies() -> None:
-    """Remove local_copy's folders (at exit; a command that ends by os._exit calls it itself)."""
+    """Remove the private folders (local_copy's, hf_copy's; at exit: a command that ends by os._exit
+    calls it itself)."""
     while _COPIES:
         shutil.rmtree(_COPIES.pop(), ignore_errors=True)
 
