@@ -8,6 +8,12 @@ need `safetensors` and JSON only. Every byte of a folder is untrusted: its files
 files inside it (trainer/rundir/files.py; a hub cache's links into its blobs/ only), its config.json is
 checked key by key by the family's adapter, and weights are safetensors, which hold no code.
 
+model.init_from may name such a folder in a bucket (s3://BUCKET/PREFIX, through
+trainer/rundir/objects.py's Store): the same checks run over its top-level objects (_Bucket beside
+_Folder), config.json and the index read bounded, each safetensors file by its header alone (two
+ranged reads), so resolving a config downloads no weight; at a start each node downloads a checked
+copy (download; trainer/checkpoint/remote.py's hf_copy), which the loader reads as a folder.
+
 This module imports the models package (downward); nothing there imports it: it asks the run's
 family (`models.spec(args).hf`) for the names and the config.json mapping.
 """
@@ -313,9 +319,9 @@ def _tensor_names(raw: bytes, data_bytes: int, where: str) -> list[str]:
     try:
         header = json.loads(raw)
     except ValueError as e:
-        raise HFError(f"{where} is not a readable safetensors file (its header: {e}); download it again") from None
+        raise HFError(f"{where} is not a readable safetensors file (its header: {e}); upload it again") from None
     if not isinstance(header, dict):
-        raise HFError(f"{where} is not a readable safetensors file (its header is no mapping); download it again")
+        raise HFError(f"{where} is not a readable safetensors file (its header is no mapping); upload it again")
     end = 0
     for name, entry in header.items():
         if name == "__metadata__":
@@ -328,7 +334,7 @@ def _tensor_names(raw: bytes, data_bytes: int, where: str) -> list[str]:
             and 0 <= offsets[0] <= offsets[1]
         ):
             raise HFError(
-                f"{where} is not a readable safetensors file ({name[:80]!r} has no data_offsets); download it again"
+                f"{where} is not a readable safetensors file ({name[:80]!r} has no data_offsets); upload it again"
             )
         end = max(end, offsets[1])
     if end != data_bytes:

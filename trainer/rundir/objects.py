@@ -25,6 +25,9 @@ folder code, then each rank uploads the files it wrote (trainer/checkpoint/remot
 returns at local-disk speed, the checksummed writer and reader stay one code path, and the upload
 runs per rank in parallel.
 
+The Store also reads a Hugging Face folder in a bucket (model.init_from=s3://..., trainer/hf.py):
+`listing`, ranged reads (`get_range`) and checked downloads (`download`: If-Match on the ETag listed).
+
 A bucket written by others is as untrusted as a shared folder: small objects are read bounded
 (`get`), every key the trainer builds from what it read is checked (`key`: no `..`, nothing
 absolute), run ids are compared as on a filesystem.
