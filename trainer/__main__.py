@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         from trainer.checkpoint import remote
 
-        remote.remove_copies()  # an s3:// checkpoint.resume_from's local copy: exit_process skips atexit
+        remote.remove_copies()  # s3:// resume_from's, init_from's local copies: exit_process skips atexit
         shutdown()  # for callers of main() in-process; exit_process below checks and skips it
     return 0
 

@@ -8,6 +8,12 @@ need `safetensors` and JSON only. Every byte of a folder is untrusted: its files
 files inside it (trainer/rundir/files.py; a hub cache's links into its blobs/ only), its config.json is
 checked key by key by the family's adapter, and weights are safetensors, which hold no code.
 
+model.init_from may name such a folder in a bucket (s3://BUCKET/PREFIX, through
+trainer/rundir/objects.py's Store): the same checks run over its top-level objects (_Bucket beside
+_Folder), config.json and the index read bounded, each safetensors file by its header alone (two
+ranged reads), so resolving a config downloads no weight; at a start each node downloads a checked
+copy (download; trainer/checkpoint/remote.py's hf_copy), which the loader reads as a folder.
+
 This module imports the models package (downward); nothing there imports it: it asks the run's
 family (`models.spec(args).hf`) for the names and the config.json mapping.
 """
@@ -15,13 +21,14 @@ family (`models.spec(args).hf`) for the names and the config.json mapping.
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import os
 import re
 from typing import TYPE_CHECKING
 
 from trainer import models
-from trainer.rundir import files
+from trainer.rundir import files, objects
 
 if TYPE_CHECKING:
     import torch
@@ -46,6 +53,7 @@ TOKENIZER_FILES = (
 )
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 TOKENIZER_BYTES = 256 << 20  # the largest tokenizer file passed on: real ones are a few tens of MB
+SAFETENSORS_HEADER_BYTES = 100_000_000  # the largest header safetensors itself reads (its MAX_HEADER_SIZE)
 
 
 class HFError(Exception):
@@ -61,9 +69,10 @@ def init_args(args: ModelArgs) -> ModelArgs:
     family = family_of(args)
     if not args.init_from or family is None or family.hf is None:
         return args
-    args = model_args(args.init_from, args)
-    refuse_what_cannot_fit(args, os.path.join(args.init_from, CONFIG))
-    weight_files(args.init_from)
+    source = _source(args.init_from)  # a bucket's: listed once, no weight downloaded
+    args = _model_args(source, args)
+    refuse_what_cannot_fit(args, source.where(CONFIG))
+    _weight_names(source)
     return args
 
 
@@ -111,24 +120,249 @@ def refuse_what_cannot_fit(args: ModelArgs, where: str) -> None:
             )
 
 
+# -- the folder: local, or a prefix in a bucket ---------------------------------------------------
+
+
+class _Folder:
+    """A local Hugging Face folder: its files read as regular files inside it (_inside)."""
+
+    def __init__(self, folder: str):
+        self.folder = self.name = folder
+
+    def where(self, name: str) -> str:
+        return os.path.join(self.folder, name)
+
+    def check(self) -> None:
+        if not os.path.isdir(self.folder):
+            raise HFError(
+                f"{self.folder} is not a folder; model.init_from needs a local Hugging Face model folder "
+                f"(or s3://BUCKET/PREFIX of one)"
+            )
+
+    def has(self, name: str) -> bool:
+        return os.path.lexists(self.where(name))
+
+    def read_json(self, name: str, limit: int) -> tuple[str, object]:
+        """(where, the JSON value) of the file `name`; HFError where it is no readable JSON."""
+        path = _inside(self.folder, name)
+        try:
+            return path, files.read_json(os.path.realpath(path), limit)  # _inside: a link only into blobs/
+        except (OSError, ValueError) as e:
+            raise HFError(f"{path} is not readable JSON ({e}); replace it with the model's {name}") from None
+
+    def read_bytes(self, name: str, limit: int) -> bytes:
+        return files.read_bytes(os.path.realpath(_inside(self.folder, name)), limit)
+
+    def safetensors(self) -> list[str]:
+        return sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(self.folder), "*.safetensors")))
+
+    def header(self, name: str, index: str | None = None) -> tuple[str, list[str]]:
+        """(the checked path of `name`, its tensor names); `index` names the file that gave the name."""
+        path = _inside(self.folder, name, index)
+        return path, _header(path)
+
+
+class _Bucket:
+    """A Hugging Face folder in a bucket (s3://BUCKET/PREFIX): its top-level objects, listed once; small
+    ones read bounded, the safetensors headers by ranged reads (trainer/rundir/objects.py). Nothing in
+    sub-prefixes is taken, and only names of plain characters (objects.key_problem)."""
+
+    def __init__(self, url: str):
+        try:
+            self.store = objects.Store(url, setting="")
+        except objects.StoreError as e:
+            raise HFError(str(e)) from None
+        self.name = self.store.url
+        self._listed: dict[str, tuple[int, str]] | None = None
+
+    def where(self, name: str) -> str:
+        return self.store.where(name)
+
+    def check(self) -> None:
+        try:
+            self.store.check()  # credentials, bucket, endpoint: one line
+        except objects.StoreError as e:
+            raise HFError(str(e)) from None
+
+    def listing(self) -> dict[str, tuple[int, str]]:
+        """name -> (size, ETag) of the folder's top-level objects, listed once."""
+        if self._listed is None:
+            try:
+                self._listed = self.store.listing()
+            except OSError as e:
+                raise HFError(f"{self.store.url}: listing it failed ({e}); check AWS_ENDPOINT_URL") from None
+        return self._listed
+
+    def has(self, name: str) -> bool:
+        return name in self.listing()
+
+    def _object(self, name: str, index: str | None = None) -> tuple[int, str]:
+        """(size, ETag) of the object `name`, a plain name at the folder's top level."""
+        if objects.key_problem(name) or "/" in name:
+            said = f"{index} names {name[:80]!r}" if index else f"{self.store.url} holds {name[:80]!r}"
+            raise HFError(
+                f"{said} that the trainer does not take from a bucket (letters, digits, . _ = + -, at the "
+                f"folder's top level); rename it"
+            )
+        if name not in self.listing():
+            said = f"{index} names {name!r}, which {self.store.url} lacks" if index else f"{self.where(name)} is gone"
+            raise HFError(f"{said}; upload the whole model folder again")
+        return self.listing()[name]
+
+    def _get(self, name: str, start: int, length: int, etag: str) -> bytes:
+        try:
+            return self.store.get_range(name, start, length, etag)
+        except objects.PreconditionFailed:
+            raise HFError(
+                f"{self.where(name)} changed while it was read; start again once the folder is complete"
+            ) from None
+        except objects.StoreError as e:
+            raise HFError(str(e)) from None
+        except OSError as e:
+            raise HFError(f"{self.where(name)} cannot be read ({e}); check AWS_ENDPOINT_URL") from None
+
+    def read_bytes(self, name: str, limit: int) -> bytes:
+        size, etag = self._object(name)
+        if size > limit:
+            raise HFError(
+                f"{self.where(name)} holds {size:,} bytes, more than a {name} can ({limit:,}); replace it with "
+                f"the model's {name}"
+            )
+        return self._get(name, 0, size, etag) if size else b""
+
+    def read_json(self, name: str, limit: int) -> tuple[str, object]:
+        data = self.read_bytes(name, limit)
+        try:
+            return self.where(name), json.loads(data)
+        except ValueError as e:
+            raise HFError(
+                f"{self.where(name)} is not readable JSON ({e}); replace it with the model's {name}"
+            ) from None
+
+    def safetensors(self) -> list[str]:
+        return sorted(name for name in self.listing() if name.endswith(".safetensors"))
+
+    def header(self, name: str, index: str | None = None) -> tuple[str, list[str]]:
+        """(the object's URL, its tensor names), from its header alone: two ranged reads, the first 8
+        bytes (the header's length n, little-endian) and the n header bytes; the tensors' data must
+        end exactly at the object's end (a file cut short or padded is refused)."""
+        size, etag = self._object(name, index)
+        where = self.where(name)
+        if size < 8:
+            raise HFError(f"{where} holds {size} bytes, fewer than a safetensors file; upload it again")
+        n = int.from_bytes(self._get(name, 0, 8, etag), "little")
+        if n > SAFETENSORS_HEADER_BYTES:
+            raise HFError(
+                f"{where} is not a safetensors file: its header would be {n:,} bytes, more than safetensors "
+                f"allows ({SAFETENSORS_HEADER_BYTES:,}); replace it with the model's file"
+            )
+        if 8 + n > size:
+            raise HFError(
+                f"{where} is cut short: its header would be {n:,} bytes, the object holds {size:,}; upload it again"
+            )
+        return where, _tensor_names(self._get(name, 8, n, etag) if n else b"", size - 8 - n, where)
+
+    def download(self, dest: str) -> list[str]:
+        """Download into the new folder `dest` the files the loader needs (config.json, the index,
+        the safetensors the index names or every one, the tokenizer files there are), each of the
+        version listed (If-Match), checked as written (size; the MD5 where the ETag is one): the
+        names downloaded; HFError for the folder, objects.StoreError for the download."""
+        limits = {CONFIG: files.SMALL_FILE_BYTES, **({INDEX: INDEX_BYTES} if self.has(INDEX) else {})}
+        limits.update(dict.fromkeys(_weight_names(self)[1], None))  # the headers read again, of this listing
+        limits.update({name: TOKENIZER_BYTES for name in TOKENIZER_FILES if self.has(name)})
+        for name, limit in limits.items():
+            size, etag = self._object(name)
+            if limit is not None and size > limit:
+                raise HFError(
+                    f"{self.where(name)} holds {size:,} bytes, more than a {name} can ({limit:,}); replace it"
+                )
+            self.store.download(name, os.path.join(dest, name), size, etag)
+        return list(limits)
+
+
+def _source(folder: str) -> _Folder | _Bucket:
+    return _Bucket(folder) if objects.is_remote(folder) else _Folder(folder)
+
+
+def _origin(init_from: str | None) -> _Folder | _Bucket | None:
+    """The folder a run started from (model.init_from) where it is still there, with its config.json
+    (a local folder, or a bucket's); None otherwise; HFError where its bucket cannot be listed."""
+    if not init_from:
+        return None
+    if not objects.is_remote(init_from):
+        return _Folder(init_from) if os.path.isfile(os.path.join(init_from, CONFIG)) else None
+    origin = _Bucket(init_from)
+    origin.check()
+    return origin if origin.has(CONFIG) else None
+
+
+def read_file(folder: str, name: str, limit: int) -> bytes | None:
+    """The bytes of the file `name` of the folder a run started from (local or in a bucket; read
+    bounded, as a regular file inside it), None where it or the file is gone; HFError otherwise."""
+    origin = _origin(folder)
+    if origin is None or not origin.has(name):
+        return None
+    return origin.read_bytes(name, limit)
+
+
+def download(url: str, dest: str) -> list[str]:
+    """The Hugging Face folder in a bucket (s3://BUCKET/PREFIX) downloaded into the empty local folder
+    `dest`, which the loader then reads as any folder: the names downloaded (_Bucket.download)."""
+    source = _Bucket(url)
+    source.check()
+    return source.download(dest)
+
+
+def _tensor_names(raw: bytes, data_bytes: int, where: str) -> list[str]:
+    """The tensor names of a safetensors header (`raw`, its JSON) whose data part holds `data_bytes`:
+    each tensor's data_offsets must lie in it, and the last one end where it ends."""
+    try:
+        header = json.loads(raw)
+    except ValueError as e:
+        raise HFError(f"{where} is not a readable safetensors file (its header: {e}); upload it again") from None
+    if not isinstance(header, dict):
+        raise HFError(f"{where} is not a readable safetensors file (its header is no mapping); upload it again")
+    end = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(type(o) is int for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]
+        ):
+            raise HFError(
+                f"{where} is not a readable safetensors file ({name[:80]!r} has no data_offsets); upload it again"
+            )
+        end = max(end, offsets[1])
+    if end != data_bytes:
+        state = "cut short" if end > data_bytes else "padded"
+        raise HFError(
+            f"{where} is {state}: its header says its tensors take {end:,} bytes, the object holds {data_bytes:,} "
+            f"after the header; upload it again"
+        )
+    return [name for name in header if name != "__metadata__"]
+
+
 # -- config.json ----------------------------------------------------------------------------------
 
 
 def read_config(folder: str) -> dict:
-    """The mapping in `folder`'s config.json, read as a regular file inside the folder; its keys are
-    the family adapter's to check."""
-    if not os.path.isdir(folder):
-        raise HFError(f"{folder} is not a folder; model.init_from needs a local Hugging Face model folder")
-    path = os.path.join(folder, CONFIG)
-    if not os.path.lexists(path):
+    """The mapping in `folder`'s config.json (a local folder's, read as a regular file inside it, or
+    a bucket's, read bounded); its keys are the family adapter's to check."""
+    return _read_config(_source(folder))
+
+
+def _read_config(source: _Folder | _Bucket) -> dict:
+    source.check()
+    if not source.has(CONFIG):
         raise HFError(
-            f"{path} not found; model.init_from needs a Hugging Face folder with config.json and *.safetensors"
+            f"{source.where(CONFIG)} not found; model.init_from needs a Hugging Face folder with config.json and "
+            f"*.safetensors"
         )
-    path = _inside(folder, CONFIG)
-    try:
-        config = files.read_json(os.path.realpath(path))  # _inside: a link only into the hub cache's blobs/
-    except (OSError, ValueError) as e:
-        raise HFError(f"{path} is not readable JSON ({e}); replace it with the model's config.json") from None
+    path, config = source.read_json(CONFIG, files.SMALL_FILE_BYTES)
     if not isinstance(config, dict):
         raise HFError(
             f"{path}: holds a JSON {type(config).__name__}, not a mapping of settings; replace it with the "
@@ -152,8 +386,12 @@ def model_args(folder: str, args: ModelArgs) -> ModelArgs:
     """`args` with the shape of the HF model in `folder` (its family's adapter reads config.json). A
     key the config sets (not None) must agree with config.json: the first that differs is an
     HFError naming both values."""
+    return _model_args(_source(folder), args)
+
+
+def _model_args(source: _Folder | _Bucket, args: ModelArgs) -> ModelArgs:
     try:
-        return adapter(args).args(read_config(folder), args, os.path.join(folder, CONFIG))
+        return adapter(args).args(_read_config(source), args, source.where(CONFIG))
     except ValueError as e:
         raise HFError(str(e)) from None
 
@@ -194,33 +432,36 @@ def _inside(folder: str, name: str, index: str | None = None) -> str:
 
 
 def weight_files(folder: str) -> dict[str, str]:
-    """HF parameter name -> the safetensors file in `folder` that holds it. Every file is opened and
-    its header checked (a file cut short is found here); no tensor is read."""
-    index = os.path.join(folder, INDEX)
-    if os.path.lexists(index):
-        index = _inside(folder, INDEX)
-        try:
-            weight_map = files.read_json(os.path.realpath(index), INDEX_BYTES)
-        except (OSError, ValueError) as e:
-            raise HFError(f"{index} is not readable JSON ({e}); replace it with the model's {INDEX}") from None
+    """HF parameter name -> the safetensors file in `folder` (a path, or an s3:// URL) that holds it.
+    Every file's header is checked (a file cut short is found here); no tensor is read."""
+    weight_map, where = _weight_names(_source(folder))
+    return {param: where[name] for param, name in weight_map.items()}
+
+
+def _weight_names(source: _Folder | _Bucket) -> tuple[dict[str, str], dict[str, str]]:
+    """(HF parameter name -> the name of the safetensors file of `source` that holds it, file name ->
+    where it is): the index's weight_map where there is an index, else every *.safetensors file's
+    header; every file named is checked (inside the folder, there, its header readable)."""
+    where = {}
+    if source.has(INDEX):
+        index, weight_map = source.read_json(INDEX, INDEX_BYTES)
         weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise HFError(
                 f"{index} has no weight_map of parameter names to file names; replace it with the model's {INDEX}"
             )
-        found = {name: _inside(folder, file, index) for name, file in weight_map.items()}
-    else:
-        found = {}
-        for path in sorted(glob.glob(os.path.join(glob.escape(folder), "*.safetensors"))):
-            found.update((name, path) for name in _header(_inside(folder, os.path.basename(path))))
-        if not found:
-            raise HFError(
-                f"{folder} holds no *.safetensors file; model.init_from needs the weights in safetensors format"
-            )
-        return found
-    for path in set(found.values()):
-        _header(path)
-    return found
+        for name in dict.fromkeys(weight_map.values()):
+            where[name] = source.header(name, index)[0]
+        return dict(weight_map), where
+    found = {}
+    for name in source.safetensors():
+        where[name], tensors = source.header(name)
+        found.update((tensor, name) for tensor in tensors)
+    if not found:
+        raise HFError(
+            f"{source.name} holds no *.safetensors file; model.init_from needs the weights in safetensors format"
+        )
+    return found, where
 
 
 def _header(path: str) -> list[str]:
@@ -317,18 +558,18 @@ def save(
     """Write our full state dict as an HF folder; returns the files written. Tensors go into shards
     of at most `max_shard_bytes` (a larger tensor gets one of its own), listed in an index file when
     there is more than one, as `save_pretrained` does. A run that started from an HF folder that is
-    still there passes on its tokenizer files and special token ids."""
+    still there (in a bucket: reachable) passes on its tokenizer files and special token ids."""
     import torch
     from safetensors.torch import save_file
 
     dtype = dtype or torch.float32
     names = adapter(args)
     source = {}  # the config.json of the folder the run started from, where it is still there
-    if args.init_from and os.path.isfile(os.path.join(args.init_from, CONFIG)):
-        try:  # read as model.init_from reads it: nothing through a link that leads out of the folder
-            source = read_config(args.init_from)
-        except HFError as e:
-            log.warning("%s; the export lacks its token ids", e)
+    try:  # read as model.init_from reads it: nothing through a link that leads out of the folder
+        origin = _origin(args.init_from)
+        source = _read_config(origin) if origin is not None else {}
+    except HFError as e:
+        log.warning("%s; the export lacks its token ids and tokenizer files", e)
     try:
         config = names.config(args, dtype, source)
     except ValueError as e:
@@ -365,9 +606,8 @@ def save(
     if source:
         try:
             for name in TOKENIZER_FILES:
-                if os.path.lexists(os.path.join(args.init_from, name)):
-                    data = files.read_bytes(os.path.realpath(_inside(args.init_from, name)), TOKENIZER_BYTES)
-                    files.write_bytes(os.path.join(out, name), data)
+                if origin.has(name):
+                    files.write_bytes(os.path.join(out, name), origin.read_bytes(name, TOKENIZER_BYTES))
                     copied.append(name)
         except (HFError, OSError) as e:
             log.warning("%s; the export lacks some of its tokenizer files", e)

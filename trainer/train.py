@@ -380,7 +380,7 @@ def _train(run: Run) -> None:
     run_dir = cfg.run_dir
     micro, accum = batch_plan(cfg, plan.dp_size)
     B = cfg.train.global_batch_size
-    step, samples, meta = _resume(cfg, ckpt, model, scheduler, reporter, run.times)
+    step, samples, meta = _resume(cfg, env, ckpt, model, scheduler, reporter, run.times)
     change = data.resume(train_set, meta)  # a mixture: each source from its own position
     if change:
         reporter.message(change)
@@ -583,10 +583,13 @@ def _checkpointer(
     return ckpt
 
 
-def _resume(cfg: Config, ckpt: manager.Checkpointer, model, scheduler, reporter: Reporter, times: dict) -> tuple:
+def _resume(
+    cfg: Config, env: distributed.Env, ckpt: manager.Checkpointer, model, scheduler, reporter: Reporter, times: dict
+) -> tuple:
     """(step, samples consumed, the checkpoint's meta or None): the newest checkpoint loaded, with a
-    line for each change of the schedule; without one, a new run from model.init_from's weights.
-    The load's start and end go into `times`."""
+    line for each change of the schedule; without one, a new run from model.init_from's weights (a
+    folder in a bucket: first downloaded on each node, checked, into a private folder removed at
+    exit). The load's start and end go into `times`."""
     step, samples = 0, 0
     times["load_start"] = time.time()
     meta = ckpt.load()
@@ -617,7 +620,10 @@ def _resume(cfg: Config, ckpt: manager.Checkpointer, model, scheduler, reporter:
     elif cfg.model.init_from:  # a new run from a Hugging Face folder: its weights, step 0
         started = time.perf_counter()
         try:
-            hf.load_weights(parallel.unwrap(model), cfg.model.init_from, cfg.model)
+            folder = cfg.model.init_from
+            if objects.is_remote(folder):
+                folder = remote.hf_copy(folder, ckpt.group, env.rank, env.local_rank, env.local_world_size)
+            hf.load_weights(parallel.unwrap(model), folder, cfg.model)
         except hf.HFError as e:
             raise manager.CheckpointError(f"model.init_from: {e}") from None
         reporter.message(f"initialised from {cfg.model.init_from} in {time.perf_counter() - started:.2f}s")

@@ -140,12 +140,13 @@ class Proxy:
     `Connection: close`), that can fail or slow S3 requests by their request line: `cut(line)` true
     forwards the head and at most 64 bytes of the body, then closes both sides (a PUT that fails half-way);
     `delay(line)` seconds are waited before a request is forwarded (a slow LIST, a save held in flight);
-    one still waiting at stop() is dropped."""
+    one still waiting at stop() is dropped; `flip(line)` true flips a bit of the response's last byte
+    (the last of the body: bytes damaged on the way)."""
 
-    def __init__(self, server: Server, cut=lambda line: False, delay=lambda line: 0.0):
+    def __init__(self, server: Server, cut=lambda line: False, delay=lambda line: 0.0, flip=lambda line: False):
         import threading
 
-        self.target, self.cut, self.delay = server.port, cut, delay
+        self.target, self.cut, self.delay, self.flip = server.port, cut, delay, flip
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
@@ -188,9 +189,16 @@ class Proxy:
                 upstream.sendall(body[:64])
                 return
             upstream.sendall(body)
+            flip = self.flip(line)
 
             def back():
                 with contextlib.suppress(OSError):
+                    if flip:  # the whole response (it ends at the close), its last byte flipped
+                        whole = bytearray()
+                        while data := upstream.recv(65536):
+                            whole += data
+                        whole[-1] ^= 0x01
+                        client.sendall(whole)
                     while data := upstream.recv(65536):
                         client.sendall(data)
                 with contextlib.suppress(OSError):

@@ -11,7 +11,7 @@ import torch
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing is downloaded: every model is made here
 transformers = pytest.importorskip("transformers")
 
-from tests.helpers.outputs import weights
+from tests.helpers.outputs import assert_same_weights, losses, weights
 from tests.helpers.run import PYTHON, TINY, export_hf, python, run_command, train
 from tests.unit.test_hf import SCALING, TOKENS, hf_llama
 from trainer import hf, models
@@ -20,6 +20,7 @@ from trainer.config import (
     resolve,
 )
 from trainer.models.transformer import hf as transformer_hf
+from trainer.rundir import objects
 
 
 @pytest.mark.slow
@@ -84,16 +85,36 @@ def sharded_llama(tmp_path_factory):
         (3, []),
         (2, ["parallel.sharding=hybrid", "parallel.shard_size=1", "parallel.activation_checkpointing=true"]),
     ],
-    ids=["1", "2", "3", "2-replicated-act_ckpt"],
+    ids=["1", "2-and-from-s3", "3", "2-replicated-act_ckpt"],
 )
-def test_init_from_loads_the_same_weights_on_any_number_of_processes(tmp_path, sharded_llama, nproc, overrides):
+def test_init_from_loads_the_same_weights_on_any_number_of_processes(
+    tmp_path, sharded_llama, nproc, overrides, request
+):
     """3 processes shard 16 key/value rows, 80 FFN rows and 96 vocabulary rows unevenly; hybrid
-    sharding with groups of 1 replicates (a 2-D mesh), activation checkpointing renames modules."""
-    train(tmp_path, nproc, *UNCHANGED, *overrides, f"model.init_from={sharded_llama}")
-    got, expected = weights(tmp_path), hf_state(sharded_llama)
+    sharding with groups of 1 replicates (a 2-D mesh), activation checkpointing renames modules.
+    On 2 processes the same run starts from the folder uploaded to a bucket too (model.init_from=s3://,
+    against moto's server): the same weights and losses exactly, and its private copy gone at the end."""
+    train(tmp_path / "run", nproc, *UNCHANGED, *overrides, f"model.init_from={sharded_llama}")
+    got, expected = weights(tmp_path / "run"), hf_state(sharded_llama)
     assert got.keys() == expected.keys()
     for name in got:
         assert torch.equal(got[name], expected[name]), name
+    if request.node.callspec.id == "2-and-from-s3":
+        _the_same_run_from_a_bucket(tmp_path, sharded_llama, request)
+
+
+def _the_same_run_from_a_bucket(tmp_path, sharded_llama, request):
+    server, bucket = request.getfixturevalue("s3")  # skipped here where moto or s3fs is missing
+    request.getfixturevalue("monkeypatch").setenv(objects.STAGING_ENV, str(tmp_path / "staging"))
+    for path in sorted(sharded_llama.iterdir()):
+        server.client().upload_file(str(path), bucket, f"models/llama/{path.name}")
+    url = f"s3://{bucket}/models/llama"
+    proc = train(tmp_path / "from_s3", 2, *UNCHANGED, f"model.init_from={url}")
+    assert f"initialised from {url} in " in proc.stdout + proc.stderr
+    assert_same_weights(weights(tmp_path / "from_s3"), weights(tmp_path / "run"), exact=True)
+    assert losses(tmp_path / "from_s3") == losses(tmp_path / "run") != {}
+    staged = sorted(str(p.relative_to(tmp_path / "staging")) for p in (tmp_path / "staging").rglob("*"))
+    assert staged == [bucket, f"{bucket}/models"]  # the private copy (.hf-llama-XXXX) was there: removed at exit
 
 
 @pytest.mark.slow

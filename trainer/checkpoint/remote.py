@@ -30,7 +30,7 @@ import time
 
 import torch.distributed as dist
 
-from trainer import early_stop
+from trainer import early_stop, hf
 from trainer.checkpoint import checksums
 from trainer.rundir import files, layout, objects
 
@@ -335,9 +335,20 @@ _COPIES: list[str] = []  # the folders local_copy made in this process
 
 @atexit.register
 def remove_copies() -> None:
-    """Remove local_copy's folders (at exit; a command that ends by os._exit calls it itself)."""
+    """Remove the private folders (local_copy's, hf_copy's; at exit: a command that ends by os._exit
+    calls it itself)."""
     while _COPIES:
         shutil.rmtree(_COPIES.pop(), ignore_errors=True)
+
+
+def private_folder(url: str, kind: str) -> str:
+    """A new private folder beside the staging copy of `url` (<root>/<bucket>/.<kind>-<name>-XXXX,
+    made 0700 by mkdtemp), removed at exit (remove_copies)."""
+    base = objects.staging_dir(url)
+    os.makedirs(os.path.dirname(base), mode=0o700, exist_ok=True)
+    path = tempfile.mkdtemp(prefix=f".{kind}-{os.path.basename(base)}-", dir=os.path.dirname(base))
+    _COPIES.append(path)
+    return path
 
 
 def local_copy(url: str, step: int | None = None, best: bool = False, checkpoint: bool = True) -> str:
@@ -349,11 +360,7 @@ def local_copy(url: str, step: int | None = None, best: bool = False, checkpoint
     then reads the folder as a run dir. objects.StoreError, in one line, for what cannot be had."""
     staging = Staging(url, rank=0, local_rank=0, local_world_size=1)
     staging.store.check()  # credentials, bucket, endpoint: one line
-    os.makedirs(os.path.dirname(staging.local), mode=0o700, exist_ok=True)
-    staging.local = tempfile.mkdtemp(
-        prefix=f".read-{os.path.basename(staging.local)}-", dir=os.path.dirname(staging.local)
-    )
-    _COPIES.append(staging.local)
+    staging.local = private_folder(url, "read")
     for name in RUN_FILES:
         staging.download_file(name, os.path.join(staging.local, name), RUN_FILE_BYTES)
     run_id = layout.read_run_id(staging.local)
@@ -415,3 +422,29 @@ def checkpoint_copy(url: str, group, rank: int, local_rank: int, local_world_siz
     if first:
         raise objects.StoreError(first)
     return next(p for node, p, _ in said if p is not None and node == _node(rank, local_world_size))
+
+
+def hf_copy(url: str, group, rank: int, local_rank: int, local_world_size: int) -> str:
+    """model.init_from naming a Hugging Face folder in a bucket (s3://BUCKET/PREFIX): on every node its
+    local rank 0 downloads the files the loader needs into a private folder (private_folder, removed
+    at exit), each of the version listed and checked as written (hf.download); the local folder on
+    every rank, which hf.load_weights then reads (collective). The first failing rank's line on every
+    rank: hf.HFError for the folder (bad input), objects.StoreError for the store or the download."""
+    path, error = None, None
+    if local_rank == 0:
+        try:
+            path = private_folder(url, "hf")
+            hf.download(url, path)
+        except hf.HFError as e:
+            error = ("folder", str(e))
+        except objects.StoreError as e:
+            error = ("store", f"model.init_from: {e}")
+        except OSError as e:
+            error = ("store", f"model.init_from: downloading {url} into {path} failed: {e}")
+    node = _node(rank, local_world_size)
+    said: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(said, (node, path, error), group=group)
+    first = next((e for _, _, e in said if e), None)
+    if first:
+        raise (hf.HFError if first[0] == "folder" else objects.StoreError)(first[1])
+    return next(p for n, p, _ in said if p is not None and n == node)

@@ -25,11 +25,12 @@ import sys
 
 import torch
 
-from trainer import cli, models
+from trainer import cli, hf, models
 from trainer.commands.export import REFUSED, _config, add_choice, consolidate, read_tokenizer, readable, tokenizer_of
 from trainer.config import ConfigError
 from trainer.dist import read_env
 from trainer.models.transformer.shapes import transformer_shape
+from trainer.rundir import objects
 
 
 @torch.no_grad()
@@ -109,6 +110,20 @@ def load_tokenizer(cfg, explicit: str | None):
     if explicit:
         return Tokenizer.from_file(path)
     named_by = sidecar_path(cfg.data.path) if cfg.data.name == "tokens" else "the checkpoint's model.init_from"
+    if objects.is_remote(path):  # model.init_from's folder in a bucket: read bounded, checked to load
+        try:
+            data = hf.read_file(cfg.model.init_from, "tokenizer.json", hf.TOKENIZER_BYTES)
+        except hf.HFError as e:
+            raise ConfigError(f"{named_by}: {e}; give --tokenizer, or --ids") from None
+        if data is None:
+            return None
+        try:
+            return Tokenizer.from_str(data.decode("utf-8"))
+        except Exception as e:  # noqa: BLE001 - tokenizers raises its own types: any failure means not a tokenizer
+            raise ConfigError(
+                f"{named_by} names the tokenizer {path}, which is not a tokenizer.json ({type(e).__name__}); give "
+                f"--tokenizer, or --ids"
+            ) from None
     try:
         return Tokenizer.from_str(read_tokenizer(path, named_by).decode("utf-8"))
     except FileNotFoundError:
@@ -138,6 +153,8 @@ def find_tokenizer(cfg, explicit: str | None) -> str | None:
                 f"--ids to work in token ids"
             )
         return source
+    if objects.is_remote(cfg.model.init_from):  # a bucket's: read where it is there (load_tokenizer)
+        return f"{cfg.model.init_from.rstrip('/')}/tokenizer.json"
     if cfg.model.init_from and os.path.lexists(os.path.join(cfg.model.init_from, "tokenizer.json")):
         return os.path.join(cfg.model.init_from, "tokenizer.json")
     return None

@@ -25,6 +25,9 @@ folder code, then each rank uploads the files it wrote (trainer/checkpoint/remot
 returns at local-disk speed, the checksummed writer and reader stay one code path, and the upload
 runs per rank in parallel.
 
+The Store also reads a Hugging Face folder in a bucket (model.init_from=s3://..., trainer/hf.py):
+`listing`, ranged reads (`get_range`) and checked downloads (`download`: If-Match on the ETag listed).
+
 A bucket written by others is as untrusted as a shared folder: small objects are read bounded
 (`get`), every key the trainer builds from what it read is checked (`key`: no `..`, nothing
 absolute), run ids are compared as on a filesystem.
@@ -33,6 +36,7 @@ absolute), run ids are compared as on a filesystem.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -43,6 +47,7 @@ import threading
 import time
 import uuid
 
+from trainer.rundir import files
 from trainer.rundir import lease as file_lease
 
 log = logging.getLogger("trainer")
@@ -57,6 +62,7 @@ MANIFEST = "manifest.json"  # a checkpoint's, written last (trainer/checkpoint/c
 S3FS_OLDEST = (2025, 1)
 STEP_PREFIX = re.compile(r"^step_(\d+)$")
 _SEGMENT = re.compile(r"^[A-Za-z0-9._=+-]+$")
+_PLAIN_MD5 = re.compile(r'^"?[0-9a-fA-F]{32}"?$')  # a single-part upload's ETag; a multipart one ends in -N
 
 
 class StoreError(Exception):
@@ -71,18 +77,23 @@ def is_remote(run_dir) -> bool:
     return isinstance(run_dir, str) and run_dir.startswith(SCHEME)
 
 
-def split(url: str) -> tuple[str, str]:
-    """(bucket, prefix) of `url` (s3://bucket/prefix), StoreError for anything else."""
+def _named(setting: str, url: str) -> str:
+    """How a line names the URL: `run_dir: s3://...`, or the URL alone where the caller names the setting."""
+    return f"{setting}: {url}" if setting else url
+
+
+def split(url: str, setting: str = "run_dir") -> tuple[str, str]:
+    """(bucket, prefix) of `url` (s3://bucket/prefix), StoreError for anything else (naming `setting`)."""
     rest = url[len(SCHEME) :].strip("/")
     bucket, _, prefix = rest.partition("/")
     if len(bucket) < 3 or not re.fullmatch(r"[a-z0-9][a-z0-9.-]+", bucket):
         raise StoreError(
-            f"run_dir: {url} does not name a bucket (s3://BUCKET/PREFIX, a bucket of 3 or more characters)"
+            f"{_named(setting, url)} does not name a bucket (s3://BUCKET/PREFIX, a bucket of 3 or more characters)"
         )
     parts = [p for p in prefix.split("/") if p]
     if not parts or not all(_SEGMENT.match(p) and p not in (".", "..") for p in parts):
         raise StoreError(
-            f"run_dir: {url} needs a prefix of plain names under the bucket (s3://{bucket}/runs/NAME): "
+            f"{_named(setting, url)} needs a prefix of plain names under the bucket (s3://{bucket}/runs/NAME): "
             f"letters, digits, . _ = + -"
         )
     return bucket, "/".join(parts)
@@ -113,21 +124,23 @@ def _failed_condition(e: BaseException) -> bool:
 
 
 class Store:
-    """The objects under one run's prefix, through s3fs."""
+    """The objects under one prefix (a run's, or a Hugging Face folder's), through s3fs. `setting`
+    names what gave the URL in its lines (run_dir; "" where the caller's line names it)."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, setting: str = "run_dir"):
         self.url = url.rstrip("/")
-        self.bucket, self.prefix = split(url)
+        self.setting = setting
+        self.bucket, self.prefix = split(url, setting)
         try:
             import s3fs
         except ImportError:
             raise StoreError(
-                f"run_dir: {url} needs s3fs, which is not installed: pip install 's3fs' (or the project's "
+                f"{_named(setting, url)} needs s3fs, which is not installed: pip install 's3fs' (or the project's "
                 f"'s3' extra: pip install -e '.[s3]')"
             ) from None
         if _calendar_version(s3fs.__version__) < S3FS_OLDEST:  # 0.4 and 0.5 (boto3 only) lack call_s3's async form
             raise StoreError(
-                f"run_dir: {url} needs s3fs {'.'.join(map(str, S3FS_OLDEST))} or later; {s3fs.__version__} is "
+                f"{_named(setting, url)} needs s3fs {'.'.join(map(str, S3FS_OLDEST))} or later; {s3fs.__version__} is "
                 f"installed: pip install -U 's3fs>=2025.1' (or the project's 's3' extra)"
             )
         for name in ("botocore", "aiobotocore", "s3fs", "fsspec"):  # their INFO lines are not the run's
@@ -199,28 +212,28 @@ class Store:
             raise StoreError(self._explain(e, endpoint())) from None
 
     def _explain(self, e: Exception, endpoint: str) -> str:
-        code, name = _code(e), type(e).__name__
+        code, name, url = _code(e), type(e).__name__, _named(self.setting, self.url)
         text = f"{name} {code} {e}"
         if "NoCredentials" in text or "Unable to locate credentials" in text:
             return (
-                f"run_dir: {self.url}: no credentials for the object store: set AWS_ACCESS_KEY_ID and "
+                f"{url}: no credentials for the object store: set AWS_ACCESS_KEY_ID and "
                 f"AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)"
             )
         if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403") or isinstance(
             e, PermissionError
         ):
             return (
-                f"run_dir: {self.url}: the object store refused the credentials ({code or name}): check "
+                f"{url}: the object store refused the credentials ({code or name}): check "
                 f"AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)"
             )
         if code in ("NoSuchBucket", "404") or isinstance(e, FileNotFoundError):
-            return f"run_dir: {self.url}: bucket {self.bucket} does not exist at {endpoint}; create it or fix run_dir"
-        if "Could not connect" in text or "EndpointConnectionError" in text or "ConnectTimeout" in text:
             return (
-                f"run_dir: {self.url}: cannot reach the object store at {endpoint}; check AWS_ENDPOINT_URL "
-                f"and the network"
+                f"{url}: bucket {self.bucket} does not exist at {endpoint}; create it or fix "
+                f"{self.setting or 'the URL'}"
             )
-        return f"run_dir: {self.url}: the object store failed ({name}: {str(e)[:160]}); check AWS_ENDPOINT_URL"
+        if "Could not connect" in text or "EndpointConnectionError" in text or "ConnectTimeout" in text:
+            return f"{url}: cannot reach the object store at {endpoint}; check AWS_ENDPOINT_URL and the network"
+        return f"{url}: the object store failed ({name}: {str(e)[:160]}); check AWS_ENDPOINT_URL"
 
     def get(self, relative: str, limit: int) -> tuple[bytes, str] | None:
         """(the bytes, the ETag) of a small object, None if absent; StoreError for one larger than
@@ -285,31 +298,116 @@ class Store:
         with contextlib.suppress(FileNotFoundError):
             self._call(relative, "delete_object", Bucket=self.bucket, Key=self.key(relative))
 
+    def _pages(self, what: str, base: str, **delimiter):
+        """The LIST responses of the keys under `base` (one per 1000 entries), for the prefix `what`."""
+        token = None
+        while True:
+            extra = {"ContinuationToken": token} if token else {}
+            response = self._call(what, "list_objects_v2", Bucket=self.bucket, Prefix=base, **delimiter, **extra)
+            yield response
+            token = response.get("NextContinuationToken")
+            if not response.get("IsTruncated") or not token:
+                return
+
     def listdir(self, relative: str) -> tuple[list[str], list[str]]:
         """(sub-prefix names, object names) directly under `relative`: one LIST with a delimiter per
         1000 entries, no object read."""
-        folders, names, token = [], [], None
+        folders, names = [], []
         base = f"{self.key(relative)}/"
-        while True:
-            extra = {"ContinuationToken": token} if token else {}
-            response = self._call(relative, "list_objects_v2", Bucket=self.bucket, Prefix=base, Delimiter="/", **extra)
+        for response in self._pages(relative, base, Delimiter="/"):
             folders += [p["Prefix"][len(base) :].rstrip("/") for p in response.get("CommonPrefixes", [])]
             names += [c["Key"][len(base) :] for c in response.get("Contents", [])]
-            token = response.get("NextContinuationToken")
-            if not response.get("IsTruncated") or not token:
-                return folders, names
+        return folders, names
 
     def walk(self, relative: str) -> list[str]:
         """Every key under `relative`, relative to it (for a delete)."""
         base = f"{self.key(relative)}/"
-        found, token = [], None
-        while True:
-            extra = {"ContinuationToken": token} if token else {}
-            response = self._call(relative, "list_objects_v2", Bucket=self.bucket, Prefix=base, **extra)
-            found += [c["Key"][len(base) :] for c in response.get("Contents", [])]
-            token = response.get("NextContinuationToken")
-            if not response.get("IsTruncated") or not token:
-                return found
+        return [c["Key"][len(base) :] for response in self._pages(relative, base) for c in response.get("Contents", [])]
+
+    def listing(self) -> dict[str, tuple[int, str]]:
+        """name -> (size, ETag) of each object directly under the prefix (its top level: what lies in
+        sub-prefixes is not named), by LIST with a delimiter; no object read. The names are as the
+        bucket has them: check each with key_problem before it is used."""
+        base = f"{self.prefix}/"
+        return {
+            c["Key"][len(base) :]: (int(c.get("Size", 0)), str(c.get("ETag", "")))
+            for response in self._pages("", base, Delimiter="/")
+            for c in response.get("Contents", [])
+        }
+
+    def get_range(self, relative: str, start: int, length: int, etag: str) -> bytes:
+        """`length` bytes of the object from byte `start` (a ranged GET), of the version whose ETag is
+        `etag` (If-Match: PreconditionFailed where it changed); StoreError where fewer come back."""
+        key = self.key(relative)
+
+        async def read():
+            try:
+                response = await self.fs._call_s3(
+                    "get_object", Bucket=self.bucket, Key=key, Range=f"bytes={start}-{start + length - 1}", IfMatch=etag
+                )
+            except OSError as e:
+                if _failed_condition(e):
+                    raise PreconditionFailed(self.where(relative)) from None
+                raise
+            body = response["Body"]
+            try:
+                if response.get("ContentLength", 0) != length:
+                    raise StoreError(
+                        f"{self.where(relative)}: {response.get('ContentLength')} bytes came back from byte {start}, "
+                        f"not the {length} asked for; is it still being written?"
+                    )
+                return await body.read()
+            finally:
+                body.close()
+
+        return self._sync(relative, read)
+
+    def download(self, relative: str, local: str, size: int, etag: str) -> None:
+        """Write the object into the new file `local` (made exclusively, never through a link), the
+        version whose ETag is `etag` (If-Match), checked as it is written: its size must be `size`,
+        and its MD5 the ETag where that is one (a single-part upload without SSE-KMS or SSE-C: a
+        multipart ETag, with its '-', is not an MD5 of the object). StoreError, in one line, otherwise:
+        "changed while it was downloaded" where the object was replaced since `etag` was listed."""
+        where = self.where(relative)
+        try:
+            response = self._call(relative, "get_object", Bucket=self.bucket, Key=self.key(relative), IfMatch=etag)
+        except FileNotFoundError:
+            raise StoreError(
+                f"{where} was removed while it was downloaded; start again once the folder is complete"
+            ) from None
+        except OSError as e:
+            if _failed_condition(e):
+                raise StoreError(
+                    f"{where} changed while it was downloaded (its ETag is no longer {etag}); start again once the "
+                    f"folder is complete"
+                ) from None
+            raise
+        from botocore.exceptions import FlexibleChecksumError
+
+        encrypted = response.get("SSECustomerAlgorithm") or response.get("ServerSideEncryption") not in (None, "AES256")
+        md5 = hashlib.md5(usedforsecurity=False) if _PLAIN_MD5.fullmatch(etag) and not encrypted else None
+        body, got = response["Body"], 0
+        try:
+            with os.fdopen(files._open(local, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as out:
+                while got <= size and (block := self._sync(relative, body.read, 8 << 20)):
+                    got += len(block)
+                    out.write(block)
+                    if md5 is not None:
+                        md5.update(block)
+        except FlexibleChecksumError as e:  # botocore checks the CRC the store keeps (where it keeps one)
+            raise StoreError(
+                f"{where}: the bytes downloaded do not match the checksum the store keeps ({e}): damaged on the "
+                f"way; start again"
+            ) from None
+        finally:
+            body.close()
+        if got != size:
+            raise StoreError(f"{where}: {got} bytes came, its listing said {size}; start again")
+        if md5 is not None and md5.hexdigest() != etag.strip('"'):
+            raise StoreError(
+                f"{where}: the bytes downloaded have MD5 {md5.hexdigest()}, not its ETag {etag}: damaged on the "
+                f"way; start again"
+            )
 
     def steps(self) -> list[int]:
         """The steps of the step_N prefixes under checkpoints/, oldest first, committed or not."""
