@@ -1,13 +1,13 @@
 """s3:// run dirs against a local S3 server (moto's, tests/helpers/s3.py), with real ranks: two "nodes"
 (two torchruns with different staging roots, so rank 0's staging folder really lacks the other node's
 files) save, three ranks resume with the weights of the same run on a filesystem, and two nodes start a
-new run from one of its checkpoints (checkpoint.resume_from, each node its own checked copy); kill -9 during a save
-leaves the previous checkpoint the latest and the half-uploaded one is deleted after the next commit; a
-save whose PUTs are cut half-way on one rank and held unanswered on the other stops every rank in one
-line naming the held object, within checkpoint.timeout_s (no stuck rank); every line names the bucket's
-URL, not the staging copy; a flipped byte in the bucket makes resume take the older checkpoint; a second job on the same prefix is
-refused while the first holds the lease; trainer.export and trainer.metrics read an s3:// run dir;
-docs/checkpoints.md's commands run as written.
+new run from one of its checkpoints (checkpoint.resume_from, each node its own checked copy); kill -9
+during a save leaves the previous checkpoint the latest and the half-uploaded one is deleted after the
+next commit; a save whose PUTs are cut half-way on one rank and held unanswered on the other stops every
+rank in one line naming the held object, within checkpoint.timeout_s (no stuck rank); every line names
+the bucket's URL, not the staging copy; a flipped byte in the bucket makes resume take the older
+checkpoint; a second job on the same prefix is refused while the first holds the lease; trainer.export
+and trainer.metrics read an s3:// run dir; docs/checkpoints.md's commands run as written.
 Then the store's slower unit cases: the verified download (flipped bytes) and each bad input's line."""
 
 from __future__ import annotations
