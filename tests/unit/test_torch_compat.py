@@ -24,6 +24,9 @@ NOT_TORCH = {
     "torchao's, its versions pinned by the float8 extra",
     "_call_s3": "rundir/objects.py: s3fs's S3FileSystem._call_s3, the coroutine behind its public call_s3 (a "
     "bounded read inside the store's event loop); s3fs's, tested with 2026.9.0",
+    "_put_file": "rundir/objects.py: fsspec's AsyncFileSystem._put_file, the coroutine behind put_file (run "
+    "under the save's deadline, Store.until); fsspec's documented async interface",
+    "_info": "rundir/objects.py: fsspec's AsyncFileSystem._info, the coroutine behind info (the same)",
 }
 
 
