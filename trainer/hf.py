@@ -60,19 +60,24 @@ class HFError(Exception):
     """An HF folder that cannot be used; the message names the file and what to do."""
 
 
-def init_args(args: ModelArgs) -> ModelArgs:
+def init_args(args: ModelArgs, weights_checked: bool = False) -> ModelArgs:
     """`args` with the shape of model.init_from's config.json (keys `args` sets must agree), the
     folder's weights index and headers read before anything starts (HFError otherwise); `args`
-    as they are without init_from or for a family that takes no Hugging Face folder."""
+    as they are without init_from or for a family that takes no Hugging Face folder.
+    `weights_checked`: this node's launcher read the folder whole moments ago and told this rank
+    (--weights-checked, trainer/preflight/startup.py): config.json alone is read, for the shape (a
+    bucket's by one GET, no listing), not the index nor any header: a folder of ~190 shards on
+    16,384 ranks would be ~6 million requests to a bucket before training, or 3 million opens."""
     from trainer.models import family_of
 
     family = family_of(args)
     if not args.init_from or family is None or family.hf is None:
         return args
     source = _source(args.init_from)  # a bucket's: listed once, no weight downloaded
-    args = _model_args(source, args)
+    args = _model_args(source, args, alone=weights_checked)
     refuse_what_cannot_fit(args, source.where(CONFIG))
-    _weight_names(source)
+    if not weights_checked:
+        _weight_names(source)
     return args
 
 
@@ -230,8 +235,27 @@ class _Bucket:
             )
         return self._get(name, 0, size, etag) if size else b""
 
+    def fetch_json(self, name: str, limit: int) -> tuple[str, object]:
+        """(where, the JSON value) of the object `name`, by one plain GET, with no listing before it
+        (read_json lists the folder first, for the ETag every later read is held to): for a rank that
+        needs config.json alone. HFError where it is absent, too large or no JSON."""
+        try:
+            got = self.store.get(name, limit)
+        except objects.StoreError as e:
+            raise HFError(str(e)) from None
+        except OSError as e:
+            raise HFError(f"{self.where(name)} cannot be read ({e}); check AWS_ENDPOINT_URL") from None
+        if got is None:
+            raise HFError(
+                f"{self.where(name)} not found; model.init_from needs a Hugging Face folder with config.json and "
+                f"*.safetensors"
+            )
+        return self._json(name, got[0])
+
     def read_json(self, name: str, limit: int) -> tuple[str, object]:
-        data = self.read_bytes(name, limit)
+        return self._json(name, self.read_bytes(name, limit))
+
+    def _json(self, name: str, data: bytes) -> tuple[str, object]:
         try:
             return self.where(name), json.loads(data)
         except ValueError as e:
@@ -355,14 +379,18 @@ def read_config(folder: str) -> dict:
     return _read_config(_source(folder))
 
 
-def _read_config(source: _Folder | _Bucket) -> dict:
-    source.check()
-    if not source.has(CONFIG):
-        raise HFError(
-            f"{source.where(CONFIG)} not found; model.init_from needs a Hugging Face folder with config.json and "
-            f"*.safetensors"
-        )
-    path, config = source.read_json(CONFIG, files.SMALL_FILE_BYTES)
+def _read_config(source: _Folder | _Bucket, alone: bool = False) -> dict:
+    """config.json's mapping; `alone`: a bucket's by one GET (_Bucket.fetch_json), nothing listed."""
+    if alone and isinstance(source, _Bucket):
+        path, config = source.fetch_json(CONFIG, files.SMALL_FILE_BYTES)
+    else:
+        source.check()
+        if not source.has(CONFIG):
+            raise HFError(
+                f"{source.where(CONFIG)} not found; model.init_from needs a Hugging Face folder with config.json "
+                f"and *.safetensors"
+            )
+        path, config = source.read_json(CONFIG, files.SMALL_FILE_BYTES)
     if not isinstance(config, dict):
         raise HFError(
             f"{path}: holds a JSON {type(config).__name__}, not a mapping of settings; replace it with the "
@@ -389,9 +417,9 @@ def model_args(folder: str, args: ModelArgs) -> ModelArgs:
     return _model_args(_source(folder), args)
 
 
-def _model_args(source: _Folder | _Bucket, args: ModelArgs) -> ModelArgs:
+def _model_args(source: _Folder | _Bucket, args: ModelArgs, alone: bool = False) -> ModelArgs:
     try:
-        return adapter(args).args(_read_config(source), args, source.where(CONFIG))
+        return adapter(args).args(_read_config(source, alone), args, source.where(CONFIG))
     except ValueError as e:
         raise HFError(str(e)) from None
 

@@ -14,10 +14,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from tests.helpers.bad_input import DEFAULT
+from tests.helpers.inputs import hf_folder
+from tests.helpers.run import TINY
 from tests.helpers.s3 import Proxy
-from trainer import hf
+from trainer import dist, hf
 from trainer.config import Config, ConfigError, resolve
 from trainer.models import ModelArgs
+from trainer.preflight.startup import Target, preflight
 from trainer.rundir import objects
 
 PREFIX = "models/m"
@@ -71,6 +75,51 @@ def test_a_bucket_folder_is_checked_from_its_headers_and_downloaded_as_listed(s3
     assert sorted(names) == sorted(p.name for p in copy.iterdir())
     assert sorted(names) == ["config.json", hf.INDEX, "one.safetensors", "tokenizer.json", "two.safetensors"]
     assert all((copy / name).read_bytes() == (folder / name).read_bytes() for name in names)
+
+
+def _requests(lines: list[str], bucket: str) -> list[str]:
+    """The S3 requests of the proxy's request lines, as "LIST" or "GET <key below the bucket>"."""
+    said = []
+    for line in lines:
+        path, _, query = line.split()[1].partition("?")
+        said.append("LIST" if "list-type=2" in query else f"{line.split()[0]} {path.split(f'/{bucket}/', 1)[-1]}")
+    return said
+
+
+def test_a_rank_told_the_weights_were_checked_reads_config_json_alone(s3, tmp_path, monkeypatch):
+    """Each node's launcher reads the folder whole in its preflight (the index, each header) and tells
+    its ranks so (--weights-checked): a rank so told reads config.json alone, for the shape, with one
+    GET (16,384 ranks x ~190 shards of a 405B model would be millions of requests before training); a
+    rank started by hand reads it all. A local folder alike: its header unreadable, only the told rank starts."""
+    server, bucket = s3
+    index = json.dumps({"weight_map": {"model.norm.weight": "model.safetensors"}})
+    folder = hf_folder(tmp_path, index=index)
+    url = _upload(server, bucket, folder)
+    env = dist.Env(0, 0, 2, 2, torch.device("cpu"))
+    overrides = [f"run_dir={tmp_path / 'run'}", *TINY]
+    requests: list[str] = []
+    proxy = Proxy(server, delay=lambda line: requests.append(line) or 0.0)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    seen = {}
+    try:
+        for told in (True, False):
+            requests.clear()
+            target = Target.rank(env, memory_checked=True, weights_checked=told)
+            ready = preflight(target, DEFAULT, [*overrides, f"model.init_from={url}"])
+            assert (ready.cfg.model.dim, ready.cfg.model.n_layers) == (32, 1)
+            seen[told] = _requests(requests, bucket)
+    finally:
+        proxy.stop()
+        monkeypatch.setenv("AWS_ENDPOINT_URL", server.url)
+    assert seen[True] == [f"GET {PREFIX}/config.json"]
+    shard = f"GET {PREFIX}/model.safetensors"
+    assert seen[False] == ["LIST", "LIST", f"GET {PREFIX}/config.json", f"GET {PREFIX}/{hf.INDEX}", shard, shard]
+
+    (folder / "model.safetensors").write_bytes(b"\xff" * 16)  # its header unreadable
+    local = [*overrides, f"model.init_from={folder}"]
+    assert preflight(Target.rank(env, True, weights_checked=True), DEFAULT, local).cfg.model.dim == 32
+    with pytest.raises(ConfigError, match=r"model.safetensors is not a readable safetensors file"):
+        preflight(Target.rank(env, True), DEFAULT, local)
 
 
 def _single(tmp_path) -> bytes:
