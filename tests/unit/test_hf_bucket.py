@@ -285,3 +285,48 @@ def test_the_start_downloads_into_a_private_folder_removed_at_exit(s3, tmp_path,
         remote.hf_copy(url, group, rank=0, local_rank=0, local_world_size=1)
     assert str(e.value) == f"{url}/two.safetensors holds 7 bytes, fewer than a safetensors file; upload it again"
     remote.remove_copies()
+
+
+def test_every_node_downloads_rank_0s_listing_or_says_the_folder_changed(s3, tmp_path, monkeypatch, group):
+    """A start's rank 0 lists and checks the folder once (hf.plan: name -> size, ETag of the files the
+    loader needs); every node downloads that listing (hf.download(..., planned), each GET with If-Match
+    of rank 0's ETag): an object replaced after rank 0's listing is the one line "changed while it was
+    downloaded" on the node that would have had the new version, never two versions of a model. A rank
+    whose shape came from another config.json than rank 0's listing's says so too (remote.hf_copy)."""
+    from trainer.checkpoint import remote
+
+    server, bucket = s3
+    monkeypatch.setenv(objects.STAGING_ENV, str(tmp_path / "staging"))
+    folder = _folder(tmp_path)
+    url = _upload(server, bucket, folder)
+    planned = hf.plan(url)
+    listed = objects.Store(url, setting="").listing()
+    names = ["config.json", hf.INDEX, "one.safetensors", "tokenizer.json", "two.safetensors"]
+    assert sorted(planned) == names and all(planned[name] == listed[name] for name in names)
+    node_a, node_b = tmp_path / "a", tmp_path / "b"
+    node_a.mkdir(), node_b.mkdir()
+    assert sorted(hf.download(url, str(node_a), planned)) == names
+    assert all((node_a / name).read_bytes() == (folder / name).read_bytes() for name in names)
+
+    client = server.client()
+    save_file({"b.weight": torch.zeros(2, 8)}, folder / "two.safetensors")  # a new version, valid
+    client.put_object(Bucket=bucket, Key=f"{PREFIX}/two.safetensors", Body=(folder / "two.safetensors").read_bytes())
+    with pytest.raises(objects.StoreError) as e:
+        hf.download(url, str(node_b), planned)
+    assert str(e.value) == (
+        f"{url}/two.safetensors changed while it was downloaded (its ETag is no longer "
+        f"{planned['two.safetensors'][1]}); start again once the folder is complete"
+    )
+
+    # This rank took its shape from config.json (its preflight); the folder is then replaced, config.json too.
+    assert hf.read_config(url) == {"model_type": "llama", "hidden_size": 8}
+    read = listed["config.json"][1]
+    client.put_object(Bucket=bucket, Key=f"{PREFIX}/config.json", Body=b'{"model_type": "llama", "hidden_size": 16}')
+    with pytest.raises(hf.HFError) as e:
+        remote.hf_copy(url, group, rank=0, local_rank=0, local_world_size=1)
+    assert str(e.value) == (
+        f"{url}/config.json changed while it was downloaded (this rank took the model's shape from its version "
+        f"{read}, rank 0's listing has {objects.Store(url, setting='').listing()['config.json'][1]}); start again once "
+        f"the folder is complete"
+    )
+    remote.remove_copies()
