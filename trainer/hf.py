@@ -11,10 +11,11 @@ checked key by key by the family's adapter, and weights are safetensors, which h
 model.init_from may name such a folder in a bucket (s3://BUCKET/PREFIX, through
 trainer/rundir/objects.py's Store): the same checks run over its top-level objects (_Bucket beside
 _Folder), config.json and the index read bounded, each safetensors file by its header alone (two
-ranged reads), so resolving a config downloads no weight; at a start rank 0 lists and checks it once
-(plan: name -> size, ETag) and each node downloads that listing, every GET held to rank 0's ETag
-(download; trainer/checkpoint/remote.py's hf_copy): every node the same bytes, which the loader reads
-as a folder, or on every rank the line of the object that changed.
+ranged reads), so resolving a config downloads no weight; a rank whose launcher read all that for
+its node and told it so (--weights-checked) reads config.json alone (init_args). At a start rank 0
+lists and checks it once (plan: name -> size, ETag) and each node downloads that listing, every GET
+held to rank 0's ETag (download; trainer/checkpoint/remote.py's hf_copy): every node the same bytes,
+which the loader reads as a folder, or on every rank the line of the object that changed.
 
 This module imports the models package (downward); nothing there imports it: it asks the run's
 family (`models.spec(args).hf`) for the names and the config.json mapping.
