@@ -36,6 +36,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help=argparse.SUPPRESS,  # the launcher checked this node's memory for its ranks (preflight/startup.py)
     )
+    parser.add_argument(
+        "--weights-checked",
+        action="store_true",
+        help=argparse.SUPPRESS,  # the launcher read model.init_from's index and headers: config.json alone here
+    )
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=100")
     args = parser.parse_intermixed_args(argv)  # overrides may come before --config too
     env = read_env()
@@ -50,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         return outcome.code
 
     try:  # all of this before any process group or file exists; a run dir's own run is the base
-        target = Target.rank(env, memory_checked=args.memory_checked)
+        target = Target.rank(env, memory_checked=args.memory_checked, weights_checked=args.weights_checked)
         ready = preflight(target, args.config, args.overrides, not args.config_default)
     except ConfigError as e:
         return stop(outcomes.BAD_INPUT, outcomes.RANK_ERROR.format(message=e))

@@ -337,12 +337,13 @@ def resolve_batch(cfg: Config, world_size: int) -> Config:
     )
 
 
-def resolve(cfg: Config, where: str = "config", world_size: int = 1) -> Config:
+def resolve(cfg: Config, where: str = "config", world_size: int = 1, weights_checked: bool = False) -> Config:
     """The config as the run records it: the global batch of `world_size` processes, and the
     transformer's shape spelled out, from model.init_from's config.json (keys the config sets
     must agree with it; trainer/hf.py reads the folder), from the token files' sidecars for the
     vocabulary (trainer/prepare.py reads them; a mixture: the largest), and else from model.size; and
-    data.eval_fraction's number (DEFAULT_EVAL_FRACTION when evaluation is on and needs it, else 0)."""
+    data.eval_fraction's number (DEFAULT_EVAL_FRACTION when evaluation is on and needs it, else 0).
+    `weights_checked`: this node's launcher read the folder's weights; its config.json alone is read here."""
     from trainer import hf  # torch only where a folder's weights are read
     from trainer.models import resolve as resolve_model
     from trainer.prepare import sidecar_vocab
@@ -354,7 +355,7 @@ def resolve(cfg: Config, where: str = "config", world_size: int = 1) -> Config:
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eval_fraction=fraction))
     model = cfg.model
     try:
-        model = hf.init_args(model)
+        model = hf.init_args(model, weights_checked)
     except hf.HFError as e:
         raise ConfigError(f"{where}: model.init_from: {e}") from None
     if cfg.data.name == "tokens" and model.vocab_size is None and not model.init_from:

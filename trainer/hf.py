@@ -11,8 +11,11 @@ checked key by key by the family's adapter, and weights are safetensors, which h
 model.init_from may name such a folder in a bucket (s3://BUCKET/PREFIX, through
 trainer/rundir/objects.py's Store): the same checks run over its top-level objects (_Bucket beside
 _Folder), config.json and the index read bounded, each safetensors file by its header alone (two
-ranged reads), so resolving a config downloads no weight; at a start each node downloads a checked
-copy (download; trainer/checkpoint/remote.py's hf_copy), which the loader reads as a folder.
+ranged reads), so resolving a config downloads no weight; a rank whose launcher read all that for
+its node and told it so (--weights-checked) reads config.json alone (init_args). At a start rank 0
+lists and checks it once (plan: name -> size, ETag) and each node downloads that listing, every GET
+held to rank 0's ETag (download; trainer/checkpoint/remote.py's hf_copy): every node the same bytes,
+which the loader reads as a folder, or on every rank the line of the object that changed.
 
 This module imports the models package (downward); nothing there imports it: it asks the run's
 family (`models.spec(args).hf`) for the names and the config.json mapping.
@@ -56,23 +59,33 @@ TOKENIZER_BYTES = 256 << 20  # the largest tokenizer file passed on: real ones a
 SAFETENSORS_HEADER_BYTES = 100_000_000  # the largest header safetensors itself reads (its MAX_HEADER_SIZE)
 
 
+# A folder in a bucket (its URL) -> the ETag of the config.json this process took the model's shape
+# from (_read_config): a start compares it with rank 0's listing (config_changed).
+_CONFIG_READ: dict[str, str] = {}
+
+
 class HFError(Exception):
     """An HF folder that cannot be used; the message names the file and what to do."""
 
 
-def init_args(args: ModelArgs) -> ModelArgs:
+def init_args(args: ModelArgs, weights_checked: bool = False) -> ModelArgs:
     """`args` with the shape of model.init_from's config.json (keys `args` sets must agree), the
     folder's weights index and headers read before anything starts (HFError otherwise); `args`
-    as they are without init_from or for a family that takes no Hugging Face folder."""
+    as they are without init_from or for a family that takes no Hugging Face folder.
+    `weights_checked`: this node's launcher read the folder whole moments ago and told this rank
+    (--weights-checked, trainer/preflight/startup.py): config.json alone is read, for the shape (a
+    bucket's by one GET, no listing), not the index nor any header: a folder of ~190 shards on
+    16,384 ranks would be ~6 million requests to a bucket before training, or 3 million opens."""
     from trainer.models import family_of
 
     family = family_of(args)
     if not args.init_from or family is None or family.hf is None:
         return args
     source = _source(args.init_from)  # a bucket's: listed once, no weight downloaded
-    args = _model_args(source, args)
+    args = _model_args(source, args, alone=weights_checked)
     refuse_what_cannot_fit(args, source.where(CONFIG))
-    _weight_names(source)
+    if not weights_checked:
+        _weight_names(source)
     return args
 
 
@@ -174,6 +187,7 @@ class _Bucket:
             raise HFError(str(e)) from None
         self.name = self.store.url
         self._listed: dict[str, tuple[int, str]] | None = None
+        self.etags: dict[str, str] = {}  # name -> the ETag of the version read (read_bytes, fetch_json)
 
     def where(self, name: str) -> str:
         return self.store.where(name)
@@ -228,10 +242,31 @@ class _Bucket:
                 f"{self.where(name)} holds {size:,} bytes, more than a {name} can ({limit:,}); replace it with "
                 f"the model's {name}"
             )
+        self.etags[name] = etag
         return self._get(name, 0, size, etag) if size else b""
 
+    def fetch_json(self, name: str, limit: int) -> tuple[str, object]:
+        """(where, the JSON value) of the object `name`, by one plain GET, with no listing before it
+        (read_json lists the folder first, for the ETag every later read is held to): for a rank that
+        needs config.json alone. HFError where it is absent, too large or no JSON."""
+        try:
+            got = self.store.get(name, limit)
+        except objects.StoreError as e:
+            raise HFError(str(e)) from None
+        except OSError as e:
+            raise HFError(f"{self.where(name)} cannot be read ({e}); check AWS_ENDPOINT_URL") from None
+        if got is None:
+            raise HFError(
+                f"{self.where(name)} not found; model.init_from needs a Hugging Face folder with config.json and "
+                f"*.safetensors"
+            )
+        self.etags[name] = got[1]
+        return self._json(name, got[0])
+
     def read_json(self, name: str, limit: int) -> tuple[str, object]:
-        data = self.read_bytes(name, limit)
+        return self._json(name, self.read_bytes(name, limit))
+
+    def _json(self, name: str, data: bytes) -> tuple[str, object]:
         try:
             return self.where(name), json.loads(data)
         except ValueError as e:
@@ -262,22 +297,23 @@ class _Bucket:
             )
         return where, _tensor_names(self._get(name, 8, n, etag) if n else b"", size - 8 - n, where)
 
-    def download(self, dest: str) -> list[str]:
-        """Download into the new folder `dest` the files the loader needs (config.json, the index,
-        the safetensors the index names or every one, the tokenizer files there are), each of the
-        version listed (If-Match), checked as written (size; the MD5 where the ETag is one): the
-        names downloaded; HFError for the folder, objects.StoreError for the download."""
+    def plan(self) -> dict[str, tuple[int, str]]:
+        """name -> (size, ETag), of this listing, of the files the loader needs (config.json, the
+        index, the safetensors the index names or every one, the tokenizer files there are), each
+        checked (the headers read again, of this listing; the small files' sizes bounded); HFError
+        for the folder."""
         limits = {CONFIG: files.SMALL_FILE_BYTES, **({INDEX: INDEX_BYTES} if self.has(INDEX) else {})}
-        limits.update(dict.fromkeys(_weight_names(self)[1], None))  # the headers read again, of this listing
+        limits.update(dict.fromkeys(_weight_names(self)[1], None))
         limits.update({name: TOKENIZER_BYTES for name in TOKENIZER_FILES if self.has(name)})
+        planned = {}
         for name, limit in limits.items():
-            size, etag = self._object(name)
-            if limit is not None and size > limit:
+            planned[name] = self._object(name)
+            if limit is not None and planned[name][0] > limit:
                 raise HFError(
-                    f"{self.where(name)} holds {size:,} bytes, more than a {name} can ({limit:,}); replace it"
+                    f"{self.where(name)} holds {planned[name][0]:,} bytes, more than a {name} can ({limit:,}); "
+                    f"replace it"
                 )
-            self.store.download(name, os.path.join(dest, name), size, etag)
-        return list(limits)
+        return planned
 
 
 def _source(folder: str) -> _Folder | _Bucket:
@@ -305,12 +341,43 @@ def read_file(folder: str, name: str, limit: int) -> bytes | None:
     return origin.read_bytes(name, limit)
 
 
-def download(url: str, dest: str) -> list[str]:
-    """The Hugging Face folder in a bucket (s3://BUCKET/PREFIX) downloaded into the empty local folder
-    `dest`, which the loader then reads as any folder: the names downloaded (_Bucket.download)."""
+def plan(url: str) -> dict[str, tuple[int, str]]:
+    """name -> (size, ETag) of the files of the Hugging Face folder in a bucket (s3://BUCKET/PREFIX)
+    that a start downloads, from one listing, checked (_Bucket.plan): rank 0's, the one every node
+    then downloads (remote.hf_copy), so that a folder replaced during a start cannot give two nodes
+    two versions. HFError for the folder (or the store's line)."""
     source = _Bucket(url)
     source.check()
-    return source.download(dest)
+    return source.plan()
+
+
+def download(url: str, dest: str, planned: dict[str, tuple[int, str]] | None = None) -> list[str]:
+    """The Hugging Face folder in a bucket (s3://BUCKET/PREFIX) downloaded into the empty local folder
+    `dest`, which the loader then reads as any folder: the names downloaded. `planned`: the listing
+    to download (rank 0's plan), else this process's own. Each object is the version planned
+    (If-Match on its ETag: objects.StoreError "changed while it was downloaded" where it was
+    replaced since), checked as written (its size; its MD5 where the ETag is one)."""
+    source = _Bucket(url)
+    if planned is None:
+        source.check()
+        planned = source.plan()
+    for name, (size, etag) in planned.items():
+        source.store.download(name, os.path.join(dest, name), size, etag)
+    return list(planned)
+
+
+def config_changed(url: str, planned: dict[str, tuple[int, str]]) -> str | None:
+    """The line where the config.json this process took the model's shape from (its preflight read
+    it: _CONFIG_READ) is not the version of rank 0's listing `planned`: the folder was replaced during
+    the start, and this rank's model would not be the one of the weights every node downloads. None
+    where it is that version, or where this process read no config.json of `url`."""
+    read, want = _CONFIG_READ.get(url.rstrip("/")), planned.get(CONFIG, (0, ""))[1]
+    if read is None or read.strip('"') == want.strip('"'):
+        return None
+    return (
+        f"{url.rstrip('/')}/{CONFIG} changed while it was downloaded (this rank took the model's shape from its "
+        f"version {read}, rank 0's listing has {want}); start again once the folder is complete"
+    )
 
 
 def _tensor_names(raw: bytes, data_bytes: int, where: str) -> list[str]:
@@ -355,19 +422,25 @@ def read_config(folder: str) -> dict:
     return _read_config(_source(folder))
 
 
-def _read_config(source: _Folder | _Bucket) -> dict:
-    source.check()
-    if not source.has(CONFIG):
-        raise HFError(
-            f"{source.where(CONFIG)} not found; model.init_from needs a Hugging Face folder with config.json and "
-            f"*.safetensors"
-        )
-    path, config = source.read_json(CONFIG, files.SMALL_FILE_BYTES)
+def _read_config(source: _Folder | _Bucket, alone: bool = False) -> dict:
+    """config.json's mapping; `alone`: a bucket's by one GET (_Bucket.fetch_json), nothing listed."""
+    if alone and isinstance(source, _Bucket):
+        path, config = source.fetch_json(CONFIG, files.SMALL_FILE_BYTES)
+    else:
+        source.check()
+        if not source.has(CONFIG):
+            raise HFError(
+                f"{source.where(CONFIG)} not found; model.init_from needs a Hugging Face folder with config.json "
+                f"and *.safetensors"
+            )
+        path, config = source.read_json(CONFIG, files.SMALL_FILE_BYTES)
     if not isinstance(config, dict):
         raise HFError(
             f"{path}: holds a JSON {type(config).__name__}, not a mapping of settings; replace it with the "
             f"model's config.json"
         )
+    if isinstance(source, _Bucket):
+        _CONFIG_READ[source.name] = source.etags[CONFIG]
     return config
 
 
@@ -389,9 +462,9 @@ def model_args(folder: str, args: ModelArgs) -> ModelArgs:
     return _model_args(_source(folder), args)
 
 
-def _model_args(source: _Folder | _Bucket, args: ModelArgs) -> ModelArgs:
+def _model_args(source: _Folder | _Bucket, args: ModelArgs, alone: bool = False) -> ModelArgs:
     try:
-        return adapter(args).args(_read_config(source), args, source.where(CONFIG))
+        return adapter(args).args(_read_config(source, alone), args, source.where(CONFIG))
     except ValueError as e:
         raise HFError(str(e)) from None
 

@@ -12,7 +12,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # nothing is downloaded: every model is made
 transformers = pytest.importorskip("transformers")
 
 from tests.helpers.outputs import assert_same_weights, losses, weights
-from tests.helpers.run import PYTHON, TINY, export_hf, python, run_command, train
+from tests.helpers.run import PYTHON, TINY, export_hf, launched, python, run_command, train
+from tests.helpers.s3 import Proxy
 from tests.unit.test_hf import SCALING, TOKENS, hf_llama
 from trainer import hf, models
 from trainer.config import (
@@ -93,7 +94,8 @@ def test_init_from_loads_the_same_weights_on_any_number_of_processes(
     """3 processes shard 16 key/value rows, 80 FFN rows and 96 vocabulary rows unevenly; hybrid
     sharding with groups of 1 replicates (a 2-D mesh), activation checkpointing renames modules.
     On 2 processes the same run starts from the folder uploaded to a bucket too (model.init_from=s3://,
-    against moto's server): the same weights and losses exactly, and its private copy gone at the end."""
+    against moto's server, through the launcher): the same weights and losses exactly, its private copy
+    gone at the end, and the headers read by the launcher and rank 0 alone (--weights-checked)."""
     train(tmp_path / "run", nproc, *UNCHANGED, *overrides, f"model.init_from={sharded_llama}")
     got, expected = weights(tmp_path / "run"), hf_state(sharded_llama)
     assert got.keys() == expected.keys()
@@ -109,8 +111,22 @@ def _the_same_run_from_a_bucket(tmp_path, sharded_llama, request):
     for path in sorted(sharded_llama.iterdir()):
         server.client().upload_file(str(path), bucket, f"models/llama/{path.name}")
     url = f"s3://{bucket}/models/llama"
-    proc = train(tmp_path / "from_s3", 2, *UNCHANGED, f"model.init_from={url}")
+    requests: list[str] = []
+    proxy = Proxy(server, delay=lambda line: requests.append(line.split()[1].split("?")[0]) or 0.0)
+    try:
+        proc = launched(
+            tmp_path / "from_s3", *UNCHANGED, f"model.init_from={url}", extra_env={"AWS_ENDPOINT_URL": proxy.url}
+        )
+    finally:
+        proxy.stop()
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
     assert f"initialised from {url} in " in proc.stdout + proc.stderr
+    # The launcher reads each header (2 ranged GETs), rank 0 again for the listing every node downloads
+    # (2 more), and this node's local rank 0 downloads it (1 GET): none by a rank told --weights-checked.
+    gets = {path.rsplit("/", 1)[1]: requests.count(path) for path in requests if path.startswith(f"/{bucket}/")}
+    shards = sorted(p.name for p in sharded_llama.glob("*.safetensors"))
+    assert {name: gets[name] for name in shards} == dict.fromkeys(shards, 5)
+    assert gets[hf.CONFIG] == 4  # the launcher, each rank (its shape: one GET, no listing), the download
     assert_same_weights(weights(tmp_path / "from_s3"), weights(tmp_path / "run"), exact=True)
     assert losses(tmp_path / "from_s3") == losses(tmp_path / "run") != {}
     staged = sorted(str(p.relative_to(tmp_path / "staging")) for p in (tmp_path / "staging").rglob("*"))

@@ -14,10 +14,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from tests.helpers.bad_input import DEFAULT
+from tests.helpers.inputs import hf_folder
+from tests.helpers.run import TINY
 from tests.helpers.s3 import Proxy
-from trainer import hf
+from trainer import dist, hf
 from trainer.config import Config, ConfigError, resolve
 from trainer.models import ModelArgs
+from trainer.preflight.startup import Target, preflight
 from trainer.rundir import objects
 
 PREFIX = "models/m"
@@ -71,6 +75,51 @@ def test_a_bucket_folder_is_checked_from_its_headers_and_downloaded_as_listed(s3
     assert sorted(names) == sorted(p.name for p in copy.iterdir())
     assert sorted(names) == ["config.json", hf.INDEX, "one.safetensors", "tokenizer.json", "two.safetensors"]
     assert all((copy / name).read_bytes() == (folder / name).read_bytes() for name in names)
+
+
+def _requests(lines: list[str], bucket: str) -> list[str]:
+    """The S3 requests of the proxy's request lines, as "LIST" or "GET <key below the bucket>"."""
+    said = []
+    for line in lines:
+        path, _, query = line.split()[1].partition("?")
+        said.append("LIST" if "list-type=2" in query else f"{line.split()[0]} {path.split(f'/{bucket}/', 1)[-1]}")
+    return said
+
+
+def test_a_rank_told_the_weights_were_checked_reads_config_json_alone(s3, tmp_path, monkeypatch):
+    """Each node's launcher reads the folder whole in its preflight (the index, each header) and tells
+    its ranks so (--weights-checked): a rank so told reads config.json alone, for the shape, with one
+    GET (16,384 ranks x ~190 shards of a 405B model would be millions of requests before training); a
+    rank started by hand reads it all. A local folder alike: its header unreadable, only the told rank starts."""
+    server, bucket = s3
+    index = json.dumps({"weight_map": {"model.norm.weight": "model.safetensors"}})
+    folder = hf_folder(tmp_path, index=index)
+    url = _upload(server, bucket, folder)
+    env = dist.Env(0, 0, 2, 2, torch.device("cpu"))
+    overrides = [f"run_dir={tmp_path / 'run'}", *TINY]
+    requests: list[str] = []
+    proxy = Proxy(server, delay=lambda line: requests.append(line) or 0.0)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    seen = {}
+    try:
+        for told in (True, False):
+            requests.clear()
+            target = Target.rank(env, memory_checked=True, weights_checked=told)
+            ready = preflight(target, DEFAULT, [*overrides, f"model.init_from={url}"])
+            assert (ready.cfg.model.dim, ready.cfg.model.n_layers) == (32, 1)
+            seen[told] = _requests(requests, bucket)
+    finally:
+        proxy.stop()
+        monkeypatch.setenv("AWS_ENDPOINT_URL", server.url)
+    assert seen[True] == [f"GET {PREFIX}/config.json"]
+    shard = f"GET {PREFIX}/model.safetensors"
+    assert seen[False] == ["LIST", "LIST", f"GET {PREFIX}/config.json", f"GET {PREFIX}/{hf.INDEX}", shard, shard]
+
+    (folder / "model.safetensors").write_bytes(b"\xff" * 16)  # its header unreadable
+    local = [*overrides, f"model.init_from={folder}"]
+    assert preflight(Target.rank(env, True, weights_checked=True), DEFAULT, local).cfg.model.dim == 32
+    with pytest.raises(ConfigError, match=r"model.safetensors is not a readable safetensors file"):
+        preflight(Target.rank(env, True), DEFAULT, local)
 
 
 def _single(tmp_path) -> bytes:
@@ -235,4 +284,49 @@ def test_the_start_downloads_into_a_private_folder_removed_at_exit(s3, tmp_path,
     with pytest.raises(hf.HFError) as e:
         remote.hf_copy(url, group, rank=0, local_rank=0, local_world_size=1)
     assert str(e.value) == f"{url}/two.safetensors holds 7 bytes, fewer than a safetensors file; upload it again"
+    remote.remove_copies()
+
+
+def test_every_node_downloads_rank_0s_listing_or_says_the_folder_changed(s3, tmp_path, monkeypatch, group):
+    """A start's rank 0 lists and checks the folder once (hf.plan: name -> size, ETag of the files the
+    loader needs); every node downloads that listing (hf.download(..., planned), each GET with If-Match
+    of rank 0's ETag): an object replaced after rank 0's listing is the one line "changed while it was
+    downloaded" on the node that would have had the new version, never two versions of a model. A rank
+    whose shape came from another config.json than rank 0's listing's says so too (remote.hf_copy)."""
+    from trainer.checkpoint import remote
+
+    server, bucket = s3
+    monkeypatch.setenv(objects.STAGING_ENV, str(tmp_path / "staging"))
+    folder = _folder(tmp_path)
+    url = _upload(server, bucket, folder)
+    planned = hf.plan(url)
+    listed = objects.Store(url, setting="").listing()
+    names = ["config.json", hf.INDEX, "one.safetensors", "tokenizer.json", "two.safetensors"]
+    assert sorted(planned) == names and all(planned[name] == listed[name] for name in names)
+    node_a, node_b = tmp_path / "a", tmp_path / "b"
+    node_a.mkdir(), node_b.mkdir()
+    assert sorted(hf.download(url, str(node_a), planned)) == names
+    assert all((node_a / name).read_bytes() == (folder / name).read_bytes() for name in names)
+
+    client = server.client()
+    save_file({"b.weight": torch.zeros(2, 8)}, folder / "two.safetensors")  # a new version, valid
+    client.put_object(Bucket=bucket, Key=f"{PREFIX}/two.safetensors", Body=(folder / "two.safetensors").read_bytes())
+    with pytest.raises(objects.StoreError) as e:
+        hf.download(url, str(node_b), planned)
+    assert str(e.value) == (
+        f"{url}/two.safetensors changed while it was downloaded (its ETag is no longer "
+        f"{planned['two.safetensors'][1]}); start again once the folder is complete"
+    )
+
+    # This rank took its shape from config.json (its preflight); the folder is then replaced, config.json too.
+    assert hf.read_config(url) == {"model_type": "llama", "hidden_size": 8}
+    read = listed["config.json"][1]
+    client.put_object(Bucket=bucket, Key=f"{PREFIX}/config.json", Body=b'{"model_type": "llama", "hidden_size": 16}')
+    with pytest.raises(hf.HFError) as e:
+        remote.hf_copy(url, group, rank=0, local_rank=0, local_world_size=1)
+    assert str(e.value) == (
+        f"{url}/config.json changed while it was downloaded (this rank took the model's shape from its version "
+        f"{read}, rank 0's listing has {objects.Store(url, setting='').listing()['config.json'][1]}); start again once "
+        f"the folder is complete"
+    )
     remote.remove_copies()

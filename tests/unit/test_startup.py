@@ -116,18 +116,25 @@ def test_the_launchers_own_devices_are_a_node_error_naming_the_node(tmp_path, mo
 
 
 def test_the_launcher_tells_its_ranks_what_it_checked_on_their_command_line(tmp_path):
-    """The memory of the launcher's node is checked once, by the launcher; its ranks are told so on
-    their command line (--memory-checked), and then do not check it again: no environment flag."""
+    """The memory of the launcher's node and model.init_from's weights are checked once, by the
+    launcher; its ranks are told so on their command line (--memory-checked, --weights-checked), and
+    then do not check them again: no environment flag. A rank started by hand checks it all."""
     ready = preflight(Target.launcher("2", 1), DEFAULT, [f"run_dir={tmp_path / 'run'}", *TINY])
+    assert (ready.memory_checked, ready.weights_checked) == (True, True)
     a = argparse.Namespace(
         nnodes=1, rdzv_endpoint="", local_addr="", config=DEFAULT, config_default=False, overrides=["x=1"]
     )
-    args = torchrun.torchrun_args(a, 2, 30, 0, ready.memory_checked)
-    assert args[args.index("-m") :] == ["-m", "trainer", "--config", DEFAULT, "--memory-checked", "x=1"]
-    assert "--memory-checked" not in torchrun.torchrun_args(a, 2, 30, 0)
+    args = torchrun.torchrun_args(a, 2, 30, 0, ready.memory_checked, ready.weights_checked)
+    told = ["--memory-checked", "--weights-checked"]
+    assert args[args.index("-m") :] == ["-m", "trainer", "--config", DEFAULT, *told, "x=1"]
+    assert not set(told) & set(torchrun.torchrun_args(a, 2, 30, 0))
     env = dist.Env(0, 0, 2, 2, torch.device("cpu"))
     assert Target.rank(env, memory_checked=True).ranks_per_node is None  # validate's memory check: skipped
     assert Target.rank(env).ranks_per_node == 2
+    assert Target.rank(env, weights_checked=True).weights_checked and not Target.rank(env).weights_checked
+    for name, target in targets().items():  # make check, submit, the API: the launcher they start checks again
+        ready = preflight(target, DEFAULT, [f"run_dir={tmp_path / 'run'}", *TINY])
+        assert ready.weights_checked == (name == "launch"), name
     assert not hasattr(torchrun, "MEMORY_CHECKED_ENV")
 
 

@@ -425,22 +425,42 @@ def checkpoint_copy(url: str, group, rank: int, local_rank: int, local_world_siz
 
 
 def hf_copy(url: str, group, rank: int, local_rank: int, local_world_size: int) -> str:
-    """model.init_from naming a Hugging Face folder in a bucket (s3://BUCKET/PREFIX): on every node its
-    local rank 0 downloads the files the loader needs into a private folder (private_folder, removed
-    at exit), each of the version listed and checked as written (hf.download); the local folder on
-    every rank, which hf.load_weights then reads (collective). The first failing rank's line on every
-    rank: hf.HFError for the folder (bad input), objects.StoreError for the store or the download."""
-    path, error = None, None
-    if local_rank == 0:
+    """model.init_from naming a Hugging Face folder in a bucket (s3://BUCKET/PREFIX): rank 0 lists and
+    checks it once (hf.plan: name -> size, ETag of the files the loader needs) and broadcasts that
+    listing; on every node its local rank 0 downloads it into a private folder (private_folder,
+    removed at exit), each GET held to rank 0's ETag (If-Match) and checked as written (hf.download).
+    So every node has the same bytes, or, where the folder was replaced during the start, every rank
+    one line ("changed while it was downloaded"; also where this rank took the model's shape from
+    another config.json than rank 0's listing: hf.config_changed): never FSDP shards of two models.
+    The local folder on every rank, which hf.load_weights then reads (collective). The first failing
+    rank's line on every rank: hf.HFError for the folder (bad input), objects.StoreError for the store
+    or the download."""
+
+    def failed(e: Exception, doing: str) -> tuple[str, str]:
+        if isinstance(e, hf.HFError):
+            return ("folder", str(e))
+        if isinstance(e, objects.StoreError):
+            return ("store", f"model.init_from: {e}")
+        return ("store", f"model.init_from: {doing} failed: {e}")
+
+    planned, error = None, None
+    if rank == 0:
+        try:
+            planned = hf.plan(url)
+        except (hf.HFError, objects.StoreError, OSError) as e:
+            error = failed(e, f"listing {url}")
+    shared = [(planned, error)]
+    dist.broadcast_object_list(shared, src=0, group=group)  # rank 0's listing: the one every node downloads
+    planned, error = shared[0]
+    if error is None and (changed := hf.config_changed(url, planned)):
+        error = ("folder", changed)
+    path = None
+    if error is None and local_rank == 0:
         try:
             path = private_folder(url, "hf")
-            hf.download(url, path)
-        except hf.HFError as e:
-            error = ("folder", str(e))
-        except objects.StoreError as e:
-            error = ("store", f"model.init_from: {e}")
-        except OSError as e:
-            error = ("store", f"model.init_from: downloading {url} into {path} failed: {e}")
+            hf.download(url, path, planned)
+        except (hf.HFError, objects.StoreError, OSError) as e:
+            error = failed(e, f"downloading {url} into {path}")
     node = _node(rank, local_world_size)
     said: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(said, (node, path, error), group=group)

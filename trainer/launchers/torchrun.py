@@ -10,7 +10,8 @@
 
 * checks the config and this node's devices and memory before anything starts (the preflight,
   trainer/preflight/startup.py), so bad input is one line, and tells its ranks what it checked on
-  their command line (--memory-checked: they do not trace the model on the meta device again);
+  their command line (--memory-checked: they do not trace the model on the meta device again;
+  --weights-checked: they read model.init_from's config.json alone, not every safetensors header);
 * checks this node's health (trainer/resilience/health.py: its GPUs, the run dir's write speed, the site's
   health.command), in one line; a failing node exits 4 and, under Slurm, is excluded at the requeue;
 * says which device the ranks will use: NCCL + cuda where torch sees GPUs, else gloo + CPU, and
@@ -170,10 +171,16 @@ def _threads_per_rank(nproc: int) -> str:
 
 
 def torchrun_args(
-    a: argparse.Namespace, nproc: int, shutdown_s: int, max_restarts: int = 0, memory_checked: bool = False
+    a: argparse.Namespace,
+    nproc: int,
+    shutdown_s: int,
+    max_restarts: int = 0,
+    memory_checked: bool = False,
+    weights_checked: bool = False,
 ) -> list[str]:
     """torchrun's command line for this node's ranks; `memory_checked`: the preflight checked this
-    node's memory for them (trainer/preflight/startup.py), which they are told on their command line."""
+    node's memory for them (trainer/preflight/startup.py), `weights_checked`: it read model.init_from's
+    weights, both of which they are told on their command line."""
     args = [
         f"--nproc-per-node={nproc}",
         f"--max-restarts={max_restarts}",
@@ -198,7 +205,7 @@ def torchrun_args(
     if local_addr:
         args.append(f"--local-addr={local_addr}")
     default = ["--config-default"] if a.config_default else []
-    checked = ["--memory-checked"] if memory_checked else []
+    checked = ["--memory-checked"] * memory_checked + ["--weights-checked"] * weights_checked
     return [*args, "-m", "trainer", "--config", a.config, *default, *checked, *a.overrides]
 
 
@@ -725,7 +732,11 @@ def _launch(a: argparse.Namespace, ran: dict) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", _threads_per_rank(nproc))
     try:
         args = torchrun.parse_args(
-            _supported(torchrun_args(a, nproc, shutdown_s, cfg.launch.max_restarts, ready.memory_checked))
+            _supported(
+                torchrun_args(
+                    a, nproc, shutdown_s, cfg.launch.max_restarts, ready.memory_checked, ready.weights_checked
+                )
+            )
         )
     except OSError as e:
         print(f"error: {node_name()}: {e}", file=sys.stderr, flush=True)

@@ -57,6 +57,7 @@ def checked(
     ranks_per_node: int | None = None,
     planning: bool = False,
     node_size: int | None = None,
+    weights_checked: bool = False,
 ) -> tuple[list[str], Config]:
     """(warnings, the config resolved for `world_size` processes: config.resolve, run once, by the
     first check that needs the resolved shape or else at the end). Raise ConfigError for the first
@@ -68,6 +69,7 @@ def checked(
     data files and the run dir this one cannot see are returned as warnings instead of raised.
     `node_size`: the ranks of one node of the target (make check's NPROC, make submit's GPUS_PER_NODE)
     where no memory is checked here; else ranks_per_node: parallel.tp must divide it.
+    `weights_checked`: this node's launcher read model.init_from's weights (config.resolve).
     Only the memory check, the last, imports torch: the config alone is checked without it."""
     warnings: list[str] = [cfg.parallel.deprecated] if cfg.parallel.deprecated else []
 
@@ -94,7 +96,7 @@ def checked(
     def resolved() -> Config:
         """The config resolved, once; a problem of model.init_from's folder blames where the folder was named."""
         if not once:
-            once.append(resolve(cfg, source("model.init_from"), world_size))
+            once.append(resolve(cfg, source("model.init_from"), world_size, weights_checked))
         return once[0]
 
     for key, value in _floats(cfg):

@@ -16,8 +16,12 @@ on as Ready, a type of its own, so that a caller can tell a resolved config from
 A problem is raised as ConfigError (one line: what, where, what to do), before anything is
 written; a problem of this node's own devices (the launcher's) as dist.NodeError, said by each node.
 
-The launcher tells its ranks what it checked on their command line (`--memory-checked`, read by
-Target.rank), not in the environment: a rank started by hand or by another torchrun checks it all.
+The launcher tells its ranks what it checked on their command line (`--memory-checked`: this node's
+memory; `--weights-checked`: model.init_from's folder read whole, its index and every safetensors
+header; read by Target.rank), not in the environment: a rank started by hand or by another torchrun
+checks it all. So a folder's headers are read once per node, not once per rank: a 405B folder (~190
+shards) on 16,384 ranks would otherwise be ~6 million requests to a bucket, or 3 million opens on a
+shared filesystem, before training.
 """
 
 from __future__ import annotations
@@ -55,16 +59,19 @@ class Target:
     nnodes: int = 1  # the launcher's: the nodes of the job
     node: str = ""  # the launcher's: this node's name, named in its own problems on a job of several
     stop_if_finished: bool = False  # a run dir whose run has nothing left to do is said (Finished), not checked
+    weights_checked: bool = False  # a rank's: its launcher read model.init_from's weights; config.json alone here
 
     @classmethod
-    def rank(cls, env, memory_checked: bool = False) -> Target:
-        """This rank (trainer.dist.Env); `memory_checked`: its launcher checked its node's memory."""
+    def rank(cls, env, memory_checked: bool = False, weights_checked: bool = False) -> Target:
+        """This rank (trainer.dist.Env); `memory_checked`: its launcher checked its node's memory;
+        `weights_checked`: its launcher read model.init_from's folder whole (hf.init_args)."""
         return cls(
             RANK,
             env.world_size,
             ranks_per_node=None if memory_checked else env.local_world_size,
             device=env.device,
             local_world_size=env.local_world_size,
+            weights_checked=weights_checked,
         )
 
     @classmethod
@@ -121,6 +128,7 @@ class Ready:
     warnings: tuple[str, ...] = ()  # the checks' (parallel's deprecations; planning: what another machine needs)
     crowded: str | None = None  # the launcher's: more ranks than CPU cores (they share them), else None
     memory_checked: bool = False  # this node's memory was checked for its ranks (the launcher tells them)
+    weights_checked: bool = False  # model.init_from's index and headers were read here (the launcher tells them)
 
 
 @dataclass(frozen=True)
@@ -162,6 +170,7 @@ def preflight(
         ranks_per_node=target.ranks_per_node,
         planning=target.planning,
         node_size=target.node_size,
+        weights_checked=target.weights_checked,
     )
     refused = not_built(resolved.parallel.cp)
     if refused and not (target.kind == SLURM and target.planning):  # a start; a dry run only plans
@@ -179,6 +188,7 @@ def preflight(
         tuple(warnings),
         crowded,
         memory_checked=target.kind == LAUNCH,
+        weights_checked=target.kind == LAUNCH,
     )
 
 
