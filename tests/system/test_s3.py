@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import threading
@@ -277,6 +278,15 @@ def test_the_pages_commands_as_written(s3, tmp_path):
     assert f"deleted checkpoint {url}/checkpoints/step_00000004\n" in said[1], said[1][-3000:]  # keep: 3
     assert str(tmp_path / "staging") not in said[0] + said[1], said[1][-3000:]
     assert f"finished at step 16: checkpoint {url}/checkpoints/step_00000016, metrics {url}/metrics.jsonl" in said[1]
+    # the second line typed again (a Slurm requeue, a JobSet restart): the launcher reads the bucket's
+    # newest checkpoint (its manifest, its meta.json) and stops before any rank starts, downloading nothing
+    staged = tmp_path / "staging" / "my-bucket" / "runs" / "tiny" / "checkpoints"
+    shutil.rmtree(staged, ignore_errors=True)  # the second run's own; a rank's start downloads step 16 here
+    proc = subprocess.run(["bash", "-c", runs[1]], cwd=ROOT, env=e, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "nothing to do: step 16 reached train.steps=16; raise train.steps to continue\n" in proc.stdout, proc.stdout
+    assert "launch: " not in proc.stderr and "warning" not in proc.stderr, proc.stderr[-3000:]  # no rank's device line
+    assert not staged.exists()
     copy = download(server, "my-bucket", prefix, tmp_path / "copy")
     # the rows of both runs in the bucket's one metrics.jsonl, each once: log.interval (10 in the default
     # config) and each run's last step; the resume row names the checkpoint by its URL

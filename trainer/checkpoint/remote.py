@@ -88,6 +88,15 @@ class Staging:
         self.leader = local_rank == 0
         self.node = _node(rank, local_world_size)
 
+    @classmethod
+    def reader(cls, url: str) -> Staging:
+        """The bucket alone, for one process that only reads it (committed, manifest): no staging
+        folder is made or named (newest_committed, the launcher's look before any rank starts)."""
+        staging = cls.__new__(cls)
+        staging.url, staging.rank, staging.store = url, 0, objects.Store(url)
+        staging.local, staging.leader, staging.node = None, True, 0
+        return staging
+
     # -- a start -------------------------------------------------------------------------------
 
     def _agree(self, group, error: str | None) -> None:
@@ -394,6 +403,35 @@ def local_copy(url: str, step: int | None = None, best: bool = False, checkpoint
         if chosen != newest:
             fetch(chosen)
     return staging.local
+
+
+def newest_committed(url: str) -> tuple[int, dict | None] | None:
+    """(step, its meta.json) of the newest committed checkpoint of the s3:// run dir `url` that rank 0's
+    resume would take (Staging.resume: the run id of the bucket's run_id, Staging.committed), read by
+    one process with no file downloaded: meta.json read bounded by, and checked against, the manifest's
+    size and XXH3 (None where it is not what the commit wrote, or not of that step); None where there
+    is no such checkpoint. The launcher's "nothing to do" (trainer/preflight/startup.py finished).
+    objects.StoreError or OSError where the store fails."""
+    staging = Staging.reader(url)
+    got = staging.store.get(layout.RUN_ID_FILE, 256)  # layout.read_run_id's bound
+    run_id = (got[0].decode("utf-8", "replace").strip() or None) if got else None
+    found = staging.committed(run_id)
+    if found is None:
+        return None
+    step, manifest = found
+    want = manifest["files"].get("meta.json")
+    got = staging.store.get(objects.step_key(step, "meta.json"), want["size"]) if want else None
+    if got is None:
+        return step, None
+    h = checksums.hasher()
+    h.update(got[0])
+    if len(got[0]) != want["size"] or h.intdigest() != want["xxh3_64"]:
+        return step, None
+    try:
+        meta = json.loads(got[0])
+    except ValueError:
+        return step, None
+    return step, (meta if isinstance(meta, dict) and meta.get("step") == step else None)
 
 
 def checkpoint_copy(url: str, group, rank: int, local_rank: int, local_world_size: int) -> str:

@@ -47,7 +47,7 @@ import time
 
 from trainer import cli, torch_compat
 from trainer.resilience import hangs, heartbeat, outcomes, signals
-from trainer.rundir import files, layout
+from trainer.rundir import files, layout, objects
 
 # A signal before torchrun's agent takes over (imports, validation, rendezvous) ends the launch
 # cleanly instead of killing it: remembered here (main() listens first thing), acted on once the
@@ -703,7 +703,8 @@ def _launch(a: argparse.Namespace, ran: dict) -> int:
     if isinstance(ready, Finished):
         if first:
             print(ready.line, flush=True)
-            layout.write_status(ready.run_dir, state="finished")
+            if not objects.is_remote(ready.run_dir):  # a bucket's status.json: its run's, said finished then
+                layout.write_status(ready.run_dir, state="finished")
         return 0
     cfg, crowded, nproc = ready.cfg, ready.crowded, ready.target.ranks_per_node
     _say(device_line(nproc))

@@ -27,13 +27,16 @@ shared filesystem, before training.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 from trainer import early_stop
 from trainer.config import Config, ConfigError, load_run
 from trainer.parallel.dims import not_built
 from trainer.preflight.check import check_devices, check_float8, check_gpu_memory, check_gpus, checked
-from trainer.rundir import layout
+from trainer.rundir import layout, objects
+
+log = logging.getLogger("trainer")
 
 # The targets: where a run is to go.
 RANK = "rank"  # one rank of a run, in this process: its own GPU too
@@ -221,7 +224,31 @@ def nothing_to_do(cfg: Config, step: int | None, record: dict | None = None) -> 
 
 def finished(cfg: Config) -> str | None:
     """nothing_to_do for the run dir's newest committed checkpoint, read as the launcher reads it
-    (trainer/rundir/layout.py: no torch, no pickle)."""
+    (trainer/rundir/layout.py: no torch, no pickle; an s3:// run dir's bucket: _finished_in_bucket)."""
+    if objects.is_remote(cfg.run_dir):
+        return _finished_in_bucket(cfg)
     step = layout.latest_committed_step(cfg.run_dir)
     stopped = layout.early_stop_record(cfg.run_dir, step)
     return nothing_to_do(cfg, step, stopped[1] if stopped else None)
+
+
+def _finished_in_bucket(cfg: Config) -> str | None:
+    """finished() for an s3:// run dir: the checkpoint rank 0's resume would take and its meta.json's
+    early_stop part, read from the bucket (remote.newest_committed: one LIST, bounded GETs, nothing
+    downloaded), so that a finished run started again starts no rank and downloads no checkpoint on
+    any node. A store that fails here is a warning: the ranks decide (and say what fails)."""
+    from trainer.checkpoint import remote  # the launcher has torch (Target.counted)
+
+    try:
+        found = remote.newest_committed(cfg.run_dir)
+    except (OSError, objects.StoreError) as e:
+        log.warning(
+            "warning: run_dir %s: reading its newest checkpoint failed (%s); the ranks start and decide", cfg.run_dir, e
+        )
+        return None
+    if found is None:
+        return None
+    step, meta = found
+    record = meta.get(early_stop.PART) if meta else None
+    stopped = isinstance(record, dict) and record.get("stopped") == step  # layout.early_stop_record's test
+    return nothing_to_do(cfg, step, record if stopped else None)
