@@ -270,3 +270,44 @@ def test_a_bad_run_id_in_a_bucket_is_named_by_its_url(s3, tmp_path, monkeypatch,
         f"s3://{bucket}/runs/bad/run_id holds 'not mine', not a run id the trainer writes; remove it (its "
         f"checkpoints are then loaded only through checkpoint.resume_from), or start a new run_dir"
     )
+
+
+def test_the_launchers_nothing_to_do_reads_the_buckets_early_stop_record(s3, tmp_path, monkeypatch):
+    """startup.finished for an s3:// run dir (issue 47): the newest committed checkpoint of this run
+    and its meta.json's early_stop part, read from the bucket with nothing downloaded; a meta.json
+    that is not what the manifest says is not trusted (the step alone counts)."""
+    from trainer import config
+    from trainer.checkpoint import checksums
+    from trainer.preflight import startup
+
+    monkeypatch.setenv(objects.STAGING_ENV, str(tmp_path / "staging"))
+    _, bucket = s3
+    store = _store(bucket)
+    run_id = "r" * 32
+    store.put("run_id", (run_id + "\n").encode())
+    record = {"best": 1.0, "best_step": 2, "since": 2, "stopped": 6, "reason": "patience"}
+    meta = json.dumps({"step": 6, "early_stop": record}).encode()
+    h = checksums.hasher()
+    h.update(meta)
+    listed = {"meta.json": {"size": len(meta), "xxh3_64": h.intdigest()}}
+    store.put("checkpoints/step_00000006/meta.json", meta)
+    manifest = {"files": listed, "xxh3_64": checksums._digest(listed), "run_id": run_id}
+    store.put("checkpoints/step_00000006/manifest.json", json.dumps(manifest).encode())
+    store.put("checkpoints/step_00000008/meta.json", b"{}")  # a save that never committed: no manifest
+
+    def cfg(*more):
+        url = f"s3://{bucket}/runs/one"
+        return config.load(None, [f"run_dir={url}", "train.early_stop_patience=2", "eval.interval=2", *more])
+
+    assert startup.finished(cfg("train.steps=10")) == (
+        "nothing to do: the run stopped early at step 6 (train.early_stop_patience=2); to train on, restart with "
+        "train.early_stop_patience=0 or a larger patience"
+    )
+    assert startup.finished(cfg("train.steps=10", "train.early_stop_patience=0")) is None
+    damaged = meta.replace(b'"since": 2', b'"since": 3')
+    store.put("checkpoints/step_00000006/meta.json", damaged)  # same size, not what the commit wrote
+    assert startup.finished(cfg("train.steps=10")) is None
+    assert startup.finished(cfg("train.steps=6")) == (
+        "nothing to do: step 6 reached train.steps=6; raise train.steps to continue"
+    )
+    assert not (tmp_path / "staging").exists()  # nothing downloaded, no staging folder made
