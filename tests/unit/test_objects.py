@@ -272,10 +272,11 @@ def test_a_bad_run_id_in_a_bucket_is_named_by_its_url(s3, tmp_path, monkeypatch,
     )
 
 
-def test_the_launchers_nothing_to_do_reads_the_buckets_early_stop_record(s3, tmp_path, monkeypatch):
+def test_the_launchers_nothing_to_do_reads_the_buckets_early_stop_record(s3, tmp_path, monkeypatch, caplog):
     """startup.finished for an s3:// run dir (issue 47): the newest committed checkpoint of this run
     and its meta.json's early_stop part, read from the bucket with nothing downloaded; a meta.json
     that is not what the manifest says is not trusted (the step alone counts)."""
+    from tests.helpers.run import TINY
     from trainer import config
     from trainer.checkpoint import checksums
     from trainer.preflight import startup
@@ -293,7 +294,6 @@ def test_the_launchers_nothing_to_do_reads_the_buckets_early_stop_record(s3, tmp
     store.put("checkpoints/step_00000006/meta.json", meta)
     manifest = {"files": listed, "xxh3_64": checksums._digest(listed), "run_id": run_id}
     store.put("checkpoints/step_00000006/manifest.json", json.dumps(manifest).encode())
-    store.put("checkpoints/step_00000008/meta.json", b"{}")  # a save that never committed: no manifest
 
     def cfg(*more):
         url = f"s3://{bucket}/runs/one"
@@ -311,3 +311,17 @@ def test_the_launchers_nothing_to_do_reads_the_buckets_early_stop_record(s3, tmp
         "nothing to do: step 6 reached train.steps=6; raise train.steps to continue"
     )
     assert not (tmp_path / "staging").exists()  # nothing downloaded, no staging folder made
+    # a store that fails there (a manifest larger than any commit writes): a warning once the checks
+    # passed, and the ranks start and decide
+    store.put("checkpoints/step_00000009/manifest.json", b" " * (checksums.MANIFEST_BYTES + 1))
+    url = f"s3://{bucket}/runs/one"
+    asks = startup.Target(
+        startup.API, 1, node_size=1, stop_if_finished=True
+    )  # the launcher's question, no memory check
+    ready = startup.preflight(asks, None, [f"run_dir={url}", *TINY])
+    assert isinstance(ready, startup.Ready)
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        f"warning: run_dir {url}: reading its newest checkpoint failed ({url}/checkpoints/step_00000009/manifest.json "
+        f"holds {checksums.MANIFEST_BYTES + 1} bytes, more than such an object can ({checksums.MANIFEST_BYTES}): not "
+        f"the trainer's; remove it); the ranks start and decide"
+    ]

@@ -160,8 +160,14 @@ def preflight(
         cfg, where, notes = load_run(config, list(overrides), config_chosen)
     if target.nproc:
         target = target.counted()
+    unread = None  # why an s3:// run dir's bucket could not say whether the run finished
     if target.stop_if_finished:
-        line = finished(cfg)
+        try:
+            line = finished(cfg)
+        except (OSError, objects.StoreError) as e:
+            if not objects.is_remote(cfg.run_dir):
+                raise
+            line, unread = None, e
         if line:
             return Finished(cfg.run_dir, line)
     crowded = _devices(target) if target.nproc_option else None
@@ -175,6 +181,12 @@ def preflight(
         node_size=target.node_size,
         weights_checked=target.weights_checked,
     )
+    if unread is not None:  # said once the checks passed: a bad run_dir or credentials is their one line
+        log.warning(
+            "warning: run_dir %s: reading its newest checkpoint failed (%s); the ranks start and decide",
+            cfg.run_dir,
+            unread,
+        )
     refused = not_built(resolved.parallel.cp)
     if refused and not (target.kind == SLURM and target.planning):  # a start; a dry run only plans
         given = [item for item in overrides if item.split("=")[0] == "parallel.cp"]
@@ -224,7 +236,8 @@ def nothing_to_do(cfg: Config, step: int | None, record: dict | None = None) -> 
 
 def finished(cfg: Config) -> str | None:
     """nothing_to_do for the run dir's newest committed checkpoint, read as the launcher reads it
-    (trainer/rundir/layout.py: no torch, no pickle; an s3:// run dir's bucket: _finished_in_bucket)."""
+    (trainer/rundir/layout.py: no torch, no pickle; an s3:// run dir's bucket: _finished_in_bucket,
+    whose store may fail: objects.StoreError, OSError)."""
     if objects.is_remote(cfg.run_dir):
         return _finished_in_bucket(cfg)
     step = layout.latest_committed_step(cfg.run_dir)
@@ -236,16 +249,11 @@ def _finished_in_bucket(cfg: Config) -> str | None:
     """finished() for an s3:// run dir: the checkpoint rank 0's resume would take and its meta.json's
     early_stop part, read from the bucket (remote.newest_committed: one LIST, bounded GETs, nothing
     downloaded), so that a finished run started again starts no rank and downloads no checkpoint on
-    any node. A store that fails here is a warning: the ranks decide (and say what fails)."""
+    any node. objects.StoreError or OSError where the store fails: preflight says it as a warning
+    once the config's checks passed, and the ranks decide."""
     from trainer.checkpoint import remote  # the launcher has torch (Target.counted)
 
-    try:
-        found = remote.newest_committed(cfg.run_dir)
-    except (OSError, objects.StoreError) as e:
-        log.warning(
-            "warning: run_dir %s: reading its newest checkpoint failed (%s); the ranks start and decide", cfg.run_dir, e
-        )
-        return None
+    found = remote.newest_committed(cfg.run_dir)
     if found is None:
         return None
     step, meta = found
