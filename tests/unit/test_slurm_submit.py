@@ -286,6 +286,32 @@ def test_dry_run_run_dir_from_run_dir_args_or_config_else_dated(stub_cluster, ca
     assert re.fullmatch(rf"{re.escape(str(REPO))}/runs/unnamed-\d{{8}}-\d{{6}}", _run_dir_of(out))
 
 
+@pytest.mark.parametrize("where", ["RUN_DIR", "ARGS", "config"])
+def test_an_s3_run_dir_is_refused_for_a_slurm_job_in_one_line(stub_cluster, capsys, monkeypatch, where):
+    """`make submit RUN_DIR=s3://...` made a local folder named `s3:` in the current one (Path.resolve),
+    and the job's requeue check would have read that folder: a Slurm job's run dir (its batch script,
+    logs, requeue and health records) is a folder of the cluster's shared filesystem; one line says so
+    and what to use, before anything is written."""
+    monkeypatch.chdir(stub_cluster)
+    url = "s3://my-bucket/runs/tiny"
+    config = stub_cluster / "s3.yaml"
+    config.write_text((REPO / "configs/default.yaml").read_text().replace("run_dir: runs/default", f"run_dir: {url}"))
+    given = {
+        "RUN_DIR": ("--run-dir", url),
+        "ARGS": ("--", f"run_dir={url}"),
+        "config": ("--config", str(config)),
+    }[where]
+    code, out, err = _dry_run(capsys, *given)
+    said = {"RUN_DIR": f"RUN_DIR={url}", "ARGS": f"ARGS run_dir={url}", "config": f"run_dir: {url} in s3.yaml"}[where]
+    assert code == 2 and out == "", err
+    assert err == (
+        f"submit: error: {said}: a Slurm job's run dir is a folder on the cluster's shared filesystem (its batch "
+        f"script, logs, requeue and health records live there), not object storage; give a shared folder, or run "
+        f"s3:// run dirs with make run or make submit-k8s (docs/checkpoints.md)\n"
+    ), err
+    assert not (stub_cluster / "s3:").exists()
+
+
 @pytest.mark.parametrize(
     "run_dir, launcher, message",
     [

@@ -36,6 +36,7 @@ from trainer import cli
 from trainer.launchers.requeue import HEALTH_FAILED, requeue_check
 from trainer.resilience import signals
 from trainer.rundir import files
+from trainer.rundir.objects import SCHEME
 
 REPO_DIR = Path(__file__).resolve().parents[2]  # trainer/launchers/slurm.py: the checkout holding slurm/
 TEMPLATE = REPO_DIR / "slurm" / "train.sbatch.in"
@@ -240,6 +241,8 @@ def choose_run_dir(given: str, from_args: list[str], config: Path) -> tuple[Path
     from trainer.config import ConfigError, _read_yaml
 
     asked = ([f"RUN_DIR={given}"] if given else []) + [f"ARGS run_dir={p}" for p in from_args]
+    for text, said in zip(([given] if given else []) + from_args, asked):
+        _refuse_object_storage(text, said)
     named = {Path(p).expanduser().resolve() for p in ([given] if given else []) + from_args}
     if len(named) > 1:
         raise SubmitError(f"{' and '.join(asked)} name different run directories; give one of them")
@@ -250,11 +253,24 @@ def choose_run_dir(given: str, from_args: list[str], config: Path) -> tuple[Path
     except ConfigError as e:
         raise SubmitError(str(e)) from None
     if in_config:
+        _refuse_object_storage(str(in_config), f"run_dir: {in_config} in {config.name}")
         return Path(str(in_config)).expanduser().resolve(), f"run_dir in {config.name}"
     return (
         (REPO_DIR / "runs" / f"{config.stem}-{time.strftime('%Y%m%d-%H%M%S')}").resolve(),
         "a new folder: neither RUN_DIR, ARGS run_dir= nor the config names one",
     )
+
+
+def _refuse_object_storage(text: str, said: str) -> None:
+    """An s3:// run dir is no folder a Slurm job can live in: Path() would make it a local folder named
+    `s3:`, and the job's requeue check (trainer/launchers/requeue.py) and health records read the run
+    dir as a folder on every node."""
+    if text.startswith(SCHEME):
+        raise SubmitError(
+            f"{said}: a Slurm job's run dir is a folder on the cluster's shared filesystem (its batch script, "
+            f"logs, requeue and health records live there), not object storage; give a shared folder, or run "
+            f"s3:// run dirs with make run or make submit-k8s (docs/checkpoints.md)"
+        )
 
 
 def check_run_dir_text(run_dir: Path, launcher: str) -> None:
