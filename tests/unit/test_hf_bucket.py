@@ -160,27 +160,28 @@ def test_each_bad_object_is_one_line_naming_its_url(s3, tmp_path):
         f"config: model.init_from: s3://{bucket}/noconfig/m/config.json not found; model.init_from needs a Hugging "
         f"Face folder with config.json and *.safetensors"
     )
-    client.put_object(Bucket=bucket, Key=f"odd/m/{hf.INDEX}", Body=b'{"weight_map": {"w": "../x.safetensors"}}')
-    with pytest.raises(hf.HFError) as e:
-        hf.weight_files(f"s3://{bucket}/odd/m")
-    assert str(e.value) == (
-        f"s3://{bucket}/odd/m/{hf.INDEX} names '../x.safetensors' that the trainer does not take from a bucket "
-        f"(letters, digits, . _ = + -, at the folder's top level); rename it"
-    )
-    client.put_object(Bucket=bucket, Key=f"gone/m/{hf.INDEX}", Body=b'{"weight_map": {"w": "gone.safetensors"}}')
-    with pytest.raises(hf.HFError) as e:
-        hf.weight_files(f"s3://{bucket}/gone/m")
-    assert str(e.value) == (
-        f"s3://{bucket}/gone/m/{hf.INDEX} names 'gone.safetensors', which s3://{bucket}/gone/m lacks; upload the "
-        f"whole model folder again"
-    )
-    client.put_object(Bucket=bucket, Key="spaced/m/model 1.safetensors", Body=good)
-    with pytest.raises(hf.HFError) as e:
-        hf.weight_files(f"s3://{bucket}/spaced/m")
-    assert str(e.value) == (
-        f"s3://{bucket}/spaced/m holds 'model 1.safetensors' that the trainer does not take from a bucket (letters, "
-        f"digits, . _ = + -, at the folder's top level); rename it"
-    )
+    not_taken = "that the trainer does not take from a bucket (letters, digits, . _ = + -, at the folder's top level)"
+    for case, key, body, said in [
+        (
+            "odd",
+            hf.INDEX,
+            b'{"weight_map": {"w": "../x.safetensors"}}',
+            f"{hf.INDEX} names '../x.safetensors' {not_taken}; rename it",
+        ),
+        (
+            "gone",
+            hf.INDEX,
+            b'{"weight_map": {"w": "gone.safetensors"}}',
+            f"{hf.INDEX} names 'gone.safetensors', which s3://{bucket}/gone/m lacks; upload the whole model "
+            f"folder again",
+        ),
+        ("spaced", "model 1.safetensors", good, f"holds 'model 1.safetensors' {not_taken}; rename it"),
+    ]:
+        client.put_object(Bucket=bucket, Key=f"{case}/m/{key}", Body=body)
+        with pytest.raises(hf.HFError) as e:
+            hf.weight_files(f"s3://{bucket}/{case}/m")
+        where = f"s3://{bucket}/{case}/m" + ("/" if said.startswith(hf.INDEX) else " ")
+        assert str(e.value) == where + said, case
     with pytest.raises(hf.HFError) as e:  # the store's own line: here a bucket that is not there
         hf.read_config("s3://no-such-bucket/m")
     assert str(e.value).startswith("s3://no-such-bucket/m: bucket no-such-bucket does not exist at http://127.0.0.1:")
