@@ -325,3 +325,26 @@ def test_the_launchers_nothing_to_do_reads_the_buckets_early_stop_record(s3, tmp
         f"holds {checksums.MANIFEST_BYTES + 1} bytes, more than such an object can ({checksums.MANIFEST_BYTES}): not "
         f"the trainer's; remove it); the ranks start and decide"
     ]
+
+
+def test_the_plan_reads_the_buckets_step_and_save_times(s3):
+    """`make check` and the launchers' grace period (k8s) read an s3:// run dir's logged step times and
+    its last save's time from the bucket, bounded, as they read a folder's: before, they looked for a
+    local folder named `s3:` and said "duration: unknown" of a run that had logged."""
+    from trainer.config import Config
+    from trainer.preflight.check import plan_lines
+    from trainer.preflight.interval import save_seconds
+
+    _, bucket = s3
+    url = f"s3://{bucket}/runs/plan"
+    store = objects.Store(url)
+    cfg = Config(run_dir=url)
+    assert "duration: unknown until a run has logged step times in its run dir" in plan_lines(cfg, 1, 1)
+    rows = [{"step": s, "loss": 1.0, "step_time_s": t} for s, t in ((10, 9.0), (20, 2.0), (30, 2.5), (40, 3.0))]
+    store.put("metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
+    store.put("status.json", json.dumps({"state": "running", "save_s": 12.5}).encode())
+    assert (
+        f"duration: about 0.1 h for {cfg.train.steps} steps at 2.5 s per step (the median of 3 logged windows in "
+        f"{url}/metrics.jsonl; its ranks and machine may differ)"
+    ) in plan_lines(cfg, 1, 1)
+    assert save_seconds(cfg, 1, url) == (12.5, f"measured by the last save in {url}")

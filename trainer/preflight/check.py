@@ -740,12 +740,16 @@ def plan_lines(cfg: Config, nproc: int, nnodes: int, per_node: str = "NPROC") ->
         total = seconds * cfg.train.steps
         lines.append(
             f"duration: about {total / 3600:.1f} h for {cfg.train.steps} steps at {seconds:.3g} s per step (the "
-            f"median of {rows} logged windows in {os.path.join(cfg.run_dir, 'metrics.jsonl')}; its ranks and "
+            f"median of {rows} logged windows in {_join(cfg.run_dir, 'metrics.jsonl')}; its ranks and "
             f"machine may differ)"
         )
     else:
         lines.append("duration: unknown until a run has logged step times in its run dir")
     return lines
+
+
+def _join(run_dir: str, name: str) -> str:
+    return f"{run_dir.rstrip('/')}/{name}" if objects.is_remote(run_dir) else os.path.join(run_dir, name)
 
 
 # The most of a run's metrics.jsonl the plan reads for its step time (a longer one: duration unknown).
@@ -760,7 +764,10 @@ def logged_step_time(run_dir: str) -> tuple[float, int] | None:
 
     path = os.path.join(run_dir, "metrics.jsonl")
     try:  # a shared run dir: no link followed, no FIFO blocked on, bounded (trainer/rundir/files.py)
-        text = files.read_text(path, limit=PLAN_METRICS_BYTES)
+        if objects.is_remote(run_dir):  # an s3:// run dir's, from the bucket (bounded likewise)
+            text = (objects.read_run_file(run_dir, "metrics.jsonl", PLAN_METRICS_BYTES) or b"").decode()
+        else:
+            text = files.read_text(path, limit=PLAN_METRICS_BYTES)
         rows = [json.loads(line) for line in text.splitlines() if line.startswith("{") and '"step_time_s"' in line]
     except (OSError, ValueError):
         return None

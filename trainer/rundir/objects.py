@@ -431,6 +431,17 @@ def _calendar_version(version: str) -> tuple[int, ...]:
     return tuple(numbers)
 
 
+def read_run_file(url: str, name: str, limit: int) -> bytes | None:
+    """The run file `name` (metrics.jsonl, status.json) of the s3:// run dir `url`, read bounded, for a
+    plan made before any rank starts (`make check`, the launchers' grace period); None where it is
+    absent, larger than `limit`, or the store cannot be read (the plan then says it does not know)."""
+    try:
+        got = Store(url).get(name, limit)
+    except (OSError, StoreError, ValueError):
+        return None
+    return got[0] if got else None
+
+
 def checkpoint_of(url: str) -> tuple[str, int] | None:
     """(the run dir, the step) of a checkpoint's URL, s3://BUCKET/PREFIX/checkpoints/step_N, or None
     for another shape (checkpoint.resume_from naming a checkpoint in a bucket)."""
