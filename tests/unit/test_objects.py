@@ -272,6 +272,22 @@ def test_a_bad_run_id_in_a_bucket_is_named_by_its_url(s3, tmp_path, monkeypatch,
     )
 
 
+def _committed(store: objects.Store, step: int, meta: dict, run_id: str = "r" * 32) -> bytes:
+    """A committed checkpoint of step `step` in the bucket as a save leaves it, as far as a launcher
+    reads one (the run id, meta.json and the manifest that lists it); meta.json's bytes."""
+    from trainer.checkpoint import checksums
+
+    store.put("run_id", (run_id + "\n").encode())
+    body = json.dumps(meta).encode()
+    h = checksums.hasher()
+    h.update(body)
+    listed = {"meta.json": {"size": len(body), "xxh3_64": h.intdigest()}}
+    store.put(f"checkpoints/step_{step:08d}/meta.json", body)
+    manifest = {"files": listed, "xxh3_64": checksums._digest(listed), "run_id": run_id}
+    store.put(f"checkpoints/step_{step:08d}/manifest.json", json.dumps(manifest).encode())
+    return body
+
+
 def test_the_launchers_nothing_to_do_reads_the_buckets_early_stop_record(s3, tmp_path, monkeypatch, caplog):
     """startup.finished for an s3:// run dir (issue 47): the newest committed checkpoint of this run
     and its meta.json's early_stop part, read from the bucket with nothing downloaded; a meta.json
@@ -284,16 +300,8 @@ def test_the_launchers_nothing_to_do_reads_the_buckets_early_stop_record(s3, tmp
     monkeypatch.setenv(objects.STAGING_ENV, str(tmp_path / "staging"))
     _, bucket = s3
     store = _store(bucket)
-    run_id = "r" * 32
-    store.put("run_id", (run_id + "\n").encode())
     record = {"best": 1.0, "best_step": 2, "since": 2, "stopped": 6, "reason": "patience"}
-    meta = json.dumps({"step": 6, "early_stop": record}).encode()
-    h = checksums.hasher()
-    h.update(meta)
-    listed = {"meta.json": {"size": len(meta), "xxh3_64": h.intdigest()}}
-    store.put("checkpoints/step_00000006/meta.json", meta)
-    manifest = {"files": listed, "xxh3_64": checksums._digest(listed), "run_id": run_id}
-    store.put("checkpoints/step_00000006/manifest.json", json.dumps(manifest).encode())
+    meta = _committed(store, 6, {"step": 6, "early_stop": record})
 
     def cfg(*more):
         url = f"s3://{bucket}/runs/one"
@@ -348,3 +356,30 @@ def test_the_plan_reads_the_buckets_step_and_save_times(s3):
         f"{url}/metrics.jsonl; its ranks and machine may differ)"
     ) in plan_lines(cfg, 1, 1)
     assert save_seconds(cfg, 1, url) == (12.5, f"measured by the last save in {url}")
+
+
+def test_a_pod_whose_run_in_a_bucket_finished_exits_0(s3, capsys):
+    """Under a Kubernetes operator the launcher's exit code says whether the run finished (0) or
+    stopped before the end (143: the JobSet restarts the set). It read an s3:// run dir's status.json
+    as a local folder's, found none, and gave 143 for a finished run: the whole set restarted once
+    more (a restart of maxRestarts spent) and said it would resume "from the start (no checkpoint
+    yet)". Both come from the bucket now."""
+    import signal
+
+    from trainer.launchers import torchrun
+    from trainer.resilience import outcomes
+
+    _, bucket = s3
+    store = _store(bucket, "runs/pods")
+    url = f"s3://{bucket}/runs/pods"
+    _committed(store, 40, {"step": 40})
+    rdzv = torchrun.Rendezvous("JobSet (JOB_COMPLETION_INDEX)", 2, 1, "j-node-0-0.j:29500", "j-node-0-0.j", None)
+    store.put("status.json", json.dumps({"state": "stopped", "step": 40}).encode())
+    assert torchrun.operator_exit(rdzv, 0, url) == outcomes.signal_code(signal.SIGTERM)
+    assert capsys.readouterr().err == (
+        "launch: stopped before the end of training under JobSet (JOB_COMPLETION_INDEX): exit code 143, so that "
+        "the whole set is restarted (the JobSet's failurePolicy) and resumes from step 40, the newest checkpoint\n"
+    )
+    store.put("status.json", json.dumps({"state": "finished", "step": 100}).encode())
+    assert torchrun.operator_exit(rdzv, 0, url) == 0
+    assert capsys.readouterr().err == ""

@@ -299,7 +299,16 @@ def _failed(pid: int) -> bool:
 
 
 def _resume_point(run_dir: str) -> str:
-    step = layout.latest_committed_step(run_dir)
+    if objects.is_remote(run_dir):  # the bucket's newest committed checkpoint, as the ranks' resume takes it
+        from trainer.checkpoint import remote
+
+        try:
+            found = remote.newest_committed(run_dir)
+        except (OSError, objects.StoreError) as e:
+            return f"its newest checkpoint in the bucket (reading it failed: {e})"
+        step = found[0] if found else None
+    else:
+        step = layout.latest_committed_step(run_dir)
     return f"step {step}, the newest checkpoint" if step is not None else "the start (no checkpoint yet)"
 
 
@@ -650,7 +659,7 @@ def operator_exit(rdzv: Rendezvous, code: int, run_dir: str | None, finished: bo
     the Job fails and the JobSet's failure policy restarts the whole set, which resumes from the
     checkpoint just saved; exit 0 would count this pod's part as done. Every other code is the table's.
     `finished`: the launch found the run finished before it started anything (startup.finished)."""
-    if code != 0 or run_dir is None or finished or layout.read_status(run_dir).get("state") == "finished":
+    if code != 0 or run_dir is None or finished or objects.read_status(run_dir).get("state") == "finished":
         return code
     stopped = outcomes.signal_code(signal.SIGTERM)
     _say(

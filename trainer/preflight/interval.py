@@ -8,11 +8,10 @@ importing the checkpoint module; the trainer asks them at its first step.
 
 from __future__ import annotations
 
-import json
 import math
 from typing import TYPE_CHECKING
 
-from trainer.rundir import files, layout, objects
+from trainer.rundir import objects
 
 if TYPE_CHECKING:
     from trainer.config import Config
@@ -50,22 +49,11 @@ def param_count(cfg: Config) -> int:
         return sum(p.numel() for p in build(cfg.model).parameters())
 
 
-def _status(run_dir: str) -> dict:
-    """status.json of a run dir: a folder's, or an s3:// run dir's read bounded from its bucket."""
-    if not objects.is_remote(run_dir):
-        return layout.read_status(run_dir)
-    try:
-        status = json.loads(objects.read_run_file(run_dir, layout.STATUS_FILE, files.SMALL_FILE_BYTES) or b"{}")
-    except ValueError:
-        return {}
-    return status if isinstance(status, dict) else {}
-
-
 def save_seconds(cfg: Config, nodes: int, run_dir: str, shown: str | None = None) -> tuple[float, str]:
     """(seconds one blocking save takes, how that was found): measured by this run dir's last
     blocking save if there was one, else estimated from the state's size (`cfg`: resolved).
     `shown`: the run dir as the answer names it (an s3:// run dir's URL, `run_dir` its staging copy)."""
-    measured = _status(run_dir).get("save_s")
+    measured = objects.read_status(run_dir).get("save_s")
     if isinstance(measured, (int, float)) and not isinstance(measured, bool) and measured >= 0:  # status is untrusted
         return float(measured), f"measured by the last save in {shown or run_dir}"
     params = param_count(cfg)

@@ -47,7 +47,7 @@ import threading
 import time
 import uuid
 
-from trainer.rundir import files
+from trainer.rundir import files, layout
 from trainer.rundir import lease as file_lease
 
 log = logging.getLogger("trainer")
@@ -429,6 +429,19 @@ def _calendar_version(version: str) -> tuple[int, ...]:
             break
         numbers.append(int(digits.group()))
     return tuple(numbers)
+
+
+def read_status(run_dir: str) -> dict:
+    """status.json of a run dir as a launcher or a plan reads it before any rank starts: a folder's
+    (layout.read_status), or an s3:// run dir's from its bucket, bounded ({} where absent, not JSON,
+    or the store cannot be read)."""
+    if not is_remote(run_dir):
+        return layout.read_status(run_dir)
+    try:
+        status = json.loads(read_run_file(run_dir, layout.STATUS_FILE, files.SMALL_FILE_BYTES) or b"{}")
+    except ValueError:
+        return {}
+    return status if isinstance(status, dict) else {}
 
 
 def read_run_file(url: str, name: str, limit: int) -> bytes | None:
