@@ -383,3 +383,24 @@ def test_a_pod_whose_run_in_a_bucket_finished_exits_0(s3, capsys):
     store.put("status.json", json.dumps({"state": "finished", "step": 100}).encode())
     assert torchrun.operator_exit(rdzv, 0, url) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_a_pod_stopped_by_sigterm_says_its_run_in_a_bucket_saved(s3, capsys):
+    """A pod's launcher stopped by SIGTERM (an eviction, a drained node) says whether the run saved: it
+    read an s3:// run dir's status.json as a local folder's, found none, and said "no checkpoint was
+    saved by this start" of a run that had saved and uploaded its status."""
+    import signal
+
+    from trainer.launchers import torchrun
+    from trainer.resilience import outcomes
+
+    _, bucket = s3
+    url = f"s3://{bucket}/runs/evicted"
+    started = time.time()
+    store = _store(bucket, "runs/evicted")
+    store.put("status.json", json.dumps({"state": "stopped", "step": 12, "updated": started + 1}).encode())
+    assert torchrun._signalled(url, signal.SIGTERM, started, 30) == outcomes.STOPPED.code
+    assert capsys.readouterr().err == f"launch: {outcomes.STOPPED.line.format(signal='SIGTERM', step=12)}\n"
+    store.put("status.json", json.dumps({"state": "stopped", "step": 8, "updated": started - 60}).encode())
+    assert torchrun._signalled(url, signal.SIGTERM, started, 30) == outcomes.signal_code(signal.SIGTERM)
+    assert capsys.readouterr().err == f"launch: {outcomes.SIGNALLED.line.format(signal='SIGTERM', shutdown_s=30)}\n"

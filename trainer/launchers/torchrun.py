@@ -481,6 +481,23 @@ def write_row(run_dir: str, row: dict) -> None:
         _say(f"could not write the restart's row to {run_dir}/metrics.jsonl: {e}")
 
 
+def _signalled(run_dir: str, signum: int, started: float, shutdown_s: int) -> int:
+    """Say how a launch stopped by `signum` ended, from the status the run's rank 0 left (a folder's, or
+    an s3:// run dir's in its bucket, uploaded at the run's end): saved (STOPPED), stopped for another
+    node's health, or stopped without a save of this start (SIGNALLED); the exit code."""
+    status = objects.read_status(run_dir)
+    name = signal.Signals(signum).name
+    unhealthy = _stopped_for_health(run_dir, name)
+    if unhealthy and status.get("updated", 0) < started:  # no step ran: the job ends for that node
+        _say(unhealthy)
+        return outcomes.signal_code(signum)
+    if status.get("state") == "stopped" and status.get("updated", 0) >= started:
+        _say(outcomes.STOPPED.line.format(signal=name, step=status.get("step")))
+        return outcomes.STOPPED.code
+    _say(outcomes.SIGNALLED.line.format(signal=name, shutdown_s=shutdown_s))
+    return outcomes.signal_code(signum)
+
+
 def _stopped_for_health(run_dir: str, signal_name: str) -> str | None:
     """The line of a node stopped by srun because another node of its Slurm job failed the health
     check (that node's record, trainer/resilience/health.py), or None. Without it the line would say only that
@@ -792,17 +809,7 @@ def _launch(a: argparse.Namespace, ran: dict) -> int:
             code = _signalled_for_others(bad_input, cfg.run_dir, endpoint, outcome, a.nnodes)
             if code is not None:
                 return code
-            status = layout.read_status(cfg.run_dir)
-            name = signal.Signals(e.sigval).name
-            unhealthy = _stopped_for_health(cfg.run_dir, name)
-            if unhealthy and status.get("updated", 0) < started:  # no step ran: the job ends for that node
-                _say(unhealthy)
-                return outcomes.signal_code(e.sigval)
-            if status.get("state") == "stopped" and status.get("updated", 0) >= started:
-                _say(outcomes.STOPPED.line.format(signal=name, step=status.get("step")))
-                return outcomes.STOPPED.code
-            _say(outcomes.SIGNALLED.line.format(signal=name, shutdown_s=shutdown_s))
-            return outcomes.signal_code(e.sigval)
+            return _signalled(cfg.run_dir, e.sigval, started, shutdown_s)
         except Exception as e:  # noqa: BLE001 - rendezvous and agent failures: one line, not a traceback
             # The rendezvous store lives on the first node: a dead first node is seen here first.
             lost = heartbeat.silent_nodes(cfg.run_dir, endpoint, node_name()) if endpoint else []
