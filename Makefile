@@ -172,7 +172,7 @@ image: ## build the image (CUDA torch from PyPI on Debian; runs on GPUs and CPUs
 up: ## train with Docker Compose in the foreground on all GPUs (CPU=1: on the CPU, same image); RUN_DIR, CONFIG, ARGS
 	IMAGE="$(IMAGE)" RUN_DIR="$(RUN_DIR)" CONFIG="$(CONFIG)" ARGS='$(ARGS)' docker/up.sh $(if $(filter 1,$(CPU)),cpu)
 
-docker-engine: ## start a local Docker engine (Debian, root; vfs storage, host networking)
+docker-engine: ## start a local Docker engine (Debian, root; host networking)
 	docker/engine-up.sh
 
 submit: venv ## submit to Slurm: NODES=4 [MIN_NODES=3 GPU_MEM_GB= GPUS_PER_NODE= CONFIG= RUN_DIR= TIME= PARTITION= CONTAINER= NET_IF= LAUNCHER=submitit DRY_RUN=1 ARGS=]
