@@ -9,6 +9,7 @@ import json
 import os
 import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -152,6 +153,32 @@ def test_a_staging_folder_the_trainer_did_not_make_is_never_emptied(tmp_path, mo
         f"it is removed; set TRAINER_S3_STAGING to a folder of its own"
     )
     assert precious.read_text() == "mine"
+
+
+def test_a_start_downloads_the_run_files_whole_and_refuses_one_larger_than_the_trainer_writes(
+    s3, tmp_path, monkeypatch, group
+):
+    """The run's files come by one GET each, exactly; one past the bound is one line, no part of it kept."""
+    from trainer.checkpoint import remote
+
+    _, bucket = s3
+    monkeypatch.setenv(objects.STAGING_ENV, str(tmp_path))
+    url = f"s3://{bucket}/runs/files"
+    store = objects.Store(url)
+    store.put("config.yaml", b"model: {name: mnist_cnn}\n")
+    store.put("metrics.jsonl", b'{"step": 1}\n' * 4)
+    staging = remote.Staging(url, rank=0, local_rank=0, local_world_size=1)
+    staging.prepare(group)
+    assert (Path(staging.local) / "metrics.jsonl").read_bytes() == b'{"step": 1}\n' * 4
+    assert not (Path(staging.local) / "status.json").exists()  # none in the bucket, none made
+
+    monkeypatch.setattr(remote, "RUN_FILE_BYTES", 30)
+    with pytest.raises(objects.StoreError) as e:
+        remote.Staging(url, rank=0, local_rank=0, local_world_size=1).prepare(group)
+    assert str(e.value) == (
+        f"{url}/metrics.jsonl holds more than such an object can (30 bytes): not the trainer's; remove it"
+    )
+    assert not (Path(staging.local) / "metrics.jsonl").exists()
 
 
 def test_a_checkpoints_url_names_its_run_dir_and_step():

@@ -131,16 +131,19 @@ class Staging:
         self._agree(group, error)
 
     def download_file(self, relative: str, local: str, limit: int) -> bool:
-        size = self.store.size(relative)
-        if size is None:
+        """The run file `relative` into `local` by one GET (False where the bucket has none);
+        StoreError for one larger than the trainer writes, of which no more than `limit` and a
+        block is read."""
+        try:
+            got, _ = self.store.stream(relative, local, limit)
+        except FileNotFoundError:
             return False
-        if size > limit:
-            raise objects.StoreError(f"{self.store.where(relative)} holds {size} bytes, more than the trainer writes")
-        with (
-            self.store.open(relative) as src,
-            os.fdopen(files._open(local, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as dst,
-        ):
-            shutil.copyfileobj(src, dst, 8 << 20)
+        if got > limit:
+            os.unlink(local)
+            raise objects.StoreError(
+                f"{self.store.where(relative)} holds more than such an object can ({limit} bytes): not the trainer's; "
+                f"remove it"
+            )
         return True
 
     def committed(self, run_id: str | None, below: int | None = None) -> tuple[int, dict] | None:
@@ -193,16 +196,9 @@ class Staging:
         for name, want in sorted(manifest["files"].items()):
             local = os.path.join(tmp, *name.split("/"))
             os.makedirs(os.path.dirname(local), mode=0o755, exist_ok=True)
-            h, size = checksums.hasher(), 0
+            h = checksums.hasher()
             try:
-                with (
-                    self.store.open(objects.step_key(step, name)) as src,
-                    os.fdopen(files._open(local, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as dst,
-                ):
-                    while size <= want["size"] and (block := src.read(8 << 20)):
-                        h.update(block)
-                        dst.write(block)
-                        size += len(block)
+                size, _ = self.store.stream(objects.step_key(step, name), local, want["size"], h)
             except FileNotFoundError:
                 return f"{name} is missing"
             if size != want["size"] or h.intdigest() != want["xxh3_64"]:

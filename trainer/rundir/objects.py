@@ -362,21 +362,19 @@ class Store:
 
         return self._sync(relative, read)
 
-    def download(self, relative: str, local: str, size: int, etag: str) -> None:
-        """Write the object into the new file `local` (made exclusively, never through a link), the
-        version whose ETag is `etag` (If-Match), checked as it is written: its size must be `size`,
-        and its MD5 the ETag where that is one (a single-part upload without SSE-KMS or SSE-C: a
-        multipart ETag, with its '-', is not an MD5 of the object). StoreError, in one line, otherwise:
-        "changed while it was downloaded" where the object was replaced since `etag` was listed."""
+    def stream(self, relative: str, local: str, size: int, digest=None, etag: str | None = None) -> tuple[int, dict]:
+        """Write the object into the new file `local` (made exclusively, never through a link) by one
+        GET, each block also to `digest` (a hashlib-like object) where one is given; more than `size`
+        bytes are never read past the block that crosses it. (the bytes that came, the response's
+        headers), for the caller's checks. With `etag`, the version whose ETag it is (If-Match):
+        StoreError "changed while it was downloaded" where the object was replaced since it was
+        listed; FileNotFoundError where it is absent."""
         where = self.where(relative)
+        condition = {"IfMatch": etag} if etag else {}
         try:
-            response = self._call(relative, "get_object", Bucket=self.bucket, Key=self.key(relative), IfMatch=etag)
-        except FileNotFoundError:
-            raise StoreError(
-                f"{where} was removed while it was downloaded; start again once the folder is complete"
-            ) from None
+            response = self._call(relative, "get_object", Bucket=self.bucket, Key=self.key(relative), **condition)
         except OSError as e:
-            if _failed_condition(e):
+            if etag and _failed_condition(e):
                 raise StoreError(
                     f"{where} changed while it was downloaded (its ETag is no longer {etag}); start again once the "
                     f"folder is complete"
@@ -384,16 +382,14 @@ class Store:
             raise
         from botocore.exceptions import FlexibleChecksumError
 
-        encrypted = response.get("SSECustomerAlgorithm") or response.get("ServerSideEncryption") not in (None, "AES256")
-        md5 = hashlib.md5(usedforsecurity=False) if _PLAIN_MD5.fullmatch(etag) and not encrypted else None
-        body, got = response["Body"], 0
+        body, got = response.pop("Body"), 0
         try:
             with os.fdopen(files._open(local, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as out:
                 while got <= size and (block := self._sync(relative, body.read, 8 << 20)):
                     got += len(block)
                     out.write(block)
-                    if md5 is not None:
-                        md5.update(block)
+                    if digest is not None:
+                        digest.update(block)
         except FlexibleChecksumError as e:  # botocore checks the CRC the store keeps (where it keeps one)
             raise StoreError(
                 f"{where}: the bytes downloaded do not match the checksum the store keeps ({e}): damaged on the "
@@ -401,9 +397,24 @@ class Store:
             ) from None
         finally:
             body.close()
+        return got, response
+
+    def download(self, relative: str, local: str, size: int, etag: str) -> None:
+        """`stream` of the version whose ETag is `etag`, checked as it is written: its size must be
+        `size`, and its MD5 the ETag where that is one (a single-part upload without SSE-KMS or SSE-C:
+        a multipart ETag, with its '-', is not an MD5 of the object). StoreError, in one line, otherwise."""
+        where = self.where(relative)
+        md5 = hashlib.md5(usedforsecurity=False) if _PLAIN_MD5.fullmatch(etag) else None
+        try:
+            got, response = self.stream(relative, local, size, md5, etag)
+        except FileNotFoundError:
+            raise StoreError(
+                f"{where} was removed while it was downloaded; start again once the folder is complete"
+            ) from None
         if got != size:
             raise StoreError(f"{where}: {got} bytes came, its listing said {size}; start again")
-        if md5 is not None and md5.hexdigest() != etag.strip('"'):
+        encrypted = response.get("SSECustomerAlgorithm") or response.get("ServerSideEncryption") not in (None, "AES256")
+        if md5 is not None and not encrypted and md5.hexdigest() != etag.strip('"'):
             raise StoreError(
                 f"{where}: the bytes downloaded have MD5 {md5.hexdigest()}, not its ETag {etag}: damaged on the "
                 f"way; start again"
