@@ -315,6 +315,28 @@ def _committed(store: objects.Store, step: int, meta: dict, run_id: str = "r" * 
     return body
 
 
+def test_a_restart_of_a_run_in_a_bucket_is_a_row_of_its_metrics(s3, capsys):
+    """The launcher's restart row of an s3:// run (torchrun.write_row, with the step torchrun.newest_step
+    reads from the bucket): appended to the bucket's metrics.jsonl, which the ranks download at their
+    start and append to. A run that has uploaded no metrics yet gets none, as a folder not yet written."""
+    from trainer.launchers import torchrun
+
+    _, bucket = s3
+    store = _store(bucket)
+    url = f"s3://{bucket}/runs/one"
+    assert torchrun.newest_step(url) is None
+    torchrun.write_row(url, {"event": "restart", "step": 0})
+    assert store.get("metrics.jsonl", 1000) is None
+    store.put("metrics.jsonl", b'{"step": 1, "loss": 2.0}\n')
+    _committed(store, 6, {"step": 6})
+    assert torchrun.newest_step(url) == 6
+    torchrun.write_row(url, {"event": "restart", "step": 6, "rank": 1})
+    first, row = (json.loads(line) for line in store.get("metrics.jsonl", 1000)[0].splitlines())
+    assert first == {"step": 1, "loss": 2.0}
+    assert row.pop("time") > 0 and row == {"event": "restart", "step": 6, "rank": 1}
+    assert capsys.readouterr().err == ""
+
+
 def test_the_launchers_nothing_to_do_reads_the_buckets_early_stop_record(s3, tmp_path, monkeypatch, caplog):
     """startup.finished for an s3:// run dir (issue 47): the newest committed checkpoint of this run
     and its meta.json's early_stop part, read from the bucket with nothing downloaded; a meta.json

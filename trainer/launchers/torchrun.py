@@ -298,17 +298,30 @@ def _failed(pid: int) -> bool:
     return info is not None and not (info.si_code == os.CLD_EXITED and info.si_status == 0)
 
 
-def _resume_point(run_dir: str) -> str:
-    if objects.is_remote(run_dir):  # the bucket's newest committed checkpoint, as the ranks' resume takes it
-        from trainer.checkpoint import remote
+def newest_step(run_dir: str) -> int | None:
+    """The step of the run's newest committed checkpoint, as its ranks' resume takes it: a folder's, or
+    an s3:// run dir's from its bucket (StoreError or OSError where the bucket cannot be read)."""
+    if not objects.is_remote(run_dir):
+        return layout.latest_committed_step(run_dir)
+    from trainer.checkpoint import remote
 
-        try:
-            found = remote.newest_committed(run_dir)
-        except (OSError, objects.StoreError) as e:
-            return f"its newest checkpoint in the bucket (reading it failed: {e})"
-        step = found[0] if found else None
-    else:
-        step = layout.latest_committed_step(run_dir)
+    found = remote.newest_committed(run_dir)
+    return found[0] if found else None
+
+
+def _row_step(run_dir: str) -> int:
+    """newest_step for a launcher's row: 0 where there is none, or the bucket cannot be read now."""
+    try:
+        return newest_step(run_dir) or 0
+    except (OSError, objects.StoreError):
+        return 0
+
+
+def _resume_point(run_dir: str) -> str:
+    try:
+        step = newest_step(run_dir)
+    except (OSError, objects.StoreError) as e:
+        return f"its newest checkpoint in the bucket (reading it failed: {e})"
     return f"step {step}, the newest checkpoint" if step is not None else "the start (no checkpoint yet)"
 
 
@@ -425,7 +438,6 @@ def _restarting_agent(
             if after_another:  # restarted all the same, said by the node whose rank failed first
                 return result
             restart = worker_group.spec.max_restarts - self.restarts_left + 1
-            step = layout.latest_committed_step(run_dir)
             node = node_name()
             start = _resume_point(run_dir)
             _say(
@@ -436,7 +448,7 @@ def _restarting_agent(
                 run_dir,
                 {
                     "event": "restart",
-                    "step": step or 0,
+                    "step": _row_step(run_dir),
                     "rank": rank,
                     "node": node,
                     "exit_code": failure.exitcode,
@@ -465,19 +477,25 @@ def record_lost_nodes(run_dir: str, endpoint: str, lost: list[str]) -> None:
     with none, so their stop signal waits for both."""
     with signals.held():
         if heartbeat.first_to_name(run_dir, endpoint, lost):
-            step = layout.latest_committed_step(run_dir)
-            write_row(run_dir, {"event": "node_lost", "step": step or 0, "nodes": lost, "node": node_name()})
+            write_row(run_dir, {"event": "node_lost", "step": _row_step(run_dir), "nodes": lost, "node": node_name()})
 
 
 def write_row(run_dir: str, row: dict) -> None:
     """Append one row, with the time, to metrics.jsonl (this node's ranks are stopped), unless the
-    run has not written its run dir yet."""
-    if not os.path.isdir(run_dir):
-        return
+    run has not written its run dir yet: a folder's, or an s3:// run dir's in its bucket (the ranks
+    download it at their start and append to it)."""
+    line = json.dumps({**row, "time": round(time.time(), 3)}) + "\n"
     try:
+        if objects.is_remote(run_dir):
+            from trainer.checkpoint import remote
+
+            objects.Store(run_dir).append(layout.METRICS_FILE, line.encode(), remote.RUN_FILE_BYTES)
+            return
+        if not os.path.isdir(run_dir):
+            return
         with files.open_append(os.path.join(run_dir, layout.METRICS_FILE)) as f:
-            f.write(json.dumps({**row, "time": round(time.time(), 3)}) + "\n")
-    except OSError as e:  # the restart matters more than its row
+            f.write(line)
+    except (OSError, objects.StoreError) as e:  # the restart matters more than its row
         _say(f"could not write the restart's row to {run_dir}/metrics.jsonl: {e}")
 
 

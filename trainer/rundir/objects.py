@@ -288,6 +288,22 @@ class Store:
     def open(self, relative: str):
         return self.fs.open(f"{self.bucket}/{self.key(relative)}", "rb", block_size=8 << 20, cache_type="none")
 
+    def append(self, relative: str, text: bytes, limit: int) -> bool:
+        """Append `text` to the object: read (bounded by `limit`), then written back only if no other
+        writer changed it since (If-Match on the ETag read), read again where one did. False where it
+        does not exist (nothing is made)."""
+        for _ in range(3):
+            got = self.get(relative, limit)
+            if got is None:
+                return False
+            body, etag = got
+            try:
+                self.put(relative, body + text, if_match=etag)
+                return True
+            except PreconditionFailed:
+                continue
+        raise StoreError(f"{self.where(relative)} changed at each of 3 tries to append to it; another writer holds it")
+
     def size(self, relative: str) -> int | None:
         try:
             return int(self._sync(relative, self.fs._info, f"{self.bucket}/{self.key(relative)}")["size"])
