@@ -449,8 +449,14 @@ def read_run_file(url: str, name: str, limit: int) -> bytes | None:
     plan made before any rank starts (`make check`, the launchers' grace period); None where it is
     absent, larger than `limit`, or the store cannot be read (the plan then says it does not know)."""
     try:
-        got = Store(url).get(name, limit)
-    except (OSError, StoreError, ValueError):
+        store = Store(url)
+    except StoreError:
+        return None
+    from botocore.exceptions import BotoCoreError  # s3fs's: no credentials, no endpoint answering
+
+    try:
+        got = store.get(name, limit)
+    except (OSError, StoreError, ValueError, BotoCoreError):
         return None
     return got[0] if got else None
 
