@@ -500,6 +500,18 @@ def staging_dir(url: str) -> str:
     return os.path.join(root, bucket, *prefix.split("/"))
 
 
+def launcher_dir(url: str) -> str:
+    """This node's own folder for what its launcher keeps of the s3:// run dir `url` (a hang's dumps:
+    trainer/resilience/hangs.py): <root>/.launcher/<bucket>/<prefix>, beside the staging copies, which
+    the ranks make afresh at each start (no bucket's name starts with '.', so no staging copy is there);
+    made 0700 where missing."""
+    bucket, prefix = split(url)
+    staging_dir(url)  # the root, checked to be this user's own
+    folder = os.path.join(staging_root(), ".launcher", bucket, *prefix.split("/"))
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    return folder
+
+
 # -- one writer per run: the lease object --------------------------------------------------------
 
 
