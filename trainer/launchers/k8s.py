@@ -406,7 +406,7 @@ def _volumes(job: Job) -> tuple[list[dict], list[dict]]:
 def s3_env(job: Job) -> list[dict]:
     """The variables of an s3:// run dir's pods: the staging root, the Secret's keys (a TrainJob's pod
     patch cannot take envFrom, so each key by name, the same for a JobSet), AWS_ENDPOINT_URL as given.
-    None for a run dir on the claim."""
+    Nothing for a run dir on the claim."""
     if not job.remote:
         return []
     env = [{"name": objects.STAGING_ENV, "value": STAGING_ROOT}]
