@@ -52,6 +52,7 @@ ARG TORCHVISION_VERSION=0.29.2
 ARG TORCH_INDEX_URL=""
 # A site's own index or mirror for the other packages ("--index-url https://pypi.example.org/simple").
 ARG PIP_OPTS=""
+# The s3 extra (s3fs): a run dir in a bucket, run_dir: s3://BUCKET/PREFIX (make submit-k8s RUN_DIR=s3://...).
 # Everything heavy is one last layer: under vfs and in `enroot import`, every further layer over
 # 6 GB of CUDA libraries would cost a full copy. The sources and docker/ca-bundle.crt (there when
 # docker/build-image.sh found that this host's pip trusts its own certificates, as behind a
@@ -63,7 +64,7 @@ RUN python3 -m venv /app/venv \
     && if [ -f /src/docker/ca-bundle.crt ]; then export PIP_CERT=/src/docker/ca-bundle.crt; fi \
     && pip install $PIP_OPTS ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} \
        "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION" \
-    && pip install $PIP_OPTS /src \
+    && pip install $PIP_OPTS '/src[s3]' \
     && cp -r /src/configs /app/configs \
     && rm -rf /src/* /src/.[!.]* \
-    && python -c 'import torch, torchvision, trainer'
+    && python -c 'import torch, torchvision, trainer, s3fs'

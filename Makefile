@@ -42,13 +42,16 @@ DRY_RUN       ?=
 # Kubernetes (make submit-k8s; docs/kubernetes.md): NODES, GPUS_PER_NODE (empty: 8), IMAGE, CONFIG, RUN_DIR (in
 # the pods, under /runs: empty, /runs/JOB_NAME) and GPU_MEM_GB as above; PVC: the ReadWriteMany claim of the run
 # dirs; QUEUE: a Kueue LocalQueue (GANG=volcano: a Volcano queue); OUT: the manifest's file (empty: stdout);
-# APPLY=1: kubectl apply -f it.
+# APPLY=1: kubectl apply -f it. RUN_DIR=s3://BUCKET/PREFIX: the run dir in a bucket (no PVC needed); S3_SECRET:
+# the Secret of its AWS_* keys (empty: the pods' service account's credentials); AWS_ENDPOINT_URL=, given on
+# the command line (not from the environment), the pods' endpoint (MinIO, Ceph).
 KIND          ?= trainjob
 PVC           ?=
 JOB_NAME      ?=
 NAMESPACE     ?=
 QUEUE         ?=
 GANG          ?= kueue
+S3_SECRET     ?=
 RUNTIME       ?= torch-distributed
 GRACE         ?=
 MAX_RESTARTS  ?= 5
@@ -182,10 +185,12 @@ submit: venv ## submit to Slurm: NODES=4 [MIN_NODES=3 GPU_MEM_GB= GPUS_PER_NODE=
 	    --gpu-mem-gb "$(GPU_MEM_GB)" \
 	    $(if $(filter 1,$(DRY_RUN)),--dry-run) -- $(ARGS)
 
-submit-k8s: venv ## a Kubernetes job from the image: NODES=4 PVC=claim IMAGE=reg/img:tag [KIND=trainjob|jobset|runtime GPUS_PER_NODE=8 QUEUE= GANG=kueue|volcano JOB_NAME= NAMESPACE= RUN_DIR=/runs/x RUNTIME= GRACE= MAX_RESTARTS= GPU_MEM_GB= OUT=file APPLY=1 CONFIG= ARGS=]
+submit-k8s: venv ## a Kubernetes job from the image: NODES=4 PVC=claim IMAGE=reg/img:tag [KIND=trainjob|jobset|runtime GPUS_PER_NODE=8 QUEUE= GANG=kueue|volcano JOB_NAME= NAMESPACE= RUN_DIR=/runs/x|s3://bucket/prefix S3_SECRET= AWS_ENDPOINT_URL= RUNTIME= GRACE= MAX_RESTARTS= GPU_MEM_GB= OUT=file APPLY=1 CONFIG= ARGS=]
 	@$(PY) -m trainer.launchers.k8s --nodes "$(NODES)" --gpus-per-node "$(or $(GPUS_PER_NODE),8)" --kind "$(KIND)" \
 	    --image "$(IMAGE)" --pvc "$(PVC)" --name "$(JOB_NAME)" --namespace "$(NAMESPACE)" --config "$(CONFIG)" \
-	    --run-dir "$(RUN_DIR)" --queue "$(QUEUE)" --gang "$(GANG)" --runtime "$(RUNTIME)" --grace-seconds "$(GRACE)" \
+	    --run-dir "$(RUN_DIR)" --s3-secret "$(S3_SECRET)" \
+	    --s3-endpoint "$(if $(filter command line,$(origin AWS_ENDPOINT_URL)),$(AWS_ENDPOINT_URL))" \
+	    --queue "$(QUEUE)" --gang "$(GANG)" --runtime "$(RUNTIME)" --grace-seconds "$(GRACE)" \
 	    --max-restarts "$(MAX_RESTARTS)" --gpu-mem-gb "$(GPU_MEM_GB)" --out "$(OUT)" $(if $(filter 1,$(APPLY)),--apply) -- $(ARGS)
 
 # NODES for slurm-up only when given (make slurm-up NODES=8): its default is 4 nodes, not submit's 1.

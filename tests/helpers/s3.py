@@ -38,14 +38,15 @@ def free_port() -> int:
 
 
 class Server:
-    """moto_server on 127.0.0.1:`port`, until stop()."""
+    """moto_server on `host` (127.0.0.1; a Docker network's gateway for containers: test_k8s_containers.py)
+    :`port`, until stop()."""
 
-    def __init__(self, extra_env: dict | None = None):
+    def __init__(self, extra_env: dict | None = None, host: str = "127.0.0.1"):
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         program = str(MOTO) if MOTO.exists() else "moto_server"
         self.proc = subprocess.Popen(
-            [program, "-H", "127.0.0.1", "-p", str(self.port)],
+            [program, "-H", host, "-p", str(self.port)],
             env={**os.environ, **(extra_env or {})},
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -53,7 +54,7 @@ class Server:
         deadline = time.time() + 60
         while True:
             try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                socket.create_connection((host, self.port), timeout=1).close()
                 return
             except OSError:
                 if self.proc.poll() is not None or time.time() > deadline:

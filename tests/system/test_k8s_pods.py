@@ -2,7 +2,9 @@
 TrainJob as two launchers on this machine, each with the variables Kubeflow Trainer's torch runtime sets
 on its pod (the first pod's address is 127.0.0.1 here, its headless service name on a cluster), where no
 Docker engine answers: where one does, tests/system/test_k8s_containers.py runs the same two pods, the
-same stop and resume, as two containers of the image (and this run would only add its time to CI's)."""
+same stop and resume, as two containers of the image, their run dir in a bucket (this run, a folder's,
+would add its 30 to 44 s to CI's; what differs for a folder, the launcher's reading of its status, is
+tests/unit/test_k8s.py's)."""
 
 from __future__ import annotations
 

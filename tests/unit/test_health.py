@@ -130,6 +130,26 @@ def test_a_write_floor_that_cannot_be_met_fails_and_leaves_nothing(tmp_path):
     assert not result.failure and "run dir write" in result.summary and list(tmp_path.iterdir()) == []
 
 
+def test_an_s3_run_dir_is_written_in_this_nodes_staging_folder(tmp_path, monkeypatch):
+    """The node writes an s3:// run dir's files in its staging copy (TRAINER_S3_STAGING), uploaded from
+    there: that folder is measured, not a folder named s3: under the current one (a pod's read-only /app)."""
+    staging, elsewhere = tmp_path / "staging", tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setenv("TRAINER_S3_STAGING", str(staging))
+    result = check_node(HealthArgs(min_write_mbps=1e12), "s3://bucket/runs/a", "n4", gpu_check=CPU)
+    assert result.failure.startswith(f"the run dir ({staging}) takes writes at "), result.failure
+    assert list(elsewhere.iterdir()) == [] and list(staging.iterdir()) == []
+    staging.rmdir()
+    staging.symlink_to(elsewhere)  # a staging root not the node's own: its line, nothing written
+    result = check_node(HealthArgs(), "s3://bucket/runs/a", "n4", gpu_check=CPU)
+    assert result.failure == (
+        f"cannot write to the run dir's staging copy: TRAINER_S3_STAGING: {staging} is not a folder of this "
+        "user's own (a link, a file or another user's); set TRAINER_S3_STAGING to a private folder"
+    )
+    assert list(elsewhere.iterdir()) == []
+
+
 def test_bus_bandwidth_as_nccl_tests_define_it_judged_on_gpus_only():
     line, failed = health.busbw_line(1.0, 10**9, 4, "nccl", 2, floor=2.0)  # 1e9 x 2 x 3/4 / 1 s
     assert failed and line == (

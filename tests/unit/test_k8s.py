@@ -125,6 +125,9 @@ MINE = {
     "config_text": "# my model\nmodel:\n  dim: 64   # wider\ntrain:\n  steps: 20\n",
 }
 
+# A run dir in a bucket: no claim, the credentials from a Secret.
+S3 = {"pvc": None, "run_dir": "s3://ml-runs/team-a/llama-8b", "s3_secret": "s3-credentials"}
+
 
 @pytest.mark.parametrize(
     "name, job",
@@ -136,6 +139,8 @@ MINE = {
         ("jobset-cpu-2.yaml", _job(kind=k8s.KIND_JOBSET, **CPU, queue=None)),
         ("trainjob-cpu-2-configmap.yaml", _job(**CPU, **MINE, queue=None)),
         ("jobset-8x4-configmap-volcano.yaml", _job(kind=k8s.KIND_JOBSET, **MINE, queue="research", gang="volcano")),
+        ("trainjob-cpu-2-s3.yaml", _job(**{**CPU, **S3}, queue=None)),
+        ("jobset-8x4-s3.yaml", _job(kind=k8s.KIND_JOBSET, **S3, s3_endpoint="https://minio.example.com:9000")),
     ],
 )
 def test_rendered_manifest_matches_golden_and_its_crd_schema(name, job):
@@ -150,6 +155,36 @@ def test_rendered_manifest_matches_golden_and_its_crd_schema(name, job):
     if job.config_text:  # the pods mount the ConfigMap the manifest holds, which is the file as it was
         assert docs[0]["data"] == {k8s.CONFIG_KEY: job.config_text}
         assert _mounted_config(docs[1]) == (docs[0]["metadata"]["name"], k8s.CONFIG_MOUNT)
+    if job.run_dir.startswith("s3://"):  # no claim; the staging copies on the pod's own disk, credentials
+        env, mounts, volumes = _pod_parts(docs[-1])
+        assert [m["mountPath"] for m in mounts] == ["/dev/shm", "/s3-staging"]
+        assert volumes[-1] == {"name": "s3-staging", "emptyDir": {}}
+        assert env["TRAINER_S3_STAGING"] == {"value": "/s3-staging/trainer"}
+        assert env["AWS_ACCESS_KEY_ID"] == {
+            "valueFrom": {"secretKeyRef": {"name": job.s3_secret, "key": "AWS_ACCESS_KEY_ID"}}
+        }
+        assert env["AWS_REGION"]["valueFrom"]["secretKeyRef"]["optional"] is True
+        assert env.get("AWS_ENDPOINT_URL") == (
+            {"value": job.s3_endpoint}
+            if job.s3_endpoint
+            else {"valueFrom": {"secretKeyRef": {"name": job.s3_secret, "key": "AWS_ENDPOINT_URL", "optional": True}}}
+        )
+
+
+def _pod_parts(doc: dict) -> tuple[dict, list[dict], list[dict]]:
+    """(the training container's variables by name, its mounts, the pod's volumes) of a TrainJob (its own
+    env, its runtime patch's mounts and volumes) or a JobSet."""
+    if doc["kind"] == "TrainJob":
+        (patch,) = doc["spec"]["runtimePatches"]
+        (rjob,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+        env = doc["spec"]["trainer"].get("env", [])
+    else:
+        (rjob,) = doc["spec"]["replicatedJobs"]
+        env = rjob["template"]["spec"]["template"]["spec"]["containers"][0].get("env", [])
+    pod = rjob["template"]["spec"]["template"]["spec"]
+    named = {e["name"]: {k: v for k, v in e.items() if k != "name"} for e in env}
+    assert len(named) == len(env), "a variable set twice"
+    return named, pod["containers"][0]["volumeMounts"], pod["volumes"]
 
 
 def _mounted_config(doc: dict) -> tuple[str, str]:
@@ -255,6 +290,7 @@ def test_the_image_entrypoint_and_configs_are_the_dockerfiles():
     (entrypoint,) = re.findall(r"^ENTRYPOINT (\[.*\])$", dockerfile, re.M)
     assert json.loads(entrypoint) == k8s.ENTRYPOINT
     assert f"cp -r /src/configs {k8s.IMAGE_CONFIGS}" in dockerfile
+    assert "pip install $PIP_OPTS '/src[s3]'" in dockerfile  # s3fs: a run dir in a bucket (RUN_DIR=s3://...)
 
 
 def test_the_grace_period_follows_the_last_measured_save_and_a_grace_too_short_for_it_is_refused(tmp_path):
@@ -288,7 +324,8 @@ def _pod_env(doc: dict, index: int) -> tuple[dict, list[str]]:
     operators make it: Kubeflow Trainer's torch plugin (kubeflow/trainer v2.3.0,
     pkg/runtime/framework/plugins/torch/torch.go) sets PET_* from the TrainJob; for a JobSet, the
     Job controller sets JOB_COMPLETION_INDEX and the downward API reads the labels the JobSet
-    controller puts on every pod (jobset.sigs.k8s.io/jobset-name, .../replicatedjob-name)."""
+    controller puts on every pod (jobset.sigs.k8s.io/jobset-name, .../replicatedjob-name). The job's own
+    plain variables (an s3:// run dir's) are in it too; those from a Secret are not (the kubelet's)."""
     name = doc["metadata"]["name"]
     if doc["kind"] == "TrainJob":
         trainer = doc["spec"]["trainer"]
@@ -299,14 +336,19 @@ def _pod_env(doc: dict, index: int) -> tuple[dict, list[str]]:
             "PET_MASTER_ADDR": f"{name}-node-0-0.{name}",
             "PET_MASTER_PORT": "29500",
         }
+        env |= {var["name"]: var["value"] for var in trainer.get("env", []) if "value" in var}
         return env, trainer["args"]
     (rjob,) = doc["spec"]["replicatedJobs"]
     (container,) = rjob["template"]["spec"]["template"]["spec"]["containers"]
     labels = {"jobset.sigs.k8s.io/jobset-name": name, "jobset.sigs.k8s.io/replicatedjob-name": rjob["name"]}
     env = {"JOB_COMPLETION_INDEX": str(index)}
     for var in container["env"]:
-        (key,) = re.fullmatch(r"metadata\.labels\['(.+)'\]", var["valueFrom"]["fieldRef"]["fieldPath"]).groups()
-        env[var["name"]] = labels[key]
+        if "value" in var:
+            env[var["name"]] = var["value"]
+        elif "fieldRef" in var["valueFrom"]:
+            path = var["valueFrom"]["fieldRef"]["fieldPath"]
+            (key,) = re.fullmatch(r"metadata\.labels\['(.+)'\]", path).groups()
+            env[var["name"]] = labels[key]
     return env, container["args"]
 
 
@@ -468,6 +510,18 @@ def test_submit_renders_what_the_preflight_checked_and_writes_it(tmp_path, capsy
         ({"kind": "pytorchjob"}, "KIND='pytorchjob': give trainjob (Kubeflow Trainer v2), jobset (a plain JobSet) or "),
         ({"run_dir": "/data/x"}, "RUN_DIR=/data/x: the run dir must be a folder under /runs/, where every pod"),
         ({"run_dir": "/runs/../etc"}, "RUN_DIR=/runs/../etc: the run dir must be a folder under /runs/"),
+        ({"run_dir": "s3://ab/x"}, "RUN_DIR: s3://ab/x does not name a bucket (s3://BUCKET/PREFIX, a bucket of 3 "),
+        ({"run_dir": "s3://bucket"}, "RUN_DIR: s3://bucket needs a prefix of plain names under the bucket "),
+        ({"run_dir": "/runs/x", "s3_secret": "creds"}, "S3_SECRET=creds: the run dir /runs/x is no s3:// run dir; "),
+        ({"run_dir": "/runs/x", "s3_endpoint": "http://minio:9000"}, "AWS_ENDPOINT_URL=http://minio:9000: the run "),
+        (
+            {"run_dir": "s3://bucket/runs/x", "s3_secret": "S3_creds"},
+            "S3_SECRET='S3_creds': not a DNS-1123 subdomain of at most 253 characters (lower-case letters, digits,",
+        ),
+        (
+            {"run_dir": "s3://bucket/runs/x", "s3_endpoint": "minio:9000"},
+            "AWS_ENDPOINT_URL='minio:9000': not an http:// or https:// URL; give the object store's, e.g. ",
+        ),
         ({"grace_seconds": "10"}, "GRACE='10': expected a whole number >= 21"),
         ({"queue": "Team A"}, "QUEUE='Team A': not a DNS-1123 label"),
         ({"gang": "slurm"}, "GANG='slurm': give kueue or volcano"),
@@ -491,6 +545,47 @@ def test_a_config_the_preflight_refuses_is_its_one_line_and_nothing_is_written(t
     err = capsys.readouterr().err
     assert err.startswith("submit-k8s: error: override 'train.global_batch_size=7': ") and err.count("\n") == 1, err
     assert not (tmp_path / "job.yaml").exists()
+
+
+def test_an_s3_run_dir_needs_no_claim_and_its_pods_get_a_staging_folder_and_the_secrets_credentials(
+    tmp_path, capsys, monkeypatch
+):
+    """RUN_DIR=s3://... without PVC: the pods mount no run volume; TRAINER_S3_STAGING on an emptyDir, the
+    Secret's AWS variables and AWS_ENDPOINT_URL as given. The plan asks the bucket for the last save's time
+    and, where nothing answers (here: an endpoint on a closed port), estimates it. (Once: each kind's
+    layout is the golden files'; a refused connection costs s3fs's retries, a second or more.)"""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # botocore's retries of a refused connection: seconds
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    url, secret, endpoint = "s3://ml-runs/team-a/tiny", "s3-credentials", "http://minio.storage:9000"
+    argv = _argv(tmp_path, kind=k8s.KIND_JOBSET, pvc="", run_dir=url, s3_secret=secret, s3_endpoint=endpoint)
+    assert k8s.main(argv) == 0, capsys.readouterr().err
+    (doc,) = yaml.safe_load_all((tmp_path / "job.yaml").read_text())
+    assert problems(doc) == []
+    env, mounts, volumes = _pod_parts(doc)
+    assert [v["name"] for v in volumes] == ["dshm", "s3-staging"] and "runs" not in [m["name"] for m in mounts]
+    assert env["TRAINER_S3_STAGING"] == {"value": "/s3-staging/trainer"}
+    assert env["AWS_ENDPOINT_URL"] == {"value": endpoint}
+    assert env["AWS_SECRET_ACCESS_KEY"] == {
+        "valueFrom": {"secretKeyRef": {"name": secret, "key": "AWS_SECRET_ACCESS_KEY"}}
+    }
+    _, args = _pod_env(doc, 1)
+    assert args[args.index("--config") :] == ["--config", "/app/configs/default.yaml", f"run_dir={url}", *TINY]
+    err = capsys.readouterr().err
+    assert "submit-k8s: terminationGracePeriodSeconds: 120 (one save + 60 s for the step in progress" in err
+    assert "one save: about 0.0 s (estimated: " in err
+
+
+@pytest.mark.parametrize("kind", [k8s.KIND_TRAINJOB, k8s.KIND_JOBSET])
+def test_an_s3_run_dir_without_a_secret_sets_no_aws_variable_the_service_account_gives_them(kind):
+    """No S3_SECRET: the credentials are the pods' service account's (IRSA, pod identity)."""
+    (doc,) = yaml.safe_load_all(k8s.render(_job(kind=kind, **{**S3, "s3_secret": None})))
+    assert problems(doc) == []
+    env, _, _ = _pod_parts(doc)
+    assert [name for name in env if name.startswith("AWS_")] == []
+    assert env["TRAINER_S3_STAGING"] == {"value": "/s3-staging/trainer"}
+    assert "credentials from the pods' service account" in k8s.render(_job(kind=kind, **{**S3, "s3_secret": None}))
 
 
 MY_CONFIG = "# mine: a small model\nmodel:\n  seq_len: 32\ntrain:\n  global_batch_size: 12\n  steps: 6\n"
@@ -600,4 +695,21 @@ def test_make_submit_k8s_refuses_bad_input_as_typed(tmp_path):
         r"^make(\[\d+\])?: \*\*\* \[Makefile", out.stderr, re.M
     )
     assert out.stderr.splitlines()[0] == "submit-k8s: error: NODES='0': expected a whole number >= 1"
+    assert not (tmp_path / "job.yaml").exists()
+
+
+def test_make_submit_k8s_takes_aws_endpoint_url_from_its_command_line_not_from_the_environment(tmp_path):
+    """AWS_ENDPOINT_URL= on make's command line reaches the pods (here: refused for a run dir on the claim);
+    the one in this shell's environment (for make run's own bucket) is not handed on."""
+    given = ["make", "-s", "submit-k8s", "PVC=runs", "RUN_DIR=/runs/x", "GRACE=10", f"OUT={tmp_path / 'job.yaml'}"]
+    env = {**os.environ, "AWS_ENDPOINT_URL": "http://127.0.0.1:9"}
+    said = [
+        subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env=env).stderr.splitlines()[0]
+        for argv in (given, [*given, "AWS_ENDPOINT_URL=http://minio:9000", "S3_SECRET="])
+    ]
+    assert said == [
+        "submit-k8s: error: GRACE='10': expected a whole number >= 21",
+        "submit-k8s: error: AWS_ENDPOINT_URL=http://minio:9000: the run dir /runs/x is no s3:// run dir; give "
+        "RUN_DIR=s3://BUCKET/PREFIX or leave AWS_ENDPOINT_URL out",
+    ]
     assert not (tmp_path / "job.yaml").exists()

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from trainer.launchers import torchrun
 from trainer.rundir import lease as file_lease
 from trainer.rundir import objects
 
@@ -453,3 +454,15 @@ def test_a_pod_stopped_by_sigterm_says_its_run_in_a_bucket_saved(s3, capsys):
     store.put("status.json", json.dumps({"state": "stopped", "step": 8, "updated": started - 60}).encode())
     assert torchrun._signalled(url, signal.SIGTERM, started, 30) == outcomes.signal_code(signal.SIGTERM)
     assert capsys.readouterr().err == f"launch: {outcomes.SIGNALLED.line.format(signal='SIGTERM', shutdown_s=30)}\n"
+
+
+def test_the_launchers_records_of_a_run_in_a_bucket_are_in_a_folder_of_this_nodes_own(tmp_path, monkeypatch):
+    """A hang's dumps of an s3:// run (torchrun.launcher_dir): under the staging root, never a folder named
+    s3: under the current one (a pod's read-only /app), never inside the staging copy the ranks remake."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(objects.STAGING_ENV, str(tmp_path / "staging"))
+    folder = torchrun.launcher_dir("s3://bucket/runs/a")
+    assert folder == str(tmp_path / "staging" / ".launcher" / "bucket" / "runs" / "a") and os.path.isdir(folder)
+    assert not folder.startswith(objects.staging_dir("s3://bucket/runs/a"))
+    assert sorted(os.listdir(tmp_path)) == ["staging"]
+    assert torchrun.launcher_dir(str(tmp_path / "run")) == str(tmp_path / "run")  # a folder: itself

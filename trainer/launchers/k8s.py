@@ -2,7 +2,8 @@
 
     python -m trainer.launchers.k8s --nodes 4 --image REGISTRY/fsdp-trainer:TAG --pvc runs
                                     [--gpus-per-node 8] [--kind trainjob|jobset] [--name N] [--namespace NS]
-                                    [--config F] [--run-dir /runs/N] [--queue Q] [--gang kueue|volcano]
+                                    [--config F] [--run-dir /runs/N | s3://BUCKET/PREFIX] [--s3-secret S]
+                                    [--s3-endpoint URL] [--queue Q] [--gang kueue|volcano]
                                     [--runtime torch-distributed] [--grace-seconds S] [--max-restarts R]
                                     [--gpu-mem-gb G] [--out FILE] [--apply] [k=v ...]
 
@@ -25,7 +26,10 @@ What the rendered job does:
   without the trainer operator; failurePolicy.maxRestarts recreates every pod after a failure, and
   they resume from the newest checkpoint; the exit codes that would fail again (bad input, a lost
   lease: trainer/resilience/outcomes.py) fail the JobSet instead (podFailurePolicy FailJob).
-* the run dir on a ReadWriteMany PersistentVolumeClaim (--pvc) mounted at /runs in every pod;
+* the run dir on a ReadWriteMany PersistentVolumeClaim (--pvc) mounted at /runs in every pod, or in a
+  bucket (--run-dir s3://BUCKET/PREFIX, trainer/rundir/objects.py; no claim needed): then each pod's
+  staging copy (TRAINER_S3_STAGING) is on an emptyDir, and its AWS credentials come from a Secret's keys
+  (--s3-secret) or, without one, from its service account (IRSA, pod identity);
 * the config: a file of the image's configs/ by its path there, or any other file (the user's own) as a
   ConfigMap, the manifest's first document, mounted read-only at /etc/fsdp-trainer in every pod: the
   pods run the very bytes the preflight checked here;
@@ -52,7 +56,7 @@ import yaml
 from trainer import cli
 from trainer.launchers import torchrun
 from trainer.resilience import outcomes, signals
-from trainer.rundir import files
+from trainer.rundir import files, objects
 
 REPO_DIR = Path(__file__).resolve().parents[2]  # trainer/launchers/k8s.py: the checkout holding configs/
 # The image (Dockerfile): its entrypoint, and where it holds the checkout's configs/.
@@ -66,6 +70,15 @@ CONTAINER = "node"  # the training container's name, and its replicated job's: K
 MOUNT = "/runs"  # where the PersistentVolumeClaim holding the run dirs is mounted in every pod
 VOLUME = "runs"
 SHM_VOLUME = "dshm"  # /dev/shm in memory: NCCL and the data loaders need more than a container's 64 MB
+# An s3:// run dir's staging copies (trainer/rundir/objects.py) on an emptyDir, the pod's own disk: the
+# container's root filesystem may be read-only. The trainer's root is a folder it makes inside, because it
+# must be its user's own (0700), which the emptyDir (root's, 0777) is not.
+STAGING_VOLUME = "s3-staging"
+STAGING_MOUNT = "/s3-staging"
+STAGING_ROOT = f"{STAGING_MOUNT}/trainer"
+# The Secret's keys each pod takes (S3_SECRET=): the first two required, the others where the Secret has them.
+SECRET_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+SECRET_OPTIONAL_KEYS = ("AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION")
 KIND_TRAINJOB, KIND_JOBSET, KIND_RUNTIME = "trainjob", "jobset", "runtime"
 RUNTIME_NAME = "fsdp-trainer"  # the ClusterTrainingRuntime KIND=runtime renders, unless JOB_NAME= says otherwise
 TRAINJOB_API = "trainer.kubeflow.org/v1alpha1"
@@ -81,6 +94,8 @@ PATCH_MANAGER = "fsdp-trainer"  # the runtimePatches entry this launcher owns
 # can take longer than the estimate.
 STEP_MARGIN_S = 60
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+ENDPOINT_URL = re.compile(r"https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/[!-~]*)?")
 IMAGE_REF = re.compile(
     r"[a-z0-9][a-z0-9._-]*(:[0-9]+)?(/[a-z0-9][a-z0-9._-]*)*(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(@sha256:[0-9a-f]{64})?"
 )
@@ -100,8 +115,8 @@ class Job:
     nodes: int  # pods, one per node
     gpus_per_node: int  # nvidia.com/gpu of each pod; 0: one CPU process per pod
     image: str
-    pvc: str  # the ReadWriteMany PersistentVolumeClaim holding the run dirs, mounted at MOUNT
-    run_dir: str  # in the pods, under MOUNT
+    pvc: str | None  # the ReadWriteMany PersistentVolumeClaim holding the run dirs, mounted at MOUNT; None: none
+    run_dir: str  # in the pods, under MOUNT, or s3://BUCKET/PREFIX
     config: str  # the config's path in the pods: in the image (IMAGE_CONFIGS/...) or the ConfigMap's
     overrides: list[str]
     queue: str | None  # the Kueue LocalQueue or Volcano queue; None: no gang scheduling asked
@@ -111,6 +126,13 @@ class Job:
     max_restarts: int  # the JobSet's failurePolicy.maxRestarts
     config_text: str | None = None  # a config the image does not hold: the ConfigMap's file; None: the image's
     notes: list[str] = dataclasses.field(default_factory=list)  # said before the manifest: why each value
+    s3_secret: str | None = None  # an s3:// run dir's Secret of AWS_* keys; None: the service account's credentials
+    s3_endpoint: str | None = None  # AWS_ENDPOINT_URL in the pods (MinIO, Ceph); None: the Secret's, or AWS's
+
+    @property
+    def remote(self) -> bool:
+        """The run dir is in a bucket (s3://)."""
+        return objects.is_remote(self.run_dir)
 
     @property
     def nproc_per_node(self) -> int:
@@ -173,20 +195,51 @@ def read_config(config: Path) -> str:
 
 
 def pod_run_dir(given: list[str], name: str) -> str:
-    """The run dir in the pods: RUN_DIR or ARGS run_dir= (which must agree), else MOUNT/<name>."""
-    named = {str(Path(p)) for p in given}
+    """The run dir in the pods: RUN_DIR or ARGS run_dir= (which must agree), else MOUNT/<name>; a folder
+    under MOUNT, or s3://BUCKET/PREFIX checked as `make run` checks one (objects.split)."""
+    named = {p.rstrip("/") if objects.is_remote(p) else str(Path(p)) for p in given}
     if len(named) > 1:
         raise K8sError(f"RUN_DIR and ARGS run_dir= name different run directories ({', '.join(sorted(named))})")
     run_dir = named.pop() if named else f"{MOUNT}/{name}"
     if re.search(r"[\x00-\x1f\x7f]", run_dir):
         raise K8sError(f"RUN_DIR={run_dir!r}: a control character; choose a folder name without one")
+    if objects.is_remote(run_dir):
+        try:
+            objects.split(run_dir, "RUN_DIR")
+        except objects.StoreError as e:
+            raise K8sError(str(e)) from None
+        return run_dir
     parts = Path(run_dir).parts
     if not run_dir.startswith(f"{MOUNT}/") or ".." in parts or Path(run_dir) == Path(MOUNT):
         raise K8sError(
             f"RUN_DIR={run_dir}: the run dir must be a folder under {MOUNT}/, where every pod mounts the "
-            f"PersistentVolumeClaim (PVC=), e.g. {MOUNT}/{name}"
+            f"PersistentVolumeClaim (PVC=), e.g. {MOUNT}/{name}, or in a bucket, s3://BUCKET/PREFIX"
         )
     return run_dir
+
+
+def s3_access(run_dir: str, secret: str, endpoint: str) -> tuple[str | None, str | None]:
+    """(the Secret, the endpoint) the pods of an s3:// run dir take their credentials and object store
+    from, checked (K8sError); both None for a run dir on the claim, which takes neither."""
+    if not objects.is_remote(run_dir):
+        for name, given in (("S3_SECRET", secret), ("AWS_ENDPOINT_URL", endpoint)):
+            if given:
+                raise K8sError(
+                    f"{name}={given}: the run dir {run_dir} is no s3:// run dir; give RUN_DIR=s3://BUCKET/PREFIX "
+                    f"or leave {name} out"
+                )
+        return None, None
+    if secret and not (DNS_SUBDOMAIN.fullmatch(secret) and len(secret) <= 253):
+        raise K8sError(
+            f"S3_SECRET={secret!r}: not a DNS-1123 subdomain of at most 253 characters (lower-case letters, digits, "
+            f"'-' and '.'), as Kubernetes names a Secret"
+        )
+    if endpoint and not ENDPOINT_URL.fullmatch(endpoint):
+        raise K8sError(
+            f"AWS_ENDPOINT_URL={endpoint!r}: not an http:// or https:// URL; give the object store's, e.g. "
+            f"https://minio.example.com:9000"
+        )
+    return secret or None, endpoint or None
 
 
 def parse_job(args: argparse.Namespace) -> tuple[Job, Path]:
@@ -203,12 +256,7 @@ def parse_job(args: argparse.Namespace) -> tuple[Job, Path]:
         raise K8sError("IMAGE is empty: give the image every pod runs, as the cluster pulls it (REGISTRY/NAME:TAG)")
     if not IMAGE_REF.fullmatch(args.image):
         raise K8sError(f"IMAGE={args.image!r}: not an image reference (REGISTRY/NAME:TAG or NAME@sha256:DIGEST)")
-    if not args.pvc:
-        raise K8sError(
-            "PVC is empty: give the ReadWriteMany PersistentVolumeClaim that holds the run dirs (every pod "
-            f"mounts it at {MOUNT})"
-        )
-    pvc = _label("PVC", args.pvc)
+    pvc = _label("PVC", args.pvc) if args.pvc else None
     namespace = _label("NAMESPACE", args.namespace) if args.namespace else None
     from trainer.config import find_config
 
@@ -228,6 +276,12 @@ def parse_job(args: argparse.Namespace) -> tuple[Job, Path]:
         else:
             overrides.append(item)
     run_dir = pod_run_dir(run_dirs, name)
+    if pvc is None and not objects.is_remote(run_dir):
+        raise K8sError(
+            "PVC is empty: give the ReadWriteMany PersistentVolumeClaim that holds the run dirs (every pod "
+            f"mounts it at {MOUNT}), or a run dir in a bucket, RUN_DIR=s3://BUCKET/PREFIX"
+        )
+    secret, endpoint = s3_access(run_dir, args.s3_secret, args.s3_endpoint)
     gang = args.gang
     if gang not in ("kueue", "volcano"):
         raise K8sError(f"GANG={gang!r}: give kueue or volcano")
@@ -237,7 +291,7 @@ def parse_job(args: argparse.Namespace) -> tuple[Job, Path]:
     grace = _number("GRACE", args.grace_seconds, signals.EXIT_MARGIN_S + 1) if args.grace_seconds else 0
     job = Job(
         kind, name, namespace, nodes, gpus, args.image, pvc, run_dir, in_image or f"{CONFIG_MOUNT}/{CONFIG_KEY}",
-        overrides, queue, gang, runtime, grace, max_restarts, text,
+        overrides, queue, gang, runtime, grace, max_restarts, text, s3_secret=secret, s3_endpoint=endpoint,
     )  # fmt: skip
     return job, config
 
@@ -334,17 +388,40 @@ def _metadata(job: Job, labels: dict | None = None, annotations: dict | None = N
 
 
 def _volumes(job: Job) -> tuple[list[dict], list[dict]]:
-    """(the pod's volumes, the container's mounts): the run dirs' claim, /dev/shm, and the ConfigMap of
-    a config of the user's own."""
-    volumes = [
-        {"name": VOLUME, "persistentVolumeClaim": {"claimName": job.pvc}},
-        {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}},
-    ]
-    mounts = [{"name": VOLUME, "mountPath": MOUNT}, {"name": SHM_VOLUME, "mountPath": "/dev/shm"}]
+    """(the pod's volumes, the container's mounts): the run dirs' claim (where there is one), /dev/shm,
+    the ConfigMap of a config of the user's own, and an s3:// run dir's staging emptyDir."""
+    volumes = [{"name": VOLUME, "persistentVolumeClaim": {"claimName": job.pvc}}] if job.pvc else []
+    mounts = [{"name": VOLUME, "mountPath": MOUNT}] if job.pvc else []
+    volumes.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}})
+    mounts.append({"name": SHM_VOLUME, "mountPath": "/dev/shm"})
     if job.config_text is not None:
         volumes.append({"name": CONFIG_VOLUME, "configMap": {"name": config_map_name(job)}})
         mounts.append({"name": CONFIG_VOLUME, "mountPath": CONFIG_MOUNT, "readOnly": True})
+    if job.remote:
+        volumes.append({"name": STAGING_VOLUME, "emptyDir": {}})
+        mounts.append({"name": STAGING_VOLUME, "mountPath": STAGING_MOUNT})
     return volumes, mounts
+
+
+def s3_env(job: Job) -> list[dict]:
+    """The variables of an s3:// run dir's pods: the staging root, the Secret's keys (a TrainJob's pod
+    patch cannot take envFrom, so each key by name, the same for a JobSet), AWS_ENDPOINT_URL as given.
+    Nothing for a run dir on the claim."""
+    if not job.remote:
+        return []
+    env = [{"name": objects.STAGING_ENV, "value": STAGING_ROOT}]
+    if job.s3_endpoint:
+        env.append({"name": "AWS_ENDPOINT_URL", "value": job.s3_endpoint})
+    if job.s3_secret:
+        optional = [k for k in SECRET_OPTIONAL_KEYS if not (job.s3_endpoint and k == "AWS_ENDPOINT_URL")]
+        env += [
+            {"name": key, "valueFrom": {"secretKeyRef": {"name": job.s3_secret, "key": key}}} for key in SECRET_KEYS
+        ]
+        env += [
+            {"name": key, "valueFrom": {"secretKeyRef": {"name": job.s3_secret, "key": key, "optional": True}}}
+            for key in optional
+        ]
+    return env
 
 
 def config_map_name(job: Job) -> str:
@@ -377,6 +454,8 @@ def render_trainjob(job: Job) -> list[dict]:
         "command": ENTRYPOINT,
         "args": pod_args(job),
     }
+    if job.remote:
+        trainer["env"] = s3_env(job)
     if job.gpus_per_node:
         trainer["resourcesPerNode"] = {"limits": _gpus(job), "requests": _gpus(job)}
     pod = {
@@ -424,7 +503,7 @@ def render_jobset(job: Job) -> list[dict]:
     env = [
         {"name": name, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['jobset.sigs.k8s.io/{label}']"}}}
         for name, label in (("JOBSET_NAME", "jobset-name"), ("REPLICATED_JOB_NAME", "replicatedjob-name"))
-    ]
+    ] + s3_env(job)
     container: dict = {
         "name": CONTAINER,
         "image": job.image,
@@ -477,9 +556,14 @@ def render_jobset(job: Job) -> list[dict]:
 def render(job: Job) -> str:
     """The manifest: its documents as YAML, after a comment saying how it was made and why each value."""
     docs = render_trainjob(job) if job.kind == KIND_TRAINJOB else render_jobset(job)
+    if job.remote:
+        credentials = f"Secret {job.s3_secret}'s keys" if job.s3_secret else "the pods' service account"
+        where = f"in object storage, credentials from {credentials}"
+    else:
+        where = f"on PersistentVolumeClaim {job.pvc} (ReadWriteMany)"
     head = [
         f"# {job.kind} {job.name}: {job.nodes} node(s) x {job.nproc_per_node} rank(s), rendered by make submit-k8s",
-        f"# (trainer/launchers/k8s.py). Run dir: {job.run_dir} on PersistentVolumeClaim {job.pvc} (ReadWriteMany).",
+        f"# (trainer/launchers/k8s.py). Run dir: {job.run_dir} {where}.",
     ]
     body = "---\n".join(
         yaml.dump(d, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=1000) for d in docs
@@ -520,7 +604,18 @@ def _parser() -> argparse.ArgumentParser:
         default="configs/default.yaml",
         help="a config of configs/ (in the image), or your own (a ConfigMap)",
     )
-    p.add_argument("--run-dir", default="", help=f"run dir in the pods, under {MOUNT}/; empty: {MOUNT}/<name>")
+    p.add_argument(
+        "--run-dir",
+        default="",
+        help=f"run dir in the pods, under {MOUNT}/, or s3://BUCKET/PREFIX; empty: {MOUNT}/<name>",
+    )
+    p.add_argument(
+        "--s3-secret",
+        default="",
+        help="an s3:// run dir's Secret of AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL, "
+        "AWS_REGION...); empty: the pods' service account's credentials",
+    )
+    p.add_argument("--s3-endpoint", default="", help="AWS_ENDPOINT_URL in the pods of an s3:// run dir (MinIO, Ceph)")
     p.add_argument("--queue", default="", help="Kueue LocalQueue or Volcano queue: gang scheduling; empty: none")
     p.add_argument("--gang", default="kueue", help="kueue or volcano: which scheduler --queue names a queue of")
     p.add_argument("--runtime", default="torch-distributed", help="the TrainJob's ClusterTrainingRuntime")

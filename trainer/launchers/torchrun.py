@@ -533,6 +533,12 @@ def _stopped_for_health(run_dir: str, signal_name: str) -> str | None:
     return outcomes.STOPPED_FOR_HEALTH.line.format(node=me, signal=signal_name, which=which)
 
 
+def launcher_dir(run_dir: str) -> str:
+    """Where this node's launcher keeps its records of the run (a hang's dumps): the run dir, or for an
+    s3:// run dir a folder of this node's own (objects.launcher_dir): a URL is no folder to write in."""
+    return objects.launcher_dir(run_dir) if objects.is_remote(run_dir) else run_dir
+
+
 def _health_check(cfg) -> int:
     """This node's health check (trainer/resilience/health.py): its one line, and 0, or HEALTH_FAILED after
     leaving the record the requeue check reads (under Slurm: that check runs after every node's end)."""
@@ -789,11 +795,14 @@ def _launch(a: argparse.Namespace, ran: dict) -> int:
     import torch
 
     gpus = torch.cuda.is_available()  # the ranks' NCCL records its collectives, dumped in a hang
-    for key, value in hangs.launcher_env(
-        cfg.run_dir, time.strftime("%Y%m%d-%H%M%S", time.localtime(started)), gpus
-    ).items():
+    try:
+        local = launcher_dir(cfg.run_dir)
+    except (OSError, objects.StoreError) as e:
+        print(f"error: {node_name()}: {e}", file=sys.stderr, flush=True)
+        return outcomes.BAD_INPUT.code
+    for key, value in hangs.launcher_env(local, time.strftime("%Y%m%d-%H%M%S", time.localtime(started)), gpus).items():
         os.environ[key] = value if key == hangs.HANG_DIR_ENV else os.environ.get(key, value)
-    monitor = hangs.Monitor(cfg.run_dir, started, os.environ[hangs.HANG_DIR_ENV] if gpus else None)
+    monitor = hangs.Monitor(local, started, os.environ[hangs.HANG_DIR_ENV] if gpus else None)
     monitor.start()
     marks = tempfile.mkdtemp(prefix="trainer-launch-")
     bad_input = os.path.join(marks, outcomes.BAD_INPUT.mark)
@@ -801,7 +810,9 @@ def _launch(a: argparse.Namespace, ran: dict) -> int:
     _quiet_torchrun(bad_input)
     outcome: dict = {}
     endpoint = a.rdzv_endpoint if a.nnodes > 1 else ""
-    beating = heartbeat.Heartbeat(cfg.run_dir, node_name(), endpoint) if endpoint else None
+    # The heartbeats need a folder every node sees: an s3:// run dir has none (a lost node is then torchrun's
+    # rendezvous timeout's to find).
+    beating = heartbeat.Heartbeat(cfg.run_dir, node_name(), endpoint) if endpoint and local == cfg.run_dir else None
     agent = _restarting_agent(cfg.run_dir, marks, outcome, monitor, beating, a.nnodes, rendezvous_poll_s(a.nnodes))
     if beating:
         beating.start()

@@ -33,7 +33,7 @@ from typing import Annotated
 
 from trainer.ranges import NOT_NEGATIVE, TIMEOUT_S, Range
 from trainer.resilience import outcomes
-from trainer.rundir import files
+from trainer.rundir import files, objects
 from trainer.rundir.layout import HEALTH_RECORDS
 
 HEALTH_FAILED = outcomes.HEALTH_FAILED.code
@@ -238,7 +238,11 @@ def check_node(args: HealthArgs, run_dir: str, node: str, gpu_check=None) -> Nod
             + ", ".join(f"{name} {error:.1e}" for name, error in worst.items())
             + ")"
         )
-    folder = nearest_folder(run_dir)
+    try:  # an s3:// run dir's files are written in this node's staging copy, and uploaded from there
+        folder = nearest_folder(objects.staging_dir(run_dir) if objects.is_remote(run_dir) else run_dir)
+    except (OSError, objects.StoreError) as e:
+        result.failure = f"cannot write to the run dir's staging copy: {e}"
+        return result
     try:
         mbps = write_speed(folder)
     except OSError as e:

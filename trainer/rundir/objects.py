@@ -476,8 +476,14 @@ def read_run_file(url: str, name: str, limit: int) -> bytes | None:
     plan made before any rank starts (`make check`, the launchers' grace period); None where it is
     absent, larger than `limit`, or the store cannot be read (the plan then says it does not know)."""
     try:
-        got = Store(url).get(name, limit)
-    except (OSError, StoreError, ValueError):
+        store = Store(url)
+    except StoreError:
+        return None
+    from botocore.exceptions import BotoCoreError  # s3fs's: no credentials, no endpoint answering
+
+    try:
+        got = store.get(name, limit)
+    except (OSError, StoreError, ValueError, BotoCoreError):
         return None
     return got[0] if got else None
 
@@ -519,6 +525,18 @@ def staging_dir(url: str) -> str:
     if stat.S_IMODE(st.st_mode) & 0o077:
         os.chmod(root, 0o700)
     return os.path.join(root, bucket, *prefix.split("/"))
+
+
+def launcher_dir(url: str) -> str:
+    """This node's own folder for what its launcher keeps of the s3:// run dir `url` (a hang's dumps:
+    trainer/resilience/hangs.py): <root>/.launcher/<bucket>/<prefix>, beside the staging copies, which
+    the ranks make afresh at each start (no bucket's name starts with '.', so no staging copy is there);
+    made 0700 where missing."""
+    bucket, prefix = split(url)
+    staging_dir(url)  # the root, checked to be this user's own
+    folder = os.path.join(staging_root(), ".launcher", bucket, *prefix.split("/"))
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    return folder
 
 
 # -- one writer per run: the lease object --------------------------------------------------------
