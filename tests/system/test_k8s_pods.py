@@ -1,10 +1,8 @@
 """The system tier of tests/unit/test_k8s.py, whose docstring says what both halves test: two pods of a
 TrainJob as two launchers on this machine, each with the variables Kubeflow Trainer's torch runtime sets
-on its pod (the first pod's address is 127.0.0.1 here, its headless service name on a cluster), where no
-Docker engine answers: where one does, tests/system/test_k8s_containers.py runs the same two pods, the
-same stop and resume, as two containers of the image, their run dir in a bucket (this run, a folder's,
-would add its 30 to 44 s to CI's; what differs for a folder, the launcher's reading of its status, is
-tests/unit/test_k8s.py's)."""
+on its pod (the first pod's address is 127.0.0.1 here, its headless service name on a cluster), their run
+dir a folder (the ReadWriteMany claim's). tests/system/test_k8s_containers.py runs the same two pods, the
+same stop and resume, as two containers of the image with their run dir in a bucket."""
 
 from __future__ import annotations
 
@@ -14,7 +12,6 @@ import subprocess
 import pytest
 import yaml
 
-from tests.helpers.docker import engine_problem
 from tests.helpers.outputs import rows
 from tests.helpers.pages import block
 from tests.helpers.run import PYTHON, ROOT, TINY, env, wait_for
@@ -54,10 +51,6 @@ def _pods(run_dir, steps: int) -> list[subprocess.Popen]:
 
 
 @pytest.mark.slow  # two launchers with a rank each, twice (30 to 44 s on 2 cores, 2026-11-29)
-@pytest.mark.skipif(
-    engine_problem() is None,
-    reason="a Docker engine answers: tests/system/test_k8s_containers.py runs these pods as containers of the image",
-)
 def test_two_pods_rendezvous_a_sigterm_to_one_saves_exits_143_and_the_set_started_again_resumes(tmp_path):
     run_dir = tmp_path / "run"
     pods = _pods(run_dir, 100000)
