@@ -867,10 +867,13 @@ class Checkpointer:
             choice += ["indexed", None]
         else:
             choice += [chosen, load_plan.index(chosen) if chosen is not None else None]
+        choice.append(self.run_dir)  # rank 0's: an s3:// run dir's staging folder may lie elsewhere on each node
         dist.broadcast_object_list(choice, src=0, group=self.group)
         if isinstance(choice[0], tuple):
             raise CheckpointError(choice[0][1])
         self.metadata, self.chunk_index = choice[1], choice[2]
+        if self.remote is not None and isinstance(choice[0], str) and choice[0].startswith(choice[3] + os.sep):
+            return self.run_dir + choice[0][len(choice[3]) :]  # the same checkpoint in this node's staging folder
         return choice[0]
 
     def _index_slices(self, state: dict) -> None:
@@ -951,7 +954,7 @@ class Checkpointer:
             if self.rank == 0:  # every rank has the same `why`: said once
                 log.warning("skipping checkpoint %s: %s; trying the next older one", shown, why)
             unreadable += (path,)
-            if self._later(path):  # staged from a bucket: the next older one is staged in its place
+            if self.remote is not None and self.remote.staged_here(path):  # the next older one staged in its place
                 if self.leader:
                     self._remove(os.path.basename(path))
                 self.remote.resume(self.group, below=self.remote.staged[0])
@@ -995,8 +998,8 @@ class Checkpointer:
         error = None
         own: dict = {}
         what = "its shards"
-        later = self._later(path)
-        fetch = remote.ReadFetch(self.remote, self.group) if later else None  # shards still in the bucket
+        later = self._later(path)  # shards still in the bucket: fetched once the plan says which
+        fetch = remote.ReadFetch(self.remote, self.group) if self.remote and self.remote.staged_here(path) else None
         try:
             with warnings.catch_warnings():  # no_dist warns that it assumes one process; it is each rank alone
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -37,7 +37,7 @@ import time
 import torch.distributed as dist
 
 from trainer import early_stop, hf
-from trainer.checkpoint import checksums
+from trainer.checkpoint import checksums, save_plan
 from trainer.rundir import files, layout, objects
 
 log = logging.getLogger("trainer")
@@ -269,7 +269,7 @@ class Staging:
                         why = self._download(step, name, manifest["files"][name], final)
                     if why:
                         break
-            except (OSError, objects.StoreError) as e:
+            except Exception as e:  # noqa: BLE001 - said on every rank: none may miss the all-gather below
                 why = f"{type(e).__name__}: {e}"
         said = [None] * dist.get_world_size(group)
         dist.all_gather_object(said, why, group=group)
@@ -286,6 +286,7 @@ class Staging:
         ranks: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(ranks, (self.node, self.rank), group=group)
         mine = {rank for node, rank in ranks if node == self.node}  # this node's ranks: their per-rank files
+        first = 0 in mine  # rank 0's node: only rank 0 reads DCP's metadata, and hands it to every rank
         self.staged = None
         while True:
             candidate, error = None, None
@@ -302,9 +303,7 @@ class Staging:
             step, manifest = shared[0]
             below = step  # if it fails, the next candidate is older
             why = None
-            later = frozenset(
-                name for name in manifest["files"] if _shard(name) or writer_of(name) not in (None, *mine)
-            )
+            later = frozenset(name for name in manifest["files"] if self._later(name, manifest, mine, first))
             if self.leader:
                 try:
                     why = self.fetch(step, manifest, later)
@@ -325,12 +324,26 @@ class Staging:
             if self.leader:
                 shutil.rmtree(layout.step_path(self.local, step), ignore_errors=True)
 
+    @staticmethod
+    def _later(name: str, manifest: dict, mine: set[int], first: bool) -> bool:
+        """Whether a resume leaves the file `name` of the checkpoint of `manifest` in the bucket on a
+        node whose ranks are `mine` (`first`: rank 0's): a shard (fetched when the load reads it),
+        another node's per-rank file, and DCP's metadata where rank 0 does not read it: on every
+        other node, and on rank 0's where its chunk index stands for it (manager._checked_metadata)."""
+        if _shard(name) or writer_of(name) not in (None, *mine):
+            return True
+        if name == save_plan.INDEX or name == ".metadata":
+            return not first or (name == ".metadata" and save_plan.INDEX in manifest["files"])
+        return False
+
+    def staged_here(self, path: str) -> bool:
+        """Whether `path` is the checkpoint folder that `resume` staged, its shards still in the bucket."""
+        return self.staged is not None and path == layout.step_path(self.local, self.staged[0])
+
     def later(self, path: str) -> frozenset[str]:
         """The files of the checkpoint folder `path` that are still in the bucket: the staged one's
         shards and other nodes' per-rank files (the folder checks let them be absent), else none."""
-        if self.staged is None or path != layout.step_path(self.local, self.staged[0]):
-            return frozenset()
-        return self.staged[2]
+        return self.staged[2] if self.staged_here(path) else frozenset()
 
     # -- a save --------------------------------------------------------------------------------
 
