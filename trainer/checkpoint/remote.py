@@ -12,7 +12,8 @@ never got a manifest whose `owner` is this run.
 
 A resume lists `checkpoints/` with a delimiter (no object read), reads the manifests (bounded) newest
 first, and on each node the local rank 0 downloads the chosen one's small files into the staging
-folder (.metadata, chunks.npz, meta.json, the per-rank files of its node's ranks), checking each
+folder (meta.json and its node's ranks' per-rank files; on rank 0's node also the chunk index, or
+.metadata for a checkpoint without one: rank 0 reads it for every rank), checking each
 against the manifest's size and XXH3 as it writes. The shard files (.distcp) stay in the bucket until
 the load knows which of them each rank reads: every rank's ShardReader.read_data hands the files of
 its load plan to `ReadFetch` (one all-gather), and each node's local rank 0 downloads those of its
@@ -80,7 +81,8 @@ def _record(folder: str, relative: str) -> dict:
 
 
 def _shard(name: str) -> bool:
-    """Whether the checkpoint file `name` is a shard file (or its .xxh3 record): fetched when a load reads it."""
+    """Whether the checkpoint file `name` is a shard file, fetched when a load reads it, or its .xxh3
+    record, never fetched (the download checks the shard against the manifest)."""
     return name.endswith(".distcp") or name.endswith(".distcp" + checksums.SUFFIX)
 
 
