@@ -340,9 +340,10 @@ def _take_lease(run_dir: str, env: distributed.Env, group, staging=None) -> Leas
 
 def _staged(cfg: Config, staging: remote.Staging, group) -> Config:
     """An s3:// run dir (trainer/checkpoint/remote.py), once rank 0 holds its lease: each node's staging
-    folder made afresh with the run's files, the bucket's newest committed checkpoint downloaded on
-    every node; the config then names the staging folder, with blocking saves (an upload needs every
-    rank at once). A failure of the store on any rank stops every rank with its line."""
+    folder made afresh with the run's files, the bucket's newest committed checkpoint staged on every
+    node (its small files; each node's shards when the load reads them); the config then names the
+    staging folder, with blocking saves (an upload needs every rank at once). A failure of the store
+    on any rank stops every rank with its line."""
     staging.prepare(group)
     staging.resume(group)
     checkpoint = dataclasses.replace(cfg.checkpoint, async_save=False)
@@ -559,7 +560,8 @@ def _checkpointer(
     args, downloaded = cfg.checkpoint, {}
     if objects.is_remote(args.resume_from):  # a checked local copy on every node, loaded as a folder
         # not where the run dir has checkpoints of its own, which win (a restart of a run started from it)
-        own = [bool(manager.complete(cfg.run_dir)) if env.rank == 0 else None]
+        later = staging.later if staging is not None else (lambda path: frozenset())  # shards in the bucket
+        own = [bool(manager.complete(cfg.run_dir, later=later)) if env.rank == 0 else None]
         dist.broadcast_object_list(own, src=0, group=io_group)
         if not own[0]:
             local = remote.checkpoint_copy(args.resume_from, io_group, env.rank, env.local_rank, env.local_world_size)

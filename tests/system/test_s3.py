@@ -1,7 +1,8 @@
 """s3:// run dirs against a local S3 server (moto's, tests/helpers/s3.py), with real ranks: two "nodes"
 (two torchruns with different staging roots, so rank 0's staging folder really lacks the other node's
 files) save, three ranks resume with the weights of the same run on a filesystem, and two nodes start a
-new run from one of its checkpoints (checkpoint.resume_from, each node its own checked copy); kill -9
+new run from one of its checkpoints (checkpoint.resume_from, each node its own checked copy); two nodes
+resume, each downloading only the files its rank reads (its GETs counted by a proxy); kill -9
 during a save leaves the previous checkpoint the latest and the half-uploaded one is deleted after the
 next commit; a save whose PUTs are cut half-way on one rank and held unanswered on the other stops every
 rank in one line naming the held object, within checkpoint.timeout_s (no stuck rank); every line names
@@ -55,8 +56,27 @@ def _train(server, staging, url, nproc, *overrides, expect=0) -> subprocess.Comp
     return proc
 
 
-def _two_nodes(server, stagings, url, overrides) -> list[subprocess.Popen]:
-    """Two torchruns of one rank each, as two nodes of one job, each with its own staging root."""
+def _replicated_files(folder) -> set[str]:
+    """The shard files of the checkpoint `folder` that hold an entry every rank reads: a value (bytes)
+    or a tensor saved whole, in one chunk (DCP's metadata, as the export tool reads it)."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from trainer.checkpoint import manager
+
+    why, metadata = manager.checked_metadata(str(folder))
+    assert why is None, why
+    whole = {
+        fqn
+        for fqn, meta in metadata.state_dict_metadata.items()
+        if isinstance(meta, BytesStorageMetadata)
+        or (len(meta.chunks) == 1 and list(meta.chunks[0].sizes) == list(meta.size))
+    }
+    return {info.relative_path for index, info in metadata.storage_data.items() if index.fqn in whole}
+
+
+def _two_nodes(server, stagings, url, overrides, endpoints=(None, None)) -> list[subprocess.Popen]:
+    """Two torchruns of one rank each, as two nodes of one job, each with its own staging root (and
+    its own endpoint where `endpoints` names one: a Proxy that records the node's requests)."""
     port = str(free_port())
     args = ["-m", "trainer", "--config", str(ROOT / "configs/default.yaml"), f"run_dir={url}", *overrides]
     return [
@@ -71,7 +91,11 @@ def _two_nodes(server, stagings, url, overrides) -> list[subprocess.Popen]:
                 *args,
             ],
             cwd=ROOT,
-            env={**env(), **_env(server, stagings[node])},
+            env={
+                **env(),
+                **_env(server, stagings[node]),
+                **({"AWS_ENDPOINT_URL": endpoints[node]} if endpoints[node] else {}),
+            },
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -111,6 +135,44 @@ def test_two_nodes_save_and_three_ranks_resume_as_on_a_filesystem(s3, tmp_path):
     )
     copy = download(server, bucket, prefix, tmp_path / "copy")
     assert_same_weights(weights(copy, 8), weights(reference, 8), exact=True)
+
+    # the two nodes resume from step 4 (step 8's manifest removed, as if the job was killed while it
+    # uploaded it), each through a proxy that records its GETs: each node downloads the small files
+    # its ranks read and the shard files its rank's load plan reads, each once; the run ends as before
+    server.client().delete_object(Bucket=bucket, Key=f"{prefix}/checkpoints/step_00000008/manifest.json")
+    gets: list[list[str]] = [[], []]
+    proxies = [
+        Proxy(
+            server,
+            delay=lambda line, got=got: (
+                got.append(line.split()[1].split("?")[0]) or 0.0 if line.startswith("GET ") else 0.0
+            ),
+        )
+        for got in gets
+    ]
+    try:
+        nodes = _two_nodes(server, stagings, url, RUN, endpoints=[p.url for p in proxies])
+        outs = [node.communicate(timeout=300)[0] for node in nodes]
+    finally:
+        for proxy in proxies:
+            proxy.stop()
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    assert " at step 4 (saved by 2 processes" in outs[0], outs[0][-3000:]
+    step_4 = f"/{bucket}/{prefix}/checkpoints/step_00000004/"
+    fetched = [[path[len(step_4) :] for path in got if path.startswith(step_4)] for got in gets]
+    for names in fetched:
+        assert len(names) == len(set(names)), names  # each file once
+    # rank 0 reads the chunk index (for every rank), each rank its own rng file, its own shard file and
+    # the files holding the replicated entries (DCP keeps one copy, in the file of the rank it chose)
+    replicated = _replicated_files(copy / "checkpoints" / "step_00000004")
+    assert "__0_0.distcp" not in replicated  # so node 1 never downloads rank 0's shard file
+    assert sorted(fetched[0]) == sorted(
+        {"manifest.json", "chunks.npz", "meta.json", "rng/rank_00000.pt", "__0_0.distcp", *replicated, "owner"}
+    ), fetched  # `owner` of step 4 read by the retention after the save of step 8
+    assert sorted(fetched[1]) == sorted({"meta.json", "rng/rank_00001.pt", "__1_0.distcp", *replicated}), fetched
+    assert len({*fetched[0], *fetched[1]} & {"__0_0.distcp", "__1_0.distcp"}) == 2  # every shard, by a node needing it
+    resumed = download(server, bucket, prefix, tmp_path / "resumed-two")
+    assert_same_weights(weights(resumed, 8), weights(reference, 8), exact=True)
 
     # checkpoint.resume_from naming the bucket's step 4, on two nodes sharing no filesystem: each node's
     # local rank 0 downloads its own checked copy; the new run (another prefix) ends with step 8's weights

@@ -31,6 +31,10 @@ NOT_AN_OUTCOME = {
         "BadIndex",
     ): "a checkpoint's chunk index refused: the checkpoint is skipped as unreadable",
     ("trainer.rundir.objects", "PreconditionFailed"): "a conditional write that failed: handled where it is made",
+    (
+        "trainer.checkpoint.remote",
+        "Unusable",
+    ): "a shard fetched from the bucket not as its manifest lists it: the checkpoint is skipped as unreadable",
     ("trainer.hf", "HFError"): "a Hugging Face model refused: ConfigError or CheckpointError where raised",
     ("trainer.prepare", "PrepareError"): "python -m trainer.prepare's own: one line, exit 2 there",
     ("trainer.launchers.slurm", "SubmitError"): "make submit's own: one line, exit 2 there",

@@ -170,7 +170,8 @@ def manifest_problem(
     without a manifest: a checkpoint saved before them). Sizes only, unless `deep`: then the
     checksum of every file that is not a shard with its own record (those are checked as read),
     nor named in `unread` (files the caller does not read, or checks as it reads them). A file
-    named in `absent` may be missing (the one the caller writes)."""
+    named in `absent` may be missing (the one the caller writes; an s3:// run dir's shard files,
+    fetched from the bucket when a load reads them: trainer/checkpoint/remote.py)."""
     try:
         manifest = files.read_json(os.path.join(folder, MANIFEST), MANIFEST_BYTES)
         listed = manifest["files"]
@@ -194,10 +195,10 @@ def manifest_problem(
             size = os.lstat(path).st_size if os.path.isfile(path) and not os.path.islink(path) else None
         except OSError:
             size = None
-        if name.endswith(".distcp") and (size is None or size < want["size"]):
-            return f"shard file {name} missing or truncated"  # the words of a check older than manifests
         if size is None and name in absent:
             continue
+        if name.endswith(".distcp") and (size is None or size < want["size"]):
+            return f"shard file {name} missing or truncated"  # the words of a check older than manifests
         if size is None:
             return f"{name} is missing"
         if size != want["size"]:

@@ -88,16 +88,17 @@ class CheckpointError(Exception):
 folder = layout.checkpoints_dir
 
 
-def problem(path: str) -> str | None:
+def problem(path: str, later: frozenset[str] = frozenset()) -> str | None:
     """Why `path` is not a usable checkpoint, or None if it looks complete: the files a commit
-    leaves (trainer/rundir/layout.py), then every file as large as its manifest says, or for a checkpoint
+    leaves (trainer/rundir/layout.py), then every file as large as its manifest says (but those in
+    `later`, still in an s3:// run dir's bucket: remote.Staging.later), or for a checkpoint
     saved before manifests (its meta.json does not name one), every shard file as long as DCP's
     metadata says."""
     why = layout.files_problem(path)
     if why:
         return why
     if os.path.exists(os.path.join(path, checksums.MANIFEST)) or layout.read_meta(path).get("manifest"):
-        return checksums.manifest_problem(path)
+        return checksums.manifest_problem(path, absent=tuple(later))
     try:
         needed: dict[str, int] = {}
         for info in load_metadata(os.path.join(path, ".metadata")).storage_data.values():
@@ -120,15 +121,17 @@ def unusable(path: str) -> str | None:
     return _checked_metadata(path)[0]
 
 
-def _checked_metadata(path: str) -> tuple[str | None, dcp.metadata.Metadata | Indexed | None]:
+def _checked_metadata(
+    path: str, later: frozenset[str] = frozenset()
+) -> tuple[str | None, dcp.metadata.Metadata | Indexed | None]:
     """(`unusable`'s answer, the checkpoint's DCP metadata as rank 0 reads it once and hands to
     every rank at a load, or None where it is unusable): its chunk index (save_plan.INDEX, numeric
     arrays, checked against the manifest as read) where the save wrote one, and then its
     `.metadata` (1.2 GB at 16k ranks) is neither hashed nor read; else `.metadata` by the
-    restricted unpickler."""
+    restricted unpickler. `later`: files still in the bucket (`problem`)."""
     indexed = checksums.listed(path, save_plan.INDEX)
     unread = (".metadata", save_plan.INDEX) if indexed else ()
-    why = problem(path) or checksums.manifest_problem(path, deep=True, unread=unread)
+    why = problem(path, later) or checksums.manifest_problem(path, deep=True, unread=unread, absent=tuple(later))
     if why:
         return why, None
     try:
@@ -190,19 +193,25 @@ def run_id(run_dir: str, create: bool = False) -> str | None:
 
 
 def complete(
-    run_dir: str, said: set | None = None, held: files.HeldFolder | None = None, shown: Callable[[str], str] = str
+    run_dir: str,
+    said: set | None = None,
+    held: files.HeldFolder | None = None,
+    shown: Callable[[str], str] = str,
+    later: Callable[[str], frozenset[str]] = lambda path: frozenset(),
 ) -> list[tuple[int, str]]:
     """Complete checkpoints in `run_dir` that this run saved, oldest first; broken ones, and those
     of another run or copied under another step, are skipped with a warning, once per folder and
     reason when `said` (the lines said so far, added to) is given. Nothing is unpickled for those
     with a manifest (trainer/checkpoint/checksums.py). `held`: checkpoints/ as the run holds it open, listed
     and read by its descriptor (the paths returned and said are by name all the same). `shown`: a
-    path as the lines name it (Checkpointer.shown: an s3:// run dir's URL, not its staging copy)."""
+    path as the lines name it (Checkpointer.shown: an s3:// run dir's URL, not its staging copy).
+    `later(path)`: the files of a checkpoint still in the bucket (remote.Staging.later)."""
     found = []
     run = run_id(run_dir)
     for step, path in layout.step_folders(run_dir, held.path if held else None):
         where = step_path(run_dir, step)
-        why = layout.checkpoint_problem(path, step, run) or problem(path)  # the launcher's answer, then closer
+        absent = later(where)
+        why = layout.checkpoint_problem(path, step, run, tuple(absent)) or problem(path, absent)  # then closer
         if why and (said is None or (shown(where), why) not in said):
             log.warning("skipping checkpoint %s: %s", shown(where), why)
             if said is not None:
@@ -710,6 +719,10 @@ class Checkpointer:
                     f"run started; see who renamed it (ls -la {run_dir}) and start again"
                 )
 
+    def _later(self, path: str) -> frozenset[str]:
+        """The files of the checkpoint folder `path` still in an s3:// run dir's bucket (remote.Staging.later)."""
+        return self.remote.later(path) if self.remote is not None else frozenset()
+
     def shown(self, path: str) -> str:
         """`path` as the user knows it: under an alias's local folder (an s3:// run dir's staging copy,
         a checkpoint downloaded from a bucket) its URL, s3://BUCKET/PREFIX/...; else `path` itself."""
@@ -776,12 +789,12 @@ class Checkpointer:
         chosen is read), else checkpoint.resume_from for a run without its own."""
         choice, metadata = [None], None
         if self.rank == 0:
-            listed = complete(self.run_dir, self.said, shown=self.shown)
+            listed = complete(self.run_dir, self.said, shown=self.shown, later=self._later)
             found = []
             for step, path in reversed(listed):
                 if path in unreadable:
                     continue
-                why, metadata = _checked_metadata(path)
+                why, metadata = _checked_metadata(path, self._later(path))
                 if why is None:
                     found = [(step, path)]
                     break
@@ -854,10 +867,13 @@ class Checkpointer:
             choice += ["indexed", None]
         else:
             choice += [chosen, load_plan.index(chosen) if chosen is not None else None]
+        choice.append(self.run_dir)  # rank 0's: an s3:// run dir's staging folder may lie elsewhere on each node
         dist.broadcast_object_list(choice, src=0, group=self.group)
         if isinstance(choice[0], tuple):
             raise CheckpointError(choice[0][1])
         self.metadata, self.chunk_index = choice[1], choice[2]
+        if self.remote is not None and isinstance(choice[0], str) and choice[0].startswith(choice[3] + os.sep):
+            return self.run_dir + choice[0][len(choice[3]) :]  # the same checkpoint in this node's staging folder
         return choice[0]
 
     def _index_slices(self, state: dict) -> None:
@@ -938,6 +954,10 @@ class Checkpointer:
             if self.rank == 0:  # every rank has the same `why`: said once
                 log.warning("skipping checkpoint %s: %s; trying the next older one", shown, why)
             unreadable += (path,)
+            if self.remote is not None and self.remote.staged_here(path):  # the next older one staged in its place
+                if self.leader:
+                    self._remove(os.path.basename(path))
+                self.remote.resume(self.group, below=self.remote.staged[0])
         for name, part in self.sharded.items():
             if name in state:
                 part.load_state_dict(state[name])
@@ -978,6 +998,8 @@ class Checkpointer:
         error = None
         own: dict = {}
         what = "its shards"
+        later = self._later(path)  # shards still in the bucket: fetched once the plan says which
+        fetch = remote.ReadFetch(self.remote, self.group) if self.remote and self.remote.staged_here(path) else None
         try:
             with warnings.catch_warnings():  # no_dist warns that it assumes one process; it is each rank alone
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -985,6 +1007,10 @@ class Checkpointer:
                 chunk_index = None  # the planner indexes a metadata its reader read itself
                 if isinstance(reader, ShardReader):
                     reader.metadata, chunk_index = self.metadata, self.chunk_index  # as rank 0 read it in `choose`
+                    # each file fetched was checked against the manifest as it was downloaded
+                    reader.fetch, reader.check = fetch, reader.check and fetch is None
+                elif fetch is not None:  # another reader (the bench's): every shard, before it reads
+                    fetch(name for name in later if name.endswith(".distcp"))
                 dcp.load(state, storage_reader=reader, planner=load_plan.Planner(chunk_index), no_dist=True)
             for name, value in state.items():
                 what = "its optimizer state" if name == "optim" else f"its {name} state"
@@ -1001,13 +1027,18 @@ class Checkpointer:
             cause = e.failures[min(e.failures)][0] if isinstance(e, CheckpointException) and e.failures else e
             log.debug("rank %d: reading checkpoint %s failed: %s: %s", self.rank, path, type(cause).__name__, cause)
             first_line = (str(cause).strip().splitlines() or [""])[0]
-            error = f"{what} ({type(cause).__name__}: {first_line[:160]})"
+            if isinstance(cause, remote.Unusable):  # a file fetched from the bucket: the same line on every rank
+                error = first_line
+            else:
+                error = f"rank {self.rank} could not read {what} ({type(cause).__name__}: {first_line[:160]})"
+        if fetch is not None and not fetch.done:  # failed before its reads: its error joins the fetch's collective
+            with contextlib.suppress(remote.Unusable):
+                fetch((), error)
         errors: list[str | None] = [None] * self.world_size
         dist.all_gather_object(errors, error, group=self.group)
-        failed = next(((rank, e) for rank, e in enumerate(errors) if e), None)
+        failed = next((e for e in errors if e), None)
         if failed:
-            rank, e = failed
-            return f"rank {rank} could not read {e}", {}
+            return failed, {}
         return None, own
 
     # -- save ---------------------------------------------------------------------------------------
@@ -1262,7 +1293,7 @@ class Checkpointer:
         if self.args.keep <= 0:
             return
         self._held()
-        steps = [step for step, _ in complete(self.run_dir, self.said, self.held)]  # this run's own only
+        steps = [step for step, _ in complete(self.run_dir, self.said, self.held, later=self._later)]  # own only
         kept = self._kept(steps, meta)
         for step in steps:
             if step in kept:

@@ -109,6 +109,9 @@ class ShardReader(FileSystemReader):
         # Given by the caller: `.metadata` as rank 0 read it with `load_metadata` and broadcast it
         # (trainer/checkpoint/manager.py), so that this rank neither reads nor unpickles it. None: read it.
         self.metadata: dcp_metadata.Metadata | None = None
+        # Given by the caller where the shard files are still in an s3:// run dir's bucket: called with
+        # the files this rank's plan reads before any is opened (trainer/checkpoint/remote.py ReadFetch).
+        self.fetch = None
 
     def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
         metadata = self.metadata or load_metadata(torch_compat.metadata_path(self, kwargs.get("rank")))
@@ -132,6 +135,8 @@ class ShardReader(FileSystemReader):
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         for items in per_file.values():
             items.sort(key=lambda i: self.storage_data[i.storage_index].offset)
+        if self.fetch is not None:  # every file read below, known exactly from the plan
+            self.fetch(set(per_file) | set(self.checked_here()))
         spans = {
             os.path.join(self.path, path): [
                 (self.storage_data[i.storage_index].offset, self.storage_data[i.storage_index].length) for i in items

@@ -11,10 +11,17 @@ the bucket's checkpoints of this run (the manifest deleted first) and deletes th
 never got a manifest whose `owner` is this run.
 
 A resume lists `checkpoints/` with a delimiter (no object read), reads the manifests (bounded) newest
-first, and on each node the local rank 0 downloads the chosen one's files into the staging folder,
-checking each against the manifest's size and XXH3 as it writes: a mismatch on any node makes that
-checkpoint unusable and the next older one is taken, as on a filesystem. The load then reads the
-local copy (on any number of ranks: DCP reshards as ever).
+first, and on each node the local rank 0 downloads the chosen one's small files into the staging
+folder (meta.json and its node's ranks' per-rank files; on rank 0's node also the chunk index, or
+.metadata for a checkpoint without one: rank 0 reads it for every rank), checking each
+against the manifest's size and XXH3 as it writes. The shard files (.distcp) stay in the bucket until
+the load knows which of them each rank reads: every rank's ShardReader.read_data hands the files of
+its load plan to `ReadFetch` (one all-gather), and each node's local rank 0 downloads those of its
+ranks, checked in the same way (with the same layout, a node fetches its own ranks' shards and the
+few files of replicated state; resharded, what the plans say). A mismatch or a missing file on any
+node, before or during the load, makes that checkpoint unusable and the next older one is taken
+(manager.Checkpointer.load stages it with `resume(below=...)` and loads it again), as on a
+filesystem; nothing in the bucket is deleted.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import time
 import torch.distributed as dist
 
 from trainer import early_stop, hf
-from trainer.checkpoint import checksums
+from trainer.checkpoint import checksums, save_plan
 from trainer.rundir import files, layout, objects
 
 log = logging.getLogger("trainer")
@@ -73,6 +80,17 @@ def _record(folder: str, relative: str) -> dict:
     return {"size": size, "xxh3_64": digest}
 
 
+def _shard(name: str) -> bool:
+    """Whether the checkpoint file `name` is a shard file, fetched when a load reads it, or its .xxh3
+    record, never fetched (the download checks the shard against the manifest)."""
+    return name.endswith(".distcp") or name.endswith(".distcp" + checksums.SUFFIX)
+
+
+class Unusable(Exception):
+    """A checkpoint file that a load reads could not be fetched as its manifest lists it (damaged,
+    missing, the store failed): the checkpoint is unusable; the same line on every rank."""
+
+
 def _node(rank: int, local_world_size: int) -> int:
     return int(os.environ.get("GROUP_RANK", rank // max(local_world_size, 1)))
 
@@ -87,6 +105,9 @@ class Staging:
         self.local = objects.staging_dir(url)
         self.leader = local_rank == 0
         self.node = _node(rank, local_world_size)
+        # (step, manifest, the files left in the bucket) of the checkpoint `resume` staged: its shards
+        # are fetched when a load reads them (ReadFetch)
+        self.staged: tuple[int, dict, frozenset[str]] | None = None
 
     @classmethod
     def reader(cls, url: str) -> Staging:
@@ -94,7 +115,7 @@ class Staging:
         folder is made or named (newest_committed, the launcher's look before any rank starts)."""
         staging = cls.__new__(cls)
         staging.url, staging.rank, staging.store = url, 0, objects.Store(url)
-        staging.local, staging.leader, staging.node = None, True, 0
+        staging.local, staging.leader, staging.node, staging.staged = None, True, 0, None
         return staging
 
     # -- a start -------------------------------------------------------------------------------
@@ -182,9 +203,10 @@ class Staging:
             return None, f"saved by another run (run id {str(manifest.get('run_id'))[:32]}), not this one ({run_id})"
         return manifest, None
 
-    def fetch(self, step: int, manifest: dict) -> str | None:
+    def fetch(self, step: int, manifest: dict, later: frozenset[str] = frozenset()) -> str | None:
         """The leader's download of checkpoint `step` into checkpoints/step_N of the staging folder,
-        each file checked against `manifest` as written; why it is unusable, or None."""
+        each file checked against `manifest` as written, but those named in `later` (left in the
+        bucket: `fetch_read` gets them); why it is unusable, or None."""
         folder = layout.checkpoints_dir(self.local)
         os.makedirs(folder, mode=0o755, exist_ok=True)
         final = layout.step_path(self.local, step)
@@ -194,28 +216,80 @@ class Staging:
                 shutil.rmtree(path)
         os.mkdir(tmp, 0o755)
         for name, want in sorted(manifest["files"].items()):
-            local = os.path.join(tmp, *name.split("/"))
-            os.makedirs(os.path.dirname(local), mode=0o755, exist_ok=True)
-            h = checksums.hasher()
-            try:
-                size, _ = self.store.stream(objects.step_key(step, name), local, want["size"], h)
-            except FileNotFoundError:
-                return f"{name} is missing"
-            if size != want["size"] or h.intdigest() != want["xxh3_64"]:
-                return (
-                    f"{name} is damaged: {size} bytes with checksum {h.intdigest():016x}, but the manifest says "
-                    f"{want['size']} bytes with {want['xxh3_64']:016x}"
-                )
+            if name not in later:
+                why = self._download(step, name, want, tmp)
+                if why:
+                    return why
         files.write_json(os.path.join(tmp, checksums.MANIFEST), manifest)
         os.rename(tmp, final)
         return None
 
-    def resume(self, group) -> int | None:
+    def _download(self, step: int, name: str, want: dict, folder: str) -> str | None:
+        """The file `name` of checkpoint `step` into `folder`, checked against the manifest's `want`
+        as written (under a temporary name, renamed once whole and checked); why not, or None."""
+        local = os.path.join(folder, *name.split("/"))
+        os.makedirs(os.path.dirname(local), mode=0o755, exist_ok=True)
+        part = local + ".part"
+        if os.path.lexists(part):
+            os.unlink(part)
+        h = checksums.hasher()
+        try:
+            size, _ = self.store.stream(objects.step_key(step, name), part, want["size"], h)
+        except FileNotFoundError:
+            return f"{name} is missing"
+        if size != want["size"] or h.intdigest() != want["xxh3_64"]:
+            os.unlink(part)
+            return (
+                f"{name} is damaged: {size} bytes with checksum {h.intdigest():016x}, but the manifest says "
+                f"{want['size']} bytes with {want['xxh3_64']:016x}"
+            )
+        os.rename(part, local)
+        return None
+
+    def fetch_read(self, group, needed: set[str], error: str | None) -> None:
+        """The files of the staged checkpoint (`staged`) that this rank's load reads, `needed`, or
+        `error`, what kept this rank from its reads (collective over `group`, once per load: ReadFetch):
+        every rank's are gathered, and each node's leader downloads those of its node's ranks not yet
+        in its staging folder, each checked against the manifest as written. Unusable, with the same
+        line on every rank, for any rank's `error` or any node's failed download."""
+        assert self.staged is not None
+        step, manifest, _ = self.staged
+        said: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(said, (self.node, sorted(needed), error), group=group)
+        first = next((e for _, _, e in said if e), None)
+        if first:
+            raise Unusable(first)
+        why = None
+        if self.leader:
+            final = layout.step_path(self.local, step)
+            wanted = sorted({name for node, names, _ in said if node == self.node for name in names})
+            try:
+                for name in wanted:
+                    if name not in manifest["files"]:
+                        why = f"the load reads {name}, which {checksums.MANIFEST} does not list"
+                    elif not os.path.isfile(os.path.join(final, *name.split("/"))):
+                        why = self._download(step, name, manifest["files"][name], final)
+                    if why:
+                        break
+            except Exception as e:  # noqa: BLE001 - said on every rank: none may miss the all-gather below
+                why = f"{type(e).__name__}: {e}"
+        said = [None] * dist.get_world_size(group)
+        dist.all_gather_object(said, why, group=group)
+        first = next((w for w in said if w), None)
+        if first:
+            raise Unusable(first)
+
+    def resume(self, group, below: int | None = None) -> int | None:
         """The newest committed checkpoint of the bucket of this run (the run id downloaded with the
-        run's files), downloaded on every node (collective): its step, or None where none is usable
-        (the load then says what the folder code says)."""
+        run's files) older than `below`, staged on every node (collective): its small files
+        downloaded, its shards left in the bucket for the load to fetch (`staged`, fetch_read); its
+        step, or None where none is usable (the load then says what the folder code says)."""
         run_id = layout.read_run_id(self.local) if self.rank == 0 else None
-        below = None
+        ranks: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(ranks, (self.node, self.rank), group=group)
+        mine = {rank for node, rank in ranks if node == self.node}  # this node's ranks: their per-rank files
+        first = 0 in mine  # rank 0's node: only rank 0 reads DCP's metadata, and hands it to every rank
+        self.staged = None
         while True:
             candidate, error = None, None
             if self.rank == 0:
@@ -231,15 +305,17 @@ class Staging:
             step, manifest = shared[0]
             below = step  # if it fails, the next candidate is older
             why = None
+            later = frozenset(name for name in manifest["files"] if self._later(name, manifest, mine, first))
             if self.leader:
                 try:
-                    why = self.fetch(step, manifest)
+                    why = self.fetch(step, manifest, later)
                 except (OSError, objects.StoreError) as e:
                     why = f"{type(e).__name__}: {e}"
             said: list = [None] * dist.get_world_size(group)
             dist.all_gather_object(said, why, group=group)
             failed = next((w for w in said if w), None)
             if failed is None:
+                self.staged = (step, manifest, later)
                 return step
             if self.rank == 0:
                 log.warning(
@@ -249,6 +325,27 @@ class Staging:
                 )
             if self.leader:
                 shutil.rmtree(layout.step_path(self.local, step), ignore_errors=True)
+
+    @staticmethod
+    def _later(name: str, manifest: dict, mine: set[int], first: bool) -> bool:
+        """Whether a resume leaves the file `name` of the checkpoint of `manifest` in the bucket on a
+        node whose ranks are `mine` (`first`: rank 0's): a shard (fetched when the load reads it),
+        another node's per-rank file, and DCP's metadata where rank 0 does not read it: on every
+        other node, and on rank 0's where its chunk index stands for it (manager._checked_metadata)."""
+        if _shard(name) or writer_of(name) not in (None, *mine):
+            return True
+        if name == save_plan.INDEX or name == ".metadata":
+            return not first or (name == ".metadata" and save_plan.INDEX in manifest["files"])
+        return False
+
+    def staged_here(self, path: str) -> bool:
+        """Whether `path` is the checkpoint folder that `resume` staged, its shards still in the bucket."""
+        return self.staged is not None and path == layout.step_path(self.local, self.staged[0])
+
+    def later(self, path: str) -> frozenset[str]:
+        """The files of the checkpoint folder `path` that are still in the bucket: the staged one's
+        shards and other nodes' per-rank files (the folder checks let them be absent), else none."""
+        return self.staged[2] if self.staged_here(path) else frozenset()
 
     # -- a save --------------------------------------------------------------------------------
 
@@ -333,6 +430,22 @@ class Staging:
             if objects.key_problem(name) is None:
                 self.store.delete(objects.step_key(step, name))
         log.info("deleted checkpoint %s", self.store.where(objects.step_key(step)))
+
+
+class ReadFetch:
+    """One load's fetch of the staged checkpoint's files (Staging.fetch_read), a collective that
+    every rank joins exactly once: the reader calls it with the files its plan reads
+    (ShardReader.read_data), and a rank that failed before reading joins it afterwards with its
+    error (manager.Checkpointer._read_shards), so that no rank waits in it for one that never comes."""
+
+    def __init__(self, staging: Staging, group):
+        self.staging, self.group, self.done = staging, group, False
+
+    def __call__(self, needed=(), error: str | None = None) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.staging.fetch_read(self.group, set(needed), error)
 
 
 _COPIES: list[str] = []  # the folders local_copy made in this process

@@ -153,12 +153,13 @@ MANIFEST_BYTES = (
 )  # the most a manifest.json is read (trainer/checkpoint/checksums.py: ~3 million files' entries)
 
 
-def manifest_problem(path, meta):
+def manifest_problem(path, meta, absent=()):
     """Why the checkpoint folder at `path`, whose meta.json is `meta`, does not hold the files its
     manifest.json lists, by what the standard library can tell: the manifest a regular file that
     parses, listing files inside the folder, each there as a regular file of the size listed; or
     None (also for a checkpoint saved before manifests: no manifest.json, and a meta.json that does
-    not name one). Their checksums are trainer/checkpoint/checksums.py's to check (it needs xxhash)."""
+    not name one). Their checksums are trainer/checkpoint/checksums.py's to check (it needs xxhash).
+    A file named in `absent` may be missing (an s3:// run dir's shards, fetched when a load reads them)."""
     why = _regular_problem(path, MANIFEST_FILE)
     if why == "missing":
         return (
@@ -181,6 +182,8 @@ def manifest_problem(path, meta):
         if not (isinstance(want, dict) and isinstance(want.get("size"), int)):
             return "{} is damaged: it is not what the commit wrote".format(MANIFEST_FILE)
         why = _regular_problem(path, os.path.join(*parts))
+        if why == "missing" and name in absent:
+            continue
         if why == "missing" and name.endswith(".distcp"):
             return "shard file {} missing or truncated".format(name)  # the words of a check older than manifests
         if why:
@@ -193,7 +196,7 @@ def manifest_problem(path, meta):
     return None
 
 
-def checkpoint_problem(path, step, run):
+def checkpoint_problem(path, step, run, absent=()):
     """Why the folder at `path`, listed as checkpoint `step` of the run whose id is `run` (None: a run
     without one), is not a good checkpoint of that run, or None. The one answer, by what the standard
     library can tell, to "is this a checkpoint of ours": the launcher's "nothing to do", the Slurm
@@ -201,14 +204,14 @@ def checkpoint_problem(path, step, run):
     trainer/checkpoint/manager.py). A symbolic link; the files a commit leaves (files_problem); the files its
     manifest lists (manifest_problem); meta.json's step is the folder's (else a copy under another
     name); the run id of meta.json and manifest.json is this run's (a checkpoint saved before run ids
-    has none, and is checked by its step)."""
+    has none, and is checked by its step). `absent`: files it may lack (manifest_problem)."""
     if os.path.islink(path):
         return "a symbolic link, not a folder this run saved; give it as checkpoint.resume_from instead"
     why = files_problem(path)
     if why:
         return why
     meta = read_meta(path)
-    why = manifest_problem(path, meta)
+    why = manifest_problem(path, meta, absent)
     if why:
         return why
     if meta.get("step") != step:
